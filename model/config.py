@@ -1,0 +1,149 @@
+"""Qwen3.5 configuration: one dataclass, read from an HF config.json (flat or VLM-nested) or a preset."""
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+_LEGACY_LAYER_TYPES = {"attention": "full_attention", "conv": "linear_attention", "mamba": "linear_attention"}
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    vocab_size: int = 248320
+    hidden_size: int = 4096
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    intermediate_size: int = 12288
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e7
+    partial_rotary_factor: float = 0.25
+    tie_word_embeddings: bool = False
+    layer_types: tuple[str, ...] = ()
+    num_experts: int = 0  # 0: dense SwiGLU MLP; > 0: sparse MoE in every layer
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    max_position_embeddings: int = 262144
+    eos_token_ids: tuple[int, ...] = field(default=(248044, 248046))
+
+    def __post_init__(self):
+        if not self.layer_types:
+            types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                          for i in range(self.num_hidden_layers))
+            object.__setattr__(self, "layer_types", types)
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ValueError(f"unknown layer_types entries {sorted(set(bad))}; expected one of {LAYER_TYPES}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}]")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the GDN short convolution: q | k | v."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "Qwen35Config":
+        """Build from an HF config dict: flat `qwen3_5_text`/`qwen3_5_moe_text`, or nested under `text_config`."""
+        text = dict(hf.get("text_config") or hf)
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
+        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        n_layers = text.get("num_hidden_layers", cls.num_hidden_layers)
+        types = text.get("layer_types")
+        if types is None:
+            interval = text.get("full_attention_interval", 4)
+            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+        types = tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in types)
+        eos = text.get("eos_token_id", hf.get("eos_token_id"))
+        eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else cls.eos_token_ids)
+        kw = {f: text[f] for f in _HF_FIELDS if f in text}
+        return cls(**kw, rope_theta=float(theta), partial_rotary_factor=float(partial), layer_types=types,
+                   tie_word_embeddings=bool(text.get("tie_word_embeddings") or hf.get("tie_word_embeddings")),
+                   eos_token_ids=tuple(sorted(set(eos) | set(cls.eos_token_ids))))
+
+    @classmethod
+    def from_json(cls, path) -> "Qwen35Config":
+        return cls.from_hf(json.loads(Path(path).read_text()))
+
+    def to_hf(self, moe_model_type: bool | None = None) -> dict:
+        """A flat HF text config dict (what transformers' Qwen3_5[Moe]TextConfig takes)."""
+        d = {f: getattr(self, f) for f in _HF_FIELDS if f in _DENSE_FIELDS or self.is_moe}
+        d.update(layer_types=list(self.layer_types), tie_word_embeddings=self.tie_word_embeddings,
+                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
+                                  "partial_rotary_factor": self.partial_rotary_factor})
+        d["model_type"] = "qwen3_5_moe_text" if self.is_moe else "qwen3_5_text"
+        return d
+
+
+_DENSE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+                 "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "rms_norm_eps",
+                 "max_position_embeddings")
+_HF_FIELDS = _DENSE_FIELDS + ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                              "shared_expert_intermediate_size")
+
+# Real sizes (DESIGN.md section 3); the weights of a preset are seeded random, for speed and tests only.
+PRESETS: dict[str, Qwen35Config] = {
+    "qwen3.5-0.8b": Qwen35Config(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                                 linear_num_value_heads=16, intermediate_size=3584, tie_word_embeddings=True),
+    "qwen3.5-2b": Qwen35Config(hidden_size=2048, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                               linear_num_value_heads=16, intermediate_size=6144, tie_word_embeddings=True),
+    "qwen3.5-4b": Qwen35Config(hidden_size=2560, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
+                               linear_num_value_heads=32, intermediate_size=9216, tie_word_embeddings=True),
+    "qwen3.5-9b": Qwen35Config(hidden_size=4096, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
+                               linear_num_value_heads=32, intermediate_size=12288),
+    "qwen3.5-27b": Qwen35Config(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                                linear_num_value_heads=48, intermediate_size=17408),
+    "qwen3.5-35b-a3b": Qwen35Config(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                                    num_key_value_heads=2, linear_num_value_heads=32, intermediate_size=0,
+                                    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                                    shared_expert_intermediate_size=512),
+    # Small presets that run fast on the CPU, with the real vocabulary so the real tokenizer works.
+    "tiny": Qwen35Config(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, intermediate_size=256, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=32, linear_value_head_dim=32, tie_word_embeddings=True),
+    "tiny-moe": Qwen35Config(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=64, intermediate_size=0, linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=32, linear_value_head_dim=32, tie_word_embeddings=True,
+                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=64),
+}
+
+
+def get_preset(name: str, **overrides) -> Qwen35Config:
+    """A preset by name, e.g. 'qwen3.5-9b' or 'tiny', with optional field overrides."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    return replace(PRESETS[key], **overrides)

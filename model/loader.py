@@ -1,0 +1,148 @@
+"""Load HF Qwen3.5 checkpoints (safetensors) into Qwen35ForCausalLM.
+
+Handles the text-only layout (`model.layers.*`, flat config), the VLM layout (`model.language_model.*`,
+config nested under `text_config`), sharded folders (`model.safetensors.index.json`), tied embeddings, and
+MoE experts either per expert on disk (`mlp.experts.{e}.{gate,up,down}_proj.weight`) or fused
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`). `model.visual.*` and `mtp.*` are skipped and counted.
+"""
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from model.config import Qwen35Config
+from model.model import Qwen35ForCausalLM
+
+log = logging.getLogger(__name__)
+
+SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_BACKBONE_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+_STACKED = {"gate_proj": 0, "up_proj": 1}  # halves of our gate_up_proj
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MLP_HALF = re.compile(r"^(.*\.mlp(?:\.shared_expert)?)\.(gate_proj|up_proj)\.weight$")
+
+
+def canonical_name(name: str) -> str | None:
+    """An HF tensor name in our naming (`model.*` backbone, `lm_head.*`), or None when it is to be skipped."""
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    for prefix in _BACKBONE_PREFIXES:
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    return name
+
+
+class WeightLoader:
+    """Copies HF tensors into a model's parameters and keeps count of what was filled, so that missing,
+    unexpected or misshapen tensors become one clear error."""
+
+    def __init__(self, model: Qwen35ForCausalLM):
+        self.model = model
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.pieces_needed = {n: self._pieces(n, p) for n, p in self.params.items()}
+        self.filled: dict[str, set] = {n: set() for n in self.params}
+        self.unexpected: list[str] = []
+        self.skipped = 0
+
+    def _pieces(self, name: str, p: torch.Tensor) -> int:
+        if name.endswith("mlp.experts.gate_up_proj"):
+            return 2 * p.shape[0]
+        if name.endswith("mlp.experts.down_proj"):
+            return p.shape[0]
+        return 2 if name.endswith("gate_up_proj.weight") else 1
+
+    @torch.no_grad()
+    def load(self, hf_name: str, tensor: torch.Tensor) -> None:
+        name = canonical_name(hf_name)
+        if name is None:
+            self.skipped += 1
+            return
+        target, index, piece = self._route(name)
+        if target not in self.params:
+            self.unexpected.append(hf_name)
+            return
+        dest = self.params[target] if index is None else self.params[target][index]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dest.shape)} for {target}")
+        dest.copy_(tensor.to(dest.dtype))
+        self.filled[target].add(piece)
+
+    def _route(self, name: str):
+        # -> (our parameter name, index into it or None, piece id)
+        m = _EXPERT.match(name)
+        if m:
+            base, e, proj = m.group(1), int(m.group(2)), m.group(3)
+            if proj == "down_proj":
+                return f"{base}.down_proj", e, e
+            inter = self.params.get(f"{base}.gate_up_proj", torch.empty(0, 0)).shape[1] // 2
+            half = _STACKED[proj]
+            return f"{base}.gate_up_proj", (e, slice(half * inter, (half + 1) * inter)), (e, half)
+        m = _MLP_HALF.match(name)
+        if m:
+            target = f"{m.group(1)}.gate_up_proj.weight"
+            inter = self.params.get(target, torch.empty(0)).shape[0] // 2
+            half = _STACKED[m.group(2)]
+            return target, slice(half * inter, (half + 1) * inter), half
+        return name, None, "all"
+
+    def finish(self) -> None:
+        """Raise ValueError naming missing or unexpected tensors; log the skipped count."""
+        filled = dict(self.filled)
+        if self.model.config.tie_word_embeddings:  # one tensor under two names: either name fills it
+            both = filled["lm_head.weight"] | filled["model.embed_tokens.weight"]
+            filled["lm_head.weight"] = filled["model.embed_tokens.weight"] = both
+        missing = [n for n, got in filled.items() if "all" not in got and len(got) < self.pieces_needed[n]]
+        problems = []
+        if missing:
+            problems.append(f"{len(missing)} missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if self.unexpected:
+            problems.append(f"{len(self.unexpected)} unexpected tensors: {self.unexpected[:8]}"
+                            f"{' ...' if len(self.unexpected) > 8 else ''}")
+        if problems:
+            raise ValueError("checkpoint does not match the model: " + "; ".join(problems))
+        if self.skipped:
+            log.info("skipped %d tensors (model.visual.*, mtp.*)", self.skipped)
+
+
+def load_state_dict(model: Qwen35ForCausalLM, state_dict: dict[str, torch.Tensor]) -> Qwen35ForCausalLM:
+    """Load an in-memory HF state dict (e.g. a transformers model's) through the checkpoint mapping."""
+    loader = WeightLoader(model)
+    for name, tensor in state_dict.items():
+        loader.load(name, tensor)
+    loader.finish()
+    return model
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors files in {path}")
+    return files
+
+
+def load_checkpoint(path, *, device="cpu", dtype=torch.bfloat16, progress: bool = True) -> Qwen35ForCausalLM:
+    """Build the model from `path/config.json` and load every safetensors shard in `path`."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ValueError(f"{path} has no config.json")
+    cfg = Qwen35Config.from_json(path / "config.json")
+    model = Qwen35ForCausalLM.empty(cfg, device=device, dtype=dtype)
+    loader = WeightLoader(model)
+    files = checkpoint_files(path)
+    with tqdm(total=len(files), desc=f"loading {path.name}", unit="shard", disable=not progress) as bar:
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():
+                    loader.load(name, sf.get_tensor(name))
+            bar.update(1)
+    loader.finish()
+    return model.eval()

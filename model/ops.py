@@ -1,0 +1,140 @@
+"""The model's compute ops, behind one switch.
+
+The model calls only the functions below. Each looks up the active backend ("reference" here; kernel
+packages register "triton" and "cute"), and a backend may implement any subset: the ops it lacks run
+the reference. `set_backend` / `use_backend` choose; `backend_table()` says which op runs where.
+
+Shapes: N tokens in a flat varlen batch (see model.step.StepInput), H query heads, KV key/value heads,
+D head dim; GDN with Hk key heads, Hv value heads, dk/dv head dims, C = 2*Hk*dk + Hv*dv conv channels.
+"""
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import reference as R
+from model.step import StepInput
+
+_BACKENDS: dict[str, dict[str, Callable]] = {}
+_active = "reference"
+
+
+def register_backend(name: str, ops: dict[str, Callable]) -> None:
+    """Add (or extend) a backend: a map from op name to implementation with the reference's signature."""
+    unknown = set(ops) - set(_BACKENDS["reference"])
+    if unknown:
+        raise ValueError(f"backend {name!r} names unknown ops {sorted(unknown)}")
+    _BACKENDS.setdefault(name, {}).update(ops)
+
+
+def set_backend(name: str) -> None:
+    global _active
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown ops backend {name!r}; registered: {sorted(_BACKENDS)}")
+    _active = name
+
+
+def get_backend() -> str:
+    return _active
+
+
+@contextmanager
+def use_backend(name: str):
+    previous = _active
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def backend_table() -> dict[str, str]:
+    """op name -> the backend that runs it now."""
+    return {op: (_active if op in _BACKENDS[_active] else "reference") for op in _BACKENDS["reference"]}
+
+
+def _impl(op: str) -> Callable:
+    return _BACKENDS[_active].get(op) or _BACKENDS["reference"][op]
+
+
+# ---- the ops the model calls -------------------------------------------------------------------------
+
+def rms_norm(x, weight, eps):
+    # x: (N, n) -> (N, n), zero-centred weight
+    return _impl("rms_norm")(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    # residual += x; returns (rms_norm(residual), residual)
+    return _impl("add_rms_norm")(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up):
+    # gate_up: (N, 2I) -> (N, I)
+    return _impl("silu_and_mul")(gate_up)
+
+
+def attention_prep(q, k, v, q_norm_w, k_norm_w, step: StepInput, k_pages, v_pages, eps):
+    """q: (N, H, D), k, v: (N, KV, D) raw projections. Applies q_norm/k_norm and partial RoPE, writes
+    k and v into the layer's pages at step.slot_mapping, and returns the normed, rotated q."""
+    return _impl("attention_prep")(q, k, v, q_norm_w, k_norm_w, step, k_pages, v_pages, eps)
+
+
+def paged_attention(q, k_pages, v_pages, step: StepInput, scale, gate=None):
+    """q: (N, H, D) over each sequence's cached K/V (step.page_table, step.seqused_k), causal at the end.
+    Returns (N, H, D), times sigmoid(gate) when gate (N, H, D) is given."""
+    return _impl("paged_attention")(q, k_pages, v_pages, step, scale, gate)
+
+
+def gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
+                   step: StepInput, num_k_heads, eps):
+    """The GDN mixer between its projections. qkv: (N, C); z: (N, Hv, dv); b, a: (N, Hv); conv_w: (C, K);
+    conv_states: (slots, C, K-1) and recurrent_states: (slots, Hv, dk, dv) fp32, read and updated in place at
+    step.state_slots. Returns gated_rms_norm(o, z): (N, Hv, dv)."""
+    return _impl("gated_deltanet")(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
+                                   recurrent_states, step, num_k_heads, eps)
+
+
+def moe(x, router_w, gate_up_w, down_w, top_k, shared):
+    # x: (N, hidden) -> (N, hidden)
+    return _impl("moe")(x, router_w, gate_up_w, down_w, top_k, shared)
+
+
+# ---- the reference backend: compositions of reference/ ------------------------------------------------
+
+def _ref_attention_prep(q, k, v, q_norm_w, k_norm_w, step, k_pages, v_pages, eps):
+    q = R.apply_rope(R.rms_norm(q, q_norm_w, eps), step.cos, step.sin)
+    k = R.apply_rope(R.rms_norm(k, k_norm_w, eps), step.cos, step.sin)
+    R.write_kv_pages(k, v, k_pages, v_pages, step.slot_mapping)
+    return q
+
+
+def _ref_paged_attention(q, k_pages, v_pages, step, scale, gate):
+    o = R.paged_attention(q, k_pages, v_pages, step.page_table, step.seqused_k, causal=True,
+                          softmax_scale=scale, cu_seqlens_q=step.cu_seqlens)
+    return o if gate is None else R.sigmoid_gate_mul(o, gate)
+
+
+def _ref_gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
+                        step, num_k_heads, eps):
+    slots = step.state_slots
+    n, hv, dv = z.shape
+    dk = (qkv.shape[1] - hv * dv) // (2 * num_k_heads)
+    mixed, conv_final = R.causal_conv1d(qkv, conv_w, initial_state=conv_states[slots],
+                                        cu_seqlens=step.cu_seqlens, activation="silu")
+    conv_states[slots] = conv_final.to(conv_states.dtype)
+    q, k, v = mixed.split([num_k_heads * dk, num_k_heads * dk, hv * dv], dim=-1)
+    g, beta = R.gdn_gates(a, b, A_log, dt_bias)
+    o, final = R.chunk_gated_delta_rule(q.view(n, num_k_heads, dk), k.view(n, num_k_heads, dk), v.view(n, hv, dv),
+                                        g, beta, initial_state=recurrent_states[slots], cu_seqlens=step.cu_seqlens)
+    recurrent_states[slots] = final.to(recurrent_states.dtype)
+    return R.gated_rms_norm(o, z, norm_w, eps)
+
+
+_BACKENDS["reference"] = {
+    "rms_norm": R.rms_norm,
+    "add_rms_norm": R.add_rms_norm,
+    "silu_and_mul": R.silu_and_mul,
+    "attention_prep": _ref_attention_prep,
+    "paged_attention": _ref_paged_attention,
+    "gated_deltanet": _ref_gated_deltanet,
+    "moe": R.moe,
+}

@@ -1,0 +1,41 @@
+"""What one forward step needs besides the tokens: a flat varlen batch plus its cache addresses."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepInput:
+    """A batch of B sequences, each contributing q_len_b >= 1 new tokens, flattened to N tokens.
+
+    token_ids: (N,) int64        positions: (N,) int64, absolute position of each new token
+    cu_seqlens: (B+1,) int32     max_seqlen_q: longest q_len_b (host int)
+    seqused_k: (B,) int32        cached tokens of each sequence after this step (prefix + new)
+    page_table: (B, max_pages) int32, the KV pages of each sequence in order
+    slot_mapping: (N,) int64     flat KV slot (page * page_size + offset) where each new token is written
+    state_slots: (B,) int64      GDN state slot (conv window and recurrent state) of each sequence
+    cos, sin: (N, rotary_dim/2) fp32, the RoPE of each position, shared by every attention layer
+    """
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen_q: int
+    seqused_k: torch.Tensor
+    page_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    state_slots: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.numel()
+
+    @property
+    def last_token_indices(self) -> torch.Tensor:
+        """(B,) index of each sequence's last new token in the flat batch."""
+        return (self.cu_seqlens[1:] - 1).long()

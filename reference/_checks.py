@@ -1,0 +1,31 @@
+"""Argument checks shared by the references and kernels: each failure is a ValueError naming the argument."""
+import torch
+
+
+def check_tensor(name: str, t, *, ndim=None, dtype=None, device=None) -> None:
+    """Raise ValueError unless `t` is a tensor with the given rank, dtype(s) and device."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.ndim not in ((ndim,) if isinstance(ndim, int) else ndim):
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtype is not None and t.dtype not in ((dtype,) if isinstance(dtype, torch.dtype) else dtype):
+        raise ValueError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def check_same_device(**tensors) -> None:
+    """Raise ValueError when the given tensors are not all on one device."""
+    devices = {n: t.device for n, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors must share one device, got {devices}")
+
+
+def check_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> None:
+    """cu: (B+1,) int32/int64, starting at 0, non-decreasing, ending at `total`."""
+    check_tensor(name, cu, ndim=1, dtype=(torch.int32, torch.int64))
+    if cu.numel() < 2:
+        raise ValueError(f"{name} needs at least 2 entries, got {cu.numel()}")
+    c = cu.tolist()
+    if c[0] != 0 or c[-1] != total or any(b < a for a, b in zip(c, c[1:])):
+        raise ValueError(f"{name} must rise from 0 to {total}, got {c}")
