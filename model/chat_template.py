@@ -89,6 +89,26 @@ def render_segments(
     return segments
 
 
+def render_continuation(
+    messages: list[dict], closed: bool = True, enable_thinking: bool = False
+) -> list[Segment]:
+    """Segments that append user or tool turns to a conversation whose last assistant turn was generated
+    token by token: close that turn if generation stopped before `<|im_end|>`, then the new turns and the
+    generation prompt. Rendering the whole conversation again gives the same tokens from the cut on."""
+    _check_messages(messages)
+    segments: list[Segment] = [] if closed else [IM_END]
+    segments.append("\n")
+    for i, message in enumerate(messages):
+        content = _content_text(message.get("content"), message["role"])
+        if message["role"] == "user":
+            segments += [IM_START, "user\n" + content, IM_END, "\n"]
+        elif message["role"] == "tool":
+            segments += _tool_result(messages, [_content_text(m.get("content"), "tool") for m in messages], i)
+        else:
+            raise ValueError(f"messages[{i}]: only user and tool turns can follow a generated turn")
+    return segments + _generation_prompt(enable_thinking)
+
+
 def _content_text(content, role: str) -> str:
     """The text of a message's content (a string, a list of text parts, or None), whitespace-trimmed."""
     if content is None:

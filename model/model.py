@@ -118,12 +118,13 @@ class Qwen35ForCausalLM(nn.Module):
         return self.lm_head(h)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
-        """input_ids: (batch, T) appended to the sequences in `cache` -> logits (batch, T, vocab)."""
+    def forward(self, input_ids: torch.Tensor, cache: SequenceCache, *, all_logits: bool = True) -> torch.Tensor:
+        """input_ids: (batch, T) appended to the sequences in `cache` -> logits (batch, T, vocab),
+        or only each sequence's last position (batch, 1, vocab) when not all_logits."""
         self.check_token_ids(input_ids)
         if cache.cfg != self.config:
             raise ValueError("the cache was made for another model config")
         step = cache.plan(input_ids)
-        logits = self.forward_step(step, cache.pools, all_logits=True)
+        logits = self.forward_step(step, cache.pools, all_logits=all_logits)
         cache.advance(step)
-        return logits.view(*input_ids.shape, -1)
+        return logits.view(input_ids.shape[0], -1, logits.shape[-1])

@@ -123,7 +123,9 @@ def _ref_gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state
     conv_states[slots] = conv_final.to(conv_states.dtype)
     q, k, v = mixed.split([num_k_heads * dk, num_k_heads * dk, hv * dv], dim=-1)
     g, beta = R.gdn_gates(a, b, A_log, dt_bias)
-    o, final = R.chunk_gated_delta_rule(q.view(n, num_k_heads, dk), k.view(n, num_k_heads, dk), v.view(n, hv, dv),
+    # the same function either way; one token per sequence needs no chunking
+    delta_rule = R.recurrent_gated_delta_rule if step.max_seqlen_q == 1 else R.chunk_gated_delta_rule
+    o, final = delta_rule(q.view(n, num_k_heads, dk), k.view(n, num_k_heads, dk), v.view(n, hv, dv),
                                         g, beta, initial_state=recurrent_states[slots], cu_seqlens=step.cu_seqlens)
     recurrent_states[slots] = final.to(recurrent_states.dtype)
     return R.gated_rms_norm(o, z, norm_w, eps)

