@@ -8,7 +8,7 @@ Shapes: N tokens in a flat varlen batch (see model.step.StepInput), H query head
 D head dim; GDN with Hk key heads, Hv value heads, dk/dv head dims, C = 2*Hk*dk + Hv*dv conv channels.
 """
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import reference as R
 from model.step import StepInput
@@ -55,33 +55,57 @@ def _impl(op: str) -> Callable:
     return _BACKENDS[_active].get(op) or _BACKENDS["reference"][op]
 
 
+_nvtx_range = None  # name -> context manager while NVTX ranges are on
+
+
+def enable_nvtx(on: bool = True) -> None:
+    """Wrap every op in an NVTX range named after it (for `ncu --nvtx --nvtx-include "op/"`)."""
+    global _nvtx_range
+    if not on:
+        _nvtx_range = None
+        return
+    try:
+        import nvtx
+        _nvtx_range = nvtx.annotate
+    except ImportError:
+        import torch
+        _nvtx_range = torch.cuda.nvtx.range if torch.cuda.is_available() else (lambda name: nullcontext())
+
+
+def _run(op: str, *args):
+    if _nvtx_range is None:
+        return _impl(op)(*args)
+    with _nvtx_range(op):
+        return _impl(op)(*args)
+
+
 # ---- the ops the model calls -------------------------------------------------------------------------
 
 def rms_norm(x, weight, eps):
     # x: (N, n) -> (N, n), zero-centred weight
-    return _impl("rms_norm")(x, weight, eps)
+    return _run("rms_norm", x, weight, eps)
 
 
 def add_rms_norm(x, residual, weight, eps):
     # residual += x; returns (rms_norm(residual), residual)
-    return _impl("add_rms_norm")(x, residual, weight, eps)
+    return _run("add_rms_norm", x, residual, weight, eps)
 
 
 def silu_and_mul(gate_up):
     # gate_up: (N, 2I) -> (N, I)
-    return _impl("silu_and_mul")(gate_up)
+    return _run("silu_and_mul", gate_up)
 
 
 def attention_prep(q, k, v, q_norm_w, k_norm_w, step: StepInput, k_pages, v_pages, eps):
     """q: (N, H, D), k, v: (N, KV, D) raw projections. Applies q_norm/k_norm and partial RoPE, writes
     k and v into the layer's pages at step.slot_mapping, and returns the normed, rotated q."""
-    return _impl("attention_prep")(q, k, v, q_norm_w, k_norm_w, step, k_pages, v_pages, eps)
+    return _run("attention_prep", q, k, v, q_norm_w, k_norm_w, step, k_pages, v_pages, eps)
 
 
 def paged_attention(q, k_pages, v_pages, step: StepInput, scale, gate=None):
     """q: (N, H, D) over each sequence's cached K/V (step.page_table, step.seqused_k), causal at the end.
     Returns (N, H, D), times sigmoid(gate) when gate (N, H, D) is given."""
-    return _impl("paged_attention")(q, k_pages, v_pages, step, scale, gate)
+    return _run("paged_attention", q, k_pages, v_pages, step, scale, gate)
 
 
 def gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
@@ -89,13 +113,13 @@ def gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, re
     """The GDN mixer between its projections. qkv: (N, C); z: (N, Hv, dv); b, a: (N, Hv); conv_w: (C, K);
     conv_states: (slots, C, K-1) and recurrent_states: (slots, Hv, dk, dv) fp32, read and updated in place at
     step.state_slots. Returns gated_rms_norm(o, z): (N, Hv, dv)."""
-    return _impl("gated_deltanet")(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
+    return _run("gated_deltanet", qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
                                    recurrent_states, step, num_k_heads, eps)
 
 
 def moe(x, router_w, gate_up_w, down_w, top_k, shared):
     # x: (N, hidden) -> (N, hidden)
-    return _impl("moe")(x, router_w, gate_up_w, down_w, top_k, shared)
+    return _run("moe", x, router_w, gate_up_w, down_w, top_k, shared)
 
 
 # ---- the reference backend: compositions of reference/ ------------------------------------------------

@@ -1,0 +1,192 @@
+"""Decode-path benchmark on the GPU: `python -m profiles.bench_decode [--out DIR] [--quick]`.
+
+Paged decode attention (KV bytes read per second) against cuDNN SDPA, FA2 SDPA and flash-attn-4 on the same
+shapes; the Gated DeltaNet decode step against fla's fused_recurrent_gated_delta_rule; the fused small ops
+against the copy ceiling. Every bandwidth is also quoted as a fraction of this run's read-only ceiling.
+Writes decode.json and decode_bw.png (B1 bandwidth against context length) to --out.
+"""
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from profiles.common import RESULTS, bandwidth_ceilings, bench_us, environment, print_table, write_result
+
+BF16 = torch.bfloat16
+PAGE = 64
+ATTN_CASES = [  # (batch, context, q heads, kv heads, head_dim)
+    (1, 32768, 16, 4, 256), (1, 131072, 8, 2, 256), (8, 32768, 16, 4, 256), (64, 8192, 16, 4, 256),
+    (1, 32768, 16, 4, 128), (8, 32768, 16, 4, 128), (64, 8192, 16, 4, 128),
+]
+CURVE_CONTEXTS = [1024, 4096, 16384, 32768, 65536, 131072]
+
+
+# ---- attention ----------------------------------------------------------------------------------------
+
+def make_paged(batch, ctx, h, kv, d, seed=0):
+    """Random q, a shuffled page pool holding each sequence's ctx tokens, and the same K/V contiguous."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages_per_seq = math.ceil(ctx / PAGE)
+    n_pages = batch * pages_per_seq
+    k_pages = torch.randn(n_pages, PAGE, kv, d, device="cuda", dtype=BF16, generator=gen)
+    v_pages = torch.randn(n_pages, PAGE, kv, d, device="cuda", dtype=BF16, generator=gen)
+    table = torch.randperm(n_pages, device="cuda", generator=gen).int().view(batch, pages_per_seq)
+    q = torch.randn(batch, 1, h, d, device="cuda", dtype=BF16, generator=gen)
+    seqused = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    return q, k_pages, v_pages, table, seqused
+
+
+def contiguous_kv(pages, table, ctx):
+    # pages: (num_pages, PAGE, KV, D) -> (B, ctx, KV, D) in each sequence's page order
+    return pages[table.long()].flatten(1, 2)[:, :ctx].contiguous()
+
+
+def peer_attention(name, q, k, v):
+    """One decode step of a peer library over contiguous K/V (B, ctx, KV, D); None when it cannot run."""
+    if name in ("cudnn", "fa2"):
+        backend = SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+        def run():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=q.shape[2] != k.shape[2])
+        return run
+    from flash_attn.cute import flash_attn_func
+    return lambda: flash_attn_func(q, k, v, causal=False)
+
+
+def bench_attention_case(batch, ctx, h, kv, d, peers=("cudnn", "fa2", "fa4")):
+    from kernels.paged_decode_attention import alloc_workspace, choose_num_splits, paged_decode_attention
+    q, kp, vp, table, seqused = make_paged(batch, ctx, h, kv, d)
+    splits = choose_num_splits(batch, kv, ctx)
+    ws = alloc_workspace(batch, h, splits, d, "cuda")
+    out = torch.empty_like(q)
+    ours = lambda: paged_decode_attention(q, kp, vp, table, seqused, num_splits=splits, out=out, workspace=ws)
+    kv_bytes = 2 * batch * ctx * kv * d * 2
+    row = {"B": batch, "ctx": ctx, "H/KV": f"{h}/{kv}", "D": d, "splits": splits, "MB": kv_bytes / 1e6,
+           "ours_us": bench_us(ours), "ours_graph_us": bench_us(ours, graph=True)}
+    k, v = contiguous_kv(kp, table, ctx), contiguous_kv(vp, table, ctx)
+    for name in peers:
+        try:
+            row[f"{name}_us"] = bench_us(peer_attention(name, q, k, v))
+        except Exception as err:  # a peer that does not support the case is reported, not fatal
+            row[f"{name}_us"], row[f"{name}_error"] = None, f"{type(err).__name__}: {err}"[:200]
+    for key in [c for c in row if c.endswith("_us")]:
+        row[key.replace("_us", "_TBps")] = kv_bytes / row[key] / 1e6 if row[key] else None
+    best = max((row.get(f"{p}_TBps") or 0.0) for p in peers)
+    row["vs_best_peer"] = row["ours_graph_TBps"] / best if best else None
+    return row
+
+
+# ---- Gated DeltaNet decode ----------------------------------------------------------------------------
+
+def bench_gdn_case(batch, hk=16, hv=32, dk=128, dv=128, kw=4):
+    from kernels.gdn_decode import gdn_decode_step
+    c = 2 * hk * dk + hv * dv
+    dev = "cuda"
+    qkv = torch.randn(batch, c, device=dev, dtype=BF16)
+    z = torch.randn(batch, hv, dv, device=dev, dtype=BF16)
+    b, a = torch.randn(batch, hv, device=dev, dtype=BF16), torch.randn(batch, hv, device=dev, dtype=BF16)
+    conv_w = torch.randn(c, kw, device=dev, dtype=BF16) * 0.5
+    A_log, dt_bias = torch.rand(hv, device=dev), torch.rand(hv, device=dev)
+    norm_w = torch.randn(dv, device=dev, dtype=BF16)
+    conv_states = torch.randn(batch, c, kw - 1, device=dev, dtype=BF16)
+    states = torch.randn(batch, hv, dk, dv, device=dev, dtype=torch.float32) * 0.1
+    slots = torch.arange(batch, device=dev)
+    out = torch.empty_like(z)
+    ours = lambda: gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, states, slots, hk,
+                                   1e-6, out=out)
+    state_bytes = 2 * states.numel() * 4  # read + write of the fp32 state
+    row = {"B": batch, "Hv": hv, "state_MB": state_bytes / 1e6, "ours_us": bench_us(ours),
+           "ours_graph_us": bench_us(ours, graph=True)}
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        q = torch.randn(batch, 1, hv, dk, device=dev, dtype=BF16)
+        k, v = torch.randn_like(q), torch.randn(batch, 1, hv, dv, device=dev, dtype=BF16)
+        g = -torch.rand(batch, 1, hv, device=dev) * 0.1
+        beta = torch.rand(batch, 1, hv, device=dev, dtype=BF16)
+        fla = lambda: fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=states,
+                                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+        row["fla_us"] = bench_us(fla)
+        row["fla_graph_us"] = bench_us(fla, graph=True)
+    except Exception as err:
+        row["fla_us"], row["fla_error"] = None, f"{type(err).__name__}: {err}"[:200]
+    row["ours_graph_TBps"] = state_bytes / row["ours_graph_us"] / 1e6
+    row["speedup_vs_fla"] = row["fla_us"] / row["ours_us"] if row.get("fla_us") else None
+    return row
+
+
+# ---- fused small ops ----------------------------------------------------------------------------------
+
+def bench_small_ops_case(n, hidden=4096, inter=12288):
+    """add_rms_norm reads x and residual and writes both outputs; silu_and_mul reads 2I and writes I per row."""
+    from kernels.activations import silu_and_mul
+    from kernels.norms import add_rms_norm
+    x = torch.randn(n, hidden, device="cuda", dtype=BF16)
+    res, w = torch.randn_like(x), torch.randn(hidden, device="cuda", dtype=BF16)
+    out = torch.empty_like(x)
+    gu = torch.randn(n, 2 * inter, device="cuda", dtype=BF16)
+    o2 = torch.empty(n, inter, device="cuda", dtype=BF16)
+    us_norm = bench_us(lambda: add_rms_norm(x, res, w, 1e-6, out=out), graph=True)
+    us_act = bench_us(lambda: silu_and_mul(gu, out=o2), graph=True)
+    return [{"op": "add_rms_norm", "N": n, "width": hidden, "us": us_norm, "GBps": 4 * x.numel() * 2 / us_norm / 1e3},
+            {"op": "silu_and_mul", "N": n, "width": inter, "us": us_act, "GBps": 3 * o2.numel() * 2 / us_act / 1e3}]
+
+
+# ---- plot and main ------------------------------------------------------------------------------------
+
+def plot_curve(curve, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    for key, label in [("ours_graph_TBps", "ours (Triton split-KV)"), ("cudnn_TBps", "cuDNN SDPA"),
+                       ("fa2_TBps", "FA2 SDPA"), ("fa4_TBps", "flash-attn-4")]:
+        pts = [(r["ctx"], r[key]) for r in curve if r.get(key)]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context tokens (B1, H16/KV4, d256, bf16)")
+    ax.set_ylabel("KV read TB/s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(RESULTS), help="folder for decode.json and decode_bw.png")
+    ap.add_argument("--quick", action="store_true", help="only the first attention case (for ncu)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        print_table([bench_attention_case(*ATTN_CASES[0], peers=())], ["B", "ctx", "ours_us", "ours_TBps"])
+        return
+    ceil = bandwidth_ceilings()
+    attn = [bench_attention_case(*c) for c in ATTN_CASES]
+    for r in attn:
+        r["ours_frac_of_read_ceiling"] = r["ours_graph_TBps"] / ceil["read_TBps"]
+    curve = [bench_attention_case(1, ctx, 16, 4, 256) for ctx in CURVE_CONTEXTS]
+    gdn = [bench_gdn_case(b) for b in (1, 8, 64)]
+    small = [r for n in (1, 64, 4096) for r in bench_small_ops_case(n)]
+    for r in small:
+        r["frac_of_copy_ceiling"] = r["GBps"] / 1e3 / ceil["copy_TBps"]
+    print(f"ceilings: read {ceil['read_TBps']:.2f} TB/s, copy {ceil['copy_TBps']:.2f} TB/s")
+    print("\npaged decode attention (TB/s of KV read; ours timed in a CUDA graph)")
+    print_table(attn, ["B", "ctx", "H/KV", "D", "splits", "ours_us", "ours_graph_TBps", "cudnn_TBps", "fa2_TBps",
+                       "fa4_TBps", "vs_best_peer", "ours_frac_of_read_ceiling"])
+    print("\nGated DeltaNet decode step, Hk16/Hv32 d128 (one layer)")
+    print_table(gdn, ["B", "ours_us", "ours_graph_us", "ours_graph_TBps", "fla_us", "fla_graph_us",
+                      "speedup_vs_fla"])
+    print("\nfused small ops (CUDA graph)")
+    print_table(small, ["op", "N", "width", "us", "GBps", "frac_of_copy_ceiling"])
+    out = write_result("decode", {"env": environment(), "ceilings": ceil, "attention": attn, "attention_curve": curve,
+                                  "gdn_decode": gdn, "small_ops": small}, args.out)
+    plot_curve(curve, out.with_name("decode_bw.png"))
+    print(f"\nwrote {out} and {out.with_name('decode_bw.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Shared benchmark plumbing: timing, the bandwidth ceilings of this run, the environment record, tables, JSON."""
+import json
+import platform
+import sys
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def bench_us(fn: Callable[[], object], *, graph: bool = False, rep_ms: int = 200) -> float:
+    """Median time of fn() in microseconds, after warm-up; replayed from a CUDA graph when graph=True."""
+    import triton.testing
+    if graph:
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def bandwidth_ceilings(gib: float = 4.0) -> dict[str, float]:
+    """TB/s of a read-only pass (a sum over `gib` GiB) and of a device-to-device copy (read + write)."""
+    n = int(gib * 2**30) // 2
+    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    out = torch.empty((), device="cuda", dtype=torch.float32)
+    read_us = bench_us(lambda: torch.sum(x, dtype=torch.float32, out=out))
+    copy_us = bench_us(lambda: y.copy_(x))
+    nbytes = x.numel() * 2
+    return {"read_TBps": nbytes / read_us / 1e6, "copy_TBps": 2 * nbytes / copy_us / 1e6}
+
+
+def environment() -> dict:
+    """The card and the library versions of this run."""
+    def version(pkg):
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
+    for pkg in ("triton", "flash-attn-4", "flash-linear-attention", "fla-core", "nvidia-cutlass-dsl",
+                "transformers"):
+        env[pkg] = version(pkg)
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(card=p.name, sms=p.multi_processor_count, memory_GiB=round(p.total_memory / 2**30, 1))
+    return env
+
+
+def print_table(rows: list[dict], columns: list[str], out=sys.stdout) -> None:
+    """An aligned text table of rows (dicts) over the given columns; floats get 3 significant digits."""
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return "-" if v is None else str(v)
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    out.write("  ".join(c.rjust(w) for c, w in zip(columns, widths)) + "\n")
+    out.write("  ".join("-" * w for w in widths) + "\n")
+    for row in cells:
+        out.write("  ".join(v.rjust(w) for v, w in zip(row, widths)) + "\n")
+
+
+def command_line() -> str:
+    """How this process was started, as a user would type it."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    entry = f"python -m {spec.name}" if spec is not None else f"python {sys.argv[0]}"
+    return " ".join([entry, *sys.argv[1:]])
+
+
+def write_result(name: str, payload: dict, out_dir: Path | None = None) -> Path:
+    """profiles/results/<name>.json (or out_dir/<name>.json), with the command that produced it."""
+    out_dir = Path(out_dir) if out_dir else RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({"command": command_line(), **payload}, indent=1))
+    return path
