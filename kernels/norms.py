@@ -1,0 +1,111 @@
+"""Triton zero-centred RMSNorm, alone and fused with the residual add, one read and one write per row.
+
+y = x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32, stored in x's dtype. Rows are the last dim of x (its
+stride must be 1; other dims may be strided as long as they flatten to one row stride). Small rows are
+packed several per program. No host syncs and no allocation when `out=` is given: CUDA-graph capturable.
+
+Also holds the argument helpers the other elementwise kernels share (`rows_view`, `check_devices`).
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from reference._checks import check_same_device, check_tensor
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_devices(**tensors) -> None:
+    """One device for all; a CUDA one unless Triton runs in its CPU interpreter."""
+    check_same_device(**tensors)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        for name, t in tensors.items():
+            if t is not None and t.device.type != "cuda":
+                raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+
+
+def rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t: (..., n) with unit stride in its last dim -> a (rows, n) view of the same memory (one row stride)."""
+    if t.ndim == 0 or (t.stride(-1) != 1 and t.shape[-1] > 1):
+        raise ValueError(f"{name} must have unit stride in its last dim, got strides {t.stride()}")
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"{name} {tuple(t.shape)} with strides {t.stride()} does not flatten to rows") from None
+
+
+def _check_out(out, like: torch.Tensor) -> None:
+    check_tensor("out", out, dtype=like.dtype, device=like.device)
+    if out.shape != like.shape:
+        raise ValueError(f"out must have shape {tuple(like.shape)}, got {tuple(out.shape)}")
+
+
+def _launch_shape(n: int) -> tuple[int, int, int]:
+    """(BLOCK_N, ROWS per program, num_warps) for rows of width n."""
+    block_n = triton.next_power_of_2(n)
+    rows = max(1, 1024 // block_n)
+    return block_n, rows, min(16, max(1, rows * block_n // 256))
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_rows, n, x_stride, res_stride, out_stride, eps,
+                     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    # rows [pid*ROWS, pid*ROWS + ROWS) of x (n_rows, n); with HAS_RES, s = x + res is stored into res first
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)                     # (ROWS,)
+    cols = tl.arange(0, BLOCK_N)                                             # (BLOCK_N,)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n)                   # (ROWS, BLOCK_N)
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * x_stride + cols[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        res_ptrs = res_ptr + rows64 * res_stride + cols[None, :]
+        s = (x.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(res_ptrs, s, mask=mask)
+        x = s
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n + eps)                       # (ROWS,)
+    w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)       # (BLOCK_N,)
+    y = xf * rstd[:, None] * (1.0 + w[None, :])
+    tl.store(out_ptr + rows64 * out_stride + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _norm(x, residual, weight, eps, out):
+    """Shared checks and launch; residual is None for the plain norm."""
+    check_tensor("x", x, dtype=FLOATS)
+    check_tensor("weight", weight, ndim=1, dtype=FLOATS)
+    if residual is not None:
+        check_tensor("residual", residual, dtype=x.dtype)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    if weight.shape[0] != x.shape[-1] or weight.stride(0) != 1:
+        raise ValueError(f"weight must be contiguous with {x.shape[-1]} entries (x's width), got {weight.shape[0]}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    _check_out(out, x)
+    check_devices(x=x, residual=residual, weight=weight, out=out)
+    x2, o2 = rows_view("x", x), rows_view("out", out)
+    r2 = x2 if residual is None else rows_view("residual", residual)
+    n_rows, n = x2.shape
+    if n_rows == 0 or n == 0:
+        return out
+    block_n, rows, warps = _launch_shape(n)
+    _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+        x2, r2, weight, o2, n_rows, n, x2.stride(0), r2.stride(0), o2.stride(0), float(eps),
+        HAS_RES=residual is not None, BLOCK_N=block_n, ROWS=rows, num_warps=warps)
+    return out
+
+
+def rms_norm(x, weight, eps, out=None):
+    """x: (..., n) fp16/bf16/fp32; weight: (n,) -> (..., n) in x's dtype, written into `out` when given."""
+    return _norm(x, None, weight, eps, out)
+
+
+def add_rms_norm(x, residual, weight, eps, out=None):
+    """x, residual: (..., n), same dtype -> (rms_norm(x + residual), residual).
+
+    IN PLACE: the sum x + residual (rounded to the io dtype, as torch's add does) is written into
+    `residual`, which is returned as the second result. The norm is computed from that rounded sum."""
+    return _norm(x, residual, weight, eps, out), residual
+
+
+OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm}
