@@ -77,6 +77,9 @@ class Qwen35Config:
         """Build from an HF config dict: flat `qwen3_5_text`/`qwen3_5_moe_text`, or nested under `text_config`."""
         text = dict(hf.get("text_config") or hf)
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):  # M-RoPE is plain 1-D rope for text
+            raise ValueError(f"unsupported rope_type {rope_type!r}: only default rope (or M-RoPE) is implemented")
         theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
         partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
         n_layers = text.get("num_hidden_layers", cls.num_hidden_layers)
@@ -88,9 +91,11 @@ class Qwen35Config:
         eos = text.get("eos_token_id", hf.get("eos_token_id"))
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else cls.eos_token_ids)
         kw = {f: text[f] for f in _HF_FIELDS if f in text}
+        # transformers ties a VLM's lm_head by the top-level flag, whatever its text_config says
+        tie = hf["tie_word_embeddings"] if hf.get("text_config") and "tie_word_embeddings" in hf \
+            else text.get("tie_word_embeddings", False)
         return cls(**kw, rope_theta=float(theta), partial_rotary_factor=float(partial), layer_types=types,
-                   tie_word_embeddings=bool(text.get("tie_word_embeddings") or hf.get("tie_word_embeddings")),
-                   eos_token_ids=tuple(sorted(set(eos) | set(cls.eos_token_ids))))
+                   tie_word_embeddings=bool(tie), eos_token_ids=tuple(sorted(set(eos) | set(cls.eos_token_ids))))
 
     @classmethod
     def from_json(cls, path) -> "Qwen35Config":

@@ -24,6 +24,7 @@ _BACKBONE_PREFIXES = ("model.language_model.", "language_model.model.", "model."
 _STACKED = {"gate_proj": 0, "up_proj": 1}  # halves of our gate_up_proj
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MLP_HALF = re.compile(r"^(.*\.mlp(?:\.shared_expert)?)\.(gate_proj|up_proj)\.weight$")
+_TIED = {"lm_head.weight": "model.embed_tokens.weight", "model.embed_tokens.weight": "lm_head.weight"}
 
 
 def canonical_name(name: str) -> str | None:
@@ -69,6 +70,10 @@ class WeightLoader:
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(f"checkpoint tensor {hf_name} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dest.shape)} for {target}")
+        tied_to = _TIED.get(target) if self.model.config.tie_word_embeddings else None
+        if tied_to and self.filled[tied_to] and not torch.equal(dest, tensor.to(dest.dtype)):
+            raise ValueError(f"checkpoint tensor {hf_name} differs from {tied_to}, but the config ties them "
+                             "(tie_word_embeddings); the checkpoint's config does not match its weights")
         dest.copy_(tensor.to(dest.dtype))
         self.filled[target].add(piece)
 
@@ -77,6 +82,8 @@ class WeightLoader:
         m = _EXPERT.match(name)
         if m:
             base, e, proj = m.group(1), int(m.group(2)), m.group(3)
+            if e >= self.params.get(f"{base}.down_proj", torch.empty(0)).shape[0]:
+                return name, None, "all"  # no such expert (or no experts): not a parameter, so unexpected
             if proj == "down_proj":
                 return f"{base}.down_proj", e, e
             inter = self.params.get(f"{base}.gate_up_proj", torch.empty(0, 0)).shape[1] // 2
@@ -90,13 +97,28 @@ class WeightLoader:
             return target, slice(half * inter, (half + 1) * inter), half
         return name, None, "all"
 
+    def _missing_names(self, name: str, got: set) -> list[str]:
+        """What parameter `name` still lacks, named as on disk (per expert, gate/up halves) where it is part-filled."""
+        if name.endswith("mlp.experts.gate_up_proj") and got:
+            base = name[:-len(".gate_up_proj")]
+            return [f"{base}.{e}.{proj}.weight" for e in range(self.params[name].shape[0])
+                    for proj, half in _STACKED.items() if (e, half) not in got]
+        if name.endswith("mlp.experts.down_proj") and got:
+            base = name[:-len(".down_proj")]
+            return [f"{base}.{e}.down_proj.weight" for e in range(self.params[name].shape[0]) if e not in got]
+        if name.endswith("gate_up_proj.weight"):
+            base = name[:-len(".gate_up_proj.weight")]
+            return [f"{base}.{proj}.weight" for proj, half in _STACKED.items() if half not in got]
+        return [name]
+
     def finish(self) -> None:
         """Raise ValueError naming missing or unexpected tensors; log the skipped count."""
         filled = dict(self.filled)
         if self.model.config.tie_word_embeddings:  # one tensor under two names: either name fills it
             both = filled["lm_head.weight"] | filled["model.embed_tokens.weight"]
             filled["lm_head.weight"] = filled["model.embed_tokens.weight"] = both
-        missing = [n for n, got in filled.items() if "all" not in got and len(got) < self.pieces_needed[n]]
+        missing = [hf for n, got in filled.items() if "all" not in got and len(got) < self.pieces_needed[n]
+                   for hf in self._missing_names(n, got)]
         problems = []
         if missing:
             problems.append(f"{len(missing)} missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
@@ -122,6 +144,9 @@ def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        absent = [s for s in shards if not (path / s).is_file()]
+        if absent:
+            raise ValueError(f"{index} names shard files that are not in {path}: {absent}")
         return [path / s for s in shards]
     files = sorted(path.glob("*.safetensors"))
     if not files:
