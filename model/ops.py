@@ -7,6 +7,7 @@ the reference. `set_backend` / `use_backend` choose; `backend_table()` says whic
 Shapes: N tokens in a flat varlen batch (see model.step.StepInput), H query heads, KV key/value heads,
 D head dim; GDN with Hk key heads, Hv value heads, dk/dv head dims, C = 2*Hk*dk + Hv*dv conv channels.
 """
+import importlib
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
@@ -25,8 +26,13 @@ def register_backend(name: str, ops: dict[str, Callable]) -> None:
     _BACKENDS.setdefault(name, {}).update(ops)
 
 
+_PROVIDERS = {"triton": "kernels.backend"}  # backends that register themselves when their module is imported
+
+
 def set_backend(name: str) -> None:
     global _active
+    if name not in _BACKENDS and name in _PROVIDERS:
+        importlib.import_module(_PROVIDERS[name])
     if name not in _BACKENDS:
         raise ValueError(f"unknown ops backend {name!r}; registered: {sorted(_BACKENDS)}")
     _active = name
