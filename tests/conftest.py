@@ -7,6 +7,7 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before any kernel module is imported
+    torch.set_num_threads(1)  # the CPU tests run many tiny ops, where extra threads only add contention
 
 
 def pytest_collection_modifyitems(config, items):
