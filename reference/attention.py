@@ -98,6 +98,9 @@ def paged_attention(q, k_pages, v_pages, page_table, seqused_k, *, causal: bool 
     capacity = page_table.shape[1] * k_pages.shape[1]
     if any(n < 0 or n > capacity for n in lens):
         raise ValueError(f"seqused_k {lens} exceeds the page_table's capacity of {capacity} tokens")
+    used = torch.cat([page_table[b, :(n + k_pages.shape[1] - 1) // k_pages.shape[1]] for b, n in enumerate(lens)])
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= k_pages.shape[0]):
+        raise ValueError(f"page_table names pages outside the pool of {k_pages.shape[0]}")
     ks = [gather_pages(k_pages, page_table[b], lens[b]) for b in range(batch)]
     vs = [gather_pages(v_pages, page_table[b], lens[b]) for b in range(batch)]
     cu_k = torch.tensor([0] + lens, device=q.device).cumsum(0).to(torch.int32)
@@ -124,7 +127,12 @@ def write_kv_pages(k, v, k_pages, v_pages, slot_mapping):
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtype=(torch.int32, torch.int64))
     if slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} tokens")
+    if k.shape != v.shape or k.shape[1:] != k_pages.shape[2:]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit pages {tuple(k_pages.shape)}")
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
+    if slots.numel() and int(slots.max()) >= k_pages.shape[0] * k_pages.shape[1]:
+        raise ValueError(f"slot_mapping reaches slot {int(slots.max())} of a pool of "
+                         f"{k_pages.shape[0] * k_pages.shape[1]} slots")
     k_pages.view(-1, *k_pages.shape[2:])[slots] = k[keep].to(k_pages.dtype)
     v_pages.view(-1, *v_pages.shape[2:])[slots] = v[keep].to(v_pages.dtype)

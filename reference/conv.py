@@ -1,4 +1,4 @@
-"""Reference depthwise causal conv1d (Gated DeltaNet's short convolution), with its state.
+"""Reference depthwise causal conv1d (Gated DeltaNet's short convolution), with its state, computed in fp32.
 
 The state of a sequence is its last K-1 inputs: (channels, K-1), oldest first, zeros before the start.
 """
@@ -11,6 +11,8 @@ from reference._checks import check_cu_seqlens, check_tensor
 def _conv_one(x, weight, state, activation):
     # x: (T, C); weight: (C, K); state: (C, K-1) -> y: (T, C), new state (C, K-1)
     k = weight.shape[1]
+    if x.shape[0] == 0:  # an empty sequence leaves its state as it was
+        return x.new_zeros(0, weight.shape[0]), state
     full = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=1)  # (C, K-1+T)
     y = F.conv1d(full.float()[None], weight.float()[:, None, :], groups=weight.shape[0])[0]  # (C, T)
     if activation == "silu":

@@ -88,7 +88,28 @@ def print_table(stats: list[TurnStats], out) -> None:
     out.write(f"mean decode: {total_gen / total_dec:.1f} tok/s over {total_gen} tokens\n" if total_dec else "")
 
 
-def main(argv=None) -> None:
+def run_session(model, tokenizer, max_new_tokens: int, max_context: int, out) -> tuple[list[int], list[TurnStats]]:
+    """The scripted session. Returns every token the model saw or produced, in order, and per-turn stats."""
+    cache = model.new_cache(1, max_context)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+    new_ids = tokenizer.apply_chat_template(messages, tools=TOOLS)
+    transcript, stats = [], []
+    for turn in range(len(TOOL_RESULTS) + 1):
+        out.write(f"\n--- turn {turn + 1}: {len(new_ids)} new prompt tokens ---\n")
+        generated, s = run_turn(model, cache, tokenizer, new_ids, max_new_tokens, out)
+        transcript += new_ids + generated
+        stats.append(s)
+        if turn == len(TOOL_RESULTS):
+            break
+        # The last generated token is not in the cache yet; the next turn sends it first, then the tool result.
+        closed = generated[-1] == tokenizer.im_end_id
+        new_ids = [generated[-1]] + tokenizer.continue_chat([{"role": "tool", "content": TOOL_RESULTS[turn]}],
+                                                            closed=closed)
+        transcript.pop()  # it is sent again as the first of new_ids
+    return transcript, stats
+
+
+def main(argv=None) -> list[TurnStats]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny", help="a preset name (random weights) or an HF checkpoint folder")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -100,21 +121,9 @@ def main(argv=None) -> None:
     model, what = load_model(args.model, device)
     tokenizer = load_tokenizer()
     out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype}\n")
-    cache = model.new_cache(1, args.max_context)
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
-    new_ids = tokenizer.apply_chat_template(messages, tools=TOOLS)
-    stats = []
-    for turn in range(len(TOOL_RESULTS) + 1):
-        out.write(f"\n--- turn {turn + 1}: {len(new_ids)} new prompt tokens ---\n")
-        generated, s = run_turn(model, cache, tokenizer, new_ids, args.max_new_tokens, out)
-        stats.append(s)
-        if turn == len(TOOL_RESULTS):
-            break
-        # The last generated token is not in the cache yet; the next turn sends it first, then the tool result.
-        closed = generated[-1] == tokenizer.im_end_id
-        new_ids = [generated[-1]] + tokenizer.continue_chat([{"role": "tool", "content": TOOL_RESULTS[turn]}],
-                                                            closed=closed)
+    _, stats = run_session(model, tokenizer, args.max_new_tokens, args.max_context, out)
     print_table(stats, out)
+    return stats
 
 
 if __name__ == "__main__":
