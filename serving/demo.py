@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from model import ops
 from model.generate import stream
 from model.loader import load_checkpoint
 from model.model import Qwen35ForCausalLM
@@ -115,12 +116,15 @@ def main(argv=None) -> list[TurnStats]:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-context", type=int, default=8192)
+    ap.add_argument("--ops", default="auto", choices=["auto", "reference", "triton"],
+                    help="kernel backend of model.ops; auto: triton on the GPU, reference on the CPU")
     args = ap.parse_args(argv)
     out = sys.stdout
     device = pick_device(args.device)
+    ops.set_backend(args.ops if args.ops != "auto" else ("triton" if device.type == "cuda" else "reference"))
     model, what = load_model(args.model, device)
     tokenizer = load_tokenizer()
-    out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype}\n")
+    out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype} | ops: {ops.get_backend()}\n")
     _, stats = run_session(model, tokenizer, args.max_new_tokens, args.max_context, out)
     print_table(stats, out)
     return stats

@@ -1,0 +1,49 @@
+"""Profile one named kernel with Nsight Compute and record its DRAM throughput.
+
+    python -m profiles.ncu --kernel _split_kernel [--out DIR] [-- python -m profiles.bench_decode --quick]
+
+Runs `ncu --clock-control none` on the command (by default the quick decode benchmark), keeps one launch of
+the kernel after a warm-up, and writes ncu_<kernel>.json with the metrics as ncu reports them.
+"""
+import argparse
+import csv
+import io
+import subprocess
+import sys
+
+from profiles.common import RESULTS, environment, print_table, write_result
+
+METRICS = ["gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+           "dram__bytes_read.sum.per_second", "dram__bytes_read.sum",
+           "sm__throughput.avg.pct_of_peak_sustained_elapsed"]
+
+
+def run_ncu(kernel: str, command: list[str], skip: int) -> list[dict]:
+    cmd = ["ncu", "--clock-control", "none", "--kernel-name", f"regex:{kernel}", "--launch-skip", str(skip),
+           "--launch-count", "1", "--metrics", ",".join(METRICS), "--csv", *command]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"ncu failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    lines = proc.stdout[proc.stdout.find('"ID"'):]
+    return [{"kernel": r["Kernel Name"][:60], "metric": r["Metric Name"], "unit": r["Metric Unit"],
+             "value": r["Metric Value"]} for r in csv.DictReader(io.StringIO(lines))]
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    own, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernel", default="_split_kernel", help="regex of the kernel name")
+    ap.add_argument("--skip", type=int, default=20, help="launches of the kernel to skip (warm-up)")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args(own)
+    command = command or [sys.executable, "-m", "profiles.bench_decode", "--quick"]
+    rows = run_ncu(args.kernel, command, args.skip)
+    print_table(rows, ["kernel", "metric", "unit", "value"])
+    path = write_result(f"ncu_{args.kernel.strip('_')}", {"env": environment(), "profiled_command": " ".join(command),
+                                                          "metrics": rows}, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
