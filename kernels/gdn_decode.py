@@ -1,0 +1,234 @@
+"""Gated DeltaNet decode step in Triton: one launch per layer for B sequences with one new token each.
+
+Per sequence (its state slot s = state_slots[b]) and value head j, with key head h = j // (Hv / Hk):
+    x_c      = [conv_states[s, c, :], qkv[b, c]]            the window of channel c, K taps (oldest first)
+    y_c      = silu(sum_t conv_w[c, t] x_c[t])               rounded to the io dtype, as the reference does
+    conv_states[s, c, :] = x_c[1:]                           the window shift, in place
+    q, k, v  = y over the channels of q head h | k head h | v head j
+    q        = l2norm(q) / sqrt(dk);  k = l2norm(k)          l2norm(x) = x rsqrt(sum x^2 + 1e-6)
+    beta     = sigmoid(b[b, j]);  g = -exp(A_log[j]) softplus(a[b, j] + dt_bias[j])
+    S        = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q       S = recurrent_states[s, j] (dk, dv) fp32
+    out[b, j] = norm_w * rmsnorm(o) * silu(z[b, j])          o and rmsnorm(o) rounded to the io dtype first
+
+Design. One launch, one program per (key head, sequence): grid (Hk, B). A program convolves the q | k channels
+of its key head once, as one (dk, 2) tile, then takes the Hv / Hk value heads that share them G at a time. For
+those G heads it issues every load at once: the (G, dk, dv) fp32 states, their v conv windows, gates and z. It
+updates the states in registers (128 fp32 values a thread: 4 warps a head), applies the gated RMSNorm over full
+dv rows (so no second pass), and writes each state back once. G = 1 when the grid fills the GPU (B64: fastest);
+with fewer programs than SMs, G = 2 where the group allows (Qwen3.5-9B at B <= 8), doubling the bytes each SM
+has in flight. Every conv window is read and shifted by the one program that owns its channels; that is why
+the conv lives in this launch: a program per value head would race with its neighbours on the shared q | k
+windows. A barrier separates each tile's last read from its in-place write, so threads that hold replicated
+copies of a small tile cannot read bytes already overwritten.
+
+Bound (H200, about 4.2 TB/s): the fp32 state, 64 KiB a head, read and written once. Qwen3.5-9B (Hv 32) moves
+4 MiB a sequence: B64 moves 256 MiB, about 64 us. At B1 only Hk = 16 programs run, each streaming 128 KiB each
+way through one SM behind two dependent DRAM round trips (the slot, then everything else) and the launch.
+Measured on the H200 (bf16, 40 layers' states rotated in a CUDA graph so the state comes from DRAM):
+  9B:  B1 8.7 us, B8 15.2 us (2.2 TB/s), B64 81 us (3.3 TB/s);   27B (Hv 48): B1 14.6 us, B64 118 us (3.4 TB/s);
+  0.8B (Hv 16): B1 6.3 us, B64 49 us (2.75 TB/s).   fla's decode step: 125 us at B1, 146 us at B64.
+Eagerly, the host costs about 10 us of checks plus about 30 us of Triton's launch: capture it in a graph.
+
+CUDA-graph capturable: no host sync, shapes fixed by the inputs, `out=` reusable. state_slots are not checked
+on the host (that would sync): they must be distinct and in range.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from model.ops import _BACKENDS
+from reference._checks import check_tensor
+
+L2NORM_EPS = tl.constexpr(1e-6)
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch.nn.functional.softplus returns x above it
+STATE_PER_PROGRAM = 2 * 128 * 128  # fp32 state values one program holds (128 KiB): 8 warps x 128 a thread
+STATE_PER_THREAD = 128
+FEW_PROGRAMS = 132  # the H200's SM count: below it, programs take several value heads at once
+IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _conv_window(x_row, conv_row, conv_w_ptr, ch, mask, K: tl.constexpr, BT: tl.constexpr):
+    """The K-tap windows of channels ch (R, N) of one sequence (x_row: qkv[b]; conv_row: conv_states[slot]).
+    Returns window (R, N, BT) in the io dtype and silu(conv) (R, N) fp32, rounded to the io dtype."""
+    tap = tl.arange(0, BT)[None, None, :]
+    c3, m3 = ch[:, :, None], mask[:, :, None]
+    x = tl.load(x_row + ch, mask=mask, other=0.0)  # (R, N)
+    old = tl.load(conv_row + c3 * (K - 1) + tap, mask=m3 & (tap < K - 1), other=0.0)  # taps 0..K-2
+    window = tl.where(tap == K - 1, x[:, :, None], old)
+    w = tl.load(conv_w_ptr + c3 * K + tap, mask=m3 & (tap < K), other=0.0)
+    y = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=2)
+    return window, (y * tl.sigmoid(y)).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _shift_window(conv_row, ch, mask, window, K: tl.constexpr, BT: tl.constexpr):
+    # conv_states[slot, ch, :] = window[..., 1:K]: tap t moves to t - 1
+    tap = tl.arange(0, BT)[None, None, :]
+    tl.store(conv_row + ch[:, :, None] * (K - 1) + tap - 1, window, mask=mask[:, :, None] & (tap >= 1) & (tap < K))
+
+
+@triton.jit
+def _l2norm(x):
+    # x: (n,) fp32, zero past the head dim
+    return x * tl.rsqrt(tl.sum(x * x, axis=0) + L2NORM_EPS)
+
+
+@triton.jit
+def _gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, idx, heads):
+    """decay exp(g) and beta, fp32 (G,), of value heads `heads` (G,) of one sequence; idx = b * Hv + heads."""
+    x = tl.load(a_ptr + idx).to(tl.float32) + tl.load(dt_bias_ptr + heads).to(tl.float32)
+    softplus = tl.where(x > SOFTPLUS_THRESHOLD, x, tl.log(1.0 + tl.exp(tl.minimum(x, SOFTPLUS_THRESHOLD))))
+    g = -tl.exp(tl.load(a_log_ptr + heads).to(tl.float32)) * softplus
+    return tl.exp(g), tl.sigmoid(tl.load(b_ptr + idx).to(tl.float32))
+
+
+@triton.jit
+def _delta_rule(s, q, k, v, decay, beta):
+    """s: states (G, BK, BV) fp32; q, k: (BK,); v: (G, BV); decay, beta: (G,). Returns (new s, o = s^T q (G, BV))."""
+    s = s * decay[:, None, None]
+    u = beta[:, None] * (v - tl.sum(s * k[None, :, None], axis=1))  # (G, BV)
+    s += k[None, :, None] * u[:, None, :]
+    return s, tl.sum(s * q[None, :, None], axis=1)
+
+
+@triton.jit
+def _gated_norm(o, z, w, eps, DV: tl.constexpr, io: tl.constexpr):
+    """w * rmsnorm(o) * silu(z) per row: o (G, BV) fp32 and z (G, BV), zero past DV; w (BV,). Returns fp32."""
+    o = o.to(io).to(tl.float32)
+    y = (o * tl.rsqrt(tl.sum(o * o, axis=1) / DV + eps)[:, None]).to(io)
+    wy = (w[None, :].to(tl.float32) * y.to(tl.float32)).to(w.dtype)  # torch's w * y: rounded to promote(w, io)
+    z = z.to(tl.float32)
+    return wy.to(tl.float32) * (z * tl.sigmoid(z))
+
+
+@triton.jit
+def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
+                       conv_ptr, state_ptr, slots_ptr, out_ptr, scale, eps,
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
+                       G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr):
+    # grid (Hk, B): key head kh of sequence seq, and its HV // HK value heads, G at a time
+    kh = tl.program_id(0)
+    seq = tl.program_id(1)
+    C: tl.constexpr = 2 * HK * DK + HV * DV
+    GROUP: tl.constexpr = HV // HK
+    rk, rv, rg, two = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, G), tl.arange(0, 2)
+    slot = tl.load(slots_ptr + seq)  # int64: every state offset below is 64-bit
+    x_row = qkv_ptr + seq * C
+    conv_row = conv_ptr + slot * (C * (K - 1))
+    qk_ch = (two[None, :] * HK + kh) * DK + rk[:, None]  # (BK, 2): the q | k channels of key head kh
+    qk_mask = (rk[:, None] < DK) & (two[None, :] < 2)  # full (BK, 2), like every mask here
+    qk_window, qk = _conv_window(x_row, conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT)
+    q, k = tl.split(qk)
+    q = _l2norm(q) * scale
+    k = _l2norm(k)
+    w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
+    s_mask = (rk[None, :, None] < DK) & (rv[None, None, :] < DV) & (rg[:, None, None] < G)  # (G, BK, BV)
+    for c in range(GROUP // G):
+        heads = kh * GROUP + c * G + rg  # (G,)
+        rows = seq * HV + heads
+        v_ch = 2 * HK * DK + heads[:, None] * DV + rv[None, :]  # (G, BV)
+        v_mask = (rv[None, :] < DV) & (rg[:, None] < G)
+        s_ptrs = state_ptr + (slot * HV + heads[:, None, None]) * (DK * DV) + rk[None, :, None] * DV + rv[None, None, :]
+        s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+        v_window, v = _conv_window(x_row, conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
+        decay, beta = _gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, rows, heads)
+        z = tl.load(z_ptr + rows[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
+        s, o = _delta_rule(s, q, k, v, decay, beta)
+        out = _gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
+        tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
+        tl.store(s_ptrs, s, mask=s_mask)
+        _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
+    _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
+
+
+def _expect(name, t, shape, dtypes, contiguous=False) -> None:
+    """Raise ValueError naming `name` unless t is a tensor of this shape and one of these dtypes (and contiguous)."""
+    if (not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype not in dtypes
+            or (contiguous and not t.is_contiguous())):
+        got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a {'contiguous ' if contiguous else ''}{shape} tensor of "
+                         f"{', '.join(map(str, dtypes))}, got {got}")
+
+
+def _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots,
+                num_k_heads, out):
+    """Raise ValueError naming the first bad argument; returns (B, Hk, Hv, dk, dv, K). Kept lean: eager decode
+    pays for it on every layer."""
+    check_tensor("qkv", qkv, ndim=2, dtype=IO_DTYPES)
+    check_tensor("z", z, ndim=3, dtype=qkv.dtype)
+    check_tensor("recurrent_states", recurrent_states, ndim=4, dtype=torch.float32)
+    check_tensor("conv_w", conv_w, ndim=2)
+    (bsz, hv, dv), io = z.shape, (qkv.dtype,)
+    slots, dk, kw = recurrent_states.shape[0], recurrent_states.shape[2], conv_w.shape[1]
+    if not isinstance(num_k_heads, int) or num_k_heads < 1 or hv % num_k_heads:
+        raise ValueError(f"num_k_heads must be a positive int dividing Hv={hv}, got {num_k_heads!r}")
+    c = 2 * num_k_heads * dk + hv * dv  # q | k | v channels
+    _expect("qkv", qkv, (bsz, c), io)
+    _expect("b", b, (bsz, hv), IO_DTYPES)
+    _expect("a", a, (bsz, hv), IO_DTYPES)
+    _expect("conv_w", conv_w, (c, max(kw, 2)), IO_DTYPES)
+    _expect("A_log", A_log, (hv,), IO_DTYPES)
+    _expect("dt_bias", dt_bias, (hv,), IO_DTYPES)
+    _expect("norm_w", norm_w, (dv,), (*io, torch.float32))
+    _expect("conv_states", conv_states, (slots, c, kw - 1), io, contiguous=True)
+    _expect("recurrent_states", recurrent_states, (slots, hv, dk, dv), (torch.float32,), contiguous=True)
+    _expect("state_slots", state_slots, (bsz,), (torch.int64,))
+    if out is not None:
+        _expect("out", out, (bsz, hv, dv), io, contiguous=True)
+    dev = qkv.device
+    tensors = dict(z=z, b=b, a=a, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w, out=out,
+                   conv_states=conv_states, recurrent_states=recurrent_states, state_slots=state_slots)
+    if any(t is not None and t.device != dev for t in tensors.values()):
+        raise ValueError(f"tensors must share one device, got qkv on {dev} and "
+                         f"{ {n: str(t.device) for n, t in tensors.items() if t is not None} }")
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"qkv must be on a CUDA device (or run with TRITON_INTERPRET=1), got {dev}")
+    return bsz, num_k_heads, hv, dk, dv, kw
+
+
+def _heads_at_once(group: int, tile: int, programs: int) -> int:
+    """Value heads a program updates at once: 1 when the grid fills the GPU (fastest there), else the most heads
+    of the group (a power of two dividing it) whose states fit STATE_PER_PROGRAM, for more bytes in flight."""
+    g = 1
+    while programs < FEW_PROGRAMS and group % (2 * g) == 0 and 2 * g * tile <= STATE_PER_PROGRAM:
+        g *= 2
+    return g
+
+
+def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots,
+                    num_k_heads, eps, out=None):
+    """One decode token for each of B sequences. qkv: (B, C); z: (B, Hv, dv); b, a: (B, Hv); conv_w: (C, K);
+    A_log, dt_bias: (Hv,); norm_w: (dv,); conv_states: (slots, C, K-1) in qkv's dtype and recurrent_states:
+    (slots, Hv, dk, dv) fp32, both updated in place at state_slots (B,) int64. Returns out (B, Hv, dv)."""
+    bsz, hk, hv, dk, dv, kw = _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
+                                          recurrent_states, state_slots, num_k_heads, out)
+    if out is None:
+        out = torch.empty_like(z, memory_format=torch.contiguous_format)
+    if bsz == 0:
+        return out
+    qkv, z, b, a, conv_w, A_log, dt_bias, norm_w = (
+        t.contiguous() for t in (qkv, z, b, a, conv_w, A_log, dt_bias, norm_w))
+    bk, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    g = _heads_at_once(hv // hk, bk * bv, hk * bsz)
+    _gdn_decode_kernel[(hk, bsz)](
+        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out,
+        dk ** -0.5, float(eps), HK=hk, HV=hv, DK=dk, DV=dv, K=kw, G=g, BK=bk, BV=bv, BT=triton.next_power_of_2(kw),
+        num_warps=max(1, min(8, g * bk * bv // STATE_PER_THREAD // 32)))
+    return out
+
+
+def gated_deltanet_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,
+                      num_k_heads, eps):
+    """model.ops.gated_deltanet: the kernel when every sequence has one new token, else the reference."""
+    if step.max_seqlen_q == 1:
+        return gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
+                               step.state_slots, num_k_heads, eps)
+    return _BACKENDS["reference"]["gated_deltanet"](qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
+                                                    recurrent_states, step, num_k_heads, eps)
+
+
+OPS = {"gated_deltanet": gated_deltanet_op}
