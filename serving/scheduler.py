@@ -1,0 +1,200 @@
+"""Continuous batching under a per-step token budget, with chunked prefill, a fast lane and preemption.
+
+Each step: running decodes first; then the fast lane (waiting requests that hit the prefix cache and have
+at most fast_lane_tokens left to compute, i.e. returning agent sessions); then running chunked prefills;
+then cold waiting requests, in arrival order. Prefill chunks end on page boundaries (and at the prompt's
+last page boundary), where the GDN state is snapshotted for the prefix cache. When a running sequence
+cannot get a page, the newest running sequence is preempted: its pages go back (computed full pages stay
+cached), and it waits to be recomputed, mostly from the prefix cache.
+"""
+from collections import deque
+
+import torch
+
+from model.cache import CachePools
+from serving.batch import ScheduledChunk
+from serving.block_manager import KVBlockManager
+from serving.config import EngineConfig
+from serving.sequence import Sequence, SequenceStatus
+from serving.state_cache import StateSnapshotCache
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, block_manager: KVBlockManager, state_cache: StateSnapshotCache,
+                 pools: CachePools):
+        self.cfg, self.page_size = cfg, cfg.page_size
+        self.block_manager, self.state_cache, self.pools = block_manager, state_cache, pools
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest admission first
+        self.free_state_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning a step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """The chunks of the next step; preempts until something can run."""
+        chunks = self._schedule_once()
+        while not chunks and self.running:
+            self.preempt(self.running[-1])
+            chunks = self._schedule_once()
+        if not chunks and self.waiting:
+            raise RuntimeError("no request fits in an empty cache pool")
+        return chunks
+
+    def _schedule_once(self) -> list[ScheduledChunk]:
+        budget = self.cfg.max_num_batched_tokens
+        chunks = self._schedule_decodes(budget)
+        budget -= len(chunks)
+        hits = {seq.id: self._prefix_hit(seq) for seq in self.waiting}
+        fast = [s for s in self.waiting if hits[s.id][0] and s.num_tokens - self._hit_tokens(hits[s.id])
+                <= self.cfg.fast_lane_tokens]
+        for seq in fast:
+            budget = self._try_admit(seq, hits[seq.id], budget, chunks)
+        scheduled = {c.seq.id for c in chunks}
+        for seq in [s for s in self.running if s.id not in scheduled]:
+            budget = self._continue_prefill(seq, budget, chunks)
+        for seq in list(self.waiting):
+            if seq in fast:
+                continue
+            before = len(chunks)
+            budget = self._try_admit(seq, hits[seq.id], budget, chunks)
+            if len(chunks) == before:
+                break  # cold requests keep their order: a large one is not overtaken forever
+        return chunks
+
+    def _schedule_decodes(self, budget: int) -> list[ScheduledChunk]:
+        chunks = []
+        for seq in list(self.running):
+            if budget == len(chunks):
+                break
+            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 and self._grow(seq):
+                chunks.append(ScheduledChunk(seq, 1))
+        return chunks
+
+    def _grow(self, seq: Sequence) -> bool:
+        """One more page slot for seq's next token, preempting the newest running sequences if needed;
+        False when seq itself was preempted."""
+        while not self.block_manager.allocate(seq, seq.num_computed_tokens + 1):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _continue_prefill(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """Schedule the next chunk of a running chunked prefill as far as budget and free pages allow."""
+        bm = self.block_manager
+        room = (len(seq.pages) + bm.num_available_pages) * self.page_size - seq.num_computed_tokens
+        n = self.chunk_size(seq, seq.num_computed_tokens, min(budget, room))
+        if n and bm.allocate(seq, seq.num_computed_tokens + n):
+            chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+        return budget
+
+    def chunk_size(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens to compute from start: up to budget, ending at a snapshot point if one lies inside (the end
+        of the cached pages beyond the hit, where sessions branch; the prompt's last page boundary), else at
+        a page boundary unless the chunk reaches the sequence's end."""
+        end = min(seq.num_tokens, start + max(budget, 0))
+        prompt_boundary = seq.num_prompt_tokens // self.page_size * self.page_size
+        snapshot_points = [b for b in (seq.cached_pages_end, prompt_boundary) if start < b < end]
+        aligned = end // self.page_size * self.page_size
+        if snapshot_points:
+            end = min(snapshot_points)
+        elif end < seq.num_tokens and aligned > start:
+            end = aligned
+        return end - start
+
+    # ---- admission and the hybrid prefix cache -----------------------------------------------------------
+
+    def _prefix_hit(self, seq: Sequence) -> tuple[list[int], int | None]:
+        """The longest prefix [0, n) of seq, n <= num_tokens - 1 and page-aligned, with both its KV pages
+        and a GDN snapshot cached: (its pages, the snapshot key), or ([], None). Also notes in
+        seq.cached_pages_end how far cached pages alone reach: a branch point worth a snapshot."""
+        hashes = seq.page_hashes((seq.num_tokens - 1) // self.page_size, self.page_size)
+        pages = self.block_manager.cached_prefix(hashes)
+        seq.cached_pages_end = len(pages) * self.page_size
+        for j in range(len(pages), 0, -1):
+            if hashes[j - 1] in self.state_cache:
+                return pages[:j], hashes[j - 1]
+        return [], None
+
+    def _hit_tokens(self, hit: tuple[list[int], int | None]) -> int:
+        return len(hit[0]) * self.page_size
+
+    def _try_admit(self, seq: Sequence, hit: tuple[list[int], int | None], budget: int,
+                   chunks: list[ScheduledChunk]) -> int:
+        """Start a waiting seq from its prefix hit if a state slot, budget and pages allow."""
+        if not self.free_state_slots or budget <= 0:
+            return budget
+        hit_pages, key = hit
+        start = len(hit_pages) * self.page_size
+        n = self.chunk_size(seq, start, budget)
+        self.block_manager.share_prefix(seq, hit_pages)
+        if not self.block_manager.allocate(seq, start + n):
+            self.block_manager.free(seq)
+            return budget
+        seq.state_slot = self.free_state_slots.pop()
+        if key is None:
+            self.pools.reset_slots(torch.tensor([seq.state_slot], device=self.pools.conv_states.device))
+        else:
+            self.state_cache.restore(key, seq.state_slot)
+        seq.num_computed_tokens = start
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = start
+        seq.status = SequenceStatus.RUNNING
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        chunks.append(ScheduledChunk(seq, n))
+        return budget - n
+
+    # ---- after the step ----------------------------------------------------------------------------------
+
+    def commit(self, chunks: list[ScheduledChunk]) -> None:
+        """The model computed the chunks: advance, publish full pages, snapshot at page boundaries."""
+        for c in chunks:
+            seq = c.seq
+            seq.num_computed_tokens = c.end
+            self.block_manager.publish_computed_pages(seq)
+            if seq.num_computed_tokens % self.page_size == 0:
+                self._snapshot(seq)
+
+    def _snapshot(self, seq: Sequence) -> None:
+        """At a page boundary n: a published snapshot inside the prompt, else seq's rolling one."""
+        n = seq.num_computed_tokens
+        key = seq.page_hashes(n // self.page_size, self.page_size)[-1]
+        if n <= seq.num_prompt_tokens:
+            self.state_cache.save(key, seq.state_slot)
+            return
+        slot = self.state_cache.save_private(seq.state_slot, seq.rolling_snapshot_slot)
+        if slot is not None:
+            seq.rolling_snapshot_slot, seq.rolling_snapshot_tokens = slot, n
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back seq's pages and slot; its rolling snapshot is published for later requests."""
+        if seq.rolling_snapshot_slot is not None:
+            key = seq.page_hashes(seq.rolling_snapshot_tokens // self.page_size, self.page_size)[-1]
+            self.state_cache.publish_private(seq.rolling_snapshot_slot, key)
+            seq.rolling_snapshot_slot = None
+        self.block_manager.free(seq)
+        self.free_state_slots.append(seq.state_slot)
+        seq.state_slot = None
+        self.running.remove(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self._release(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def preempt(self, seq: Sequence) -> None:
+        """Stop seq and queue it first, to be recomputed (from the prefix cache where it can)."""
+        self._release(seq)
+        self.num_preemptions += 1
+        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+        self.waiting.appendleft(seq)

@@ -1,0 +1,88 @@
+"""One request as the engine sees it: its sampling parameters, its tokens and where its cache lives."""
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off; seed None draws from the engine."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
+            raise ValueError(f"bad sampling parameters: {self}")
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def page_hash(prev_hash: int, page_tokens: tuple[int, ...]) -> int:
+    """The hash chain of the prefix cache: a page's key depends on every token before it."""
+    return hash((prev_hash, page_tokens))
+
+
+class Sequence:
+    """Tokens [0, num_computed_tokens) are in the cache: KV in `pages` (page i holds positions
+    [i*page_size, (i+1)*page_size)), GDN state in `state_slot`. The last output token is never computed
+    while running: it is the next step's input."""
+
+    def __init__(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator):
+        if not prompt_ids:
+            raise ValueError("a prompt needs at least one token")
+        self.id = seq_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.pages: list[int] = []
+        self.num_published_pages = 0  # pages[:num_published_pages] are in the prefix cache (or were hits)
+        self.state_slot: int | None = None
+        self.rolling_snapshot_slot: int | None = None  # a private copy of the state at rolling_snapshot_tokens
+        self.rolling_snapshot_tokens = 0
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
+        self.cached_pages_end = 0  # tokens that cached KV pages covered at the last lookup (hit or not)
+        self.finish_reason: str | None = None
+        self._page_hashes: list[int] = []
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def page_hashes(self, num_pages: int, page_size: int) -> list[int]:
+        """The chain hashes of the first num_pages full pages (tokens only grow, so they are memoised)."""
+        if num_pages * page_size > self.num_tokens:
+            raise ValueError(f"{num_pages} pages of {page_size} exceed the {self.num_tokens} tokens")
+        tokens = self.token_ids
+        for i in range(len(self._page_hashes), num_pages):
+            prev = self._page_hashes[-1] if i else 0
+            self._page_hashes.append(page_hash(prev, tuple(tokens[i * page_size:(i + 1) * page_size])))
+        return self._page_hashes[:num_pages]

@@ -1,0 +1,109 @@
+"""KVBlockManager: refcounts, sharing, LRU eviction of cached pages, and no leaks under random traffic."""
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from serving.block_manager import KVBlockManager
+from serving.sequence import SamplingParams, Sequence
+
+PAGE = 4
+
+
+def new_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
+    return Sequence(seq_id, tokens, SamplingParams(), torch.Generator())
+
+
+def computed(bm: KVBlockManager, seq: Sequence, n: int) -> Sequence:
+    """Pretend the model computed seq's first n tokens: pages allocated and full ones published."""
+    assert bm.allocate(seq, n)
+    seq.num_computed_tokens = n
+    bm.publish_computed_pages(seq)
+    return seq
+
+
+def test_allocate_is_all_or_nothing():
+    bm = KVBlockManager(num_pages=3, page_size=PAGE)
+    seq = new_seq(list(range(20)))
+    assert not bm.allocate(seq, 13)  # needs 4 pages
+    assert seq.pages == [] and bm.num_available_pages == 3
+    assert bm.allocate(seq, 12) and len(seq.pages) == 3 and bm.num_available_pages == 0
+
+
+def test_shared_prefix_pages_are_refcounted():
+    bm = KVBlockManager(num_pages=8, page_size=PAGE)
+    a = computed(bm, new_seq(list(range(10))), 10)  # pages 0, 1 full and published; page 2 partial
+    b = new_seq(list(range(9)) + [99], seq_id=1)
+    hit = bm.cached_prefix(b.page_hashes(2, PAGE))
+    assert hit == a.pages[:2]
+    bm.share_prefix(b, hit)
+    assert [bm.refcount[p] for p in a.pages] == [2, 2, 1]
+    bm.free(a)
+    assert [bm.refcount[p] for p in b.pages] == [1, 1]
+    assert a.pages == [] and bm.num_available_pages == 8 - 2  # a's partial page went back to the free list
+
+
+def test_freed_cached_pages_stay_cached_and_evict_in_lru_order():
+    bm = KVBlockManager(num_pages=4, page_size=PAGE)
+    a = computed(bm, new_seq(list(range(8))), 8)
+    b = computed(bm, new_seq(list(range(100, 108)), seq_id=1), 8)
+    a_pages, b_pages = list(a.pages), list(b.pages)
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_available_pages == 4 and not bm.free_pages
+    # a was freed first and a sequence's tail before its head: a[1], a[0], b[1], b[0]
+    assert [bm.take_page() for _ in range(2)] == [a_pages[1], a_pages[0]]
+    assert bm.cached_prefix(new_seq(list(range(8))).page_hashes(2, PAGE)) == []
+    assert bm.cached_prefix(new_seq(list(range(100, 108))).page_hashes(2, PAGE)) == b_pages
+
+
+def test_a_hit_refreshes_lru_position():
+    bm = KVBlockManager(num_pages=2, page_size=PAGE)
+    a = computed(bm, new_seq([1, 2, 3, 4]), 4)
+    b = computed(bm, new_seq([5, 6, 7, 8], seq_id=1), 4)
+    a_page, b_page = a.pages[0], b.pages[0]
+    bm.free(a)
+    bm.free(b)
+    c = new_seq([1, 2, 3, 4, 9], seq_id=2)
+    bm.share_prefix(c, bm.cached_prefix(c.page_hashes(1, PAGE)))
+    assert c.pages == [a_page] and bm.refcount[a_page] == 1 and a_page not in bm.evictable
+    bm.free(c)  # a's page is now the most recently used
+    assert bm.take_page() == b_page
+
+
+def test_a_page_computed_twice_keeps_the_first_copy():
+    bm = KVBlockManager(num_pages=4, page_size=PAGE)
+    a = computed(bm, new_seq([1, 2, 3, 4, 5]), 5)
+    b = computed(bm, new_seq([1, 2, 3, 4, 6], seq_id=1), 5)
+    assert bm.cached_prefix(b.page_hashes(1, PAGE)) == [a.pages[0]]
+    bm.free(b)
+    assert len(bm.free_pages) == 2 and not bm.evictable  # b's copy was never published: it went back free
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=14), st.integers(0, 14),
+                          st.booleans()), min_size=1, max_size=25))
+def test_random_traffic_leaves_every_page_free_or_cached(requests):
+    """Sequences with shared prefixes (a 3-token vocabulary) hit, allocate, compute and free in random order."""
+    bm = KVBlockManager(num_pages=10, page_size=PAGE)
+    live = []
+    for i, (tokens, extra, free_oldest) in enumerate(requests):
+        seq = new_seq(tokens + [0] * extra, seq_id=i)
+        hit = bm.cached_prefix(seq.page_hashes((seq.num_tokens - 1) // PAGE, PAGE))
+        bm.share_prefix(seq, hit)
+        seq.num_computed_tokens = len(hit) * PAGE
+        while not bm.allocate(seq, seq.num_tokens) and live:
+            bm.free(live.pop(0 if free_oldest else -1))
+        if len(seq.pages) * PAGE < seq.num_tokens:
+            bm.free(seq)
+            continue
+        seq.num_computed_tokens = seq.num_tokens
+        bm.publish_computed_pages(seq)
+        live.append(seq)
+        held = [p for s in live for p in s.pages]
+        assert all(bm.refcount[p] == held.count(p) for p in range(bm.num_pages))
+    for seq in live:
+        bm.free(seq)
+    assert all(r == 0 for r in bm.refcount)
+    assert sorted(list(bm.free_pages) + list(bm.evictable)) == list(range(bm.num_pages))
+    assert set(bm.evictable) == {p for p, h in enumerate(bm.hash_of_page) if h is not None}
+    assert all(bm.hash_of_page[p] == h for h, p in bm.page_of_hash.items())

@@ -1,0 +1,173 @@
+"""LLMEngine on the reference ops (CPU, fp32): greedy output equals model.generate.greedy token for token,
+through batching, the hybrid prefix cache, chunked prefill and preemption; and nothing leaks."""
+import pytest
+import torch
+
+from model.generate import greedy
+from model.model import Qwen35ForCausalLM
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
+from serving.sequence import SamplingParams
+from tests.hf_oracle import small_config
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Qwen35ForCausalLM.random(small_config(vocab_size=VOCAB), seed=0)
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def expected(model, prompt: list[int], max_tokens: int) -> list[int]:
+    return greedy(model, torch.tensor([prompt]), max_tokens)[0].tolist()
+
+
+def small_engine(model, **fields) -> LLMEngine:
+    cfg = dict(num_pages=64, page_size=8, max_num_seqs=4, snapshot_slots=8, max_num_batched_tokens=128)
+    return LLMEngine(model, EngineConfig(**{**cfg, **fields}))
+
+
+def assert_nothing_leaks(engine: LLMEngine) -> None:
+    """Every page is free or cached with refcount 0; every running slot is free; no private snapshot is left."""
+    bm, cfg = engine.block_manager, engine.cfg
+    assert not engine.scheduler.has_work
+    assert all(r == 0 for r in bm.refcount)
+    assert len(bm.free_pages) + len(bm.evictable) == cfg.num_pages
+    assert len(engine.scheduler.free_state_slots) == cfg.max_num_seqs
+    assert len(engine.state_cache.free_slots) + len(engine.state_cache) == cfg.snapshot_slots
+
+
+def test_one_request_equals_greedy(model):
+    engine = small_engine(model)
+    prompt = random_prompt(21, seed=1)
+    out = engine.generate([prompt], SamplingParams(max_tokens=10))[0]
+    assert out.output_ids == expected(model, prompt, 10)
+    assert (out.prompt_tokens, out.cached_tokens, out.finish_reason) == (21, 0, "length")
+    assert_nothing_leaks(engine)
+
+
+def test_batched_requests_of_different_lengths_equal_greedy(model):
+    engine = small_engine(model, max_num_seqs=3)  # five requests: two wait for a slot
+    prompts = [random_prompt(n, seed=n) for n in (1, 7, 8, 30, 17)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=9))
+    for prompt, out in zip(prompts, outs):
+        assert out.output_ids == expected(model, prompt, 9)
+    assert_nothing_leaks(engine)
+
+
+def test_returning_session_hits_the_prefix_cache(model):
+    engine = small_engine(model)
+    first = random_prompt(27, seed=2)
+    reply = engine.generate([first], SamplingParams(max_tokens=14))[0].output_ids
+    second = first + reply + random_prompt(5, seed=3)  # the client sends the history back unchanged
+    out = engine.generate([second], SamplingParams(max_tokens=8))[0]
+    # the rolling decode snapshot at 40 computed tokens (27 + 13) was published at finish
+    assert out.cached_tokens == 40
+    assert out.output_ids == expected(model, second, 8)
+    assert_nothing_leaks(engine)
+
+
+def test_resent_prompt_hits_the_prefill_snapshot(model):
+    engine = small_engine(model)
+    prompt = random_prompt(29, seed=4)
+    engine.generate([prompt], SamplingParams(max_tokens=3))
+    out = engine.generate([prompt + [7, 8]], SamplingParams(max_tokens=6))[0]
+    assert out.cached_tokens == 24  # the prompt's last page boundary
+    assert out.output_ids == expected(model, prompt + [7, 8], 6)
+
+
+def test_shared_system_prompt_across_sessions(model):
+    engine = small_engine(model)
+    system = random_prompt(35, seed=5)
+    sessions = [system + random_prompt(6 + i, seed=10 + i) for i in range(3)]
+    outs = [engine.generate([p], SamplingParams(max_tokens=5))[0] for p in sessions]
+    # session 1 finds session 0's pages but no snapshot inside the system prompt: it snapshots at the branch
+    # point (32, the end of the shared full pages), which session 2 then hits
+    assert [o.cached_tokens for o in outs] == [0, 0, 32]
+    for prompt, out in zip(sessions, outs):
+        assert out.output_ids == expected(model, prompt, 5)
+    assert_nothing_leaks(engine)
+
+
+def test_chunked_prefill_with_a_tiny_token_budget(model):
+    engine = small_engine(model, page_size=4, num_pages=128, max_num_batched_tokens=6)
+    prompts = [random_prompt(n, seed=20 + n) for n in (23, 11, 2)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=7))
+    for prompt, out in zip(prompts, outs):
+        assert out.output_ids == expected(model, prompt, 7)
+    assert_nothing_leaks(engine)
+
+
+def test_preemption_under_a_tiny_page_pool(model):
+    # three requests need 6 pages each at the end; the pool has 10, so decodes run out and preempt
+    engine = small_engine(model, page_size=4, num_pages=10, max_num_seqs=3, snapshot_slots=4)
+    prompts = [random_prompt(10, seed=30 + i) for i in range(3)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12))
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.output_ids == expected(model, prompt, 12)
+    assert_nothing_leaks(engine)
+
+
+def test_stops_on_eos_unless_ignore_eos(model):
+    prompt = random_prompt(9, seed=6)
+    ref = expected(model, prompt, 6)
+    engine = small_engine(model, eos_token_ids=(ref[2],))
+    assert engine.generate([prompt], SamplingParams(max_tokens=6))[0].output_ids == ref[:3]
+    out = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert (out.output_ids, out.finish_reason) == (ref, "length")
+    out = engine.generate([prompt], SamplingParams(max_tokens=6, stop_token_ids=(ref[1],)))[0]
+    assert (out.output_ids, out.finish_reason) == (ref[:2], "stop")
+
+
+def test_step_streams_tokens(model):
+    engine = small_engine(model)
+    prompt = random_prompt(12, seed=7)
+    seq_id = engine.add_request(prompt, SamplingParams(max_tokens=4))
+    streamed = []
+    while engine.has_unfinished:
+        streamed += [(o.token, o.finished) for o in engine.step() if o.seq_id == seq_id]
+    ref = expected(model, prompt, 4)
+    assert streamed == [(t, i == 3) for i, t in enumerate(ref)]
+
+
+def test_many_random_requests_leave_no_leak(model):
+    engine = small_engine(model, page_size=4, num_pages=24, max_num_seqs=3, snapshot_slots=3,
+                          max_num_batched_tokens=16)
+    gen = torch.Generator().manual_seed(8)
+    system = random_prompt(9, seed=9)
+    history = []
+    for i in range(12):
+        base = history[int(torch.randint(len(history), (), generator=gen))] if history and i % 2 else system
+        prompt = base + random_prompt(int(torch.randint(1, 12, (), generator=gen)), seed=100 + i)
+        engine.add_request(prompt[:60], SamplingParams(max_tokens=int(torch.randint(1, 8, (), generator=gen))))
+        if i % 3 == 2:
+            while engine.has_unfinished:
+                engine.step()
+            history += [s.prompt_ids + s.output_ids for s in engine.sequences.values()]
+            for seq_id in list(engine.sequences):
+                engine.pop_output(seq_id)
+    while engine.has_unfinished:
+        engine.step()
+    assert_nothing_leaks(engine)
+
+
+def test_rejects_a_request_that_can_never_fit(model):
+    engine = small_engine(model, page_size=4, num_pages=4)
+    with pytest.raises(ValueError, match="pages"):
+        engine.add_request(random_prompt(10, seed=0), SamplingParams(max_tokens=7))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([VOCAB], SamplingParams(max_tokens=1))
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_one_is_greedy(model):
+    prompts = [random_prompt(n, seed=40 + n) for n in (6, 13)]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=123, max_tokens=8)
+    first, second = (small_engine(model).generate(prompts, seeded) for _ in range(2))
+    assert [o.output_ids for o in first] == [o.output_ids for o in second]
+    top1 = small_engine(model).generate(prompts, SamplingParams(temperature=0.7, top_k=1, max_tokens=8))
+    assert [o.output_ids for o in top1] == [expected(model, p, 8) for p in prompts]

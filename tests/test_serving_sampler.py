@@ -1,0 +1,59 @@
+"""sample(): greedy rows, top-k, top-p and per-request seeds."""
+import torch
+
+from serving.sampler import sample
+from serving.sequence import SamplingParams
+
+V = 50
+
+
+def random_logits(batch: int, seed: int = 0):
+    return torch.randn(batch, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def gens(*seeds: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_temperature_zero_and_top_k_one_are_greedy():
+    logits = random_logits(4)
+    greedy = [SamplingParams()] * 4
+    assert torch.equal(sample(logits, greedy, gens(0, 1, 2, 3)), logits.argmax(-1))
+    top1 = [SamplingParams(temperature=1.5, top_k=1)] * 4
+    assert torch.equal(sample(logits, top1, gens(0, 1, 2, 3)), logits.argmax(-1))
+
+
+def test_mixed_batch_keeps_greedy_rows_greedy():
+    logits = random_logits(3)
+    params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams()]
+    out = sample(logits, params, gens(0, 1, 2))
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens():
+    logits = random_logits(1).expand(64, V)
+    params = [SamplingParams(temperature=2.0)] * 64
+    assert torch.equal(sample(logits, params, gens(*[7] * 64)), sample(logits, params, gens(*[7] * 64)))
+    assert len(set(sample(logits, params, gens(*range(64))).tolist())) > 5
+
+
+def test_top_k_and_top_p_only_draw_from_their_sets():
+    logits = random_logits(1, seed=4)[0]
+    probs = torch.softmax(logits, -1)
+    order = probs.argsort(descending=True)
+    mass_before = probs[order].cumsum(0) - probs[order]
+    nucleus = set(order[mass_before < 0.6].tolist())
+    top5 = set(order[:5].tolist())
+    n = 400
+    by_p = sample(logits.expand(n, V), [SamplingParams(temperature=1.0, top_p=0.6)] * n, gens(*range(n)))
+    by_k = sample(logits.expand(n, V), [SamplingParams(temperature=1.0, top_k=5)] * n, gens(*range(n)))
+    assert set(by_p.tolist()) == nucleus
+    assert set(by_k.tolist()) <= top5 and len(set(by_k.tolist())) > 1
+
+
+def test_draws_follow_the_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
+    n = 4000
+    out = sample(logits.expand(n, 4), [SamplingParams(temperature=1.0)] * n, gens(*range(n)))
+    freq = torch.bincount(out, minlength=4).float() / n
+    assert (freq - torch.softmax(logits[0], -1)).abs().max() < 0.03

@@ -1,0 +1,64 @@
+"""Scheduler: decodes first, then the fast lane of returning sessions, then cold prefills in page-aligned chunks."""
+import pytest
+import torch
+
+from model.model import Qwen35ForCausalLM
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
+from serving.sequence import SamplingParams, Sequence
+from tests.hf_oracle import small_config
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Qwen35ForCausalLM.random(small_config(vocab_size=512), seed=1)
+
+
+def engine_with_budget(model, budget: int) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(num_pages=64, page_size=PAGE, max_num_seqs=4, snapshot_slots=4,
+                                         max_num_batched_tokens=budget, fast_lane_tokens=8))
+
+
+def prompt(n: int, first: int = 1) -> list[int]:
+    return [(first + 7 * i) % 512 for i in range(n)]
+
+
+def test_decodes_then_fast_lane_then_cold_prefill(model):
+    engine = engine_with_budget(model, budget=16)
+    earlier = engine.generate([prompt(12)], SamplingParams(max_tokens=4))[0]
+    decoding = engine.add_request(prompt(5, first=3), SamplingParams(max_tokens=10))
+    engine.step()  # its prefill up to the prompt's last page boundary (4): one token left, like a decode
+    cold = engine.add_request(prompt(40, first=5))
+    returning = engine.add_request(earlier.prompt_ids + earlier.output_ids + [1, 2])  # 18 tokens, hit at 12
+    chunks = engine.scheduler.schedule()
+    # the returning session computes up to its prompt's last page boundary (16) and overtakes the cold
+    # prefill, which gets the rest of the budget (11) rounded down to a page
+    assert [(c.seq.id, c.start, c.num_tokens) for c in chunks] == [
+        (decoding, 4, 1), (returning, 12, 4), (cold, 0, 8)]
+
+
+def test_a_tiny_budget_goes_to_decodes(model):
+    engine = engine_with_budget(model, budget=2)
+    ids = [engine.add_request(prompt(3, first=i)) for i in range(2)]
+    for _ in range(3):
+        engine.step()  # three budget-2 steps prefill both 3-token prompts: both decode from now on
+    assert all(engine.sequences[i].num_uncomputed_tokens == 1 for i in ids)
+    engine.add_request(prompt(20, first=9))
+    chunks = engine.scheduler.schedule()
+    assert [(c.seq.id, c.num_tokens) for c in chunks] == [(ids[0], 1), (ids[1], 1)]
+
+
+@pytest.mark.parametrize("start, budget, cached_pages_end, size", [
+    (0, 100, 0, 20),   # reaches the sequence's end, past the prompt's last page boundary (20)
+    (0, 10, 0, 8),     # budget-limited: ends on a page boundary
+    (0, 3, 0, 3),      # less than a page of budget: a partial chunk rather than none
+    (3, 6, 0, 5),      # realigns a partial start
+    (0, 100, 12, 12),  # stops where cached pages end (a branch point), to snapshot there
+])
+def test_chunk_size(model, start, budget, cached_pages_end, size):
+    engine = engine_with_budget(model, budget=64)
+    seq = Sequence(0, prompt(21), SamplingParams(), torch.Generator())
+    seq.cached_pages_end = cached_pages_end
+    assert engine.scheduler.chunk_size(seq, start, budget) == size

@@ -1,0 +1,73 @@
+"""StateSnapshotCache: slot copies of every linear layer's state, LRU eviction, private rolling snapshots."""
+import torch
+
+from model.cache import CachePools
+from serving.state_cache import StateSnapshotCache
+from tests.hf_oracle import small_config
+
+RUNNING = 2  # slots 0, 1 belong to running sequences; snapshots use the rest
+
+
+def make_cache(snapshot_slots: int) -> StateSnapshotCache:
+    pools = CachePools.allocate(small_config(), num_pages=1, page_size=4, num_slots=RUNNING + snapshot_slots,
+                                dtype=torch.float32, device="cpu")
+    return StateSnapshotCache(pools, first_slot=RUNNING, num_slots=snapshot_slots)
+
+
+def fill(cache: StateSnapshotCache, slot: int, value: float) -> None:
+    cache.pools.conv_states[:, slot] = value
+    cache.pools.recurrent_states[:, slot] = value
+
+
+def value_of(cache: StateSnapshotCache, slot: int) -> float:
+    conv, rec = cache.pools.conv_states[:, slot], cache.pools.recurrent_states[:, slot]
+    assert (conv == conv.flatten()[0]).all() and (rec == conv.flatten()[0]).all()
+    return float(conv.flatten()[0])
+
+
+def test_save_and_restore_copy_every_linear_layer():
+    cache = make_cache(2)
+    fill(cache, 0, 3.0)
+    assert cache.save(key=11, src_slot=0) and 11 in cache
+    fill(cache, 0, 0.0)
+    cache.restore(11, dst_slot=1)
+    assert value_of(cache, 1) == 3.0 and value_of(cache, 0) == 0.0
+
+
+def test_published_snapshots_evict_least_recently_used_first():
+    cache = make_cache(2)
+    for key in (1, 2):
+        fill(cache, 0, float(key))
+        cache.save(key, 0)
+    cache.restore(1, 1)  # key 1 is now the most recently used
+    fill(cache, 0, 3.0)
+    cache.save(3, 0)
+    assert 2 not in cache and 1 in cache and 3 in cache
+    cache.restore(3, 1)
+    assert value_of(cache, 1) == 3.0
+
+
+def test_saving_a_known_key_copies_nothing():
+    cache = make_cache(1)
+    fill(cache, 0, 1.0)
+    cache.save(5, 0)
+    fill(cache, 0, 2.0)
+    assert cache.save(5, 0)
+    cache.restore(5, 1)
+    assert value_of(cache, 1) == 1.0
+
+
+def test_private_snapshots_are_never_evicted_and_publish_once():
+    cache = make_cache(2)
+    fill(cache, 0, 1.0)
+    a = cache.save_private(0, None)
+    b = cache.save_private(0, None)
+    assert {a, b} == {2, 3}
+    assert not cache.save(7, 0) and cache.save_private(0, None) is None  # both slots are private
+    fill(cache, 0, 4.0)
+    assert cache.save_private(0, a) == a and value_of(cache, a) == 4.0  # a rolling snapshot is overwritten
+    cache.publish_private(a, key=9)
+    cache.publish_private(b, key=9)  # the same point again: b's slot goes back free
+    assert len(cache) == 1 and cache.free_slots == [b]
+    cache.restore(9, 1)
+    assert value_of(cache, 1) == 4.0
