@@ -1,0 +1,280 @@
+"""Paged decode attention (kernels/paged_decode_attention.py) against reference.paged_attention in fp32.
+
+Interpreter tests (CPU, fp16/fp32, small head counts) cover head dims 64/128, contexts 1, 2, 65 and ~300,
+page sizes 16, 24 and 64 over shuffled pages of a bigger pool whose unused slots hold NaN, GQA 1/2/4/8,
+q_len 1, 2 and 5, varlen batches, more splits than keys (empty splits) and the fused gate. `gpu` tests cover
+bf16/fp16, head dims 128/256, contexts up to 33k, q_len 1..8 and CUDA-graph replay with new lengths.
+"""
+import math
+
+import pytest
+import torch
+
+import reference as R
+from kernels.paged_decode_attention import (
+    MAX_SPLITS,
+    OPS,
+    DecodeWorkspace,
+    alloc_workspace,
+    choose_num_splits,
+    paged_attention_op,
+    paged_decode_attention,
+)
+from model.ops import _BACKENDS
+from model.step import StepInput
+from tests.conftest import HAS_CUDA, rel_err
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def make_cache(lens, kv, d, page, dtype, seed, spare_pages=3):
+    """A shuffled page pool holding len tokens per sequence; unused pages and slots past each length are NaN.
+    Returns k_pages, v_pages (num_pages, page, kv, d), page_table (B, max_pages) int32, seqused_k (B,) int32."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [math.ceil(n / page) for n in lens]
+    n_pages = sum(need) + spare_pages
+    k_pages = torch.full((n_pages, page, kv, d), float("nan"))
+    v_pages = torch.full((n_pages, page, kv, d), float("nan"))
+    perm = torch.randperm(n_pages, generator=gen)
+    table = torch.zeros(len(lens), max(need) + 1, dtype=torch.int32)  # one spare column past every sequence
+    used = 0
+    for b, n in enumerate(lens):
+        ids = perm[used:used + need[b]]
+        used += need[b]
+        table[b, :need[b]] = ids.int()
+        k_pages.view(-1, kv, d)[(ids[:, None] * page + torch.arange(page)).flatten()[:n]] = \
+            torch.randn(n, kv, d, generator=gen)
+        v_pages.view(-1, kv, d)[(ids[:, None] * page + torch.arange(page)).flatten()[:n]] = \
+            torch.randn(n, kv, d, generator=gen)
+    seqused = torch.tensor(lens, dtype=torch.int32)
+    return [t.to(DEV) for t in (k_pages.to(dtype), v_pages.to(dtype), table, seqused)]
+
+
+def reference(q, k_pages, v_pages, table, seqused, gate=None, cu_seqlens_q=None):
+    """reference.paged_attention in fp32 (times sigmoid(gate) when given)."""
+    o = R.paged_attention(q.float(), k_pages.float(), v_pages.float(), table, seqused, causal=True,
+                          cu_seqlens_q=cu_seqlens_q)
+    return o if gate is None else o * torch.sigmoid(gate.float())
+
+
+def assert_close(out, ref, dtype, what):
+    assert out.shape == ref.shape and out.dtype == dtype, f"{what}: got {tuple(out.shape)} {out.dtype}"
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    err = rel_err(out, ref)
+    assert err <= TOL[dtype], f"{what}: ||out-ref||/||ref|| = {err:.2e} > {TOL[dtype]:.0e}"
+
+
+def randn(*shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEV)
+
+
+# ---- interpreter (and GPU) tests at small sizes ------------------------------------------------------------
+
+CASES = [  # (dtype, head_dim, heads, kv_heads, page, lens, q_len, num_splits, gate)
+    (torch.float16, 64, 2, 2, 16, [1, 2, 65, 300], 1, 1, False),  # GQA 1, one split: direct store
+    (torch.float32, 128, 4, 2, 64, [65, 300], 2, 4, True),  # GQA 2, splits of 128 keys
+    (torch.float16, 64, 8, 2, 24, [5, 65], 5, 3, False),  # GQA 4, pages that are not a whole tile
+    (torch.float16, 128, 8, 1, 64, [300], 1, 9, True),  # GQA 8, 9 splits for 5 tiles: empty splits
+]
+
+
+@pytest.mark.parametrize("dtype,d,h,kv,page,lens,q_len,splits,gated", CASES)
+def test_matches_reference(dtype, d, h, kv, page, lens, q_len, splits, gated):
+    k_pages, v_pages, table, seqused = make_cache(lens, kv, d, page, dtype, seed=d + h)
+    q = randn(len(lens), q_len, h, d, dtype=dtype, seed=1)
+    gate = randn(*q.shape, dtype=dtype, seed=2) if gated else None
+    out = paged_decode_attention(q, k_pages, v_pages, table, seqused, gate=gate, num_splits=splits)
+    ref = reference(q, k_pages, v_pages, table, seqused, gate)
+    assert_close(out, ref, dtype, f"{dtype} d{d} H{h}/KV{kv} page {page} lens {lens} q_len {q_len} splits {splits}")
+
+
+def test_varlen_with_given_buffers():
+    """Flat q with cu_seqlens_q (q_lens 1, 2, 5), caller's out and a NaN-filled workspace, gate fused."""
+    dtype, d, h, kv, page, splits = torch.float16, 64, 4, 2, 16, 3
+    lens, q_lens = [2, 65, 130], [1, 2, 5]
+    k_pages, v_pages, table, seqused = make_cache(lens, kv, d, page, dtype, seed=5)
+    cu = torch.tensor([0, 1, 3, 8], dtype=torch.int32, device=DEV)
+    q = randn(sum(q_lens), h, d, dtype=dtype, seed=6)
+    gate = randn(*q.shape, dtype=dtype, seed=7)
+    out = torch.empty_like(q)
+    ws = alloc_workspace(q.shape[0], h, splits, d, DEV)
+    ws.o.fill_(float("nan"))
+    ws.lse.fill_(float("nan"))
+    got = paged_decode_attention(q, k_pages, v_pages, table, seqused, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                                 gate=gate, num_splits=splits, out=out, workspace=ws)
+    assert got is out
+    ref = reference(q, k_pages, v_pages, table, seqused, gate, cu_seqlens_q=cu)
+    assert_close(out, ref, dtype, f"varlen q_lens {q_lens} lens {lens}")
+
+
+def test_gate_fused_equals_unfused():
+    dtype, d, h, kv, page = torch.float16, 64, 4, 2, 16
+    k_pages, v_pages, table, seqused = make_cache([70], kv, d, page, dtype, seed=8)
+    q = randn(1, 1, h, d, dtype=dtype, seed=9)
+    gate = randn(*q.shape, dtype=dtype, seed=10)
+    for splits in (1, 2):
+        plain = paged_decode_attention(q, k_pages, v_pages, table, seqused, num_splits=splits)
+        fused = paged_decode_attention(q, k_pages, v_pages, table, seqused, gate=gate, num_splits=splits)
+        unfused = R.sigmoid_gate_mul(plain, gate)
+        assert rel_err(fused, unfused) <= 1e-3, f"splits {splits}: fused gate differs by {rel_err(fused, unfused):.2e}"
+
+
+def test_model_op_adapter():
+    """paged_attention_op runs the kernel for q_len <= 8 and the reference for longer chunks."""
+    dtype, d, h, kv, page = torch.float32, 64, 2, 1, 16
+    k_pages, v_pages, table, seqused = make_cache([3, 40], kv, d, page, dtype, seed=11)
+    for q_lens in ([1, 3], [1, 12]):
+        cu = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEV)
+        n = sum(q_lens)
+        step = StepInput(token_ids=torch.zeros(n, dtype=torch.long), positions=torch.zeros(n, dtype=torch.long),
+                         cu_seqlens=cu, max_seqlen_q=max(q_lens), seqused_k=seqused, page_table=table,
+                         slot_mapping=torch.zeros(n, dtype=torch.long), state_slots=torch.arange(2))
+        q = randn(n, h, d, dtype=dtype, seed=12)
+        gate = randn(n, h, d, dtype=dtype, seed=13)
+        out = paged_attention_op(q, k_pages, v_pages, step, 0.3, gate)
+        ref = _BACKENDS["reference"]["paged_attention"](q, k_pages, v_pages, step, 0.3, gate)
+        assert rel_err(out, ref) <= TOL[dtype], f"q_lens {q_lens}: {rel_err(out, ref):.2e}"
+    assert OPS == {"paged_attention": paged_attention_op}
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(64, 4, 8192) == 1  # 256 programs already fill two waves
+    assert choose_num_splits(1, 4, 64) == 1  # one tile cannot be split
+    for batch, kv, ctx in [(1, 4, 32768), (1, 2, 131072), (8, 4, 32768)]:
+        s = choose_num_splits(batch, kv, ctx)
+        assert 1 < s <= MAX_SPLITS and batch * kv * s >= 100, f"B{batch} KV{kv} {ctx}: {s} splits"
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------
+
+def _good():
+    k_pages, v_pages, table, seqused = make_cache([20, 40], 2, 64, 16, torch.float16, seed=14)
+    q = randn(2, 1, 4, 64, dtype=torch.float16, seed=15)
+    return dict(q=q, k_pages=k_pages, v_pages=v_pages, page_table=table, seqused_k=seqused)
+
+
+def _col_major(t):
+    # the same values with a strided last dim
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+CU = [0, 1, 2]
+BAD = [  # (regex the message must match, the arguments to override given the good ones)
+    ("k_pages must have dtype", lambda g: dict(q=g["q"].float())),
+    ("k_pages must have dtype", lambda g: dict(k_pages=g["k_pages"].float())),
+    ("v_pages .* must match", lambda g: dict(v_pages=g["v_pages"][:, :8])),
+    ("head_dim", lambda g: dict(q=g["q"][..., :32], k_pages=g["k_pages"][..., :32], v_pages=g["v_pages"][..., :32])),
+    ("kv heads", lambda g: dict(q=g["q"][:, :, :3])),
+    ("q_len", lambda g: dict(q=g["q"].expand(2, 9, 4, 64))),
+    ("page_table", lambda g: dict(page_table=g["page_table"].long())),
+    ("seqused_k has 1 entries", lambda g: dict(seqused_k=g["seqused_k"][:1])),
+    ("seqused_k must have dtype", lambda g: dict(seqused_k=g["seqused_k"].long())),
+    ("q has batch", lambda g: dict(q=g["q"][:1])),
+    ("q must have 3 dims", lambda g: dict(cu_seqlens_q=torch.tensor(CU, dtype=torch.int32, device=DEV))),
+    ("max_seqlen_q", lambda g: dict(q=g["q"][:, 0], cu_seqlens_q=torch.tensor(CU, dtype=torch.int32, device=DEV))),
+    ("max_seqlen_q", lambda g: dict(q=g["q"][:, 0], cu_seqlens_q=torch.tensor(CU, dtype=torch.int32, device=DEV),
+                                    max_seqlen_q=9)),
+    ("cu_seqlens_q has 2 entries", lambda g: dict(q=g["q"][:, 0], max_seqlen_q=1,
+                                                  cu_seqlens_q=torch.tensor(CU[:2], dtype=torch.int32, device=DEV))),
+    ("gate", lambda g: dict(gate=g["q"][:, :, :2])),
+    ("q must be contiguous along its last dim", lambda g: dict(q=_col_major(g["q"]))),
+    ("page_table must be contiguous", lambda g: dict(page_table=g["page_table"].t().contiguous().t())),
+    ("seqused_k must be contiguous", lambda g: dict(seqused_k=g["seqused_k"].repeat_interleave(2)[::2])),
+    ("out must have dtype", lambda g: dict(out=torch.empty_like(g["q"], dtype=torch.float32))),
+    ("out must be contiguous", lambda g: dict(out=_col_major(torch.empty_like(g["q"])))),
+    ("cu_seqlens_q must be a torch.Tensor", lambda g: dict(q=g["q"][:, 0], cu_seqlens_q=CU, max_seqlen_q=1)),
+    ("num_splits", lambda g: dict(num_splits=0)),
+    ("workspace must be a DecodeWorkspace", lambda g: dict(num_splits=2, workspace=(g["q"], g["q"]))),
+    ("workspace too small", lambda g: dict(num_splits=2, workspace=alloc_workspace(1, 4, 2, 64, DEV))),
+]
+
+
+@pytest.mark.parametrize("message,override", BAD, ids=[f"{i}-{m.split()[0]}" for i, (m, _) in enumerate(BAD)])
+def test_rejects_bad_input(message, override):
+    good = _good()
+    with pytest.raises(ValueError, match=message):
+        paged_decode_attention(**{**good, **override(good)})
+
+
+def test_workspace_helper_shape():
+    ws = alloc_workspace(3, 4, 5, 64, DEV)
+    assert isinstance(ws, DecodeWorkspace) and ws.o.numel() == 3 * 4 * 5 * 64 and ws.lse.numel() == 3 * 4 * 5
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------------
+
+GPU_LENS = [1, 2, 65, 1000, 33000]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("q_len", [1, 3, 8])
+def test_gpu_matches_reference(dtype, d, group, q_len):
+    kv, page = 2, (16 if group in (1, 4) else 64)
+    lens = [max(n, q_len) for n in GPU_LENS]
+    k_pages, v_pages, table, seqused = make_cache(lens, kv, d, page, dtype, seed=group * 10 + q_len)
+    q = randn(len(lens), q_len, kv * group, d, dtype=dtype, seed=q_len)
+    gate = randn(*q.shape, dtype=dtype, seed=3) if q_len == 3 else None
+    out = paged_decode_attention(q, k_pages, v_pages, table, seqused, gate=gate)
+    ref = reference(q, k_pages, v_pages, table, seqused, gate)
+    assert_close(out, ref, dtype, f"{dtype} d{d} GQA {group} q_len {q_len} page {page}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 256), (torch.float16, 64)])
+def test_gpu_largest_tile_and_small_head_dim(dtype, d):
+    """q_len 8 x GQA 8 = 64 rows: fp32 d256 is the largest shared-memory footprint; d64 the smallest head dim."""
+    k_pages, v_pages, table, seqused = make_cache([8, 1000, 5000], 1, d, 64, dtype, seed=40)
+    q = randn(3, 8, 8, d, dtype=dtype, seed=41)
+    out = paged_decode_attention(q, k_pages, v_pages, table, seqused)
+    assert_close(out, reference(q, k_pages, v_pages, table, seqused), dtype, f"{dtype} d{d} q_len 8 GQA 8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 7, 64])
+def test_gpu_varlen_mixed_q_lens(splits):
+    dtype, d, h, kv, page = torch.bfloat16, 256, 16, 4, 64
+    q_lens = [1, 8, 3, 5, 2, 7, 4, 6]
+    lens = [8, 70, 1000, 33000, 4, 513, 20000, 129]
+    k_pages, v_pages, table, seqused = make_cache(lens, kv, d, page, dtype, seed=20)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    q = randn(sum(q_lens), h, d, dtype=dtype, seed=21)
+    gate = randn(*q.shape, dtype=dtype, seed=22)
+    out = paged_decode_attention(q, k_pages, v_pages, table, seqused, cu_seqlens_q=cu, max_seqlen_q=8, gate=gate,
+                                 num_splits=splits)
+    ref = reference(q, k_pages, v_pages, table, seqused, gate, cu_seqlens_q=cu)
+    assert_close(out, ref, dtype, f"varlen q_lens {q_lens} splits {splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_gpu_cuda_graph_replay_with_new_lengths(q_len):
+    """Capture once with fixed buffers and a fixed split count; replay after writing new seqused_k values."""
+    dtype, d, h, kv, page, max_ctx = torch.bfloat16, 256, 16, 4, 64, 40000
+    batch = 3
+    k_pages, v_pages, table, seqused = make_cache([max_ctx] * batch, kv, d, page, dtype, seed=30)
+    k_pages.nan_to_num_(0.0)  # every slot may become visible when lengths change
+    v_pages.nan_to_num_(0.0)
+    q = randn(batch, q_len, h, d, dtype=dtype, seed=31)
+    splits = choose_num_splits(batch, kv, max_ctx)
+    out = torch.empty_like(q)
+    ws = alloc_workspace(batch * q_len, h, splits, d, DEV)
+    run = lambda: paged_decode_attention(q, k_pages, v_pages, table, seqused, num_splits=splits, out=out,
+                                         workspace=ws)
+    seqused.copy_(torch.tensor([1000, 20, 30000], dtype=torch.int32))
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for lens in ([1000, 20, 30000], [40000, 39999, 12345], [q_len, 65, 7], [2000, 1, 40000]):
+        lens = [max(n, q_len) for n in lens]
+        seqused.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, reference(q, k_pages, v_pages, table, seqused), dtype, f"graph replay lens {lens}")
