@@ -22,4 +22,12 @@ def pytest_collection_modifyitems(config, items):
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in fp64."""
     out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def assert_rel(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:
+    """Same shape, finite, and relative error within tol (the error is in the message)."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"

@@ -3,6 +3,7 @@ output, conv window and fp32 state over consecutive steps, slots scattered in a 
 adapter, CUDA-graph replay, and argument checks."""
 import pytest
 import torch
+from conftest import rel_err
 
 from kernels import gdn_decode
 from kernels.gdn_decode import OPS, gated_deltanet_op, gdn_decode_step
@@ -39,10 +40,6 @@ def make_token(gen, bsz, hk, hv, dk, dv, dtype, device=DEVICE):
     return [(torch.randn(*s, generator=gen) * m).to(dtype).to(device)
             for s, m in (((bsz, c), 1.0), ((bsz, hv, dv), 1.0), ((bsz, hv), 1.0), ((bsz, hv), 2.0))]
 
-
-def rel_err(out, ref) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def assert_close(out, ref, tol, what):

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from conftest import rel_err
 from hf_oracle import hf_text_model, randomize_, small_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -18,17 +19,6 @@ TOL = 1e-5
 VOCAB = 512
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def random_ids(batch: int, length: int, seed: int) -> torch.Tensor:

@@ -15,13 +15,6 @@ from model.model import Qwen35ForCausalLM
 VOCAB = 512
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):

@@ -3,6 +3,7 @@ fp32 weights (CPU): prefill logits, prefill + cached decode, chunked prefill, gr
 `generate`, and paged caches of several page sizes with shuffled pages."""
 import pytest
 import torch
+from conftest import rel_err
 from hf_oracle import hf_text_model, small_config
 
 from model.generate import greedy
@@ -28,22 +29,10 @@ CONFIGS = {
 }
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
-
 
 def random_ids(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: one thread is much faster than several fighting over a loaded CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_rel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.bias import causal_lower_right
@@ -14,17 +15,6 @@ from reference import attention, paged_attention, write_kv_pages
 
 TOL = 2e-5  # the reference computes in fp32; the oracle in fp64
 
-
-def rel_err(out, ref) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
-def assert_rel(out, ref, tol, what=""):
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(out).all(), f"{what}: non-finite output"
-    err = rel_err(out, ref)
-    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
 def rand(gen, *shape, dtype=torch.float32):

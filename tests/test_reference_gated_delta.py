@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import assert_rel, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,17 +14,6 @@ F64_TOL = 1e-10  # chunked vs recurrent, both in fp64
 F32_TOL = 1e-4  # the same in fp32
 LENGTHS = [1, 2, 3, 15, 16, 17, 63, 64, 65, 130]
 
-
-def rel_err(out, ref) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
-def assert_rel(out, ref, tol, what=""):
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(out).all(), f"{what}: non-finite output"
-    err = rel_err(out, ref)
-    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
 def make_inputs(seed, lead, hk, hv, dk, dv, dtype=torch.float64, n_states=None):

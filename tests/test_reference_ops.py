@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_rel, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,18 +32,6 @@ from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5Moe
 
 TOL = {torch.float32: 2e-6, torch.float64: 2e-6, torch.bfloat16: 8e-3}  # the references compute in fp32
 
-
-def rel_err(out, ref) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
-def assert_rel(out, ref, tol, what=""):
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert out.dtype == ref.dtype, f"{what}: dtype {out.dtype} != {ref.dtype}"
-    assert torch.isfinite(out).all(), f"{what}: non-finite output"
-    err = rel_err(out, ref)
-    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
 def rand(gen, *shape, dtype=torch.float32, scale=1.0):
