@@ -1,0 +1,323 @@
+"""The OpenAI wire format: request bodies in (validated), response objects and stream chunks out, and the text
+side of generation (detokenization with stop strings; reasoning / content / tool-call splitting).
+
+Any `model` name is accepted; responses carry the served model's name. Extensions as vLLM has them: `top_k`,
+`ignore_eos`, `chat_template_kwargs.enable_thinking` (default False). `n` > 1, `logprobs` and `echo` are refused.
+"""
+import time
+import uuid
+from dataclasses import dataclass
+
+from model.tokenizer import QwenTokenizer, StreamDecoder
+from model.tool_calls import parse_tool_calls, split_reasoning
+from serving.sequence import SamplingParams
+
+
+class ApiError(Exception):
+    """An error the client caused: status 400 with OpenAI's error JSON."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    tools: list[dict] | None = None
+    enable_thinking: bool = False
+
+
+# ---- parsing -------------------------------------------------------------------------------------------------
+
+
+def _field(body: dict, key: str, types: tuple, default=None):
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise ApiError(f"'{key}' must be of type {'/'.join(t.__name__ for t in types)}", key)
+    return value
+
+
+def _refuse_unsupported(body: dict) -> None:
+    if _field(body, "n", (int,), 1) != 1:
+        raise ApiError("only n=1 is supported", "n")
+    for key in ("logprobs", "top_logprobs", "echo"):
+        if body.get(key):
+            raise ApiError(f"'{key}' is not supported", key)
+
+
+def _stop_strings(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError("'stop' must be a string or a list of strings", "stop")
+    return tuple(s for s in stops if s)
+
+
+def _max_tokens(body: dict, keys: tuple[str, ...], prompt_len: int, served: ServedModel) -> int:
+    if prompt_len >= served.max_model_len:
+        raise ApiError(f"the prompt has {prompt_len} tokens; this model's context is {served.max_model_len} "
+                       "tokens", "messages" if "max_completion_tokens" in keys else "prompt")
+    room = served.max_model_len - prompt_len
+    for key in keys:
+        value = _field(body, key, (int,))
+        if value is None:
+            continue
+        if value < 1:
+            raise ApiError(f"'{key}' must be at least 1", key)
+        if value > room:
+            raise ApiError(f"{prompt_len} prompt tokens + {key}={value} exceed the context of "
+                           f"{served.max_model_len} tokens", key)
+        return value
+    return room
+
+
+def _sampling(body: dict, prompt_len: int, served: ServedModel, max_keys: tuple[str, ...]) -> SamplingParams:
+    temperature = float(_field(body, "temperature", (int, float), 1.0))
+    top_p = float(_field(body, "top_p", (int, float), 1.0))
+    top_k = _field(body, "top_k", (int,), 0)
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < -1:
+        raise ApiError("need temperature >= 0, 0 < top_p <= 1 and top_k >= -1 (-1 or 0: off)", "temperature")
+    return SamplingParams(temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
+                          seed=_field(body, "seed", (int,)), max_tokens=_max_tokens(body, max_keys, prompt_len, served),
+                          ignore_eos=_field(body, "ignore_eos", (bool,), False))
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _field(body, "stream", (bool,), False)
+    options = _field(body, "stream_options", (dict,), {})
+    return stream, bool(stream and options.get("include_usage"))
+
+
+def _prompt_ids(prompt, tokenizer: QwenTokenizer, served: ServedModel) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = prompt
+    else:
+        raise ApiError("'prompt' must be a string or a list of token ids (batches are not supported)", "prompt")
+    if not ids:
+        raise ApiError("'prompt' is empty", "prompt")
+    if any(not 0 <= t < served.vocab_size for t in ids):
+        raise ApiError(f"prompt token ids must lie in [0, {served.vocab_size})", "prompt")
+    return ids
+
+
+def parse_completion(body, tokenizer: QwenTokenizer, served: ServedModel) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    _refuse_unsupported(body)
+    if "prompt" not in body:
+        raise ApiError("'prompt' is required", "prompt")
+    ids = _prompt_ids(body["prompt"], tokenizer, served)
+    stream, include_usage = _stream_flags(body)
+    return GenerationRequest(ids, _sampling(body, len(ids), served, ("max_tokens",)), _stop_strings(body), stream,
+                             include_usage)
+
+
+def parse_chat(body, tokenizer: QwenTokenizer, served: ServedModel) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    _refuse_unsupported(body)
+    messages = _field(body, "messages", (list,))
+    if not messages:
+        raise ApiError("'messages' must be a non-empty list", "messages")
+    tools = _field(body, "tools", (list,)) or None
+    thinking = _field(_field(body, "chat_template_kwargs", (dict,), {}), "enable_thinking", (bool,), False)
+    try:
+        ids = tokenizer.apply_chat_template(messages, tools=tools, enable_thinking=thinking)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ApiError(f"bad messages or tools: {error}", "messages") from None
+    stream, include_usage = _stream_flags(body)
+    params = _sampling(body, len(ids), served, ("max_completion_tokens", "max_tokens"))
+    return GenerationRequest(ids, params, _stop_strings(body), stream, include_usage, tools, thinking)
+
+
+# ---- text of the generated tokens ------------------------------------------------------------------------------
+
+
+class MarkerSplitter:
+    """Incremental search for the first of some markers in streamed text: `push` returns the text that is
+    certainly before any marker (a tail that could start one is held back); once a marker is seen, `found` is
+    set, and `rest` holds the text after it."""
+
+    def __init__(self, markers: tuple[str, ...]):
+        self.markers = markers
+        self.text, self.sent = "", 0
+        self.found: str | None = None
+        self.rest = ""
+
+    def push(self, delta: str) -> str:
+        if self.found is not None:
+            self.rest += delta
+            return ""
+        start = max(0, len(self.text) - max((len(m) for m in self.markers), default=0))
+        self.text += delta
+        hits = [(i, m) for m in self.markers if (i := self.text.find(m, start)) >= 0]
+        if hits:
+            cut, self.found = min(hits)
+            self.rest = self.text[cut + len(self.found):]
+            self.text = self.text[:cut]
+            return self.flush()
+        safe = max(self.sent, len(self.text) - self._held_back())
+        out, self.sent = self.text[self.sent:safe], safe
+        return out
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+    def _held_back(self) -> int:
+        return max((k for m in self.markers for k in range(1, len(m)) if self.text.endswith(m[:k])), default=0)
+
+
+class Detokenizer:
+    """Generated tokens to text: incremental UTF-8, end-of-sequence tokens dropped, cut at the first stop
+    string (then `stopped` is set)."""
+
+    def __init__(self, tokenizer: QwenTokenizer, stop: tuple[str, ...]):
+        self._decoder = StreamDecoder(tokenizer)
+        self._eos = set(tokenizer.eos_token_ids)
+        self._stops = MarkerSplitter(stop)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.found is not None
+
+    def push(self, token: int) -> str:
+        return "" if token in self._eos else self._stops.push(self._decoder.push(token))
+
+    def flush(self) -> str:
+        return self._stops.push(self._decoder.flush()) + self._stops.flush()
+
+
+class ChatDeltas:
+    """Streamed chat text to OpenAI deltas: reasoning before `</think>` (when thinking is on), then content,
+    then, from the first `<tool_call>` (when tools were given), a buffer parsed into tool calls at the end."""
+
+    def __init__(self, tools: list[dict] | None, enable_thinking: bool):
+        self.tools = tools
+        self.fields = (["reasoning_content"] if enable_thinking else []) + ["content"]
+        self.tool_text: str | None = None
+        self._splitter = self._next_splitter()
+        self._fresh = True
+
+    def _next_splitter(self) -> MarkerSplitter:
+        if self.fields[0] == "reasoning_content":
+            return MarkerSplitter(("</think>",))
+        return MarkerSplitter(("<tool_call>",) if self.tools else ())
+
+    def push(self, text: str) -> list[dict]:
+        deltas = []
+        while text:
+            if self.tool_text is not None:
+                self.tool_text += text
+                break
+            deltas += self._emit(self._splitter.push(text))
+            if self._splitter.found is None:
+                break
+            text = self._splitter.rest
+            self._advance()
+        return deltas
+
+    def _advance(self) -> None:
+        if len(self.fields) > 1:
+            self.fields.pop(0)
+            self._splitter, self._fresh = self._next_splitter(), True
+        else:
+            self.tool_text = "<tool_call>"
+
+    def _emit(self, text: str) -> list[dict]:
+        if self._fresh:
+            text = text.lstrip()
+        self._fresh = self._fresh and not text
+        return [{self.fields[0]: text}] if text else []
+
+    def finish(self) -> tuple[list[dict], bool]:
+        """The last deltas, and whether tool calls were made."""
+        deltas = self._emit(self._splitter.flush()) if self.tool_text is None else []
+        if self.tool_text is None:
+            return deltas, False
+        content, calls = parse_tool_calls(self.tool_text, self.tools)
+        if content:
+            deltas.append({"content": content})
+        if calls:
+            deltas.append({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]})
+        return deltas, bool(calls)
+
+
+def chat_message(text: str, tools: list[dict] | None, enable_thinking: bool) -> tuple[dict, bool]:
+    """The assistant message of a whole generated text, and whether it calls tools."""
+    if enable_thinking and "</think>" not in text:
+        reasoning, rest = text.strip() or None, ""  # thinking was cut off
+    elif enable_thinking:
+        reasoning, rest = split_reasoning(text)
+    else:
+        reasoning, rest = None, text
+    content, calls = parse_tool_calls(rest, tools) if tools else (rest.strip(), [])
+    message = {"role": "assistant", "content": content or (None if calls else "")}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return message, bool(calls)
+
+
+# ---- responses -------------------------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+@dataclass(frozen=True)
+class ResponseHeader:
+    """What every object of one response shares."""
+    id: str
+    model: str
+    created: int
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> "ResponseHeader":
+        return cls(f"{prefix}-{uuid.uuid4().hex}", model, int(time.time()))
+
+    def wrap(self, kind: str, choices: list[dict], usage_: dict | None = None) -> dict:
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        if usage_ is not None:
+            body["usage"] = usage_
+        return body
+
+
+def completion_choice(text: str, finish_reason: str | None) -> dict:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chat_choice(message: dict, finish_reason: str) -> dict:
+    return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chat_chunk_choice(delta: dict, finish_reason: str | None = None) -> dict:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
