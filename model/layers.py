@@ -33,8 +33,8 @@ class GatedAttention(nn.Module):
 
     def __init__(self, cfg: Qwen35Config):
         super().__init__()
-        self.h, self.kv, self.d, self.eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, \
-            cfg.rms_norm_eps
+        self.h, self.kv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
         self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d * 2, bias=False)  # per head: [q | gate]
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv * self.d, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv * self.d, bias=False)
