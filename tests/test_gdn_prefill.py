@@ -1,0 +1,208 @@
+"""The chunked gated delta rule prefill (kernels/gdn_prefill.py) against the recurrent oracle
+reference.recurrent_gated_delta_rule: outputs and the final states written back in place into scattered slots of a
+larger pool (other slots untouched), varlen batches crossing the chunk edges; the model.ops adapter against
+model.ops._ref_gated_deltanet; argument checks; bf16 at Qwen3.5-9B shapes on the GPU."""
+import pytest
+import torch
+from conftest import rel_err
+
+import reference as R
+from kernels import gdn_prefill
+from kernels.gdn_prefill import OPS, chunk_gated_delta_rule
+from model.ops import _ref_gated_deltanet
+from model.step import StepInput
+
+EPS = 1e-6
+CONV_K = 4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_inputs(gen, lens, hk, hv, dk, dv, dtype, n_slots, device=DEVICE):
+    """q, k (T, Hk, dk), v (T, Hv, dv) in dtype; g, beta (T, Hv) fp32 from the model's gates; cu_seqlens;
+    a random nonzero fp32 state pool (n_slots, Hv, dk, dv) and len(lens) distinct permuted slots."""
+    total = sum(lens)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    q, k, v = r(total, hk, dk).to(dtype), r(total, hk, dk).to(dtype), r(total, hv, dv).to(dtype)
+    g, beta = R.gdn_gates(r(total, hv) * 2, r(total, hv), torch.log(torch.rand(hv, generator=gen) * 15 + 1), r(hv))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    pool = r(n_slots, hv, dk, dv) * 0.5
+    slots = torch.randperm(n_slots, generator=gen)[:len(lens)]
+    return [t.to(device) for t in (q, k, v, g, beta, cu, pool, slots)]
+
+
+def assert_close(out, ref, tol, what):
+    assert (out.shape, out.dtype) == (ref.shape, ref.dtype), f"{what}: {out.shape} {out.dtype} vs {ref.dtype}"
+    assert torch.isfinite(out).all(), f"{what}: non-finite values"
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+def check_against_oracle(lens, hk, hv, dk, dv, dtype, tol_out, tol_state, seed=0, scale=None, use_qk_l2norm=True,
+                         with_out=False):
+    """Run the kernel on a pool copy and the oracle on the gathered slots; compare o, the written-back states,
+    and that slots outside state_slots kept their bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, g, beta, cu, pool, slots = make_inputs(gen, lens, hk, hv, dk, dv, dtype, len(lens) + 3)
+    if not use_qk_l2norm:  # unnormalised keys would make the recurrence blow up
+        q, k = R.l2norm(q.float()).to(dtype), R.l2norm(k.float()).to(dtype)
+    ref_o, ref_s = R.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool[slots], cu_seqlens=cu,
+                                                scale=scale, use_qk_l2norm=use_qk_l2norm)
+    states = pool.clone()
+    out = torch.full_like(v, float("nan")) if with_out else None
+    o = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_states=states, state_slots=slots, cu_seqlens=cu,
+                               scale=scale, use_qk_l2norm=use_qk_l2norm, out=out)
+    what = f"lens={lens} Hk={hk} Hv={hv} dk={dk} dv={dv} {dtype}"
+    if with_out:
+        assert o is out, f"{what}: out= not returned"
+    assert_close(o, ref_o, tol_out, f"{what} output")
+    assert_close(states[slots], ref_s, tol_state, f"{what} final states")
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    untouched[slots] = False
+    assert torch.equal(states[untouched], pool[untouched]), f"{what}: a slot outside state_slots was written"
+
+
+# ---- interpreter-sized (also run on the GPU) ----------------------------------------------------------------
+
+MIXED = [1, 2, 63, 64, 65, 130]  # inside, at and across the 64-token chunk edges
+
+
+def test_mixed_lengths_gqa2_fp32():
+    check_against_oracle(MIXED, 1, 2, 16, 16, torch.float32, 1e-5, 1e-5, with_out=True)
+
+
+def test_gqa2_wider_heads_and_empty_sequence_fp32():
+    # an empty sequence keeps its state; dk != dv
+    check_against_oracle([130, 0, 1, 65], 2, 4, 32, 16, torch.float32, 1e-5, 1e-5, seed=1)
+
+
+def test_fp16_io():
+    check_against_oracle([70, 3], 1, 1, 16, 32, torch.float16, 2e-3, 1e-4, seed=2)
+
+
+def test_no_l2norm_custom_scale():
+    check_against_oracle([5, 80], 1, 2, 16, 16, torch.float32, 1e-5, 1e-5, seed=3, scale=0.3, use_qk_l2norm=False)
+
+
+def prefill_step(lens, slots) -> StepInput:
+    """A StepInput of sequences of these lengths (only the GDN fields matter)."""
+    total, dev = sum(lens), slots.device
+    zeros = torch.zeros(total, dtype=torch.int64, device=dev)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    return StepInput(token_ids=zeros, positions=zeros, cu_seqlens=cu, max_seqlen_q=max(lens),
+                     seqused_k=cu[1:] - cu[:-1], page_table=torch.zeros(len(lens), 1, dtype=torch.int32, device=dev),
+                     slot_mapping=zeros, state_slots=slots)
+
+
+def make_layer_inputs(gen, lens, hk, hv, dk, dv, dtype, n_slots, device=DEVICE):
+    """model.ops.gated_deltanet's arguments before `step`: qkv, z, b, a, conv_w, A_log, dt_bias, norm_w,
+    conv_states, recurrent_states (random nonzero pools)."""
+    total, c = sum(lens), 2 * hk * dk + hv * dv
+    r = lambda *s: torch.randn(*s, generator=gen)
+    args = (r(total, c).to(dtype), r(total, hv, dv).to(dtype), r(total, hv).to(dtype), (r(total, hv) * 2).to(dtype),
+            (r(c, CONV_K) * 0.5).to(dtype), torch.log(torch.rand(hv, generator=gen) * 15 + 1), r(hv),
+            (1 + 0.2 * r(dv)).to(dtype), r(n_slots, c, CONV_K - 1).to(dtype), r(n_slots, hv, dk, dv) * 0.5)
+    return [t.to(device) for t in args]
+
+
+def check_op(lens, hk, hv, dk, dv, dtype, tol_out, tol_state, seed=0):
+    """OPS["gated_deltanet"] against model.ops._ref_gated_deltanet: output, conv windows (bit for bit), states."""
+    gen = torch.Generator().manual_seed(seed)
+    n_slots = len(lens) + 2
+    args = make_layer_inputs(gen, lens, hk, hv, dk, dv, dtype, n_slots)
+    slots = torch.randperm(n_slots, generator=gen)[:len(lens)].to(DEVICE)
+    ref_args = [t.clone() for t in args]
+    step = prefill_step(lens, slots)
+    out = OPS["gated_deltanet"](*args, step, hk, EPS)
+    ref = _ref_gated_deltanet(*ref_args, step, hk, EPS)
+    what = f"op lens={lens} {dtype}"
+    assert_close(out, ref, tol_out, f"{what} output")
+    assert torch.equal(args[8], ref_args[8]), f"{what}: conv_states differ"
+    assert_close(args[9], ref_args[9], tol_state, f"{what} recurrent_states")
+
+
+def test_op_matches_reference_prefill():
+    check_op([3, 66, 1], 1, 2, 16, 16, torch.float32, 1e-5, 1e-5)
+
+
+def test_op_dispatch(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gdn_prefill, "gated_deltanet_prefill_op", lambda *a: calls.append("prefill") or "p")
+    monkeypatch.setattr(gdn_prefill.gdn_decode, "gated_deltanet_op", lambda *a: calls.append("decode") or "d")
+    slots = torch.tensor([1, 0])
+    assert OPS["gated_deltanet"](*[None] * 10, prefill_step([1, 1], slots), 1, EPS) == "d"
+    assert OPS["gated_deltanet"](*[None] * 10, prefill_step([2, 1], slots), 1, EPS) == "p"
+    assert calls == ["decode", "prefill"]
+    assert set(OPS) == {"gated_deltanet"}
+
+
+# ---- argument checks -----------------------------------------------------------------------------------------
+
+def _valid_args():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, g, beta, cu, pool, slots = make_inputs(gen, [3, 2], 2, 4, 16, 16, torch.float32, 4)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, recurrent_states=pool, state_slots=slots, cu_seqlens=cu)
+
+
+BAD_ARGS = [  # (the argument the error must name, a function of the valid arguments returning a bad value)
+    ("q", lambda d: d["q"].double()),
+    ("q", lambda d: d["q"][..., ::2]),
+    ("k", lambda d: d["k"][1:]),
+    ("k", lambda d: d["k"].half()),
+    ("v", lambda d: d["v"][:, :3]),
+    ("v", lambda d: d["v"][1:]),
+    ("v", lambda d: d["v"].half()),
+    ("g", lambda d: d["g"].half()),
+    ("beta", lambda d: d["beta"][:, :1]),
+    ("recurrent_states", lambda d: d["recurrent_states"].transpose(2, 3)),
+    ("recurrent_states", lambda d: d["recurrent_states"][:, :1]),
+    ("recurrent_states", lambda d: d["recurrent_states"].half()),
+    ("state_slots", lambda d: d["state_slots"][:1]),
+    ("state_slots", lambda d: d["state_slots"].float()),
+    ("cu_seqlens", lambda d: torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)),
+    ("cu_seqlens", lambda d: torch.tensor([0, 3, 2, 5], dtype=torch.int32, device=DEVICE)),
+    ("out", lambda d: torch.empty(5, 4, 8, device=DEVICE)),
+]
+
+
+@pytest.mark.parametrize("name,bad", BAD_ARGS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD_ARGS)])
+def test_rejects_bad_arguments(name, bad):
+    args = _valid_args()
+    args[name] = bad(args)
+    with pytest.raises(ValueError, match=f"^{name}"):
+        chunk_gated_delta_rule(**args)
+
+
+def test_rejects_head_dim_below_16():
+    args = _valid_args()
+    args["q"], args["k"] = args["q"][..., :8].contiguous(), args["k"][..., :8].contiguous()
+    args["recurrent_states"] = args["recurrent_states"][:, :, :8].contiguous()
+    with pytest.raises(ValueError, match="^dk and dv"):
+        chunk_gated_delta_rule(**args)
+
+
+def test_rejects_mixed_devices():
+    args = _valid_args()
+    args["g"] = torch.empty(args["g"].shape, device="meta")
+    with pytest.raises(ValueError, match="share one device"):
+        chunk_gated_delta_rule(**args)
+
+
+# ---- GPU: bf16 at Qwen3.5-9B shapes ----------------------------------------------------------------------------
+
+QWEN9B = (16, 32, 128, 128)  # Hk, Hv, dk, dv
+REAL_LENS = [1, 65, 1000, 4097]
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_real_shapes_varlen():
+    check_against_oracle(REAL_LENS, *QWEN9B, torch.bfloat16, 1e-2, 1e-3, seed=5)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_single_long_sequence():
+    check_against_oracle([4097], *QWEN9B, torch.bfloat16, 1e-2, 1e-3, seed=6)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_op_real_shapes():
+    check_op([65, 1, 1000], *QWEN9B, torch.bfloat16, 1e-2, 1e-3, seed=7)
