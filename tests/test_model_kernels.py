@@ -7,6 +7,11 @@ from model import ops
 from model.config import Qwen35Config
 from model.model import Qwen35ForCausalLM
 
+# the smallest shapes the kernels take (head_dim 64), for the CPU interpreter
+SMALL = Qwen35Config(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64, intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=16, linear_value_head_dim=16)
+
 
 def decode_logits(model, prompt, steps, backend, page_size):
     """Prefill on the references, then `steps` greedy decode steps on `backend`: logits (steps, B, V)."""
@@ -28,9 +33,7 @@ def test_triton_backend_covers_decode_ops():
 
 
 def test_model_decode_triton_equals_reference_cpu():
-    cfg = Qwen35Config(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=64, intermediate_size=96, linear_num_key_heads=2,
-                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    cfg = SMALL
     model = Qwen35ForCausalLM.random(cfg, seed=3)
     prompt = torch.randint(0, cfg.vocab_size, (2, 19))
     ref = decode_logits(model, prompt, 2, "reference", page_size=16)
@@ -39,10 +42,8 @@ def test_model_decode_triton_equals_reference_cpu():
 
 
 def test_model_prefill_triton_equals_reference_cpu():
-    """Chunked prefill (two chunks of a varlen batch) through the triton ops, then one decode step."""
-    cfg = Qwen35Config(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=64, intermediate_size=96, linear_num_key_heads=2,
-                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    """A prompt prefilled in two chunks (65 tokens, then 5 over the cached 65) through the triton ops."""
+    cfg = SMALL
     model = Qwen35ForCausalLM.random(cfg, seed=4)
     prompt = torch.randint(0, cfg.vocab_size, (2, 70))
 
