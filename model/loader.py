@@ -140,18 +140,21 @@ def load_state_dict(model: Qwen35ForCausalLM, state_dict: dict[str, torch.Tensor
     return model
 
 
-def checkpoint_files(path: Path) -> list[Path]:
+def checkpoint_files(path: Path) -> dict[Path, set[str] | None]:
+    """Each shard to read, with the tensor names the index assigns to it (None: every tensor in the file)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        absent = [s for s in shards if not (path / s).is_file()]
+        shards: dict[Path, set[str]] = {}
+        for name, shard in json.loads(index.read_text())["weight_map"].items():
+            shards.setdefault(path / shard, set()).add(name)
+        absent = sorted(f.name for f in shards if not f.is_file())
         if absent:
             raise ValueError(f"{index} names shard files that are not in {path}: {absent}")
-        return [path / s for s in shards]
+        return dict(sorted(shards.items()))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no safetensors files in {path}")
-    return files
+    return dict.fromkeys(files)
 
 
 def load_checkpoint(path, *, device="cpu", dtype=torch.bfloat16, progress: bool = True) -> Qwen35ForCausalLM:
@@ -164,9 +167,12 @@ def load_checkpoint(path, *, device="cpu", dtype=torch.bfloat16, progress: bool 
     loader = WeightLoader(model)
     files = checkpoint_files(path)
     with tqdm(total=len(files), desc=f"loading {path.name}", unit="shard", disable=not progress) as bar:
-        for f in files:
+        for f, names in files.items():
             with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for name in sf.keys():
+                if names is not None and not names <= set(sf.keys()):
+                    raise ValueError(f"the index assigns tensors to {f.name} that it does not hold: "
+                                     f"{sorted(names - set(sf.keys()))[:8]}")
+                for name in sf.keys() if names is None else sorted(names):
                     loader.load(name, sf.get_tensor(name))
             bar.update(1)
     loader.finish()

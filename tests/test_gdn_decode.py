@@ -41,7 +41,6 @@ def make_token(gen, bsz, hk, hv, dk, dv, dtype, device=DEVICE):
             for s, m in (((bsz, c), 1.0), ((bsz, hv, dv), 1.0), ((bsz, hv), 1.0), ((bsz, hv), 2.0))]
 
 
-
 def assert_close(out, ref, tol, what):
     assert (out.shape, out.dtype) == (ref.shape, ref.dtype), f"{what}: {out.shape} {out.dtype} vs {ref.dtype}"
     assert torch.isfinite(out).all(), f"{what}: non-finite values"

@@ -19,8 +19,6 @@ TOL = 1e-5
 VOCAB = 512
 
 
-
-
 def random_ids(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -93,6 +91,24 @@ def test_text_checkpoint_logits_match(tmp_path, sharded):
     assert ours.config == cfg
     assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in ours.parameters())
     assert_logits_match(ours, hf, random_ids(2, 37, seed=1), "text checkpoint")
+
+
+def test_sharded_load_reads_only_what_the_index_assigns(tmp_path):
+    """A stray tensor left in a shard but absent from the index is not loaded; an index entry whose shard
+    lacks the tensor is a clear error."""
+    hf = hf_text_model(small_config(False), seed=2)
+    hf.save_pretrained(tmp_path, max_shard_size="200KB")
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = tmp_path / index["weight_map"]["model.norm.weight"]
+    tensors = load_file(shard)
+    save_file({**tensors, "model.layers.0.stray.weight": torch.randn(3)}, shard, metadata={"format": "pt"})
+    assert_logits_match(load(tmp_path), hf, random_ids(1, 9, seed=2), "stray tensor outside the index")
+    elsewhere = next(n for n, f in index["weight_map"].items() if f != shard.name)
+    index["weight_map"][elsewhere] = shard.name
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="does not hold"):
+        load(tmp_path)
 
 
 def test_tied_embeddings(tmp_path):

@@ -15,7 +15,6 @@ from model.model import Qwen35ForCausalLM
 VOCAB = 512
 
 
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A small dense checkpoint written by transformers, copied per test and then damaged."""

@@ -29,10 +29,8 @@ CONFIGS = {
 }
 
 
-
 def random_ids(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

@@ -16,7 +16,6 @@ from reference import attention, paged_attention, write_kv_pages
 TOL = 2e-5  # the reference computes in fp32; the oracle in fp64
 
 
-
 def rand(gen, *shape, dtype=torch.float32):
     return torch.randn(*shape, generator=gen, dtype=dtype)
 

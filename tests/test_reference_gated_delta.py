@@ -15,7 +15,6 @@ F32_TOL = 1e-4  # the same in fp32
 LENGTHS = [1, 2, 3, 15, 16, 17, 63, 64, 65, 130]
 
 
-
 def make_inputs(seed, lead, hk, hv, dk, dv, dtype=torch.float64, n_states=None):
     """Random q, k, v, realistic log-decays g (<= 0, through gdn_gates) and beta in (0, 1); lead is (B, T) or
     (total,). Returns the five tensors and a random initial state for n_states sequences (None: no state)."""

@@ -33,7 +33,6 @@ from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5Moe
 TOL = {torch.float32: 2e-6, torch.float64: 2e-6, torch.bfloat16: 8e-3}  # the references compute in fp32
 
 
-
 def rand(gen, *shape, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
