@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from fa4.softmax import exp2_mixed, poly_level, rescale_decision
+from kernels.varlen import sequence_span
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -131,23 +132,14 @@ def _fwd_kernel(
     head = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (causal) tiles first
     b = tl.program_id(2)
-    if VARLEN_Q:
-        q_start = tl.load(cu_q_ptr + b)
-        q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    else:
-        q_start = b * seqlen_q
-        q_len = seqlen_q
+    q_start, q_len = sequence_span(cu_q_ptr, b, seqlen_q, VARLEN_Q)
     m0 = m_block * BLOCK_M
     if m0 < q_len:
         if PAGED:
             k_start = b * 0  # positions index pages through the page table
             k_len = tl.load(seqused_ptr + b)
-        elif VARLEN_K:
-            k_start = tl.load(cu_k_ptr + b)
-            k_len = tl.load(cu_k_ptr + b + 1) - k_start
         else:
-            k_start = b * seqlen_k
-            k_len = seqlen_k
+            k_start, k_len = sequence_span(cu_k_ptr, b, seqlen_k, VARLEN_K)
         kvh = head // GROUP
         rows = m0 + tl.arange(0, BLOCK_M)  # (M,) query positions in the sequence
         row_ok = rows < q_len

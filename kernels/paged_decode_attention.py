@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels.varlen import sequence_span
 from reference._checks import check_same_device, check_tensor
 
 MAX_Q_LEN = 8
@@ -147,12 +148,7 @@ def _split_kernel(
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     # the sequence's query tokens [q_start, q_start + q_len) and its keys [0, seqlen)
-    if VARLEN:
-        q_start = tl.load(cu_q_ptr + b)
-        q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    else:
-        q_start = b * Q_LEN
-        q_len = Q_LEN
+    q_start, q_len = sequence_span(cu_q_ptr, b, Q_LEN, VARLEN)
     seqlen = tl.minimum(tl.maximum(tl.load(seqused_ptr + b), 0), capacity)
     chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
     kv_start = split * chunk
