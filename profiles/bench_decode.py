@@ -6,7 +6,9 @@ against the copy ceiling. Every bandwidth is also quoted as a fraction of this r
 Writes decode.json and decode_bw.png (B1 bandwidth against context length) to --out.
 """
 import argparse
+import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -121,8 +123,9 @@ def bench_gdn_case(batch, hk=16, hv=32, dk=128, dv=128, kw=4):
 # ---- fused small ops ----------------------------------------------------------------------------------
 
 def bench_small_ops_case(n, hidden=4096, inter=12288):
-    """add_rms_norm reads x and residual and writes both outputs; silu_and_mul reads 2I and writes I per row."""
-    from kernels.activations import silu_and_mul
+    """add_rms_norm reads x and residual and writes both outputs; silu_and_mul reads 2I and writes I per row;
+    sigmoid_gate_mul reads x and the gate and writes one output."""
+    from kernels.activations import sigmoid_gate_mul, silu_and_mul
     from kernels.norms import add_rms_norm
     x = torch.randn(n, hidden, device="cuda", dtype=BF16)
     res, w = torch.randn_like(x), torch.randn(hidden, device="cuda", dtype=BF16)
@@ -131,8 +134,11 @@ def bench_small_ops_case(n, hidden=4096, inter=12288):
     o2 = torch.empty(n, inter, device="cuda", dtype=BF16)
     us_norm = bench_us(lambda: add_rms_norm(x, res, w, 1e-6, out=out), graph=True)
     us_act = bench_us(lambda: silu_and_mul(gu, out=o2), graph=True)
+    us_gate = bench_us(lambda: sigmoid_gate_mul(x, res, out=out), graph=True)
     return [{"op": "add_rms_norm", "N": n, "width": hidden, "us": us_norm, "GBps": 4 * x.numel() * 2 / us_norm / 1e3},
-            {"op": "silu_and_mul", "N": n, "width": inter, "us": us_act, "GBps": 3 * o2.numel() * 2 / us_act / 1e3}]
+            {"op": "silu_and_mul", "N": n, "width": inter, "us": us_act, "GBps": 3 * o2.numel() * 2 / us_act / 1e3},
+            {"op": "sigmoid_gate_mul", "N": n, "width": hidden, "us": us_gate,
+             "GBps": 3 * x.numel() * 2 / us_gate / 1e3}]
 
 
 # ---- plot and main ------------------------------------------------------------------------------------
@@ -160,7 +166,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(RESULTS), help="folder for decode.json and decode_bw.png")
     ap.add_argument("--quick", action="store_true", help="only the first attention case (for ncu)")
+    ap.add_argument("--plot", metavar="JSON", help="only draw decode_bw.png beside an existing decode.json")
     args = ap.parse_args(argv)
+    if args.plot:
+        path = Path(args.plot)
+        plot_curve(json.loads(path.read_text())["attention_curve"], path.with_name("decode_bw.png"))
+        return
     if args.quick:
         print_table([bench_attention_case(*ATTN_CASES[0], peers=())], ["B", "ctx", "ours_us", "ours_TBps"])
         return
@@ -184,8 +195,11 @@ def main(argv=None):
     print_table(small, ["op", "N", "width", "us", "GBps", "frac_of_copy_ceiling"])
     out = write_result("decode", {"env": environment(), "ceilings": ceil, "attention": attn, "attention_curve": curve,
                                   "gdn_decode": gdn, "small_ops": small}, args.out)
-    plot_curve(curve, out.with_name("decode_bw.png"))
-    print(f"\nwrote {out} and {out.with_name('decode_bw.png')}")
+    try:
+        plot_curve(curve, out.with_name("decode_bw.png"))
+        print(f"\nwrote {out} and {out.with_name('decode_bw.png')}")
+    except ImportError:  # the GPU machine has no matplotlib: plot later from the JSON
+        print(f"\nwrote {out}; plot it with: python -m profiles.bench_decode --plot {out}")
 
 
 if __name__ == "__main__":
