@@ -77,7 +77,7 @@ def bench_attention_case(batch, ctx, h, kv, d, peers=("cudnn", "fa2", "fa4")):
             row[f"{name}_us"], row[f"{name}_error"] = None, f"{type(err).__name__}: {err}"[:200]
     for key in [c for c in row if c.endswith("_us")]:
         row[key.replace("_us", "_TBps")] = kv_bytes / row[key] / 1e6 if row[key] else None
-    best = max((row.get(f"{p}_TBps") or 0.0) for p in peers)
+    best = max([row.get(f"{p}_TBps") or 0.0 for p in peers], default=0.0)
     row["vs_best_peer"] = row["ours_graph_TBps"] / best if best else None
     return row
 
