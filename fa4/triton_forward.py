@@ -22,8 +22,8 @@ page page_table[b, n // PAGE_SIZE], slot n % PAGE_SIZE (one page id per tile whe
 
 Bound (H200, bf16, causal): 4 * B * H * S^2 * D / 2 FLOP over ~990 TFLOP/s dense bf16 wgmma; the exp2 work
 (S^2 / 2 per head over 16 ex2/clk/SM) is what the poly split offloads. Autotuned on (head dim, causal, paged,
-dtypes) over the head dim's `CONFIGS`; the interpreter uses one config. Compiled ahead of time for sm_90a
-on a CPU (bf16, every config x causal x paged x poly level 0/2/4, with 16-divisible pointers and strides):
+dtypes, the two FA4 flags) over the head dim's `CONFIGS`; the interpreter uses one config. Compiled ahead of time
+for sm_90a on a CPU (bf16, every config x causal x paged x poly level 0/2/4, with 16-divisible pointers and strides):
 all compile with cp.async pipelining and wgmma; shared memory 41-213 KB; ptxas reports no spills except
 d256 128x64 (4 bytes). Dropped from the list: d256 64x64 with 4 warps (100-byte spill) and d256 BLOCK_N 32
 (ptxas C7515: wgmma serialised).
@@ -116,8 +116,10 @@ def _attend_tiles(acc, l_i, m_i, q, k_base, v_base, pt_row, lo, hi, k_len, last_
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=[c for _, c in CONFIGS], key=["HEAD_DIM", "CAUSAL", "PAGED"],
-                 prune_configs_by={"early_config_prune": _prune})
+AUTOTUNE_KEY = ["HEAD_DIM", "CAUSAL", "PAGED", "RESCALE_THRESHOLD", "POLY_LEVEL"]
+
+
+@triton.autotune(configs=[c for _, c in CONFIGS], key=AUTOTUNE_KEY, prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, pt_ptr, seqused_ptr,
