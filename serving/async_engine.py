@@ -4,25 +4,48 @@ Handlers `submit` requests and `cancel` them; both only queue a command. The loo
 between steps, runs `engine.step()` in a one-thread executor and hands each token to its request's queue. So the
 engine is touched by one step at a time and never while a step runs. An abort finishes the sequence through the
 scheduler's own release path (its pages and state slot go back), then pops it from the engine.
+
+A step that raises fails only the request that caused it. Every running sequence may then hold a half-updated
+GDN state, so all of them are preempted (they are recomputed, mostly from the prefix cache). If more than one
+was running, each is then run alone, the others parked outside the scheduler, until it produces a token
+(cleared) or its step raises again (it alone fails); then everyone resumes. A request that fails gets an
+EngineFailure; the rest never see the fault.
 """
 import asyncio
 import contextlib
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from serving.engine import LLMEngine, RequestOutput
+from serving.metrics import EngineStats, ServingMetrics
 from serving.sequence import SamplingParams, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """The engine refused the request when it was added (it can never fit, or its token ids are bad)."""
+
+
+class EngineFailure(RuntimeError):
+    """The request failed inside the engine."""
 
 
 class RequestStream:
     """One request's tokens, as an async iterator; `output` resolves to its RequestOutput when it ends
-    (None when it was cancelled before it reached the engine or the engine failed)."""
+    (None when it was cancelled before it reached the engine, or failed)."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams):
         self.prompt_ids, self.params = prompt_ids, params
         self.seq_id: int | None = None
         self.cancelled = False
+        self.cancel_reason = "abort"
         self.queue: asyncio.Queue = asyncio.Queue()
         self.output: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.arrival = time.perf_counter()
+        self.last_token_time: float | None = None
+        self.num_delivered = 0
 
     @property
     def done(self) -> bool:
@@ -46,14 +69,21 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None):
         self.engine = engine
+        self.metrics = metrics or ServingMetrics()
         self._adds: list[RequestStream] = []
         self._aborts: list[RequestStream] = []
         self._live: dict[int, RequestStream] = {}
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
+        # fault isolation: sequences under suspicion, the one running alone, the ones parked meanwhile
+        self._suspects: list[int] = []
+        self._solo: int | None = None
+        self._parked: list = []
+        self.stats = EngineStats()
+        self._refresh_stats()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -63,6 +93,18 @@ class AsyncEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
+        for stream in [*self._adds, *self._live.values()]:
+            stream.fail(EngineFailure("the server is shutting down"))
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop task is alive."""
+        return self._task is not None and not self._task.done()
+
+    @property
+    def num_queued(self) -> int:
+        """Requests submitted but not yet running: the queue that a limit bounds."""
+        return len(self._adds) + self.stats.requests_waiting
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         stream = RequestStream(prompt_ids, params)
@@ -70,16 +112,16 @@ class AsyncEngine:
         self._wake.set()
         return stream
 
-    def cancel(self, stream: RequestStream) -> None:
-        """Abort the request at the next step boundary; a no-op once it has ended."""
+    def cancel(self, stream: RequestStream, reason: str = "abort") -> None:
+        """End the request at the next step boundary with finish reason `reason`; a no-op once it has ended."""
         if not stream.done and not stream.cancelled:
-            stream.cancelled = True
+            stream.cancelled, stream.cancel_reason = True, reason
             self._aborts.append(stream)
             self._wake.set()
 
-    async def abort(self, stream: RequestStream) -> RequestOutput | None:
+    async def abort(self, stream: RequestStream, reason: str = "abort") -> RequestOutput | None:
         """Cancel and wait: the RequestOutput as far as it got (or as it ended, if it ended first)."""
-        self.cancel(stream)
+        self.cancel(stream, reason)
         return await stream.output
 
     # ---- the loop task -----------------------------------------------------------------------------------
@@ -88,17 +130,21 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         while True:
             self._apply_commands()
+            self._advance_isolation()
+            self._refresh_stats()
             if not self.engine.has_unfinished:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             try:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception as error:  # the engine failed: end every request with the error, keep serving
-                self._fail_all(error)
+            except Exception as error:  # noqa: BLE001 - one request's fault must not stop the server
+                self._step_failed(error)
                 continue
             for out in outputs:
                 self._dispatch(out.seq_id, out.token, out.finished)
+            if self._solo is not None and any(out.seq_id == self._solo for out in outputs):
+                self._clear_solo()
 
     def _apply_commands(self) -> None:
         adds, self._adds = self._adds, []
@@ -108,38 +154,139 @@ class AsyncEngine:
                 continue
             try:
                 stream.seq_id = self.engine.add_request(stream.prompt_ids, stream.params)
-            except ValueError as error:
-                stream.fail(error)
+            except Exception as error:  # noqa: BLE001 - a refused request fails alone
+                stream.fail(RequestRejected(str(error)))
                 continue
             self._live[stream.seq_id] = stream
         aborts, self._aborts = self._aborts, []
         for stream in aborts:
             if self._live.pop(stream.seq_id, None) is not None:
-                stream.finish(self._abort_sequence(stream.seq_id))
+                self._end(stream, self._finish_sequence(stream.seq_id, stream.cancel_reason))
 
     def _dispatch(self, seq_id: int, token: int, finished: bool) -> None:
         stream = self._live.get(seq_id)
         if stream is None:
             return
+        now = time.perf_counter()
+        if stream.last_token_time is None:
+            self.metrics.ttft.observe(now - stream.arrival)
+        else:
+            self.metrics.itl.observe(now - stream.last_token_time)
+        stream.last_token_time = now
+        stream.num_delivered += 1
+        self.metrics.generation_tokens.inc()
         stream.queue.put_nowait(token)
         if finished:
             del self._live[seq_id]
-            stream.finish(self.engine.pop_output(seq_id))
+            self._end(stream, self.engine.pop_output(seq_id))
 
-    def _abort_sequence(self, seq_id: int) -> RequestOutput:
-        """Finish a running or waiting sequence now, releasing its pages and slot, and pop it."""
+    def _end(self, stream: RequestStream, output: RequestOutput) -> None:
+        self.metrics.observe_finish(output.finish_reason, output.prompt_tokens, output.cached_tokens,
+                                    time.perf_counter() - stream.arrival)
+        stream.finish(output)
+
+    def _finish_sequence(self, seq_id: int, reason: str) -> RequestOutput:
+        """Finish a running, waiting or parked sequence now, releasing its pages and slot, and pop it."""
         seq = self.engine.sequences[seq_id]
         scheduler = self.engine.scheduler
         if seq.status is SequenceStatus.RUNNING:
-            scheduler.finish(seq, "abort")
+            scheduler.finish(seq, reason)
         elif seq.status is SequenceStatus.WAITING:
-            scheduler.waiting.remove(seq)
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            if seq in self._parked:
+                self._parked.remove(seq)
+            else:
+                scheduler.waiting.remove(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         return self.engine.pop_output(seq_id)
 
-    def _fail_all(self, error: Exception) -> None:
-        live, self._live = self._live, {}
-        for seq_id, stream in live.items():
-            with contextlib.suppress(Exception):  # best effort: the engine is already in trouble
-                self._abort_sequence(seq_id)
-            stream.fail(error)
+    def _refresh_stats(self) -> None:
+        engine = self.engine
+        bm, scheduler = engine.block_manager, engine.scheduler
+        self.stats = EngineStats(
+            requests_waiting=len(scheduler.waiting) + len(self._parked),
+            requests_running=len(scheduler.running),
+            kv_blocks_total=bm.num_pages, kv_blocks_free=bm.num_available_pages, kv_blocks_cached=len(bm.evictable),
+            state_slots_total=engine.cfg.max_num_seqs, state_slots_free=len(scheduler.free_state_slots),
+            state_snapshots=len(engine.state_cache), preemptions=scheduler.num_preemptions)
+
+    # ---- fault isolation -----------------------------------------------------------------------------------
+
+    def _step_failed(self, error: Exception) -> None:
+        self.metrics.engine_failures.inc()
+        scheduler = self.engine.scheduler
+        suspects = [seq.id for seq in scheduler.running]
+        if not suspects and scheduler.waiting:  # the failure came before anything ran: blame the queue's head
+            suspects = [scheduler.waiting[0].id]
+        log.warning("engine step failed (%d suspect requests): %r", len(suspects), error)
+        self._deliver_lost_tokens()
+        self._reset_running()
+        if self._solo is not None or len(suspects) == 1:
+            culprit = self._solo if self._solo is not None else suspects[0]
+            self._solo = None
+            self._fail_request(culprit, error)
+        else:
+            self._suspects = [i for i in suspects if i not in self._suspects] + self._suspects
+        self._advance_isolation()
+
+    def _deliver_lost_tokens(self) -> None:
+        """Tokens a failed step appended before it raised (and requests it finished) still reach their streams."""
+        for seq_id, stream in list(self._live.items()):
+            seq = self.engine.sequences.get(seq_id)
+            if seq is None:
+                continue
+            for token in seq.output_ids[stream.num_delivered:]:
+                self._dispatch(seq_id, token, False)
+            if seq.is_finished:
+                del self._live[seq_id]
+                self._end(stream, self.engine.pop_output(seq_id))
+
+    def _reset_running(self) -> None:
+        """Preempt every running sequence: a failed step may have half-updated their GDN states."""
+        scheduler = self.engine.scheduler
+        for seq in reversed(list(scheduler.running)):  # preempt() queues at the front: keep the oldest first
+            with contextlib.suppress(Exception):
+                scheduler.preempt(seq)
+
+    def _fail_request(self, seq_id: int, error: Exception) -> None:
+        log.error("request %d failed in the engine: %r", seq_id, error)
+        self.metrics.requests.inc(label_value="error")
+        stream = self._live.pop(seq_id, None)
+        if seq_id in self.engine.sequences:
+            with contextlib.suppress(Exception):
+                self._finish_sequence(seq_id, "error")
+            self.engine.sequences.pop(seq_id, None)
+        if stream is not None:
+            stream.fail(EngineFailure(f"the request failed in the engine: {error!r}"))
+
+    def _advance_isolation(self) -> None:
+        """Keep exactly one suspect in the scheduler while any remain; release everyone when none do."""
+        scheduler = self.engine.scheduler
+        if self._solo is not None and self._solo not in self.engine.sequences:
+            self._solo = None  # it ended (aborted, or finished with its first token)
+        while self._solo is None and self._suspects:
+            seq_id = self._suspects.pop(0)
+            if seq_id in self.engine.sequences and not self.engine.sequences[seq_id].is_finished:
+                self._solo = seq_id
+        if self._solo is None:
+            if self._parked:
+                scheduler.waiting.extendleft(reversed(self._parked))
+                self._parked = []
+            return
+        for seq in list(scheduler.waiting):  # newcomers and the parked wait until the suspect is judged
+            if seq.id != self._solo:
+                scheduler.waiting.remove(seq)
+                self._parked.append(seq)
+        solo = self.engine.sequences[self._solo]
+        if solo in self._parked:
+            self._parked.remove(solo)
+            scheduler.waiting.appendleft(solo)
+
+    def _clear_solo(self) -> None:
+        """The suspect running alone produced a token: it is innocent; park it too and judge the next one."""
+        seq = self.engine.sequences.get(self._solo)
+        self._solo = None
+        if seq is not None and seq.status is SequenceStatus.RUNNING:
+            self.engine.scheduler.preempt(seq)
+            self.engine.scheduler.waiting.remove(seq)
+            self._parked.insert(0, seq)
+        self._advance_isolation()

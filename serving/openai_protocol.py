@@ -1,9 +1,12 @@
 """The OpenAI wire format: request bodies in (validated), response objects and stream chunks out, and the text
 side of generation (detokenization with stop strings; reasoning / content / tool-call splitting).
 
-Any `model` name is accepted; responses carry the served model's name. Extensions as vLLM has them: `top_k`,
-`ignore_eos`, `chat_template_kwargs.enable_thinking` (default False). `n` > 1, `logprobs` and `echo` are refused.
+`model` must be the served model's name (or an alias it was given) when it is sent; an unknown one gets 404
+`model_not_found`. Extensions as vLLM has them: `top_k`, `ignore_eos`, `stop_token_ids`,
+`chat_template_kwargs.enable_thinking` (default False). `n` > 1, `logprobs` and `echo` are refused. Errors carry
+OpenAI's JSON: {"error": {"message", "type", "param", "code"}}.
 """
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,15 +17,17 @@ from serving.sequence import SamplingParams
 
 
 class ApiError(Exception):
-    """An error the client caused: status 400 with OpenAI's error JSON."""
+    """An error to answer with OpenAI's error JSON: status 400 unless said otherwise; `headers` go on the
+    response (e.g. Retry-After with a 429)."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
+        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)
@@ -30,13 +35,16 @@ class ServedModel:
     name: str
     max_model_len: int
     vocab_size: int
+    aliases: tuple[str, ...] = ()
+
+    def serves(self, model: str) -> bool:
+        return model == self.name or model in self.aliases
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: list[int]
-    params: SamplingParams
-    stop: tuple[str, ...]
+    params: SamplingParams  # params.stop holds the stop strings
     stream: bool
     include_usage: bool
     tools: list[dict] | None = None
@@ -55,6 +63,13 @@ def _field(body: dict, key: str, types: tuple, default=None):
     return value
 
 
+def _check_model(body: dict, served: ServedModel) -> None:
+    model = _field(body, "model", (str,))
+    if model is not None and not served.serves(model):
+        raise ApiError(f"the model '{model}' does not exist; this server serves '{served.name}'", "model",
+                       status=404, code="model_not_found")
+
+
 def _refuse_unsupported(body: dict) -> None:
     if _field(body, "n", (int,), 1) != 1:
         raise ApiError("only n=1 is supported", "n")
@@ -71,6 +86,13 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise ApiError("'stop' must be a string or a list of strings", "stop")
     return tuple(s for s in stops if s)
+
+
+def _stop_token_ids(body: dict, served: ServedModel) -> tuple[int, ...]:
+    ids = _field(body, "stop_token_ids", (list,), [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < served.vocab_size for t in ids):
+        raise ApiError(f"'stop_token_ids' must be token ids in [0, {served.vocab_size})", "stop_token_ids")
+    return tuple(ids)
 
 
 def _max_tokens(body: dict, keys: tuple[str, ...], prompt_len: int, served: ServedModel) -> int:
@@ -93,19 +115,27 @@ def _max_tokens(body: dict, keys: tuple[str, ...], prompt_len: int, served: Serv
 
 def _sampling(body: dict, prompt_len: int, served: ServedModel, max_keys: tuple[str, ...]) -> SamplingParams:
     temperature = float(_field(body, "temperature", (int, float), 1.0))
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ApiError("'temperature' must be a finite number >= 0", "temperature")
     top_p = float(_field(body, "top_p", (int, float), 1.0))
+    if not 0 < top_p <= 1:  # also refuses NaN
+        raise ApiError("'top_p' must lie in (0, 1]", "top_p")
     top_k = _field(body, "top_k", (int,), 0)
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < -1:
-        raise ApiError("need temperature >= 0, 0 < top_p <= 1 and top_k >= -1 (-1 or 0: off)", "temperature")
-    return SamplingParams(temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
-                          seed=_field(body, "seed", (int,)), max_tokens=_max_tokens(body, max_keys, prompt_len, served),
-                          ignore_eos=_field(body, "ignore_eos", (bool,), False))
+    if top_k < -1:
+        raise ApiError("'top_k' must be >= -1 (-1 or 0: off)", "top_k")
+    seed = _field(body, "seed", (int,))
+    if seed is not None and not 0 <= seed < 2**63:
+        raise ApiError("'seed' must lie in [0, 2**63)", "seed")
+    return SamplingParams(temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
+                          max_tokens=_max_tokens(body, max_keys, prompt_len, served),
+                          stop_token_ids=_stop_token_ids(body, served),
+                          ignore_eos=_field(body, "ignore_eos", (bool,), False), stop=_stop_strings(body))
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
     stream = _field(body, "stream", (bool,), False)
     options = _field(body, "stream_options", (dict,), {})
-    return stream, bool(stream and options.get("include_usage"))
+    return stream, bool(stream and _field(options, "include_usage", (bool,), False))
 
 
 def _prompt_ids(prompt, tokenizer: QwenTokenizer, served: ServedModel) -> list[int]:
@@ -127,18 +157,19 @@ def _prompt_ids(prompt, tokenizer: QwenTokenizer, served: ServedModel) -> list[i
 def parse_completion(body, tokenizer: QwenTokenizer, served: ServedModel) -> GenerationRequest:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
+    _check_model(body, served)
     _refuse_unsupported(body)
     if "prompt" not in body:
         raise ApiError("'prompt' is required", "prompt")
     ids = _prompt_ids(body["prompt"], tokenizer, served)
     stream, include_usage = _stream_flags(body)
-    return GenerationRequest(ids, _sampling(body, len(ids), served, ("max_tokens",)), _stop_strings(body), stream,
-                             include_usage)
+    return GenerationRequest(ids, _sampling(body, len(ids), served, ("max_tokens",)), stream, include_usage)
 
 
 def parse_chat(body, tokenizer: QwenTokenizer, served: ServedModel) -> GenerationRequest:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
+    _check_model(body, served)
     _refuse_unsupported(body)
     messages = _field(body, "messages", (list,))
     if not messages:
@@ -151,7 +182,7 @@ def parse_chat(body, tokenizer: QwenTokenizer, served: ServedModel) -> Generatio
         raise ApiError(f"bad messages or tools: {error}", "messages") from None
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, len(ids), served, ("max_completion_tokens", "max_tokens"))
-    return GenerationRequest(ids, params, _stop_strings(body), stream, include_usage, tools, thinking)
+    return GenerationRequest(ids, params, stream, include_usage, tools, thinking)
 
 
 # ---- text of the generated tokens ------------------------------------------------------------------------------

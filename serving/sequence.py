@@ -1,4 +1,5 @@
 """One request as the engine sees it: its sampling parameters, its tokens and where its cache lives."""
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -7,7 +8,12 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off; seed None draws from the engine."""
+    """temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off; seed None draws from the engine.
+
+    Generation ends at max_tokens, at a token of stop_token_ids, at the engine's eos ids unless ignore_eos, or
+    at the first stop string in the decoded text. The engine sees token ids only: stop strings are matched by
+    whoever detokenizes (serving.server, with serving.openai_protocol.Detokenizer), which then aborts the
+    request with reason "stop" and returns the text before the stop string."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -15,10 +21,16 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
+        if (not math.isfinite(self.temperature) or self.temperature < 0 or self.top_k < 0
+                or not 0 < self.top_p <= 1 or self.max_tokens < 1):
             raise ValueError(f"bad sampling parameters: {self}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must lie in [0, 2**63): {self.seed}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings: {self.stop}")
 
 
 class SequenceStatus(Enum):

@@ -1,13 +1,23 @@
 """An OpenAI-compatible HTTP server on aiohttp: `python -m serving.server --model PRESET|PATH [--host 127.0.0.1]
-[--port 8000] [--device auto|cpu|cuda] [--max-model-len N] [--kv-tokens N]`.
+[--port 8000] [--device auto|cpu|cuda] [--max-model-len N] [--kv-tokens N] [--max-num-seqs N] [--api-key KEY]
+[--max-body-bytes N] [--max-queued N] [--served-model-name NAME]`.
 
-GET /v1/models, POST /v1/completions and POST /v1/chat/completions, with SSE streaming. The wire format lives in
-serving.openai_protocol, the engine loop in serving.async_engine. Bad requests get status 400 with OpenAI's error
-JSON; a client that goes away mid-request has its request aborted in the engine.
+GET /v1/models, POST /v1/completions and POST /v1/chat/completions, with SSE streaming; GET /health (no key
+needed) and GET /metrics (Prometheus text). The wire format lives in serving.openai_protocol, the engine loop in
+serving.async_engine, the metrics in serving.metrics.
+
+Safe by default: it binds 127.0.0.1 unless --host says otherwise; with --api-key (or FA4_API_KEY) every route
+but /health needs `Authorization: Bearer KEY` (else 401); a body over --max-body-bytes gets 413; when
+--max-queued requests already wait for admission, a new one gets 429 with Retry-After. Bad requests get 4xx
+with OpenAI's error JSON and the server keeps serving. A client that goes away mid-request has its request
+aborted in the engine (its pages freed); a request that fails inside the engine fails alone (500, or an error
+event in its stream).
 """
 import argparse
+import hmac
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +26,11 @@ from aiohttp import web
 
 from model import ops
 from model.tokenizer import QwenTokenizer, load_tokenizer
-from serving.async_engine import AsyncEngine, RequestStream
+from serving.async_engine import AsyncEngine, EngineFailure, RequestRejected, RequestStream
 from serving.config import EngineConfig
 from serving.demo import load_model, pick_device
 from serving.engine import LLMEngine
+from serving.metrics import ServingMetrics
 from serving.openai_protocol import (
     ApiError,
     ChatDeltas,
@@ -38,15 +49,34 @@ from serving.openai_protocol import (
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+DEFAULT_MAX_QUEUED = 256
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server's safety settings: an API key (None: open), the largest request body, the longest queue."""
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_queued: int = DEFAULT_MAX_QUEUED
+
 
 @dataclass
 class ServerState:
     engine: AsyncEngine
     tokenizer: QwenTokenizer
     served: ServedModel
+    limits: Limits
+    metrics: ServingMetrics
 
 
 STATE = web.AppKey("state", ServerState)
+METRICS = web.AppKey("metrics", ServingMetrics)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
 
 
 @dataclass(frozen=True)
@@ -59,18 +89,31 @@ class Finished:
 # ---- generation shared by both endpoints ---------------------------------------------------------------------
 
 
-async def generate_text(state: ServerState, req: GenerationRequest, stream: RequestStream) -> AsyncIterator:
-    """Text deltas of the request's tokens, then a Finished; a stop string aborts the request in the engine."""
-    detok, count = Detokenizer(state.tokenizer, req.stop), 0
-    async for token in stream:
-        count += 1
-        if text := detok.push(token):
-            yield text
-        if detok.stopped:
-            output = await state.engine.abort(stream)
-            cached = output.cached_tokens if output else 0
-            yield Finished("stop", usage(len(req.prompt_ids), count, cached))
-            return
+def client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def generate_text(request: web.Request, req: GenerationRequest, stream: RequestStream) -> AsyncIterator:
+    """Text deltas of the request's tokens, then a Finished. A stop string ends the request in the engine with
+    reason "stop" (the text stops before it); a client that went away aborts it (ClientGone)."""
+    state = request.app[STATE]
+    detok, count = Detokenizer(state.tokenizer, req.params.stop), 0
+    try:
+        async for token in stream:
+            count += 1
+            if client_gone(request):
+                state.engine.cancel(stream)
+                raise ClientGone
+            if text := detok.push(token):
+                yield text
+            if detok.stopped:
+                output = await state.engine.abort(stream, "stop")
+                cached = output.cached_tokens if output else 0
+                yield Finished("stop", usage(len(req.prompt_ids), count, cached))
+                return
+    except RequestRejected as error:
+        raise ApiError(str(error), "prompt") from None
     if text := detok.flush():
         yield text
     output = stream.output.result()
@@ -90,13 +133,43 @@ async def send(response: web.StreamResponse, body: dict | str) -> None:
 
 
 async def serve_generation(request: web.Request, req: GenerationRequest, respond) -> web.StreamResponse:
-    """Submit req, let `respond(stream)` answer, and abort the request if that ends early for any reason."""
+    """Submit req (or refuse it with 429 when the queue is full), let `respond(items)` answer from the text
+    items, and abort the request if that ends early for any reason."""
     state = request.app[STATE]
+    if state.engine.num_queued >= state.limits.max_queued:
+        raise ApiError(f"{state.engine.num_queued} requests are already waiting; retry later", status=429,
+                       kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
     stream = state.engine.submit(req.prompt_ids, req.params)
     try:
-        return await respond(stream)
+        return await respond(generate_text(request, req, stream))
     finally:
         state.engine.cancel(stream)
+
+
+async def first_then_rest(items: AsyncIterator) -> AsyncIterator:
+    """items, with the first one already awaited: a request that fails before its first token (rejected by
+    the engine, or failed in it) still gets a plain HTTP error instead of a broken stream."""
+    first = await anext(items)
+
+    async def rest():
+        yield first
+        async for item in items:
+            yield item
+
+    return rest()
+
+
+async def stream_events(request: web.Request, items: AsyncIterator, write_events) -> web.StreamResponse:
+    """Open the SSE response once the first item is there, then let write_events(response, items) fill it;
+    an engine failure mid-stream becomes an error event (OpenAI clients raise it) and ends the stream."""
+    items = await first_then_rest(items)
+    response = await sse(request)
+    try:
+        await write_events(response, items)
+    except EngineFailure as error:
+        await send(response, ApiError(str(error), status=500, kind="server_error").body())
+        await response.write_eof()
+    return response
 
 
 # ---- endpoints -------------------------------------------------------------------------------------------------
@@ -109,25 +182,38 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [card]})
 
 
+async def health(request: web.Request) -> web.Response:
+    state = request.app.get(STATE)
+    alive = state is not None and state.engine.running
+    return web.json_response({"status": "ok" if alive else "engine stopped"}, status=200 if alive else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.Response(body=state.metrics.render(state.engine.stats).encode(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_completion(await read_json(request), state.tokenizer, state.served)
     header = ResponseHeader.new("cmpl", state.served.name)
 
-    async def respond(stream: RequestStream) -> web.StreamResponse:
-        items = generate_text(state, req, stream)
+    async def respond(items: AsyncIterator) -> web.StreamResponse:
         if not req.stream:
             texts = [item async for item in items]
             end = texts.pop()
             return web.json_response(header.wrap("text_completion", [completion_choice("".join(texts), end.reason)],
                                                  end.usage))
-        response = await sse(request)
-        async for item in items:
-            finished = isinstance(item, Finished)
-            choice = completion_choice("", item.reason) if finished else completion_choice(item, None)
-            await send(response, header.wrap("text_completion", [choice]))
-        await finish_stream(response, header, "text_completion", item.usage if req.include_usage else None)
-        return response
+
+        async def write_events(response: web.StreamResponse, items: AsyncIterator) -> None:
+            async for item in items:
+                finished = isinstance(item, Finished)
+                choice = completion_choice("", item.reason) if finished else completion_choice(item, None)
+                await send(response, header.wrap("text_completion", [choice]))
+            await finish_stream(response, header, "text_completion", item.usage if req.include_usage else None)
+
+        return await stream_events(request, items, write_events)
 
     return await serve_generation(request, req, respond)
 
@@ -137,22 +223,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(await read_json(request), state.tokenizer, state.served)
     header = ResponseHeader.new("chatcmpl", state.served.name)
 
-    async def respond(stream: RequestStream) -> web.StreamResponse:
-        items = generate_text(state, req, stream)
+    async def respond(items: AsyncIterator) -> web.StreamResponse:
         if not req.stream:
             texts = [item async for item in items]
             end = texts.pop()
             message, called = chat_message("".join(texts), req.tools, req.enable_thinking)
             choice = chat_choice(message, "tool_calls" if called else end.reason)
             return web.json_response(header.wrap("chat.completion", [choice], end.usage))
-        return await stream_chat(request, req, header, items)
+        return await stream_events(request, items, lambda response, items: write_chat(response, req, header, items))
 
     return await serve_generation(request, req, respond)
 
 
-async def stream_chat(request: web.Request, req: GenerationRequest, header: ResponseHeader,
-                      items: AsyncIterator) -> web.StreamResponse:
-    response = await sse(request)
+async def write_chat(response: web.StreamResponse, req: GenerationRequest, header: ResponseHeader,
+                     items: AsyncIterator) -> None:
     kind, deltas = "chat.completion.chunk", ChatDeltas(req.tools, req.enable_thinking)
     await send(response, header.wrap(kind, [chat_chunk_choice({"role": "assistant", "content": ""})]))
     async for item in items:
@@ -165,7 +249,6 @@ async def stream_chat(request: web.Request, req: GenerationRequest, header: Resp
         await send(response, header.wrap(kind, [chat_chunk_choice(delta)]))
     await send(response, header.wrap(kind, [chat_chunk_choice({}, "tool_calls" if called else item.reason)]))
     await finish_stream(response, header, kind, item.usage if req.include_usage else None)
-    return response
 
 
 async def finish_stream(response: web.StreamResponse, header: ResponseHeader, kind: str, usage_: dict | None) -> None:
@@ -176,7 +259,7 @@ async def finish_stream(response: web.StreamResponse, header: ResponseHeader, ki
     await response.write_eof()
 
 
-# ---- errors and the app ----------------------------------------------------------------------------------------
+# ---- errors, limits and the app --------------------------------------------------------------------------------
 
 
 async def read_json(request: web.Request):
@@ -186,32 +269,71 @@ async def read_json(request: web.Request):
         raise ApiError("the request body is not valid JSON") from None
 
 
+REJECTION_REASONS = {401: "unauthorized", 413: "too_large", 429: "queue_full"}
+
+
+def error_response(error: ApiError, request: web.Request) -> web.Response:
+    if error.status < 500 and (registry := request.app.get(METRICS)) is not None:
+        registry.rejected.inc(label_value=REJECTION_REASONS.get(error.status, "invalid"))
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
+
+
 @web.middleware
 async def errors_as_json(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as error:
-        return web.json_response(error.body(), status=error.status)
+        return error_response(error, request)
     except web.HTTPException as error:
         if error.status < 400:
             raise
-        return web.json_response(ApiError(error.reason, status=error.status).body(), status=error.status)
+        message = error.text if error.status == 413 and error.text else error.reason
+        return error_response(ApiError(message, status=error.status, headers={
+            k: v for k, v in error.headers.items() if k in ("Allow", "Retry-After")}), request)
+    except EngineFailure as error:
+        return error_response(ApiError(str(error), status=500, kind="server_error"), request)
+    except ClientGone:
+        return web.Response(status=499)  # nobody reads it
     except ConnectionResetError:
-        raise  # the client went away; serve_generation already aborted its request
+        raise  # the client went away mid-stream; serve_generation already aborted its request
     except Exception as error:
         log.exception("request failed")
-        return web.json_response(ApiError(f"internal error: {error}", kind="server_error").body(), status=500)
+        return error_response(ApiError(f"internal error: {error!r}", status=500, kind="server_error"), request)
 
 
-def create_app(engine: LLMEngine, tokenizer: QwenTokenizer, model_name: str, max_model_len: int) -> web.Application:
+def limits_middleware(limits: Limits):
+    """The API key (every route but /health) and the body size, checked before a handler reads anything."""
+    expected = f"Bearer {limits.api_key}".encode() if limits.api_key else None
+
+    @web.middleware
+    async def check_limits(request: web.Request, handler):
+        if expected is not None and request.path != "/health":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise ApiError("a valid API key is needed: send 'Authorization: Bearer <key>'", status=401,
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if request.content_length is not None and request.content_length > limits.max_body_bytes:
+            raise ApiError(f"the request body has {request.content_length} bytes; the limit is "
+                           f"{limits.max_body_bytes}", status=413)
+        return await handler(request)
+
+    return check_limits
+
+
+def create_app(engine: LLMEngine, tokenizer: QwenTokenizer, model_name: str, max_model_len: int,
+               limits: Limits = Limits(), aliases: tuple[str, ...] = ()) -> web.Application:
     """The server around an LLMEngine (whose eos_token_ids should be the tokenizer's); the engine loop starts
-    and stops with the app. Prompts plus max_tokens are kept within max_model_len (capped to the KV pool)."""
+    and stops with the app. Prompts plus max_tokens are kept within max_model_len (capped to the KV pool).
+    Requests may name the model model_name or one of aliases."""
     pool_tokens = engine.cfg.num_pages * engine.cfg.page_size
-    served = ServedModel(model_name, min(max_model_len, pool_tokens), engine.model.config.vocab_size)
-    app = web.Application(middlewares=[errors_as_json])
+    served = ServedModel(model_name, min(max_model_len, pool_tokens), engine.model.config.vocab_size, aliases)
+    registry = ServingMetrics()
+    app = web.Application(middlewares=[errors_as_json, limits_middleware(limits)],
+                          client_max_size=limits.max_body_bytes)
+    app[METRICS] = registry
 
     async def start(app: web.Application) -> None:
-        app[STATE] = ServerState(AsyncEngine(engine), tokenizer, served)
+        app[STATE] = ServerState(AsyncEngine(engine, registry), tokenizer, served, limits, registry)
         await app[STATE].engine.start()
 
     async def stop(app: web.Application) -> None:
@@ -219,6 +341,8 @@ def create_app(engine: LLMEngine, tokenizer: QwenTokenizer, model_name: str, max
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -233,16 +357,28 @@ class ServerArgs:
     device: str = "auto"
     max_model_len: int | None = None
     kv_tokens: int = 65536
+    max_num_seqs: int = 8
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_queued: int = DEFAULT_MAX_QUEUED
+    served_model_name: str | None = None
 
 
 def parse_args(argv=None) -> ServerArgs:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny", help="a preset name (random weights) or an HF checkpoint folder")
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback only)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the KV pool)")
     ap.add_argument("--kv-tokens", type=int, default=65536, help="tokens of KV the page pool holds")
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="requests generated at once")
+    ap.add_argument("--api-key", default=os.environ.get("FA4_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $FA4_API_KEY)")
+    ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
+    ap.add_argument("--max-queued", type=int, default=DEFAULT_MAX_QUEUED,
+                    help="requests that may wait for admission; more get 429 with Retry-After")
+    ap.add_argument("--served-model-name", help="the model name of the API (default: the --model name)")
     return ServerArgs(**vars(ap.parse_args(argv)))
 
 
@@ -253,10 +389,15 @@ def main(argv=None) -> None:
     ops.set_backend("triton" if device.type == "cuda" else "reference")
     model, what = load_model(args.model, device)
     tokenizer = load_tokenizer()
-    engine = LLMEngine(model, EngineConfig.for_token_budget(args.kv_tokens, eos_token_ids=tokenizer.eos_token_ids))
+    engine = LLMEngine(model, EngineConfig.for_token_budget(args.kv_tokens, max_num_seqs=args.max_num_seqs,
+                                                            eos_token_ids=tokenizer.eos_token_ids))
     max_len = args.max_model_len or model.config.max_position_embeddings
-    log.info("serving %s on %s", what, device)
-    web.run_app(create_app(engine, tokenizer, Path(args.model).name, max_len), host=args.host, port=args.port)
+    name = args.served_model_name or Path(args.model).name
+    limits = Limits(args.api_key, args.max_body_bytes, args.max_queued)
+    log.info("serving %s on %s as '%s' at http://%s:%d (API key %s)", what, device, name, args.host, args.port,
+             "required" if args.api_key else "off")
+    web.run_app(create_app(engine, tokenizer, name, max_len, limits, aliases=(args.model,)),
+                host=args.host, port=args.port, print=None)
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def test_models_list(server):
 def test_completion_equals_greedy_and_streaming_equals_it(server):
     prompt = server.tokenizer.encode("The quick brown fox")
     want = greedy_text(server, prompt, 12)
-    args = dict(model="any-name", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    args = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     out = server.client.completions.create(**args)
     assert out.choices[0].text == want
     assert out.choices[0].finish_reason == "length"
