@@ -10,21 +10,24 @@ Per sequence (its state slot s = state_slots[b]) and value head j, with key head
     S        = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q       S = recurrent_states[s, j] (dk, dv) fp32
     out[b, j] = norm_w * rmsnorm(o) * silu(z[b, j])          o and rmsnorm(o) rounded to the io dtype first
 
-Design. One launch, one program per (key head, sequence): grid (Hk, B). A program convolves the q | k channels
-of its key head once, as one (dk, 2) tile, then takes the Hv / Hk value heads that share them G at a time. For
-those G heads it issues every load at once: the (G, dk, dv) fp32 states, their v conv windows, gates and z. It
-updates the states in registers (128 fp32 values a thread: 4 warps a head), applies the gated RMSNorm over full
-dv rows (so no second pass), and writes each state back once. G = 1 when the grid fills the GPU (B64: fastest);
-with fewer programs than SMs, G = 2 where the group allows (Qwen3.5-9B at B <= 8), doubling the bytes each SM
-has in flight. Every conv window is read and shifted by the one program that owns its channels; that is why
-the conv lives in this launch: a program per value head would race with its neighbours on the shared q | k
-windows. A barrier separates each tile's last read from its in-place write, so threads that hold replicated
-copies of a small tile cannot read bytes already overwritten.
+Design. One launch, grid (Hk, B, NS): a program owns one key head of one sequence and a slice of dv/NS columns of
+the states of the Hv / Hk value heads that share it, G heads at a time. It convolves the q | k channels of its key
+head (as one (dk, 2) tile), then for its G heads issues every load at once: the (G, dk, dv/NS) fp32 state slices,
+their v conv windows, gates and z. It updates the state slices in registers and writes each back once. G = 1 when
+the grid fills the GPU (B64: fastest); with fewer programs than SMs, G = 2 where the group allows, doubling the
+bytes each SM has in flight. NS = 1 once B * Hk programs fill the GPU: the program then applies the gated RMSNorm
+over its full dv rows and shifts the q | k windows itself. At small B, NS > 1 spreads the state over 2 programs
+an SM (B1 on 9B: 16 key heads x 8 slices), and the parts that need a whole key head go to the last of its NS
+programs to finish: each program parks its slice of o in a workspace and then arrives on a per-(sequence, key
+head) counter (atomic, acquire-release); the one that sees NS - 1 arrivals shifts the shared q | k windows (all
+splits have read them by then), normalises the full rows and resets the counter. Every v window is read and
+shifted by the one program that owns its columns. A barrier separates each tile's last read from its in-place
+write, so threads that hold replicated copies of a small tile cannot read bytes already overwritten.
 
 Bound (H200, about 4.2 TB/s): the fp32 state, 64 KiB a head, read and written once. Qwen3.5-9B (Hv 32) moves
 4 MiB a sequence: B64 moves 256 MiB, about 64 us. At B1 only Hk = 16 programs run, each streaming 128 KiB each
 way through one SM behind two dependent DRAM round trips (the slot, then everything else) and the launch.
-Measured on the H200 (bf16, 40 layers' states rotated in a CUDA graph so the state comes from DRAM):
+Measured on the H200 before the dv split (bf16, 40 layers' states rotated in a CUDA graph, state from DRAM):
   9B:  B1 8.7 us, B8 15.2 us (2.2 TB/s), B64 81 us (3.3 TB/s);   27B (Hv 48): B1 14.6 us, B64 118 us (3.4 TB/s);
   0.8B (Hv 16): B1 6.3 us, B64 49 us (2.75 TB/s).   fla's decode step: 125 us at B1, 146 us at B64.
 Eagerly, the host costs about 10 us of checks plus about 30 us of Triton's launch: capture it in a graph.
@@ -32,6 +35,7 @@ Eagerly, the host costs about 10 us of checks plus about 30 us of Triton's launc
 CUDA-graph capturable: no host sync, shapes fixed by the inputs, `out=` reusable. state_slots are not checked
 on the host (that would sync): they must be distinct and in range.
 """
+import functools
 import os
 
 import torch
@@ -46,6 +50,9 @@ SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch.nn.functional.softplus returns 
 STATE_PER_PROGRAM = 2 * 128 * 128  # fp32 state values one program holds (128 KiB): 8 warps x 128 a thread
 STATE_PER_THREAD = 128
 FEW_PROGRAMS = 132  # the H200's SM count: below it, programs take several value heads at once
+PROGRAMS_PER_SM = 2  # _dv_splits fills up to this many programs per SM
+MIN_SPLIT_COLS = 16  # narrowest dv slice of a program
+MIN_WARPS = 2
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -106,15 +113,20 @@ def _gated_norm(o, z, w, eps, DV: tl.constexpr, io: tl.constexpr):
 
 @triton.jit
 def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-                       conv_ptr, state_ptr, slots_ptr, out_ptr, scale, eps,
+                       conv_ptr, state_ptr, slots_ptr, out_ptr, ws_o_ptr, arrivals_ptr, scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
-                       G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr):
-    # grid (Hk, B): key head kh of sequence seq, and its HV // HK value heads, G at a time
+                       G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr,
+                       GP: tl.constexpr):
+    # grid (Hk, B, NS): key head kh of sequence seq, columns [split * BV / NS, ...) of its HV // HK value heads'
+    # states, G heads at a time
     kh = tl.program_id(0)
     seq = tl.program_id(1)
+    split = tl.program_id(2)
     C: tl.constexpr = 2 * HK * DK + HV * DV
     GROUP: tl.constexpr = HV // HK
-    rk, rv, rg, two = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, G), tl.arange(0, 2)
+    BVS: tl.constexpr = BV // NS  # the state columns of this program
+    rk, rg, two = tl.arange(0, BK), tl.arange(0, G), tl.arange(0, 2)
+    rv = split * BVS + tl.arange(0, BVS)
     slot = tl.load(slots_ptr + seq)  # int64: every state offset below is 64-bit
     x_row = qkv_ptr + seq * C
     conv_row = conv_ptr + slot * (C * (K - 1))
@@ -125,24 +137,52 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
     q = _l2norm(q) * scale
     k = _l2norm(k)
     w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
-    s_mask = (rk[None, :, None] < DK) & (rv[None, None, :] < DV) & (rg[:, None, None] < G)  # (G, BK, BV)
+    s_mask = (rk[None, :, None] < DK) & (rv[None, None, :] < DV) & (rg[:, None, None] < G)  # (G, BK, BVS)
     for c in range(GROUP // G):
         heads = kh * GROUP + c * G + rg  # (G,)
         rows = seq * HV + heads
-        v_ch = 2 * HK * DK + heads[:, None] * DV + rv[None, :]  # (G, BV)
+        v_ch = 2 * HK * DK + heads[:, None] * DV + rv[None, :]  # (G, BVS)
         v_mask = (rv[None, :] < DV) & (rg[:, None] < G)
         s_ptrs = state_ptr + (slot * HV + heads[:, None, None]) * (DK * DV) + rk[None, :, None] * DV + rv[None, None, :]
         s = tl.load(s_ptrs, mask=s_mask, other=0.0)
         v_window, v = _conv_window(x_row, conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
         decay, beta = _gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, rows, heads)
-        z = tl.load(z_ptr + rows[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
         s, o = _delta_rule(s, q, k, v, decay, beta)
-        out = _gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
+        if NS == 1:
+            z = tl.load(z_ptr + rows[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
+            out = _gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
+        else:  # the norm needs whole rows: park this slice of o for the key head's last split
+            tl.store(ws_o_ptr + rows[:, None] * DV + rv[None, :], o, mask=v_mask)
         tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
         tl.store(s_ptrs, s, mask=s_mask)
         _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
-    _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
+    if NS == 1:
+        _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
+    else:
+        # Every split read the q | k windows and stored its o before it arrives (release); the last to arrive
+        # (acquire) shifts the windows, normalises the full rows and resets the counter for the next launch.
+        arrived = tl.atomic_add(arrivals_ptr + seq * HK + kh, 1, sem="acq_rel")
+        if arrived == NS - 1:
+            _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)
+            _norm_rows(ws_o_ptr, z_ptr, norm_w_ptr, out_ptr, seq * HV + kh * GROUP, eps, GROUP, GP, DV, BV)
+            tl.store(arrivals_ptr + seq * HK + kh, 0)
+
+
+@triton.jit
+def _norm_rows(ws_o_ptr, z_ptr, norm_w_ptr, out_ptr, row0, eps, GROUP: tl.constexpr, GP: tl.constexpr,
+               DV: tl.constexpr, BV: tl.constexpr):
+    """out[rows] = gated norm of the parked o rows row0 .. row0 + GROUP - 1 (flat b * Hv + head); GP: GROUP
+    rounded up to a power of two."""
+    rg, rv = tl.arange(0, GP), tl.arange(0, BV)
+    rows = row0 + rg
+    mask = (rg[:, None] < GROUP) & (rv[None, :] < DV)
+    offs = rows[:, None] * DV + rv[None, :]
+    o = tl.load(ws_o_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")  # written by other programs: not L1
+    z = tl.load(z_ptr + offs, mask=mask, other=0.0)
+    w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
+    out = _gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _expect(name, t, shape, dtypes, contiguous=False) -> None:
@@ -190,6 +230,15 @@ def _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recur
     return bsz, num_k_heads, hv, dk, dv, kw
 
 
+def _dv_splits(programs: int, bv: int) -> int:
+    """Slices of dv per key head: double them while the grid stays within PROGRAMS_PER_SM per SM and each slice
+    keeps MIN_SPLIT_COLS columns (B1 on Qwen3.5-9B: 16 key heads x 8 slices)."""
+    ns = 1
+    while 2 * ns * programs <= PROGRAMS_PER_SM * FEW_PROGRAMS and bv // (2 * ns) >= MIN_SPLIT_COLS:
+        ns *= 2
+    return ns
+
+
 def _heads_at_once(group: int, tile: int, programs: int) -> int:
     """Value heads a program updates at once: 1 when the grid fills the GPU (fastest there), else the most heads
     of the group (a power of two dividing it) whose states fit STATE_PER_PROGRAM, for more bytes in flight."""
@@ -197,6 +246,14 @@ def _heads_at_once(group: int, tile: int, programs: int) -> int:
     while programs < FEW_PROGRAMS and group % (2 * g) == 0 and 2 * g * tile <= STATE_PER_PROGRAM:
         g *= 2
     return g
+
+
+@functools.lru_cache
+def _split_workspace(device: torch.device, bsz: int, hk: int, hv: int, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parked o rows (B * Hv * dv fp32) and the arrival counters (B * Hk int32, zero between launches: the last
+    split resets its own) of the split launches of one shape; allocated by the first (eager, warm-up) call."""
+    return (torch.empty(bsz * hv * dv, device=device, dtype=torch.float32),
+            torch.zeros(bsz * hk, device=device, dtype=torch.int32))
 
 
 def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots,
@@ -213,11 +270,14 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     qkv, z, b, a, conv_w, A_log, dt_bias, norm_w = (
         t.contiguous() for t in (qkv, z, b, a, conv_w, A_log, dt_bias, norm_w))
     bk, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
-    g = _heads_at_once(hv // hk, bk * bv, hk * bsz)
-    _gdn_decode_kernel[(hk, bsz)](
-        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out,
+    ns = _dv_splits(hk * bsz, bv)
+    g = _heads_at_once(hv // hk, bk * bv // ns, hk * bsz * ns)
+    ws_o, arrivals = _split_workspace(qkv.device, bsz, hk, hv, dv) if ns > 1 else (out, state_slots)
+    _gdn_decode_kernel[(hk, bsz, ns)](
+        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, ws_o, arrivals,
         dk ** -0.5, float(eps), HK=hk, HV=hv, DK=dk, DV=dv, K=kw, G=g, BK=bk, BV=bv, BT=triton.next_power_of_2(kw),
-        num_warps=max(1, min(8, g * bk * bv // STATE_PER_THREAD // 32)))
+        NS=ns, GP=triton.next_power_of_2(hv // hk),
+        num_warps=max(MIN_WARPS, min(8, g * bk * bv // ns // STATE_PER_THREAD // 32)))
     return out
 
 

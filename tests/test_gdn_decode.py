@@ -74,9 +74,10 @@ def run_steps(hk, hv, dk, dv, dtype, bsz, n_slots, steps, tol_out, tol_state, se
 
 # ---- interpreter-sized (also run on the GPU) ----------------------------------------------------------------
 
-# (dtype, (Hk, Hv, dk, dv), B): GQA ratios 2, 1 and 3 (27B's), a dv that is not a power of two, B 1 and 3
+# (dtype, (Hk, Hv, dk, dv), B): GQA ratios 2, 1 and 3 (27B's), a dv that is not a power of two, B 1 and 3;
+# dv 16 runs in one program per key head, dv 24/32 in 2 column slices, dv 64 in 4 (gdn_decode._dv_splits)
 CASES = [(torch.float32, (2, 4, 16, 16), 3), (torch.float32, (1, 3, 16, 24), 1), (torch.float16, (2, 2, 32, 32), 3),
-         (torch.float16, (2, 4, 16, 16), 1), (torch.float16, (1, 3, 16, 24), 3)]
+         (torch.float16, (2, 4, 16, 16), 1), (torch.float16, (1, 3, 16, 24), 3), (torch.float32, (1, 2, 16, 64), 1)]
 TOLS = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-4)}  # (output, recurrent state)
 
 
@@ -84,6 +85,13 @@ TOLS = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-4)}  # (output, re
 def test_matches_reference(dtype, shape, bsz):
     run_steps(*shape, dtype, bsz, n_slots=bsz + 3, steps=3, tol_out=TOLS[dtype][0], tol_state=TOLS[dtype][1],
               seed=bsz)
+
+
+def test_split_launches_leave_counters_at_zero():
+    assert [gdn_decode._dv_splits(p, 64) for p in (1, 100, 200)] == [4, 2, 1]
+    run_steps(1, 2, 16, 64, torch.float32, 1, n_slots=2, steps=2, tol_out=1e-5, tol_state=1e-5)
+    _, arrivals = gdn_decode._split_workspace(torch.device(DEVICE), 1, 1, 2, 64)
+    assert torch.equal(arrivals.cpu(), torch.zeros(1, dtype=torch.int32)), "the last split must reset its counter"
 
 
 def test_fp32_norm_weight_with_fp16_io():
