@@ -1,0 +1,54 @@
+"""Compile cache of the CuTe-DSL attention forward: one compiled kernel per AttentionConfig.
+
+Shapes are runtime values of the compiled kernel: batch, lengths and head counts are Int32 arguments and the
+tensors' row strides are dynamic, so every call with an equal config reuses one compile. Tensors are passed
+as DLPack views with a dynamic layout (`as_cute`); the compile sees the same kind of view (of a tiny CPU tensor,
+so compiling needs no GPU: set CUTE_DSL_ARCH=sm_90a) and a placeholder stream.
+"""
+import threading
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass.cute.runtime import from_dlpack, make_fake_stream
+
+from fa4.cute.config import AttentionConfig
+from fa4.cute.kernel import FlashAttentionForwardSm90
+
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+TORCH_DTYPES = {"bfloat16": torch.bfloat16}
+
+
+def as_cute(t: torch.Tensor):
+    """A (rows, heads, head_dim) torch tensor, contiguous in its last dim, as a CuTe tensor with dynamic
+    shape and row/head strides (16-byte aligned base)."""
+    return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=2)
+
+
+def _example_args(config: AttentionConfig):
+    dtype = TORCH_DTYPES[config.dtype]
+    q = torch.empty(2, 2, config.head_dim, dtype=dtype)  # shapes are dynamic: these are placeholders
+    kv = torch.empty(2, 1, config.head_dim, dtype=dtype)
+    return (as_cute(q), as_cute(kv), as_cute(kv), as_cute(q), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
+            cutlass.Float32(1.0), make_fake_stream())
+
+
+def compile_config(config: AttentionConfig):
+    """Compiles (without caching) the kernel of `config`; returns the compiled callable."""
+    return cute.compile(FlashAttentionForwardSm90(config), *_example_args(config))
+
+
+def get_kernel(config: AttentionConfig):
+    """The compiled kernel of `config`, compiled on first use."""
+    kernel = _CACHE.get(config)
+    if kernel is None:
+        with _LOCK:
+            kernel = _CACHE.get(config)
+            if kernel is None:
+                kernel = _CACHE[config] = compile_config(config.validate())
+    return kernel
+
+
+def cache_size() -> int:
+    return len(_CACHE)

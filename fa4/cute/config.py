@@ -1,0 +1,108 @@
+"""Host-side configuration of the CuTe-DSL attention forward: one frozen dataclass per compiled kernel.
+
+Pure Python (no DSL import), so `fa4.interface` can ask what the cute backend supports without
+nvidia-cutlass-dsl installed. A config is the key of the compile cache (fa4/cute/compile_cache.py): two calls
+with equal configs share one compiled kernel; shapes (batch, lengths, heads) are runtime values.
+
+The CTA: one producer warpgroup (its first warp issues every TMA load) and `num_consumer_wg` consumer
+warpgroups, each owning `tile_m / num_consumer_wg` = 64 rows of the Q tile (one wgmma M). GQA packing:
+`pack_gqa` query heads that share a KV head are folded into the M dimension (row m of the tile is query
+position m // pack_gqa of head m % pack_gqa of the group), so one K/V tile feeds them all.
+
+Shared memory: Q (tile_m x d) + kv_stages x (K and V tiles, tile_n x d each), bf16.
+  d128: tile_n 128, 2 stages: 32 + 2 x 64 KiB = 160 KiB.   d256: tile_n 64, 2 stages: 64 + 2 x 64 = 192 KiB.
+"""
+import math
+from dataclasses import dataclass
+
+HEAD_DIMS = (128, 256)
+DTYPES = ("bfloat16",)
+POLY_FRACTIONS = (0.0, 0.125, 0.25, 0.5, 1.0)  # same set as the triton backend (fa4/softmax.py)
+MAX_RESCALE_THRESHOLD = 15.0  # P = 2^(s - m) <= 2^threshold must stay far from bf16/fp32 overflow
+SMEM_LIMIT = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
+WGMMA_M = 64
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    head_dim: int
+    causal: bool
+    pack_gqa: int = 1  # query heads of one KV group folded into M (divides 64)
+    dtype: str = "bfloat16"
+    tile_m: int = 128  # query rows (packed) per CTA
+    tile_n: int = 128  # keys per K/V tile
+    kv_stages: int = 2  # depth of the K and of the V smem rings
+    num_consumer_wg: int = 2
+    pingpong: bool = True  # consumer warpgroups take turns issuing QK^T: one softmaxes while the other multiplies
+    producer_regs: int = 24  # setmaxnreg of the producer warpgroup
+    consumer_regs: int = 240  # setmaxnreg of each consumer warpgroup
+    rescale_threshold: float = 8.0  # FA4 conditional rescale, log2 units (0: rescale whenever the max grows)
+    poly_exp2_fraction: float = 0.0  # share of each row's exp2 done by the FMA polynomial
+
+    @property
+    def rows_per_wg(self) -> int:
+        return self.tile_m // self.num_consumer_wg
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (1 + self.num_consumer_wg)
+
+    def smem_bytes(self) -> int:
+        elt = 2
+        q = self.tile_m * self.head_dim * elt
+        kv = 2 * self.kv_stages * self.tile_n * self.head_dim * elt
+        barriers = 8 * (2 + 4 * self.kv_stages + 2 * self.num_consumer_wg)
+        return q + kv + barriers + 3 * 1024  # alignment padding of the three buffers
+
+    def validate(self) -> "AttentionConfig":
+        """Raises ValueError naming what is unsupported; returns self."""
+        if self.dtype not in DTYPES:
+            raise ValueError(f"cute backend: dtype {self.dtype} is not supported (only {DTYPES})")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"cute backend: head_dim {self.head_dim} is not one of {HEAD_DIMS}")
+        if self.rows_per_wg != WGMMA_M:
+            raise ValueError(f"tile_m / num_consumer_wg must be {WGMMA_M}, got {self.rows_per_wg}")
+        if self.pack_gqa < 1 or WGMMA_M % self.pack_gqa:
+            raise ValueError(f"pack_gqa must divide {WGMMA_M}, got {self.pack_gqa}")
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
+        if self.kv_stages < 1:
+            raise ValueError(f"kv_stages must be >= 1, got {self.kv_stages}")
+        if self.poly_exp2_fraction not in POLY_FRACTIONS:
+            raise ValueError(f"poly_exp2_fraction must be one of {POLY_FRACTIONS}, got {self.poly_exp2_fraction!r}")
+        if not 0.0 <= self.rescale_threshold <= MAX_RESCALE_THRESHOLD:
+            raise ValueError(f"rescale_threshold must be in [0, {MAX_RESCALE_THRESHOLD}], got {self.rescale_threshold}")
+        if self.producer_regs * 128 + self.consumer_regs * 128 * self.num_consumer_wg > 65536:
+            raise ValueError("setmaxnreg budget exceeds the 64K registers of an SM")
+        if self.smem_bytes() > SMEM_LIMIT:
+            raise ValueError(f"config needs {self.smem_bytes()} bytes of shared memory (> {SMEM_LIMIT})")
+        return self
+
+
+def pack_factor(group: int) -> int:
+    """The largest power of two that divides the GQA group and WGMMA_M: those heads share one M tile."""
+    return math.gcd(group, WGMMA_M)
+
+
+def default_tile_n(head_dim: int) -> int:
+    return 128 if head_dim <= 128 else 64
+
+
+def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int, *, rescale_threshold: float = 8.0,
+                  poly_exp2_fraction: float = 0.0, **overrides) -> AttentionConfig:
+    """The config for a call; `overrides` replace any field (tile sizes, stages, pingpong...)."""
+    fields = dict(head_dim=head_dim, causal=causal, pack_gqa=pack_factor(num_heads // num_kv_heads),
+                  tile_n=default_tile_n(head_dim), rescale_threshold=float(rescale_threshold),
+                  poly_exp2_fraction=float(poly_exp2_fraction))
+    fields.update(overrides)
+    return AttentionConfig(**fields).validate()
+
+
+def representative_configs() -> list[AttentionConfig]:
+    """The CPU compile-test set: each head dim, causal and not, with and without GQA packing / FA4 flags."""
+    return [
+        choose_config(128, False, 8, 8),
+        choose_config(128, True, 8, 2, poly_exp2_fraction=0.25),
+        choose_config(256, False, 16, 4),
+        choose_config(256, True, 16, 2, poly_exp2_fraction=0.125),
+    ]

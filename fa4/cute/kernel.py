@@ -1,0 +1,262 @@
+"""The CuTe-DSL FlashAttention forward for Hopper (sm_90a): TMA, mbarrier rings, wgmma, warp specialisation.
+
+Tensors (host view): q, o (B * Sq, H, D); k, v (B * Sk, KV, D); contiguous, bf16. Sequence b's rows start at
+b * Sq (queries) and b * Sk (keys). The kernel sees:
+- Q and O as ((pack, T), D, H / pack): GQA packing puts the `pack` heads that share a KV head in M (row
+  m = g + pack * t), so a 64-row wgmma tile holds 64 / pack query positions of `pack` heads;
+- K as (T_k, D, KV) (K-major B of QK^T) and V as (D, T_k, KV) (MN-major B of PV).
+TMA descriptors cover the whole tensors; a CTA offsets their row coordinate by its sequence start
+(`domain_offset`). Rows a tile reads past its sequence belong to the next sequence (or are zero-filled past the
+tensor): queries there are never stored, keys there are masked.
+
+CTA (config.py): warpgroup 0 is the producer (setmaxnreg down; its warp 0 issues the TMA loads: Q once, then
+K and V of each visited tile, last tile first); warpgroups 1 and 2 are consumers (setmaxnreg up), each owning
+64 rows of the 128-row Q tile. Per K/V tile a consumer: S = Q K^T (wgmma, smem operands), mask (diagonal and
+ragged tiles only), online softmax (softmax.py), P to bf16 in registers, O += P V (wgmma, P from registers).
+Epilogue: O / rowsum to bf16, into the warpgroup's own Q smem slice, then 16-byte stores of the rows that
+exist.
+"""
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from fa4.cute import mask as M
+from fa4.cute import pipeline as P
+from fa4.cute import softmax as S
+from fa4.cute.config import WGMMA_M, AttentionConfig
+from fa4.cute.tile_scheduler import StaticTileScheduler
+
+try:  # 4.8 moved LayoutEnum; the old path warns
+    from cutlass.tensor_utils import LayoutEnum
+except ImportError:  # pragma: no cover
+    LayoutEnum = utils.LayoutEnum
+
+
+@cute.jit
+def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.Tensor, zero_init: bool):
+    """acc (+)= A B over the k-blocks of the fragments (MMA, MMA_M/N, MMA_K)."""
+    for k in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
+        cute.gemm(tiled_mma, acc, t_a[None, None, k], t_b[None, None, k], acc)
+    return tiled_mma  # set() rebinds the atom's accumulate flag: callers rebind it so loops carry it
+
+
+class FlashAttentionForwardSm90:
+    def __init__(self, config: AttentionConfig):
+        self.cfg = config.validate()
+        self.dtype = BFloat16
+        self.buffer_align = 1024
+
+    # ---------------------------------------------------------------- host side (traced once per config)
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, batch: Int32,
+                 seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, stream: cuda.CUstream):
+        cfg = self.cfg
+        d, pack, n_tile = cfg.head_dim, cfg.pack_gqa, cfg.tile_n
+        num_heads, num_kv = q.shape[1], k.shape[1]
+        # Q, O: ((pack, T), D, H / pack); K: (T_k, D, KV); V: (D, T_k, KV)
+        q_view = cute.make_layout(((pack, q.shape[0]), d, num_heads // pack),
+                                  stride=((d, q.stride[0]), 1, pack * d))
+        mQ = cute.make_tensor(q.iterator, q_view)
+        mO = cute.make_tensor(o.iterator, q_view)
+        mK = cute.make_tensor(k.iterator, cute.make_layout((k.shape[0], d, num_kv), stride=(k.stride[0], 1, d)))
+        mV = cute.make_tensor(v.iterator, cute.make_layout((d, v.shape[0], num_kv), stride=(1, v.stride[0], d)))
+
+        qk_tiler = (WGMMA_M, n_tile, d)  # (M, N, K) of S = Q K^T per consumer warpgroup
+        pv_tiler = (WGMMA_M, d, n_tile)  # (M, N, K) of O = P V
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (1, 1, 1), qk_tiler[:2])
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            (1, 1, 1), pv_tiler[:2], warpgroup.OperandSource.RMEM)
+
+        # smem: Q as num_consumer_wg stages of 64 x D (one per consumer warpgroup), K and V rings
+        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, self.dtype, cfg.num_consumer_wg)
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, qk_tiler, self.dtype, cfg.kv_stages)
+        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, pv_tiler, self.dtype, cfg.kv_stages)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), (WGMMA_M, d))
+        tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (n_tile, d))
+        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (d, n_tile))
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)  # both halves, one barrier
+        self.kv_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            k_mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stages]
+            v_mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], self.buffer_align]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], self.buffer_align]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], self.buffer_align]
+
+        self.shared_storage = SharedStorage
+
+        num_m_blocks = (seqlen_q * pack + (cfg.tile_m - 1)) // cfg.tile_m
+        self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, mO, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout,
+                    sV_layout, seqlen_q, seqlen_k, num_heads // num_kv, scale_log2, num_m_blocks).launch(
+            grid=(num_m_blocks, num_heads // pack, batch), block=[cfg.num_threads, 1, 1], stream=stream,
+            min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, tiled_mma_qk: cute.TiledMma,
+               tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, seqlen_q: Int32, seqlen_k: Int32, group: Int32, scale_log2: Float32,
+               num_m_blocks: Int32):
+        cfg = self.cfg
+        d, pack, n_tile = cfg.head_dim, cfg.pack_gqa, cfg.tile_n
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        q_pipe = P.make_tma_pipeline(storage.q_mbar.data_ptr(), 1, self.q_bytes, cfg.num_consumer_wg)
+        k_pipe = P.make_tma_pipeline(storage.k_mbar.data_ptr(), cfg.kv_stages, self.kv_bytes, cfg.num_consumer_wg)
+        v_pipe = P.make_tma_pipeline(storage.v_mbar.data_ptr(), cfg.kv_stages, self.kv_bytes, cfg.num_consumer_wg)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, D, num_consumer_wg)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (N, D, stages)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (D, N, stages)
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        m_block, head_group, batch = StaticTileScheduler(num_m_blocks, cfg.causal).get_work()
+        kv_head = (head_group * pack) // group
+        n_max = M.n_block_max(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
+
+        # this sequence's tiles: Q (64, D, m tiles of 64 rows), K (N, D, n tiles), V (D, N, n tiles)
+        gQ = cute.local_tile(cute.domain_offset(((0, batch * seqlen_q), 0), mQ[None, None, head_group]),
+                             (WGMMA_M, d), (None, 0))
+        gK = cute.local_tile(cute.domain_offset((batch * seqlen_k, 0), mK[None, None, kv_head]), (n_tile, d),
+                             (None, 0))
+        gV = cute.local_tile(cute.domain_offset((0, batch * seqlen_k), mV[None, None, kv_head]), (d, n_tile),
+                             (0, None))
+
+        if wg_idx == 0:
+            # ------------------------------------------------ producer warpgroup
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == 0:
+                tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                                   cute.group_modes(gQ, 0, 2))
+                tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                   cute.group_modes(gK, 0, 2))
+                tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                                   cute.group_modes(gV, 0, 2))
+                if n_max > 0:
+                    q_state = P.producer_state(1)
+                    q_pipe.producer_acquire(q_state)
+                    for half in cutlass.range_constexpr(cfg.num_consumer_wg):
+                        cute.copy(tma_q, tQgQ[None, m_block * cfg.num_consumer_wg + half], tQsQ[None, half],
+                                  tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+                    k_state = P.producer_state(cfg.kv_stages)
+                    v_state = P.producer_state(cfg.kv_stages)
+                    for i in cutlass.range(n_max, unroll=1):
+                        n_block = n_max - 1 - i
+                        k_pipe.producer_acquire(k_state)
+                        cute.copy(tma_k, tKgK[None, n_block], tKsK[None, k_state.index],
+                                  tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
+                        k_state.advance()
+                        v_pipe.producer_acquire(v_state)
+                        cute.copy(tma_v, tVgV[None, n_block], tVsV[None, v_state.index],
+                                  tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
+                        v_state.advance()
+        else:
+            # ------------------------------------------------ consumer warpgroups
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            cwg = wg_idx - 1
+            tid = tidx % 128
+            thr_qk = tiled_mma_qk.get_slice(tid)
+            thr_pv = tiled_mma_pv.get_slice(tid)
+            sQ_wg = sQ[None, None, cwg]
+            tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_wg))  # (MMA, 1, D / 16)
+            tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, D / 16, stages)
+            tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sV))  # (MMA, D / n, N / 16, stages)
+            acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, d)))
+            acc_o.fill(0.0)
+            coords = thr_qk.partition_C(cute.make_identity_tensor((WGMMA_M, n_tile)))
+            row_max, row_sum = S.make_state(2)
+            row_base = m_block * cfg.tile_m + cwg * WGMMA_M
+            n_nomask = M.n_block_nomask(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
+            pingpong = cfg.pingpong and cfg.num_consumer_wg == 2
+
+            if n_max > 0:
+                P.pingpong_start(cwg, pingpong)
+                q_state = P.consumer_state(1)
+                q_pipe.consumer_wait(q_state)
+                k_state = P.consumer_state(cfg.kv_stages)
+                v_state = P.consumer_state(cfg.kv_stages)
+                for i in cutlass.range(n_max, unroll=1):
+                    n_block = n_max - 1 - i
+                    acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((WGMMA_M, n_tile)))
+                    k_pipe.consumer_wait(k_state)
+                    P.pingpong_wait(cwg, pingpong)
+                    warpgroup.fence()
+                    tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], True)
+                    warpgroup.commit_group()
+                    P.pingpong_pass(cwg, i == n_max - 1, pingpong)
+                    warpgroup.wait_group(0)
+                    k_pipe.consumer_release(k_state)
+                    k_state.advance()
+
+                    if n_block >= n_nomask:
+                        M.apply_mask(acc_s, coords, row_base, n_block, seqlen_q, seqlen_k, cfg.causal, pack, n_tile)
+                    S.online_softmax_step(row_max, row_sum, acc_s, acc_o, scale_log2, cfg.rescale_threshold,
+                                           cfg.poly_exp2_fraction)
+                    # P in registers as the A operand of PV: the accumulator of S and the A fragment of a
+                    # 64 x N x 16 wgmma hold the same (row, col) per thread in the same order for 16-bit types
+                    tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((WGMMA_M, n_tile)), self.dtype)
+                    cute.make_tensor(tOrP.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
+
+                    v_pipe.consumer_wait(v_state)
+                    warpgroup.fence()
+                    tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    v_pipe.consumer_release(v_state)
+                    v_state.advance()
+
+            S.online_softmax_finalize(row_sum, acc_o)
+            self.epilogue(acc_o, thr_pv, sQ_wg, mO, cwg, tid, m_block, head_group, batch, seqlen_q)
+
+    @cute.jit
+    def epilogue(self, acc_o: cute.Tensor, thr_pv, sO: cute.Tensor, mO: cute.Tensor, cwg: Int32, tid: Int32,
+                 m_block: Int32, head_group: Int32, batch: Int32, seqlen_q: Int32):
+        """O (fp32 fragment, already normalised) -> bf16 in the warpgroup's Q smem slice -> the rows that exist."""
+        cfg = self.cfg
+        d, pack = cfg.head_dim, cfg.pack_gqa
+        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        cute.autovec_copy(r_o, thr_pv.partition_C(sO))
+        P.epilogue_sync(cwg)
+
+        tile = m_block * cfg.num_consumer_wg + cwg  # 64-row tile of this sequence's packed rows
+        gO = cute.local_tile(cute.domain_offset(((0, batch * seqlen_q), 0), mO[None, None, head_group]),
+                             (WGMMA_M, d), (tile, 0))
+        cO = cute.local_tile(cute.make_identity_tensor((pack * seqlen_q, d)), (WGMMA_M, d), (tile, 0))
+        vec = 128 // self.dtype.width  # 8 bf16 = 16 bytes per store
+        threads_per_row = d // vec
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        tiled_copy = cute.make_tiled_copy_tv(
+            atom, cute.make_layout((128 // threads_per_row, threads_per_row), stride=(threads_per_row, 1)),
+            cute.make_layout((1, vec)))
+        thr_copy = tiled_copy.get_slice(tid)
+        tOsO = thr_copy.partition_S(sO)
+        tOgO = thr_copy.partition_D(gO)
+        tOcO = thr_copy.partition_D(cO)
+        rows = pack * seqlen_q
+        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            if tOcO[0, m, 0][0] < rows:
+                cute.copy(atom, tOsO[None, m, None], tOgO[None, m, None])
