@@ -1,5 +1,7 @@
-"""How big the engine's caches are and how much one step may compute."""
+"""How big the engine's caches are, how much one step may compute, and how decode steps run."""
 from dataclasses import dataclass
+
+GRAPH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 @dataclass(frozen=True)
@@ -7,7 +9,16 @@ class EngineConfig:
     """num_pages * page_size tokens of KV; max_num_seqs running sequences, each with a GDN state slot, plus
     snapshot_slots more slots for the prefix cache's GDN snapshots. A step computes at most
     max_num_batched_tokens tokens; a prefill of at most fast_lane_tokens uncached tokens after a prefix hit
-    (a returning session) goes before cold prefills. Generation stops at eos_token_ids unless ignore_eos."""
+    (a returning session) goes before cold prefills. Generation stops at eos_token_ids unless ignore_eos.
+
+    gpu_memory_utilization: on a CUDA device, when set, num_pages is ignored and the KV pool takes what is
+    left of that fraction of the card after the weights, a profiled worst-case step (one chunk of
+    max_num_batched_tokens at the end of a max_model_len context) and a fixed reserve (see serving.engine).
+    max_model_len: the longest sequence (prompt + output); None: the pool's tokens when num_pages sizes it,
+    else DEFAULT_MAX_MODEL_LEN, and never beyond the model's max_position_embeddings. Decode steps size their
+    page tables by it.
+    cuda_graphs: capture decode steps (every sequence one token) in CUDA graphs at the batch sizes of
+    GRAPH_LADDER up to max_graph_batch (None: max_num_seqs), on CUDA devices; False is --enforce-eager."""
     num_pages: int = 256
     page_size: int = 16
     max_num_seqs: int = 8
@@ -16,14 +27,37 @@ class EngineConfig:
     fast_lane_tokens: int = 512
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    cuda_graphs: bool = True
+    max_graph_batch: int | None = None
 
     def __post_init__(self):
         if min(self.num_pages, self.page_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:
             raise ValueError(f"pool sizes and the token budget must be positive: {self}")
         if self.snapshot_slots < 0 or self.fast_lane_tokens < 0:
             raise ValueError(f"snapshot_slots and fast_lane_tokens must be >= 0: {self}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1), got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_graph_batch is not None and self.max_graph_batch < 1:
+            raise ValueError(f"max_graph_batch must be positive, got {self.max_graph_batch}")
 
     @classmethod
     def for_token_budget(cls, kv_tokens: int, page_size: int = 16, **fields) -> "EngineConfig":
         """A config whose KV pool holds kv_tokens tokens (rounded up to whole pages)."""
         return cls(num_pages=-(-kv_tokens // page_size), page_size=page_size, **fields)
+
+    @classmethod
+    def for_gpu_memory(cls, utilization: float = 0.9, **fields) -> "EngineConfig":
+        """A config whose KV pool is sized on a CUDA device from its free memory (num_pages on the CPU)."""
+        return cls(gpu_memory_utilization=utilization, **fields)
+
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes captured in CUDA graphs: the ladder up to max_graph_batch, which is included."""
+        top = min(self.max_graph_batch or self.max_num_seqs, self.max_num_seqs)
+        return tuple(sorted({b for b in GRAPH_LADDER if b < top} | {top}))
+
+
+DEFAULT_MAX_MODEL_LEN = 65536

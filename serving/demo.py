@@ -1,9 +1,11 @@
-"""A scripted agent session, end to end: `python -m serving.demo [--model PRESET|PATH] [--device auto|cpu|cuda]`.
+"""A scripted agent session through the serving engine: `python -m serving.demo [--model PRESET|PATH] [--device ...]`.
 
 A system prompt with tool schemas, a user task, then tool results turn after turn, as an agent harness sends
-them. Each turn appends only its new tokens to the cached conversation (KV pages and GDN state), streams the
-reply, and the run ends with a table of prompt tokens, generated tokens, TTFT and decode speed per turn.
-A preset name builds RANDOM weights at that model's real shapes: the text is noise, the timings are real.
+them: each request carries the whole conversation so far, and the engine's prefix cache (KV pages and GDN state
+snapshots) serves what it has seen, so each turn computes only its new tokens. Per turn it prints new (uncached)
+prompt tokens, cached tokens, generated tokens, TTFT and decode speed. Defaults: `tiny` on the CPU,
+`qwen3.5-0.8b` on the GPU. A preset name builds RANDOM weights at that model's real shapes: the text is noise,
+the timings are real.
 """
 import argparse
 import sys
@@ -14,10 +16,12 @@ from pathlib import Path
 import torch
 
 from model import ops
-from model.generate import stream
 from model.loader import load_checkpoint
 from model.model import Qwen35ForCausalLM
 from model.tokenizer import StreamDecoder, load_tokenizer
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
+from serving.sequence import SamplingParams
 
 SYSTEM = "You are a coding agent working in a Python repository. Use the tools to inspect and fix the code."
 TOOLS = [
@@ -61,20 +65,24 @@ def load_model(spec: str, device: torch.device) -> tuple[Qwen35ForCausalLM, str]
     return Qwen35ForCausalLM.from_preset(spec, device=device, dtype=dtype), f"preset {spec} (RANDOM weights)"
 
 
-def run_turn(model, cache, tokenizer, new_ids, max_new_tokens, out) -> tuple[list[int], TurnStats]:
-    """Feed new_ids, stream the reply to `out`, and time the first token and the rest."""
-    cached = max(cache.lengths)
+def run_turn(engine: LLMEngine, tokenizer, prompt: list[int], max_new_tokens: int, out) -> tuple[list[int], TurnStats]:
+    """Send the whole conversation as one request, stream the reply to `out`, time the first token and the rest."""
     decoder, generated = StreamDecoder(tokenizer), []
     start = time.perf_counter()
+    seq_id = engine.add_request(prompt, SamplingParams(max_tokens=max_new_tokens))
     first = None
-    for token in stream(model, cache, new_ids, max_new_tokens, tokenizer.eos_token_ids):
-        first = first or time.perf_counter()
-        generated.append(token)
-        out.write(decoder.push(token))
-        out.flush()
+    while engine.has_unfinished:
+        for o in engine.step():
+            if o.seq_id == seq_id:
+                first = first or time.perf_counter()
+                generated.append(o.token)
+                out.write(decoder.push(o.token))
+                out.flush()
     out.write(decoder.flush() + "\n")
     end = time.perf_counter()
-    return generated, TurnStats(len(new_ids), cached, len(generated), first - start, end - first)
+    result = engine.pop_output(seq_id)
+    cached = result.cached_tokens
+    return generated, TurnStats(len(prompt) - cached, cached, len(generated), first - start, end - first)
 
 
 def print_table(stats: list[TurnStats], out) -> None:
@@ -89,43 +97,57 @@ def print_table(stats: list[TurnStats], out) -> None:
     out.write(f"mean decode: {total_gen / total_dec:.1f} tok/s over {total_gen} tokens\n" if total_dec else "")
 
 
-def run_session(model, tokenizer, max_new_tokens: int, max_context: int, out) -> tuple[list[int], list[TurnStats]]:
+def make_engine(model: Qwen35ForCausalLM, tokenizer, max_context: int, cuda_graphs: bool = True) -> LLMEngine:
+    """An engine for one session: a pool of max_context tokens on the CPU, sized from free memory on the GPU."""
+    common = dict(eos_token_ids=tokenizer.eos_token_ids, max_num_seqs=1, max_model_len=max_context,
+                  cuda_graphs=cuda_graphs, snapshot_slots=8)
+    if model.lm_head.weight.device.type == "cuda":
+        return LLMEngine(model, EngineConfig.for_gpu_memory(0.5, **common))
+    return LLMEngine(model, EngineConfig.for_token_budget(max_context, **common))
+
+
+def run_session(model, tokenizer, max_new_tokens: int, max_context: int, out, engine: LLMEngine | None = None
+                ) -> tuple[list[int], list[TurnStats]]:
     """The scripted session. Returns every token the model saw or produced, in order, and per-turn stats."""
-    cache = model.new_cache(1, max_context)
+    engine = engine or make_engine(model, tokenizer, max_context)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
-    new_ids = tokenizer.apply_chat_template(messages, tools=TOOLS)
-    transcript, stats = [], []
+    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS)
+    stats = []
     for turn in range(len(TOOL_RESULTS) + 1):
-        out.write(f"\n--- turn {turn + 1}: {len(new_ids)} new prompt tokens ---\n")
-        generated, s = run_turn(model, cache, tokenizer, new_ids, max_new_tokens, out)
-        transcript += new_ids + generated
+        out.write(f"\n--- turn {turn + 1}: {len(prompt)} prompt tokens ---\n")
+        generated, s = run_turn(engine, tokenizer, prompt, max_new_tokens, out)
         stats.append(s)
         if turn == len(TOOL_RESULTS):
-            break
-        # The last generated token is not in the cache yet; the next turn sends it first, then the tool result.
+            return prompt + generated, stats
+        # the client sends the conversation back unchanged, with the tool's result appended
         closed = generated[-1] == tokenizer.im_end_id
-        new_ids = [generated[-1]] + tokenizer.continue_chat([{"role": "tool", "content": TOOL_RESULTS[turn]}],
-                                                            closed=closed)
-        transcript.pop()  # it is sent again as the first of new_ids
-    return transcript, stats
+        prompt = prompt + generated + tokenizer.continue_chat([{"role": "tool", "content": TOOL_RESULTS[turn]}],
+                                                              closed=closed)
+    return prompt, stats
 
 
 def main(argv=None) -> list[TurnStats]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny", help="a preset name (random weights) or an HF checkpoint folder")
+    ap.add_argument("--model", default=None,
+                    help="a preset name (random weights) or an HF checkpoint folder; default: tiny on the CPU, "
+                         "qwen3.5-0.8b on the GPU")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-context", type=int, default=8192)
     ap.add_argument("--ops", default="auto", choices=["auto", "reference", "triton"],
                     help="kernel backend of model.ops; auto: triton on the GPU, reference on the CPU")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
     args = ap.parse_args(argv)
     out = sys.stdout
     device = pick_device(args.device)
     ops.set_backend(args.ops if args.ops != "auto" else ("triton" if device.type == "cuda" else "reference"))
-    model, what = load_model(args.model, device)
+    spec = args.model or ("qwen3.5-0.8b" if device.type == "cuda" else "tiny")
+    model, what = load_model(spec, device)
     tokenizer = load_tokenizer()
-    out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype} | ops: {ops.get_backend()}\n")
-    _, stats = run_session(model, tokenizer, args.max_new_tokens, args.max_context, out)
+    engine = make_engine(model, tokenizer, args.max_context, cuda_graphs=not args.eager)
+    out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype} | ops: {ops.get_backend()}\n"
+              f"engine: {engine.pool_summary}\n")
+    _, stats = run_session(model, tokenizer, args.max_new_tokens, args.max_context, out, engine)
     print_table(stats, out)
     return stats
 

@@ -1,17 +1,22 @@
-"""LLMEngine: requests in, tokens out, one model.forward_step per step over a mixed prefill/decode batch."""
-from dataclasses import dataclass
+"""LLMEngine: requests in, tokens out. Each step the scheduler picks chunks, the ModelRunner runs them (decodes
+from CUDA graphs), the scheduler commits the cache, and the sampler draws the tokens of the rows that finished
+their prompt or decoded."""
+import logging
+from dataclasses import dataclass, replace
 
 import torch
 
 from model.cache import CachePools
 from model.model import Qwen35ForCausalLM
-from serving.batch import build_step_input
 from serving.block_manager import KVBlockManager
-from serving.config import EngineConfig
+from serving.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from serving.model_runner import ModelRunner, describe_pools, graphs_unsupported, pages_for_memory
 from serving.sampler import sample
 from serving.scheduler import Scheduler
 from serving.sequence import SamplingParams, Sequence
 from serving.state_cache import StateSnapshotCache
+
+log = logging.getLogger("serving")
 
 
 @dataclass
@@ -33,19 +38,62 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, model: Qwen35ForCausalLM, cfg: EngineConfig | None = None):
+    def __init__(self, model: Qwen35ForCausalLM, cfg: EngineConfig | None = None, *, pad_decode: bool = False):
+        """cfg.gpu_memory_utilization sizes the KV pool from the card's free memory (CUDA only); decode steps run
+        from CUDA graphs unless cfg.cuda_graphs is False or the ops cannot be captured. pad_decode (tests) pads
+        decode batches to the graph ladder without capturing."""
         cfg = cfg or EngineConfig()
-        self.model, self.cfg = model, cfg
+        self.model = model
         weight = model.lm_head.weight
         self.device = weight.device
-        self.pools = CachePools.allocate(model.config, cfg.num_pages, cfg.page_size,
-                                         cfg.max_num_seqs + cfg.snapshot_slots, weight.dtype, weight.device)
+        cfg, self.sizing = self._size(model, cfg)
+        self.cfg = cfg
+        num_slots = cfg.max_num_seqs + cfg.snapshot_slots + 1  # the last slot and the last page are padding's
+        self.pools = CachePools.allocate(model.config, cfg.num_pages + 1, cfg.page_size, num_slots, weight.dtype,
+                                         weight.device)
         self.block_manager = KVBlockManager(cfg.num_pages, cfg.page_size)
         self.state_cache = StateSnapshotCache(self.pools, cfg.max_num_seqs, cfg.snapshot_slots)
         self.scheduler = Scheduler(cfg, self.block_manager, self.state_cache, self.pools)
+        why_not = None
+        if self.device.type != "cuda":
+            why_not = "not a CUDA device"
+        elif not cfg.cuda_graphs:
+            why_not = "cuda_graphs off (enforce eager)"
+        else:
+            why_not = graphs_unsupported(model)
+        use_graphs = why_not is None
+        self.runner = ModelRunner(model, self.pools, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
+                                  max_num_seqs=cfg.max_num_seqs, dummy_page=cfg.num_pages, dummy_slot=num_slots - 1,
+                                  graph_sizes=cfg.graph_batch_sizes() if use_graphs or pad_decode else (),
+                                  use_graphs=use_graphs)
+        self.runner.capture()
+        sizes = list(self.runner.graph_sizes)
+        self.graphs = f"decode CUDA graphs at batch {sizes}" if use_graphs else f"eager decode ({why_not})"
+        self.pool_summary = (describe_pools(model, cfg.num_pages, cfg.page_size, num_slots)
+                             + f"; max_model_len {cfg.max_model_len}; {self.graphs}")
+        log.info("engine: %s", self.pool_summary)
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
         self._seeds = torch.Generator().manual_seed(cfg.seed)
+
+    @staticmethod
+    def _size(model: Qwen35ForCausalLM, cfg: EngineConfig) -> tuple[EngineConfig, dict | None]:
+        """Resolve max_model_len and, on a CUDA device with gpu_memory_utilization, num_pages from free memory."""
+        max_pos = model.config.max_position_embeddings
+        by_memory = cfg.gpu_memory_utilization is not None and model.lm_head.weight.device.type == "cuda"
+        if cfg.max_model_len is not None:
+            max_len = cfg.max_model_len
+        else:
+            max_len = DEFAULT_MAX_MODEL_LEN if by_memory else cfg.num_pages * cfg.page_size
+        max_len = min(max_len, max_pos)
+        sizing = None
+        if by_memory:
+            num_pages, sizing = pages_for_memory(
+                model, utilization=cfg.gpu_memory_utilization, page_size=cfg.page_size,
+                num_slots=cfg.max_num_seqs + cfg.snapshot_slots + 1, max_model_len=max_len,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs)
+            cfg = replace(cfg, num_pages=num_pages)
+        return replace(cfg, max_model_len=min(max_len, cfg.num_pages * cfg.page_size)), sizing
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id. Raises if it could never fit in the KV pool."""
@@ -54,10 +102,15 @@ class LLMEngine:
         if pages > self.cfg.num_pages:
             raise ValueError(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens need {pages} pages; "
                              f"the pool has {self.cfg.num_pages}")
-        if any(not 0 <= t < self.model.config.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must lie in [0, {self.model.config.vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.cfg.max_model_len:
+            raise ValueError(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens exceed max_model_len "
+                             f"{self.cfg.max_model_len}")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
-        seq = Sequence(self._next_id, prompt_ids, params, torch.Generator(self.device).manual_seed(seed))
+        # a CPU generator: the sampler draws each row's uniform on the host, so sampling adds no per-row sync
+        seq = Sequence(self._next_id, prompt_ids, params, torch.Generator().manual_seed(seed))
         self._next_id += 1
         self.sequences[seq.id] = seq
         self.scheduler.add(seq)
@@ -72,14 +125,15 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        logits = self.model.forward_step(build_step_input(chunks, self.cfg.page_size, self.device), self.pools)
+        logits, chunks = self.runner.execute(chunks)  # rows of logits follow the returned chunks
         self.scheduler.commit(chunks)
-        ready = [i for i, c in enumerate(chunks) if c.seq.num_uncomputed_tokens == 0]  # prefill tails, decodes
-        if not ready:
+        ready = [c.seq.num_uncomputed_tokens == 0 for c in chunks]  # prefill tails and decodes
+        if not any(ready):
             return []
-        seqs = [chunks[i].seq for i in ready]
-        tokens = sample(logits[ready], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
-        return [self._append(seq, token) for seq, token in zip(seqs, tokens)]
+        params = [c.seq.params if r else None for c, r in zip(chunks, ready)]
+        gens = [c.seq.generator if r else None for c, r in zip(chunks, ready)]
+        tokens = sample(logits, params, gens).tolist()  # the step's one host sync
+        return [self._append(c.seq, t) for c, t, r in zip(chunks, tokens, ready) if r]
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:
         seq.output_ids.append(token)

@@ -1,4 +1,9 @@
-"""Next tokens from logits, each row with its own sampling parameters and random generator."""
+"""Next tokens from logits, each row with its own sampling parameters and random generator.
+
+No host sync per row: the per-row parameters and uniform draws are built on the host (a CPU generator per request,
+seeded by its SamplingParams.seed) and reach the device in one non-blocking copy; the caller's single .tolist()
+of the result is the step's only sync. Rows with temperature 0 (or top_k 1) are the argmax.
+"""
 import torch
 
 from serving.sequence import SamplingParams
@@ -14,20 +19,54 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return probs * keep
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
-    """logits: (B, V) -> tokens (B,) int64: argmax where temperature is 0, else a draw from the filtered
-    softmax(logits / temperature) with that row's generator."""
+def is_greedy(p: SamplingParams) -> bool:
+    return p.temperature == 0 or p.top_k == 1
+
+
+def _to_device(rows: list[list[float]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host table to the device without a sync (pinned staging on CUDA)."""
+    return torch.tensor(rows, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
+def _uniform(generator: torch.Generator, device: torch.device):
+    """One U[0, 1) draw: a host float from a CPU generator; a device scalar from a CUDA one (no sync either way)."""
+    if generator.device.type == "cpu":
+        return float(torch.rand((), generator=generator))
+    return torch.rand((), generator=generator, device=device)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams | None],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits: (B, V) -> tokens (B,) int64: argmax where the row is greedy (or its params are None: a row the
+    caller will not read), else a draw from the filtered softmax(logits / temperature) with that row's generator."""
     greedy = logits.argmax(-1)
-    if all(p.temperature == 0 for p in params):
+    drawn_rows = [i for i, p in enumerate(params) if p is not None and not is_greedy(p)]
+    if not drawn_rows:
         return greedy
-    dev = logits.device
-    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
-    top_k = torch.tensor([p.top_k for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    probs, order = torch.softmax(logits.float() / temperature[:, None], dim=-1).sort(dim=-1, descending=True)
-    cdf = filter_probs(probs, top_k, top_p).cumsum(-1)  # (B, V)
-    u = torch.stack([torch.rand((), generator=g, device=dev) for g in generators])  # (B,)
-    rank = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_max(cdf.shape[1] - 1)  # (B, 1)
-    drawn = order.gather(1, rank)[:, 0]
-    is_greedy = torch.tensor([p.temperature == 0 for p in params], device=dev)
-    return torch.where(is_greedy, greedy, drawn)
+    dev, b = logits.device, logits.shape[0]
+    temperature, top_p, u = [1.0] * b, [1.0] * b, [0.0] * b
+    top_k = [0] * b
+    for i in drawn_rows:
+        p = params[i]
+        temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
+        u[i] = _uniform(generators[i], dev)
+    device_draws = [i for i in drawn_rows if isinstance(u[i], torch.Tensor)]
+    for i in device_draws:
+        u[i] = 0.0
+    floats = _to_device([temperature, top_p, u], torch.float32, dev)  # (3, B)
+    temperature_t, top_p_t, u_t = floats[0], floats[1], floats[2]
+    if device_draws:  # CUDA generators: their draws are device scalars
+        u_dev = torch.stack([_uniform(generators[i], dev) for i in device_draws])
+        u_t = u_t.index_put((_to_device(device_draws, torch.int64, dev),), u_dev.float())
+    probs = torch.softmax(logits.float() / temperature_t[:, None], dim=-1)
+    if all(top_k[i] == 0 and top_p[i] >= 1.0 for i in drawn_rows):  # no filter: the plain inverse CDF
+        cdf, order = probs.cumsum(-1), None
+    else:
+        probs, order = probs.sort(dim=-1, descending=True)
+        cdf = filter_probs(probs, _to_device(top_k, torch.int64, dev), top_p_t).cumsum(-1)  # (B, V)
+    rank = torch.searchsorted(cdf, (u_t * cdf[:, -1])[:, None], right=True).clamp_max(cdf.shape[1] - 1)  # (B, 1)
+    drawn = rank[:, 0] if order is None else order.gather(1, rank)[:, 0]
+    draw_mask = [False] * b
+    for i in drawn_rows:
+        draw_mask[i] = True
+    return torch.where(_to_device(draw_mask, torch.bool, dev), drawn, greedy)

@@ -1,0 +1,286 @@
+"""ModelRunner: the engine's chunks in, logits out, over Qwen35ForCausalLM.forward_step.
+
+Two paths.
+- Eager: any mix of prefill chunks and decodes, flattened by serving.batch.build_step_input (host lists).
+- Decode (every sequence brings one token): static-shape inputs, replayed from a CUDA graph on CUDA devices.
+  The host writes three int64 rows (token, position, state slot) for the batch into one pinned buffer, and
+  one non-blocking copy moves them. Everything else is derived on the device inside the graph:
+    page_table   = table[state_slots]                       (B, W) int32, W = ceil(max_model_len / page_size)
+    slot_mapping = page_table[b, pos // page_size] * page_size + pos % page_size
+    seqused_k    = pos + 1;  cu_seqlens = arange(B + 1);  cos, sin = rope tables at pos
+  `table` is a persistent device page table with one row per GDN state slot: a running sequence owns its slot,
+  so its row is its page list. Rows are synced lazily: the runner remembers, per slot, which pages list object
+  it copied and how far; a sequence that was released and readmitted gets a new list (block_manager.free and
+  share_prefix replace it), which forces a full rewrite; pages appended in place are copied as a tail.
+  Batch sizes come from a ladder (EngineConfig.graph_batch_sizes); a batch of B is padded to the next captured
+  size with rows that point at a dummy KV page and a dummy GDN slot, which the block manager and the scheduler
+  never hand out, so padding never touches real state (the graph zeroes the dummy slot's state first, so
+  padding stays finite). Because the page table always has width W, the paged decode kernel's split count
+  (chosen from W * page_size) is fixed per captured shape, and eager decode steps use the very same inputs:
+  with and without graphs a batch-1 decode runs the same kernels on the same shapes.
+- Mixed steps with graphs: the decode rows replay their graph and the other chunks run eagerly; rows come back
+  in that order (execute returns the chunks in row order).
+
+Graphs need the decode ops free of host syncs: the "triton" ops backend (kernels/paged_decode_attention.py,
+kernels/gdn_decode.py, norms, attention_prep) is; the reference ops and MoE routing (its .tolist()) are not, so
+graphs are switched off, with a log line, when the backend or the model is not capturable.
+"""
+import logging
+
+import torch
+
+import reference as R
+from model import ops
+from model.cache import CachePools
+from model.model import Qwen35ForCausalLM
+from model.step import StepInput
+from serving.batch import ScheduledChunk, build_step_input
+
+log = logging.getLogger("serving")
+
+GRAPH_OPS = ("paged_attention", "gated_deltanet", "attention_prep")  # must not be the reference ops in a graph
+
+
+def graphs_unsupported(model: Qwen35ForCausalLM) -> str | None:
+    """Why decode steps of this model cannot be captured with the active ops backend, or None."""
+    if model.config.is_moe:
+        return "MoE routing syncs with the host"
+    table = ops.backend_table()
+    ref = [op for op in GRAPH_OPS if table[op] == "reference"]
+    if ref:
+        return f"ops {ref} run the reference backend (host syncs); use the triton backend"
+    return None
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen35ForCausalLM, pools: CachePools, *, page_size: int, max_model_len: int,
+                 max_num_seqs: int, dummy_page: int, dummy_slot: int, graph_sizes: tuple[int, ...] = (),
+                 use_graphs: bool = False):
+        """graph_sizes: the ladder decode batches are padded to (empty: no padding); use_graphs: capture them
+        (CUDA only). Padding without graphs runs the same shapes eagerly (tests of the padding on the CPU)."""
+        self.model, self.pools, self.page_size = model, pools, page_size
+        self.cfg = model.config
+        self.device = model.lm_head.weight.device
+        self.dummy_page, self.dummy_slot = dummy_page, dummy_slot
+        self.width = -(-max_model_len // page_size)  # pages per sequence in decode page tables
+        self.graph_sizes = tuple(sorted(graph_sizes))
+        self.use_graphs = use_graphs and self.device.type == "cuda" and bool(graph_sizes)
+        self.max_decode = max(max_num_seqs, *self.graph_sizes) if self.graph_sizes else max_num_seqs
+        cuda = self.device.type == "cuda"
+        dev = self.device
+        self.table = torch.full((pools.num_slots, self.width), dummy_page, dtype=torch.int32, device=dev)
+        self._synced: list[tuple[list[int], int] | None] = [None] * pools.num_slots
+        self.inputs = torch.zeros(3, self.max_decode, dtype=torch.int64, device=dev)  # token, position, slot
+        self._host = torch.zeros(3, self.max_decode, dtype=torch.int64, pin_memory=cuda)
+        self._host_np = self._host.numpy()
+        self._upd = torch.zeros(3, 0, dtype=torch.int64)
+        self._events: dict[int, torch.cuda.Event] = {}  # staging buffer -> the event after its last copy
+        self.cu_seqlens = torch.arange(self.max_decode + 1, dtype=torch.int32, device=dev)
+        self.rope = None  # (cos, sin) tables over positions on CUDA; the CPU computes them per step
+        if cuda:
+            pos = torch.arange(max_model_len, device=dev)
+            self.rope = R.rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_graph_steps = self.num_eager_decode_steps = self.num_eager_steps = 0
+
+    # ---- the engine's entry point ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """Run one step. Returns logits (len(chunks), vocab), one row per chunk's last token, and the chunks
+        in the order of those rows."""
+        decode = [c for c in chunks if c.num_tokens == 1]
+        if len(decode) == len(chunks) and len(chunks) <= self.max_decode:
+            return self._decode(chunks), chunks
+        if self.graph_sizes and decode and len(decode) <= self.max_decode:
+            rest = [c for c in chunks if c.num_tokens != 1]
+            return torch.cat([self._decode(decode), self._eager(rest)]), decode + rest
+        return self._eager(chunks), chunks
+
+    def _eager(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        self.num_eager_steps += 1
+        return self.model.forward_step(build_step_input(chunks, self.page_size, self.device), self.pools)
+
+    # ---- decode steps ------------------------------------------------------------------------------------
+
+    def padded_size(self, n: int) -> int:
+        """The batch a decode of n sequences runs at: the smallest ladder size >= n, else n."""
+        for b in self.graph_sizes:
+            if b >= n:
+                return b
+        return n
+
+    def _decode(self, rows: list[ScheduledChunk]) -> torch.Tensor:
+        n = len(rows)
+        bs = self.padded_size(n)
+        self.sync_page_tables([c.seq for c in rows])
+        tokens, positions, slots = [], [], []
+        for c in rows:
+            seq, p = c.seq, c.start
+            n_prompt = len(seq.prompt_ids)
+            tokens.append(seq.prompt_ids[p] if p < n_prompt else seq.output_ids[p - n_prompt])
+            positions.append(p)
+            slots.append(seq.state_slot)
+        self._wait(self._host)
+        h = self._host_np
+        h[0, :n], h[1, :n], h[2, :n] = tokens, positions, slots
+        h[0, n:bs], h[1, n:bs], h[2, n:bs] = 0, 0, self.dummy_slot
+        self.inputs[:, :bs].copy_(self._host[:, :bs], non_blocking=True)
+        self._record(self._host)
+        graph = self.graphs.get(bs)
+        if graph is not None:
+            self.num_graph_steps += 1
+            graph[0].replay()
+            return graph[1][:n]
+        self.num_eager_decode_steps += 1
+        return self._decode_forward(bs, zero_dummy=bs > n)[:n]
+
+    def _record(self, staging: torch.Tensor) -> None:
+        """Note that a non-blocking copy out of this pinned staging buffer is in flight."""
+        if self.device.type == "cuda":
+            event = self._events.setdefault(staging.data_ptr(), torch.cuda.Event())
+            event.record()
+
+    def _wait(self, staging: torch.Tensor) -> None:
+        """Before the host rewrites a staging buffer: its last copy must have been read (free when it has)."""
+        event = self._events.get(staging.data_ptr())
+        if event is not None:
+            event.synchronize()
+
+    def _decode_forward(self, bs: int, zero_dummy: bool) -> torch.Tensor:
+        """The decode step of inputs[:, :bs] (what a graph captures): logits (bs, vocab)."""
+        tokens, positions, slots = self.inputs[0, :bs], self.inputs[1, :bs], self.inputs[2, :bs]
+        ps = self.page_size
+        page_table = self.table.index_select(0, slots)  # (bs, W)
+        slot_mapping = page_table.gather(1, (positions // ps)[:, None])[:, 0].long() * ps + positions % ps
+        if self.rope is not None:
+            cos, sin = self.rope[0].index_select(0, positions), self.rope[1].index_select(0, positions)
+        else:
+            cos, sin = R.rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)
+        if zero_dummy:
+            self.pools.conv_states[:, self.dummy_slot].zero_()
+            self.pools.recurrent_states[:, self.dummy_slot].zero_()
+        step = StepInput(token_ids=tokens, positions=positions, cu_seqlens=self.cu_seqlens[:bs + 1], max_seqlen_q=1,
+                         seqused_k=(positions + 1).to(torch.int32), page_table=page_table, slot_mapping=slot_mapping,
+                         state_slots=slots, cos=cos, sin=sin)
+        return self.model.forward_step(step, self.pools, all_logits=True)
+
+    def sync_page_tables(self, seqs) -> None:
+        """Bring the device page-table rows of these sequences' state slots up to date with seq.pages."""
+        rows, cols, vals = [], [], []
+        for seq in seqs:
+            slot, pages = seq.state_slot, seq.pages
+            rec = self._synced[slot]
+            start = rec[1] if rec is not None and rec[0] is pages else 0
+            end = len(pages)
+            if end > self.width:
+                raise ValueError(f"sequence {seq.id} holds {end} pages; decode page tables have {self.width}")
+            if end > start:
+                rows += [slot] * (end - start)
+                cols += range(start, end)
+                vals += pages[start:end]
+            self._synced[slot] = (pages, end)
+        if not rows:
+            return
+        k = len(rows)
+        if self._upd.shape[1] < k:
+            self._upd = torch.zeros(3, max(k, 2 * self._upd.shape[1], 256), dtype=torch.int64,
+                                    pin_memory=self.device.type == "cuda")
+        self._wait(self._upd)
+        upd = self._upd.numpy()
+        upd[0, :k], upd[1, :k], upd[2, :k] = rows, cols, vals
+        dev = self._upd[:, :k].to(self.device, non_blocking=True)
+        self._record(self._upd)
+        self.table[dev[0], dev[1]] = dev[2].to(torch.int32)
+
+    # ---- CUDA graphs -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture one decode graph per ladder size (largest first, sharing one memory pool). Each is warmed up
+        eagerly first, on a side stream, so Triton compiles and cuBLAS picks its kernels outside the capture."""
+        if not self.use_graphs:
+            return
+        h = self._host_np
+        h[0], h[1], h[2] = 0, 0, self.dummy_slot
+        self.inputs.copy_(self._host)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bs in self.graph_sizes:
+                self._decode_forward(bs, zero_dummy=True)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        pool = None
+        for bs in sorted(self.graph_sizes, reverse=True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._decode_forward(bs, zero_dummy=True)
+            pool = graph.pool()
+            self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize(self.device)
+
+
+# ---- sizing the pools from memory -------------------------------------------------------------------------
+
+def kv_page_bytes(model: Qwen35ForCausalLM, page_size: int) -> int:
+    cfg, elt = model.config, model.lm_head.weight.element_size()
+    return len(cfg.full_attention_layers) * 2 * page_size * cfg.num_key_value_heads * cfg.head_dim * elt
+
+
+def state_slot_bytes(model: Qwen35ForCausalLM) -> int:
+    cfg, elt = model.config, model.lm_head.weight.element_size()
+    per_layer = (cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * elt
+                 + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
+    return len(cfg.linear_attention_layers) * per_layer
+
+
+@torch.no_grad()
+def profile_step_peak(model: Qwen35ForCausalLM, page_size: int, max_model_len: int, num_tokens: int) -> int:
+    """Activation bytes (beyond what is allocated now) of the worst eager step: one chunk of num_tokens at the
+    end of a max_model_len context, on a temporary pool. CUDA only."""
+    dev = model.lm_head.weight.device
+    n = max(1, min(num_tokens, max_model_len))
+    pages = -(-max_model_len // page_size)
+    pools = CachePools.allocate(model.config, pages, page_size, 1, model.lm_head.weight.dtype, dev)
+    positions = torch.arange(max_model_len - n, max_model_len, device=dev)
+    step = StepInput(token_ids=torch.zeros(n, dtype=torch.int64, device=dev), positions=positions,
+                     cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=dev), max_seqlen_q=n,
+                     seqused_k=torch.tensor([max_model_len], dtype=torch.int32, device=dev),
+                     page_table=torch.arange(pages, dtype=torch.int32, device=dev)[None],
+                     slot_mapping=positions.clone(), state_slots=torch.zeros(1, dtype=torch.int64, device=dev))
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    model.forward_step(step, pools)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    del pools, step
+    torch.cuda.empty_cache()
+    return peak
+
+
+def pages_for_memory(model: Qwen35ForCausalLM, *, utilization: float, page_size: int, num_slots: int,
+                     max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, dict]:
+    """KV pages that fit in `utilization` of the card next to the weights, the profiled peak step, num_slots GDN
+    slots and a reserve for the sampler and the decode graphs. Returns (num_pages, a record of the sizing)."""
+    dev = model.lm_head.weight.device
+    peak = profile_step_peak(model, page_size, max_model_len, max_num_batched_tokens)
+    free, total = torch.cuda.mem_get_info(dev)
+    reserve = 512 * 2**20 + max_num_seqs * model.config.vocab_size * 32  # sampler (fp32 sort) and graph pool
+    budget = free - (1 - utilization) * total - peak - reserve - num_slots * state_slot_bytes(model)
+    num_pages = int(budget // kv_page_bytes(model, page_size)) - 1  # one page is the decode padding's
+    if num_pages < -(-max_model_len // page_size):
+        raise ValueError(f"after the weights and a {peak / 2**30:.2f} GiB activation peak, {utilization:.0%} of the "
+                         f"card leaves {max(num_pages, 0)} KV pages, fewer than one {max_model_len}-token "
+                         f"sequence needs; lower max_model_len or max_num_batched_tokens")
+    return num_pages, dict(free_GiB=free / 2**30, total_GiB=total / 2**30, peak_GiB=peak / 2**30,
+                           reserve_GiB=reserve / 2**30)
+
+
+def describe_pools(model: Qwen35ForCausalLM, num_pages: int, page_size: int, num_slots: int) -> str:
+    kv = num_pages * kv_page_bytes(model, page_size)
+    st = num_slots * state_slot_bytes(model)
+    return (f"KV pool {num_pages} pages x {page_size} = {num_pages * page_size} tokens ({kv / 2**30:.2f} GiB); "
+            f"GDN state {num_slots} slots ({st / 2**30:.2f} GiB, {state_slot_bytes(model) / 2**20:.1f} MiB each)")
+
