@@ -1,8 +1,10 @@
 """`flash_attention`: one entry point for prefill attention, dense, varlen or over a paged KV prefix.
 
 Backends: "triton" (fa4/triton_forward.py), "reference" (reference.attention / reference.paged_attention),
-"cute" (not written yet: ValueError) and "auto", which takes triton wherever it supports the call (see
-`triton_unsupported`) and the reference otherwise. A backend asked for by name never falls back: an
+"cute" (not written yet: ValueError) and "auto". "auto" sends causal chunks of at most 512 tokens per sequence
+over a paged prefix (decode steps, agent turns) to the split-KV kernel of kernels/paged_decode_attention.py
+(see `split_kv_unsupported`), takes triton wherever it supports the call (see `triton_unsupported`) and the
+reference otherwise. A backend asked for by name never falls back: an
 unsupported call raises ValueError saying why. Inputs are checked on the host (cu_seqlens, seqused_k and the
 page table are read once), so this entry point is not meant for CUDA-graph capture.
 """
@@ -12,6 +14,8 @@ import torch
 
 import reference as R
 from fa4 import triton_forward as TF
+from fa4.cute import entry as CE
+from kernels import paged_decode_attention as PD
 from reference._checks import check_cu_seqlens, check_same_device, check_tensor
 
 BACKENDS = ("auto", "triton", "reference", "cute")
@@ -57,8 +61,6 @@ def _check_paged(q, k, page_table, seqused_k, cu_seqlens_q, cu_seqlens_k) -> Non
 def _check_inputs(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k, backend):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "cute":
-        raise ValueError("backend 'cute' does not exist yet: use 'triton', 'reference' or 'auto'")
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
@@ -102,6 +104,29 @@ def triton_unsupported(q, k, v, **index_tensors) -> str | None:
     return None
 
 
+def _int32(t):
+    return t if t is None or t.dtype == torch.int32 else t.int()
+
+
+def _max_seqlen_q(q, cu_seqlens_q) -> int:
+    if cu_seqlens_q is not None:
+        return int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    return q.shape[1]
+
+
+def split_kv_unsupported(q, causal, max_seqlen_q, page_table, triton_reason) -> str | None:
+    """Why auto does not send this (checked) call to the split-KV paged kernel, or None when it does."""
+    if page_table is None:
+        return "no page_table"
+    if not causal:
+        return "not causal"
+    if not 1 <= max_seqlen_q <= PD.MAX_Q_LEN:
+        return f"max q_len {max_seqlen_q} is not in 1..{PD.MAX_Q_LEN}"
+    if q.shape[-1] not in PD.HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} is not one of {PD.HEAD_DIMS}"
+    return triton_reason  # device, the interpreter's bf16 and strides: the same limits as the triton forward
+
+
 def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=None, cu_seqlens_k=None,
                     page_table=None, seqused_k=None, backend: str = "auto", rescale_threshold: float = 8.0,
                     poly_exp2_fraction: float = 0.0):
@@ -111,16 +136,30 @@ def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=N
     With page_table (B, max_pages) and seqused_k (B,): k, v are paged pools (num_pages, page_size, KV, D) and
     sequence b reads its first seqused_k[b] keys; q is (B, S, H, D) or (total, H, D) with cu_seqlens_q.
     Causal masks align at the end (a chunk attends to its cached prefix and itself); rows with no key give 0.
-    backend: "triton", "reference", "auto" (triton when `triton_unsupported` is None, else reference) or
-    "cute" (not written yet: ValueError). FA4 flags (triton only, both exact):
+    backend: "triton", "reference", "auto" (the split-KV paged kernel when `split_kv_unsupported` is None, else
+    triton when `triton_unsupported` is None, else reference) or "cute" (not written yet: ValueError).
+    FA4 flags (triton only, both exact; the split-KV kernel keeps its own rescale threshold):
     rescale_threshold, the log2 growth of the running max that forces an O rescale (0: always);
     poly_exp2_fraction, the share of each tile's columns whose exp2 runs as an FMA polynomial (0: none).
     """
     _check_inputs(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k, backend)
     TF.check_flags(rescale_threshold, poly_exp2_fraction)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if backend == "cute":  # fa4/cute: bf16, d128/d256, dense, sm_90a; never falls back
+        why = CE.cute_unsupported(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                  page_table=page_table, seqused_k=seqused_k)
+        if why is not None:
+            raise ValueError(f"backend 'cute' cannot run this call: {why}")
+        return CE.cute_attention(q, k, v, causal=causal, softmax_scale=scale, rescale_threshold=rescale_threshold,
+                                 poly_exp2_fraction=poly_exp2_fraction)
     reason = triton_unsupported(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, page_table=page_table,
                                 seqused_k=seqused_k)
+    if backend == "auto" and page_table is not None:
+        max_seqlen_q = _max_seqlen_q(q, cu_seqlens_q)
+        if split_kv_unsupported(q, causal, max_seqlen_q, page_table, reason) is None:
+            return PD.paged_decode_attention(q, k, v, _int32(page_table), _int32(seqused_k), softmax_scale=scale,
+                                             cu_seqlens_q=_int32(cu_seqlens_q),
+                                             max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else None)
     if backend == "auto":
         backend = "reference" if reason else "triton"
     if backend == "reference":

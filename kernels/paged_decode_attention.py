@@ -1,21 +1,32 @@
-"""Paged decode attention: split-KV, GQA-packed, in Triton.
+"""Paged attention of short query chunks over long cached prefixes: split-KV, GQA-packed, in Triton.
 
-Each sequence b brings q_len_b <= 8 new query tokens (1 for decode, 2..8 for speculative
-verification) and attends over its seqused_k[b] cached tokens (the new ones included, already
-written), read through its page table, causal aligned at the end: query i sees keys
-j <= seqused_k[b] - q_len_b + i.
+Each sequence b brings q_len_b new query tokens, 1 <= q_len_b <= 512 (1 for decode, 2..8 for speculative
+verification, tens to hundreds for an agent turn: a tool result appended to a long cached conversation), and
+attends over its seqused_k[b] cached tokens (the new ones included, already written), read through its page
+table, causal aligned at the end: query i sees keys j <= seqused_k[b] - q_len_b + i. One varlen batch may mix
+decode rows with chunks.
 
 Algorithm (two kernels):
-1. `_split_kernel`, grid (B, KV, S). One program owns one KV head of one sequence and one of S
-   contiguous slices of its keys. GQA packing: its tile has M = q_len * group rows, row r being
-   query token r // group and query head kv * group + r % group (padded to a power of two >= 16 for
-   tl.dot), so every K/V tile is read from HBM once for all the heads sharing it. The slice is
-   computed on the device from seqused_k: chunk = ceil(ceil(len / S) / BLOCK_N) * BLOCK_N, so
-   slices are whole tiles and a short sequence simply leaves its last splits empty (they write
-   lse = -inf and no O). The loop is a plain online softmax in the log2 domain (log2(e) folded into
-   the scale, exp2), fp32 statistics and accumulator. It writes the split's normalised O (fp32) and
-   LSE into a workspace (N, H, S, D) / (N, H, S). With S == 1 it normalises, applies the gate and
-   writes the output directly, and the second kernel is skipped.
+1. A split kernel, grid (B * m_blocks, KV, S). GQA packing: the tile's M dimension holds packed rows, row r
+   being query token r // group and query head kv * group + r % group, so every K/V tile is read once for all
+   the heads sharing it. One program owns one M-block of BLOCK_M packed rows of one sequence, one KV head and
+   one of S contiguous slices of the keys that M-block needs; programs whose M-block lies past their
+   sequence's q_len * group rows exit at once (m_blocks comes from the host bound max_seqlen_q). The slices
+   are computed on the device: chunk = ceil(ceil(hi / S) / BLOCK_N) * BLOCK_N, hi being the M-block's last
+   visible key + 1, so slices are whole tiles and short sequences leave their last splits empty (they write
+   lse = -inf and no O). The loop is an online softmax in the log2 domain (log2(e) folded into the scale),
+   fp32 statistics and accumulator. It writes the split's normalised O (fp32) and LSE into a workspace
+   (N, H, S, D) / (N, H, S); with S == 1 it normalises, applies the gate and writes the output directly.
+   Two variants, chosen on the host from max_seqlen_q and the group (`plan`):
+   - decode (`_split_kernel`; max_seqlen_q <= 8 and at most 128 packed rows): one M-block of
+     next_pow2(rows) >= 16 rows, one masked loop. This is the decode kernel as measured below, unchanged.
+   - chunk (`_chunk_kernel`; everything else): M-blocks of 128 rows (16..64 when fewer rows), two loops per
+     split: tiles below the M-block's first row's causal limit run unmasked, only the diagonal tiles (at
+     most ceil(BLOCK_M / group / BLOCK_N) + 1 of them) apply the mask, and fully masked tiles are never
+     visited. The O rescale is conditional (FA4: the running max is only replaced when it grows by more than
+     RESCALE_THRESHOLD in log2 units; P <= 2^threshold; exact, since O is divided by the true row sum).
+     Programs of one (KV head, split) that differ only in their M-block are adjacent in launch order, so they
+     read the same K/V tiles at about the same time and the second read hits L2.
 2. `_combine_kernel`, grid (N, H, D / BLOCK_D): out = sum_s 2^(lse_s - m) O_s / sum_s 2^(lse_s - m),
    times sigmoid(gate) when a gate is given, stored in q's dtype; rows that see no key give 0. Each
    program reads all splits of a BLOCK_D slice in one load. On sm_90 it is launched with
@@ -25,14 +36,14 @@ K/V are gathered through the page table per token (page = table[b, n // page_siz
 holds a whole number of tiles, one page index per tile is loaded instead. Page sizes need not be
 powers of two. head_dim is the contiguous inner axis, so each key's row is read with 16-byte vectors.
 
-CUDA graphs: S (`num_splits`) is a host choice fixed per captured shape (see `choose_num_splits`:
-B, KV heads, the SM count and a host-known bound `max_seqlen_k`, by default the page table's
-capacity); everything length-dependent is computed on the device, and with `out=` and
+CUDA graphs: S (`num_splits`) and the variant/M-blocks are host choices fixed per captured shape (see
+`choose_num_splits`: B, M-blocks, KV heads, the SM count and a host-known bound `max_seqlen_k`, by default
+the page table's capacity); everything length-dependent is computed on the device, and with `out=` and
 `workspace=` given nothing is allocated. Values (seqused_k within the page table's capacity,
 cu_seqlens_q consistent with max_seqlen_q, page ids within the pool) are the caller's contract:
 checking them would need a host sync; lengths are clamped to [0, capacity].
 
-Performance (H200). The bound is the KV bytes over the ~4.4 TB/s read ceiling:
+Decode performance (H200). The bound is the KV bytes over the ~4.4 TB/s read ceiling:
   B1  32k, H16/KV4, d256: 32768 * 4 * 256 * 2 B * 2 (K, V) = 134 MB -> 30.5 us;
   B1 128k, H8/KV2,  d256: 268 MB -> 61 us;   B8 32k: 1.07 GB -> 244 us;   B64 8k: 2.15 GB -> 488 us.
 Config: BLOCK_N = 64 keys per iteration (a 32 KB K tile and a 32 KB V tile at d256 bf16), 4 warps
@@ -48,6 +59,25 @@ Measured with it, before the combine used PDL: B1 32k 3.35 TB/s (S = 64), B1 128
 B8 32k 4.42 (S = 8), B64 8k 4.51 (S = 1), against a torch.sum read ceiling of 4.27 in the same run.
 At B1 32k the split kernel alone runs at 3.54 TB/s; the combine (one load per program) adds ~2 us,
 which PDL is meant to hide in part.
+
+Chunk bound (H200, bf16; FLOPs = 4 * visible (query, key) pairs * H * D at ~700 TFLOP/s, the best measured
+attention rate, against the K/V bytes 2 * ctx * KV * D * 2 B at ~4.4 TB/s). FLOPs per K/V byte are
+q_len * group, so with the H200's 700 / 4.4 = 160 FLOP/B a chunk is compute-bound once q_len * group > ~160
+(q_len > 40 at GQA 4); only decode and very short chunks are bandwidth-bound. H16/KV4 d256, one sequence:
+  64 new over 50k:  52.4 GFLOP -> 75 us;   KV 205 MB -> 47 us.    256 over 50k: 210 GFLOP -> 300 us.
+  512 over 50k:    419 GFLOP -> 599 us.    500 over 8k: 63.5 GFLOP (3.88 M pairs) -> 91 us; KV 33 MB -> 8 us.
+  batch 8, 64 new over 32k: 275 GFLOP -> 393 us (278 us even at the 989 TFLOP/s dense peak); KV 537 MB -> 122 us.
+So the chunk kernel is a compute kernel: wgmma-sized tiles (128 packed rows x 64 keys, 8 warps = two
+warpgroups of 64 rows), 1 program per SM, and splits only to fill the SMs. Budget at d256 bf16 (sm_90a
+compile on a CPU, `tests/test_agent_turn_attention.py`): the Q tile 128 x 256 (64 KB) plus two buffers each of
+the 64 x 256 K and V tiles (4 x 32 KB) = 192 KB of the 227 KB per CTA; the fp32 accumulator 128 x 256 over
+256 threads is 128 registers, the S/P tile 32 more: ~255 registers per thread, no spills, so 8 warps x 255
+registers fill the 64 K register file: one program per SM. A 256-row M-block would need a 256 KB accumulator
+(the whole register file), hence two M-blocks for 64 tokens x GQA 4 and L2 for the second K/V read. The split
+count aims at one program per SM in whole waves (`choose_num_splits` with programs_per_sm=1): 64/50k -> S = 16
+(128 programs of ~49 tiles), 500/8k -> S = 2 (16 M-blocks x 4 heads x 2), B8 64/32k -> S = 2. The workspace
+(N * H * S * D fp32, 16.8 MB at 64/50k and 500/8k) is written once and read once by the combine: ~8 us of
+traffic if it does not stay in the 50 MB L2.
 """
 import functools
 import math
@@ -62,14 +92,19 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels.varlen import sequence_span
 from reference._checks import check_same_device, check_tensor
 
-MAX_Q_LEN = 8
-MAX_ROWS = 128  # q_len * group rows of one tile
+MAX_Q_LEN = 512  # query tokens per sequence; longer chunks are prefill (fa4's forward)
+DECODE_MAX_Q_LEN = 8  # the decode variant's limits: q_len and packed rows (q_len * group)
+DECODE_MAX_ROWS = 128
+CHUNK_BLOCK_M = 128  # packed rows per M-block of the chunk variant (16-bit dtypes)
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_N = 64
 MAX_SPLITS = 128  # choose_num_splits' cap; a caller may ask for up to 256
-PROGRAMS_PER_SM = 2  # resident split programs per SM that choose_num_splits aims for
+PROGRAMS_PER_SM = 2  # resident split programs per SM that choose_num_splits aims for (decode)
+SMEM_PER_CTA = 227 * 1024  # sm_90's shared memory per block
+RESCALE_THRESHOLD = 8.0  # chunk variant: log2 growth of the running max that forces an O rescale (0: always)
 COMBINE_TILE = 4096  # splits x head dims one combine program reduces
+COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk variant's combine reduces
 LOG2E = 1.4426950408889634
 H200_SMS = 132
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -79,6 +114,16 @@ class DecodeWorkspace(NamedTuple):
     """Flat fp32 scratch for the splits: o holds N*H*S*D partial outputs, lse N*H*S log-sum-exps."""
     o: torch.Tensor
     lse: torch.Tensor
+
+
+class Plan(NamedTuple):
+    """Host-side launch shape of one call: the variant, its tile and how many programs fit per SM."""
+    chunk: bool  # the chunk variant (M-blocks, two loops) rather than the decode one
+    block_m: int  # packed (query token, head) rows per M-block
+    m_blocks: int  # M-blocks per (sequence, KV head), from the host bound max_seqlen_q
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int  # what choose_num_splits aims to keep resident
 
 
 def alloc_workspace(max_tokens: int, num_heads: int, max_splits: int, head_dim: int, device) -> DecodeWorkspace:
@@ -101,24 +146,53 @@ def _has_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_seqlen_k: int, num_sms: int = H200_SMS) -> int:
-    """Splits per (sequence, KV head): the fewest whose programs fill PROGRAMS_PER_SM per SM in waves within
-    5% of the best wave efficiency, counting only the splits that tile rounding leaves non-empty."""
+def choose_num_splits(batch: int, kv_heads: int, max_seqlen_k: int, num_sms: int = H200_SMS, *, m_blocks: int = 1,
+                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Splits per (sequence, M-block, KV head): the fewest whose programs fill programs_per_sm per SM in waves
+    within 5% of the best wave efficiency, counting only the splits that tile rounding leaves non-empty."""
     n_blocks = max(1, triton.cdiv(max_seqlen_k, BLOCK_N))
     max_splits = min(MAX_SPLITS, n_blocks)
     effs = []
     for s in range(1, max_splits + 1):
         used = triton.cdiv(n_blocks, triton.cdiv(n_blocks, s))  # splits left non-empty by tile rounding
-        waves = batch * kv_heads * used / (num_sms * PROGRAMS_PER_SM)
+        waves = batch * m_blocks * kv_heads * used / (num_sms * programs_per_sm)
         effs.append(waves / math.ceil(waves))
     return next(s for s, eff in enumerate(effs, 1) if eff >= 0.95 * max(effs))
 
 
 def _config(block_m: int, head_dim: int, elt_size: int) -> tuple[int, int]:
-    """(num_warps, num_stages) of the split kernel for an M x D query tile and elt_size-byte K/V."""
+    """(num_warps, num_stages) of the decode split kernel for an M x D query tile and elt_size-byte K/V."""
     num_warps = 4 if block_m * head_dim <= 8192 else 8
     row_bytes = head_dim * elt_size
     return num_warps, (4 if row_bytes <= 256 else 3 if row_bytes <= 512 else 2)
+
+
+def smem_estimate(block_m: int, head_dim: int, elt_size: int, num_stages: int) -> int:
+    """Shared-memory bytes of a split program: the Q tile plus max(1, stages - 1) buffers each of K and V
+    (what Triton 3.6's pipeliner allocated in sm_90a compiles of these kernels, within 4 KB)."""
+    kv_tile = BLOCK_N * head_dim * elt_size
+    return block_m * head_dim * elt_size + 2 * max(1, num_stages - 1) * kv_tile
+
+
+def plan(max_q_len: int, group: int, head_dim: int, elt_size: int, block_m: int | None = None) -> Plan:
+    """The variant and tile for a call whose sequences have at most max_q_len query tokens.
+    block_m (a power of two in 16..128) forces the chunk variant with that M-block (tests, tuning)."""
+    rows = max_q_len * group
+    if block_m is None and max_q_len <= DECODE_MAX_Q_LEN and rows <= DECODE_MAX_ROWS:
+        bm = max(16, triton.next_power_of_2(rows))
+        return Plan(False, bm, 1, *_config(bm, head_dim, elt_size), PROGRAMS_PER_SM)
+    if block_m is None:
+        big = CHUNK_BLOCK_M if elt_size <= 2 else CHUNK_BLOCK_M // 2  # fp32: a 128 x 256 Q tile alone is 128 KB
+        block_m = max(16, triton.next_power_of_2(rows)) if rows <= 64 else big
+    if block_m <= 64:
+        num_warps, num_stages = _config(block_m, head_dim, elt_size)
+    else:
+        num_warps, num_stages = 8, (4 if head_dim * elt_size <= 128 else 3)
+    while num_stages > 2 and smem_estimate(block_m, head_dim, elt_size, num_stages) > SMEM_PER_CTA:
+        num_stages -= 1
+    smem = smem_estimate(block_m, head_dim, elt_size, num_stages)
+    fits_two = num_warps == 4 and 2 * smem <= SMEM_PER_CTA
+    return Plan(True, block_m, triton.cdiv(rows, block_m), num_warps, num_stages, 2 if fits_two else 1)
 
 
 @triton.jit
@@ -129,6 +203,28 @@ def _pages_of(pt_row, start, n, n_ok, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.const
     else:
         page = tl.load(pt_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
     return page, n % PAGE_SIZE
+
+
+@triton.jit
+def _finish(acc, l_i, m_i, token, head, row_ok, d, split, num_splits, num_heads, gate_ptr, out_ptr, ws_o_ptr,
+            ws_lse_ptr, stride_gn, stride_gh, stride_on, stride_oh,
+            HEAD_DIM: tl.constexpr, DIRECT: tl.constexpr, HAS_GATE: tl.constexpr):
+    """A split's epilogue for rows (token, head) (M,): O / l, gated, into out (DIRECT: the only split), or
+    O / l and the LSE into the workspace row (token, head, split); rows that saw no key store lse = -inf."""
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]  # (M, D)
+    if DIRECT:
+        if HAS_GATE:
+            g = tl.load(gate_ptr + (token * stride_gn + head * stride_gh)[:, None] + d[None, :],
+                        mask=row_ok[:, None], other=0.0).to(tl.float32)
+            o = o * tl.sigmoid(g)
+        out_rows = token * stride_on + head * stride_oh
+        tl.store(out_ptr + out_rows[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        ws_row = (token * num_heads + head) * num_splits + split  # (M,) row of the (N, H, S) workspace
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(ws_lse_ptr + ws_row, lse, mask=row_ok)
+        tl.store(ws_o_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], o, mask=(row_ok & seen)[:, None])
 
 
 @triton.jit
@@ -184,21 +280,112 @@ def _split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    seen = l_i > 0.0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]  # (M, D)
-    token = q_start + qi
-    if DIRECT:
-        if HAS_GATE:
-            g = tl.load(gate_ptr + (token * stride_gn + head * stride_gh)[:, None] + d[None, :],
-                        mask=row_ok[:, None], other=0.0).to(tl.float32)
-            o = o * tl.sigmoid(g)
-        out_rows = token * stride_on + head * stride_oh
-        tl.store(out_ptr + out_rows[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        ws_row = (token * num_heads + head) * num_splits + split  # (M,) row of the (N, H, S) workspace
-        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        tl.store(ws_lse_ptr + ws_row, lse, mask=row_ok)
-        tl.store(ws_o_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], o, mask=(row_ok & seen)[:, None])
+    _finish(acc, l_i, m_i, q_start + qi, head, row_ok, d, split, num_splits, num_heads, gate_ptr, out_ptr, ws_o_ptr,
+            ws_lse_ptr, stride_gn, stride_gh, stride_on, stride_oh, HEAD_DIM, DIRECT, HAS_GATE)
+
+
+@triton.jit
+def _chunk_tiles(acc, l_i, m_i, q, k_base, v_base, pt_row, lo, hi, last_key, d, qk_scale,
+                 stride_kp, stride_kt, stride_vp, stride_vt,
+                 MASK: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 RESCALE_THRESHOLD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax over the key tiles [lo, hi). MASK: keys >= hi and the causal limit last_key (M,) are
+    masked (the diagonal tiles); otherwise every key of every tile is visible to every row (no masks)."""
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)  # (N,) key positions
+        n_ok = n < hi
+        if PAGE_SIZE % BLOCK_N == 0:
+            page = tl.load(pt_row + start // PAGE_SIZE).to(tl.int64)
+        elif MASK:
+            page = tl.load(pt_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        else:
+            page = tl.load(pt_row + n // PAGE_SIZE).to(tl.int64)
+        slot = n % PAGE_SIZE
+        k_ptrs = k_base + (page * stride_kp + slot * stride_kt)[:, None] + d[None, :]  # (N, D)
+        v_ptrs = v_base + (page * stride_vp + slot * stride_vt)[:, None] + d[None, :]
+        if MASK:
+            k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N), log2 units
+        if MASK:
+            s = tl.where(n_ok[None, :] & (n[None, :] <= last_key[:, None]), s, float("-inf"))
+        m_cand = tl.maximum(m_i, tl.max(s, 1))  # (M,)
+        if RESCALE_THRESHOLD > 0:
+            # FA4's conditional rescale: keep the old max (P <= 2^threshold) unless a row grows it by more
+            if tl.max(m_cand - m_i, 0) > RESCALE_THRESHOLD:
+                alpha = tl.exp2(m_i - m_cand)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_cand
+        else:
+            alpha = tl.exp2(m_i - m_cand)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_cand
+        p = tl.exp2(s - m_i[:, None])  # (M, N); 0 where masked
+        l_i += tl.sum(p, 1)
+        if MASK:
+            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "m_blocks"])
+def _chunk_kernel(
+    q_ptr, k_ptr, v_ptr, pt_ptr, seqused_ptr, cu_q_ptr, gate_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
+    stride_qn, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ptb,
+    stride_gn, stride_gh, stride_on, stride_oh,
+    qk_scale, num_splits, capacity, seqlen_q, m_blocks,
+    VARLEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, HAS_GATE: tl.constexpr,
+    RESCALE_THRESHOLD: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    # grid (B * m_blocks, KV, S); seqlen_q: every sequence's q_len when not VARLEN
+    if PDL:
+        gdc_launch_dependents()  # let the combine kernel launch now; it waits for this grid to finish
+    b = tl.program_id(0) // m_blocks
+    m0 = (tl.program_id(0) % m_blocks) * BLOCK_M  # first packed row of this M-block
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    q_start, q_len = sequence_span(cu_q_ptr, b, seqlen_q, VARLEN)
+    if m0 < q_len * GROUP:  # M-blocks past this sequence's rows have nothing to do
+        seqlen = tl.minimum(tl.maximum(tl.load(seqused_ptr + b), 0), capacity)
+        rows = m0 + tl.arange(0, BLOCK_M)  # row r: query token r // GROUP, head kvh * GROUP + r % GROUP
+        qi = rows // GROUP
+        head = kvh * GROUP + rows % GROUP
+        row_ok = qi < q_len
+        last_key = seqlen - q_len + qi  # (M,) causal limit, aligned at the end
+        # keys [0, full) are visible to every row of the M-block, [0, hi) to some row
+        hi = tl.minimum(tl.maximum(seqlen - q_len + tl.minimum((m0 + BLOCK_M - 1) // GROUP, q_len - 1) + 1, 0),
+                        seqlen)
+        full = tl.minimum(tl.maximum(seqlen - q_len + m0 // GROUP + 1, 0), hi)
+        chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
+        kv_start = split * chunk
+        kv_end = tl.minimum(kv_start + chunk, hi)
+        kv_mid = tl.minimum(tl.maximum(full // BLOCK_N * BLOCK_N, kv_start), kv_end)  # unmasked [start, mid)
+
+        d = tl.arange(0, HEAD_DIM)
+        token = (q_start + qi).to(tl.int64)
+        q = tl.load(q_ptr + (token * stride_qn + head * stride_qh)[:, None] + d[None, :], mask=row_ok[:, None],
+                    other=0.0)  # (M, D)
+        k_base = k_ptr + kvh * stride_kh
+        v_base = v_ptr + kvh * stride_vh
+        pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        acc, l_i, m_i = _chunk_tiles(acc, l_i, m_i, q, k_base, v_base, pt_row, kv_start, kv_mid, last_key, d,
+                                     qk_scale, stride_kp, stride_kt, stride_vp, stride_vt, False, PAGE_SIZE,
+                                     BLOCK_N, RESCALE_THRESHOLD, DOT_PRECISION)
+        acc, l_i, m_i = _chunk_tiles(acc, l_i, m_i, q, k_base, v_base, pt_row, kv_mid, kv_end, last_key, d,
+                                     qk_scale, stride_kp, stride_kt, stride_vp, stride_vt, True, PAGE_SIZE,
+                                     BLOCK_N, RESCALE_THRESHOLD, DOT_PRECISION)
+        _finish(acc, l_i, m_i, token, head, row_ok, d, split, num_splits, num_heads, gate_ptr, out_ptr, ws_o_ptr,
+                ws_lse_ptr, stride_gn, stride_gh, stride_on, stride_oh, HEAD_DIM, DIRECT, HAS_GATE)
 
 
 @triton.jit
@@ -223,6 +410,38 @@ def _combine_kernel(
     if HAS_GATE:
         o = o * tl.sigmoid(tl.load(gate_ptr + token * stride_gn + head * stride_gh + d).to(tl.float32))
     tl.store(out_ptr + token * stride_on + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _combine_rows_kernel(
+    ws_o_ptr, ws_lse_ptr, gate_ptr, out_ptr, stride_gn, stride_gh, stride_on, stride_oh, num_rows, num_heads,
+    num_splits, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_GATE: tl.constexpr, PDL: tl.constexpr,
+):
+    """The chunk variant's combine: grid (cdiv(N * H, ROWS), D / BLOCK_D), ROWS (token, head) rows a program,
+    the same sum as `_combine_kernel` (chunks have many rows and few splits, so rows are batched)."""
+    if PDL:
+        gdc_wait()  # launched early (programmatic dependent launch): wait for the split kernel's writes
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,) rows token * H + head
+    r_ok = r < num_rows
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ws_row = r.to(tl.int64)[:, None] * num_splits + sp[None, :]  # (R, S)
+    lse = tl.load(ws_lse_ptr + ws_row, mask=r_ok[:, None] & (sp < num_splits)[None, :], other=float("-inf"))
+    live = lse > float("-inf")
+    m = tl.max(lse, 1)  # (R,)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[:, None])  # (R, S), 0 for empty splits
+    o = tl.load(ws_o_ptr + ws_row[:, :, None] * HEAD_DIM + d[None, None, :], mask=live[:, :, None], other=0.0)
+    denom = tl.sum(w, 1)  # (R,)
+    o = tl.sum(w[:, :, None] * o, 1) / tl.where(denom > 0.0, denom, 1.0)[:, None]  # (R, BD)
+    token = r // num_heads
+    head = r % num_heads
+    if HAS_GATE:
+        g = tl.load(gate_ptr + (token * stride_gn + head * stride_gh)[:, None] + d[None, :], mask=r_ok[:, None],
+                    other=0.0)
+        o = o * tl.sigmoid(g.to(tl.float32))
+    tl.store(out_ptr + (token * stride_on + head * stride_oh)[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None])
 
 
 def _check_tensors(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, gate, out):
@@ -275,8 +494,6 @@ def _check_shapes(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, max_
         q_len = max_seqlen_q
     if not 1 <= q_len <= MAX_Q_LEN:
         raise ValueError(f"q_len (max_seqlen_q) must be in 1..{MAX_Q_LEN}, got {q_len}")
-    if q_len * (q.shape[-2] // kv_heads) > MAX_ROWS:
-        raise ValueError(f"q_len * heads per kv head must be <= {MAX_ROWS}, got {q_len} * {q.shape[-2] // kv_heads}")
     for name, t in (("gate", gate), ("out", out)):
         if t is not None and t.shape != q.shape:
             raise ValueError(f"{name} {tuple(t.shape)} must have q's shape {tuple(q.shape)}")
@@ -296,23 +513,32 @@ def _check_workspace(workspace, rows: int, head_dim: int, device):
 
 def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softmax_scale=None, cu_seqlens_q=None,
                            max_seqlen_q=None, gate=None, num_splits=None, max_seqlen_k=None, out=None,
-                           workspace=None):
-    """Causal attention of up to 8 new queries per sequence over its paged KV cache.
+                           workspace=None, block_m=None, rescale_threshold=RESCALE_THRESHOLD):
+    """Causal attention of 1..512 new queries per sequence over its paged KV cache (decode steps, speculative
+    verification, agent-turn chunks; mixed in one varlen batch).
 
     q: (B, q_len, H, D), or (N, H, D) with cu_seqlens_q (B+1,) int32 and host int max_seqlen_q;
     k_pages, v_pages: (num_pages, page_size, KV, D); page_table: (B, max_pages) int32;
     seqused_k: (B,) int32 cached tokens per sequence including the new ones; gate: q's shape or None
     (the output is multiplied by sigmoid(gate)). num_splits: KV splits (None: choose_num_splits from
     max_seqlen_k, by default the page table's capacity). out: q's shape and dtype; workspace: from
-    alloc_workspace. Returns out.
+    alloc_workspace. Tuning knobs of the chunk variant: block_m (power of two in 16..128; forces the chunk
+    variant) and rescale_threshold (0: rescale O whenever the max grows; both exact). Returns out.
     """
     _check_tensors(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, gate, out)
     batch, q_len = _check_shapes(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, gate, out)
+    if block_m is not None and block_m not in (16, 32, 64, 128):
+        raise ValueError(f"block_m must be None or one of 16, 32, 64, 128, got {block_m!r}")
+    if not isinstance(rescale_threshold, (int, float)) or not 0 <= rescale_threshold <= 15:
+        raise ValueError(f"rescale_threshold must be in [0, 15] (P <= 2^threshold), got {rescale_threshold!r}")
     _, page_size, kv_heads, head_dim = k_pages.shape
     num_heads = q.shape[-2]
+    group = num_heads // kv_heads
     capacity = page_table.shape[1] * page_size
+    tile = plan(q_len, group, head_dim, q.element_size(), block_m)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_seqlen_k or capacity, _num_sms(q.device))
+        num_splits = choose_num_splits(batch, kv_heads, max_seqlen_k or capacity, _num_sms(q.device),
+                                       m_blocks=tile.m_blocks, programs_per_sm=tile.programs_per_sm)
     if not isinstance(num_splits, int) or not 1 <= num_splits <= 256:
         raise ValueError(f"num_splits must be an int in 1..256, got {num_splits!r}")
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
@@ -324,23 +550,26 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
             workspace = alloc_workspace(n_tokens, num_heads, num_splits, head_dim, q.device)
         _check_workspace(workspace, n_tokens * num_heads * num_splits, head_dim, q.device)
     ws_o, ws_lse = (workspace.o, workspace.lse) if num_splits > 1 else (out3, out3)  # unused when S == 1
-    group = num_heads // kv_heads
-    block_m = max(16, triton.next_power_of_2(q_len * group))
-    num_warps, num_stages = _config(block_m, head_dim, q.element_size())
     pdl = _has_pdl(q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    _split_kernel[(batch, kv_heads, num_splits)](
-        q3, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q if cu_seqlens_q is not None else seqused_k,
-        g3, out3, ws_o, ws_lse,
-        q3.stride(0), q3.stride(1), *k_pages.stride()[:3], *v_pages.stride()[:3], page_table.stride(0),
-        g3.stride(0), g3.stride(1), out3.stride(0), out3.stride(1),
-        scale * LOG2E, num_splits, capacity,
-        Q_LEN=q_len, VARLEN=cu_seqlens_q is not None, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, DIRECT=num_splits == 1, HAS_GATE=gate is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    if num_splits > 1:
+    args = (q3, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q if cu_seqlens_q is not None else seqused_k,
+            g3, out3, ws_o, ws_lse,
+            q3.stride(0), q3.stride(1), *k_pages.stride()[:3], *v_pages.stride()[:3], page_table.stride(0),
+            g3.stride(0), g3.stride(1), out3.stride(0), out3.stride(1),
+            scale * LOG2E, num_splits, capacity)
+    common = dict(VARLEN=cu_seqlens_q is not None, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+                  BLOCK_M=tile.block_m, BLOCK_N=BLOCK_N, DIRECT=num_splits == 1, HAS_GATE=gate is not None,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=tile.num_warps,
+                  num_stages=tile.num_stages)
+    if tile.chunk:
+        # seqlen_q: the fixed q_len without cu_seqlens_q (unused with it)
+        _chunk_kernel[(batch * tile.m_blocks, kv_heads, num_splits)](
+            *args, q_len, tile.m_blocks, RESCALE_THRESHOLD=float(rescale_threshold), **common)
+    else:
+        _split_kernel[(batch, kv_heads, num_splits)](*args, Q_LEN=q_len, **common)
+    if num_splits > 1 and tile.chunk:
+        _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, pdl)
+    elif num_splits > 1:
         _combine(workspace, g3 if gate is not None else None, out3, num_splits, pdl)
     return out
 
@@ -358,13 +587,33 @@ def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, pdl: bool) 
     )
 
 
+def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, pdl: bool) -> None:
+    # the chunk variant's combine; workspace: (N, H, S, D) / (N, H, S) flat; gate (or None), out: (N, H, D)
+    n_tokens, num_heads, head_dim = out.shape
+    block_s = triton.next_power_of_2(num_splits)
+    block_d = min(head_dim, max(16, COMBINE_ROWS_TILE // block_s))
+    rows = max(1, COMBINE_ROWS_TILE // (block_s * block_d))
+    g = gate if gate is not None else out
+    _combine_rows_kernel[(triton.cdiv(n_tokens * num_heads, rows), head_dim // block_d)](
+        workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
+        n_tokens * num_heads, num_heads, num_splits, HEAD_DIM=head_dim, ROWS=rows, BLOCK_S=block_s, BLOCK_D=block_d,
+        HAS_GATE=gate is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )
+
+
 def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
-    """model.ops' paged_attention: this kernel for q_len <= 8, the reference op for longer chunks."""
-    if step.max_seqlen_q > MAX_Q_LEN:
-        from model import ops
-        return ops._BACKENDS["reference"]["paged_attention"](q, k_pages, v_pages, step, scale, gate)
+    """model.ops' paged_attention: this kernel for steps whose chunks have <= MAX_Q_LEN tokens (decode, mixed
+    steps, agent turns), `long_chunk_attention` for longer ones."""
+    if step.max_seqlen_q > MAX_Q_LEN:  # the one branch point for long prefill chunks
+        return long_chunk_attention(q, k_pages, v_pages, step, scale, gate)
     return paged_decode_attention(q, k_pages, v_pages, step.page_table, step.seqused_k, softmax_scale=scale,
                                   cu_seqlens_q=step.cu_seqlens, max_seqlen_q=step.max_seqlen_q, gate=gate)
+
+
+def long_chunk_attention(q, k_pages, v_pages, step, scale, gate):
+    """Steps with a chunk longer than MAX_Q_LEN: the reference op for now (fa4's Triton forward is to take it)."""
+    from model import ops
+    return ops._BACKENDS["reference"]["paged_attention"](q, k_pages, v_pages, step, scale, gate)
 
 
 OPS = {"paged_attention": paged_attention_op}

@@ -121,11 +121,13 @@ def test_gate_fused_equals_unfused():
         assert rel_err(fused, unfused) <= 1e-3, f"splits {splits}: fused gate differs by {rel_err(fused, unfused):.2e}"
 
 
-def test_model_op_adapter():
-    """paged_attention_op runs the kernel for q_len <= 8 and the reference for longer chunks."""
+def test_model_op_adapter(monkeypatch):
+    """paged_attention_op runs the kernel for chunks of <= MAX_Q_LEN tokens and long_chunk_attention beyond."""
+    import kernels.paged_decode_attention as P
     dtype, d, h, kv, page = torch.float32, 64, 2, 1, 16
     k_pages, v_pages, table, seqused = make_cache([3, 40], kv, d, page, dtype, seed=11)
-    for q_lens in ([1, 3], [1, 12]):
+    for q_lens, max_q_len in (([1, 3], 512), ([1, 12], 512), ([1, 12], 8)):
+        monkeypatch.setattr(P, "MAX_Q_LEN", max_q_len)  # 8: the 12-token chunk goes to long_chunk_attention
         cu = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEV)
         n = sum(q_lens)
         step = StepInput(token_ids=torch.zeros(n, dtype=torch.long), positions=torch.zeros(n, dtype=torch.long),
@@ -136,6 +138,7 @@ def test_model_op_adapter():
         out = paged_attention_op(q, k_pages, v_pages, step, 0.3, gate)
         ref = _BACKENDS["reference"]["paged_attention"](q, k_pages, v_pages, step, 0.3, gate)
         assert rel_err(out, ref) <= TOL[dtype], f"q_lens {q_lens}: {rel_err(out, ref):.2e}"
+        assert torch.equal(out, ref) == (max(q_lens) > max_q_len), f"q_lens {q_lens}, limit {max_q_len}"
     assert OPS == {"paged_attention": paged_attention_op}
 
 
@@ -167,7 +170,7 @@ BAD = [  # (regex the message must match, the arguments to override given the go
     ("v_pages .* must match", lambda g: dict(v_pages=g["v_pages"][:, :8])),
     ("head_dim", lambda g: dict(q=g["q"][..., :32], k_pages=g["k_pages"][..., :32], v_pages=g["v_pages"][..., :32])),
     ("kv heads", lambda g: dict(q=g["q"][:, :, :3])),
-    ("q_len", lambda g: dict(q=g["q"].expand(2, 9, 4, 64))),
+    ("q_len", lambda g: dict(q=g["q"].expand(2, 513, 4, 64))),
     ("page_table", lambda g: dict(page_table=g["page_table"].long())),
     ("seqused_k has 1 entries", lambda g: dict(seqused_k=g["seqused_k"][:1])),
     ("seqused_k must have dtype", lambda g: dict(seqused_k=g["seqused_k"].long())),
@@ -175,7 +178,7 @@ BAD = [  # (regex the message must match, the arguments to override given the go
     ("q must have 3 dims", lambda g: dict(cu_seqlens_q=torch.tensor(CU, dtype=torch.int32, device=DEV))),
     ("max_seqlen_q", lambda g: dict(q=g["q"][:, 0], cu_seqlens_q=torch.tensor(CU, dtype=torch.int32, device=DEV))),
     ("max_seqlen_q", lambda g: dict(q=g["q"][:, 0], cu_seqlens_q=torch.tensor(CU, dtype=torch.int32, device=DEV),
-                                    max_seqlen_q=9)),
+                                    max_seqlen_q=513)),
     ("cu_seqlens_q has 2 entries", lambda g: dict(q=g["q"][:, 0], max_seqlen_q=1,
                                                   cu_seqlens_q=torch.tensor(CU[:2], dtype=torch.int32, device=DEV))),
     ("gate", lambda g: dict(gate=g["q"][:, :, :2])),
@@ -186,6 +189,8 @@ BAD = [  # (regex the message must match, the arguments to override given the go
     ("out must be contiguous", lambda g: dict(out=_col_major(torch.empty_like(g["q"])))),
     ("cu_seqlens_q must be a torch.Tensor", lambda g: dict(q=g["q"][:, 0], cu_seqlens_q=CU, max_seqlen_q=1)),
     ("num_splits", lambda g: dict(num_splits=0)),
+    ("block_m", lambda g: dict(block_m=48)),
+    ("rescale_threshold", lambda g: dict(rescale_threshold=-1.0)),
     ("workspace must be a DecodeWorkspace", lambda g: dict(num_splits=2, workspace=(g["q"], g["q"]))),
     ("workspace too small", lambda g: dict(num_splits=2, workspace=alloc_workspace(1, 4, 2, 64, DEV))),
 ]
