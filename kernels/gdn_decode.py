@@ -84,12 +84,12 @@ def _l2norm(x):
 
 
 @triton.jit
-def _gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, idx, heads):
-    """decay exp(g) and beta, fp32 (G,), of value heads `heads` (G,) of one sequence; idx = b * Hv + heads."""
-    x = tl.load(a_ptr + idx).to(tl.float32) + tl.load(dt_bias_ptr + heads).to(tl.float32)
+def _gates(a_row, b_row, a_log_ptr, dt_bias_ptr, heads):
+    """decay exp(g) and beta, fp32 (G,), of value heads `heads` (G,) of one sequence (a_row, b_row: a[b], b[b])."""
+    x = tl.load(a_row + heads).to(tl.float32) + tl.load(dt_bias_ptr + heads).to(tl.float32)
     softplus = tl.where(x > SOFTPLUS_THRESHOLD, x, tl.log(1.0 + tl.exp(tl.minimum(x, SOFTPLUS_THRESHOLD))))
     g = -tl.exp(tl.load(a_log_ptr + heads).to(tl.float32)) * softplus
-    return tl.exp(g), tl.sigmoid(tl.load(b_ptr + idx).to(tl.float32))
+    return tl.exp(g), tl.sigmoid(tl.load(b_row + heads).to(tl.float32))
 
 
 @triton.jit
@@ -113,7 +113,8 @@ def _gated_norm(o, z, w, eps, DV: tl.constexpr, io: tl.constexpr):
 
 @triton.jit
 def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-                       conv_ptr, state_ptr, slots_ptr, out_ptr, ws_o_ptr, arrivals_ptr, scale, eps,
+                       conv_ptr, state_ptr, slots_ptr, out_ptr, ws_o_ptr, arrivals_ptr, stride_qkv, stride_z,
+                       stride_b, stride_a, scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr,
                        GP: tl.constexpr):
@@ -128,7 +129,8 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
     rk, rg, two = tl.arange(0, BK), tl.arange(0, G), tl.arange(0, 2)
     rv = split * BVS + tl.arange(0, BVS)
     slot = tl.load(slots_ptr + seq)  # int64: every state offset below is 64-bit
-    x_row = qkv_ptr + seq * C
+    x_row = qkv_ptr + seq * stride_qkv  # the rows of qkv, z, b and a may be views into one projection
+    z_row = z_ptr + seq * stride_z
     conv_row = conv_ptr + slot * (C * (K - 1))
     qk_ch = (two[None, :] * HK + kh) * DK + rk[:, None]  # (BK, 2): the q | k channels of key head kh
     qk_mask = (rk[:, None] < DK) & (two[None, :] < 2)  # full (BK, 2), like every mask here
@@ -146,10 +148,10 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         s_ptrs = state_ptr + (slot * HV + heads[:, None, None]) * (DK * DV) + rk[None, :, None] * DV + rv[None, None, :]
         s = tl.load(s_ptrs, mask=s_mask, other=0.0)
         v_window, v = _conv_window(x_row, conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
-        decay, beta = _gates(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, rows, heads)
+        decay, beta = _gates(a_ptr + seq * stride_a, b_ptr + seq * stride_b, a_log_ptr, dt_bias_ptr, heads)
         s, o = _delta_rule(s, q, k, v, decay, beta)
         if NS == 1:
-            z = tl.load(z_ptr + rows[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
+            z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
             out = _gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
             tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
         else:  # the norm needs whole rows: park this slice of o for the key head's last split
@@ -165,21 +167,21 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         arrived = tl.atomic_add(arrivals_ptr + seq * HK + kh, 1, sem="acq_rel")
         if arrived == NS - 1:
             _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)
-            _norm_rows(ws_o_ptr, z_ptr, norm_w_ptr, out_ptr, seq * HV + kh * GROUP, eps, GROUP, GP, DV, BV)
+            _norm_rows(ws_o_ptr, z_row, norm_w_ptr, out_ptr, seq * HV, kh * GROUP, eps, GROUP, GP, DV, BV)
             tl.store(arrivals_ptr + seq * HK + kh, 0)
 
 
 @triton.jit
-def _norm_rows(ws_o_ptr, z_ptr, norm_w_ptr, out_ptr, row0, eps, GROUP: tl.constexpr, GP: tl.constexpr,
+def _norm_rows(ws_o_ptr, z_row, norm_w_ptr, out_ptr, row0, head0, eps, GROUP: tl.constexpr, GP: tl.constexpr,
                DV: tl.constexpr, BV: tl.constexpr):
-    """out[rows] = gated norm of the parked o rows row0 .. row0 + GROUP - 1 (flat b * Hv + head); GP: GROUP
-    rounded up to a power of two."""
+    """out[b, heads] = gated norm of the parked o rows of heads head0 .. head0 + GROUP - 1 of sequence b
+    (row0 = b * Hv; z_row = z[b]); GP: GROUP rounded up to a power of two."""
     rg, rv = tl.arange(0, GP), tl.arange(0, BV)
-    rows = row0 + rg
+    heads = head0 + rg
     mask = (rg[:, None] < GROUP) & (rv[None, :] < DV)
-    offs = rows[:, None] * DV + rv[None, :]
+    offs = (row0 + heads)[:, None] * DV + rv[None, :]
     o = tl.load(ws_o_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")  # written by other programs: not L1
-    z = tl.load(z_ptr + offs, mask=mask, other=0.0)
+    z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=mask, other=0.0)
     w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
     out = _gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -210,6 +212,9 @@ def _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recur
     _expect("qkv", qkv, (bsz, c), io)
     _expect("b", b, (bsz, hv), IO_DTYPES)
     _expect("a", a, (bsz, hv), IO_DTYPES)
+    for name, t in (("qkv", qkv), ("z", z), ("b", b), ("a", a)):  # rows may be strided (views of one projection)
+        if t.stride()[1:] != t[0].contiguous().stride():
+            raise ValueError(f"{name} must be contiguous within a row (any row stride), got strides {t.stride()}")
     _expect("conv_w", conv_w, (c, max(kw, 2)), IO_DTYPES)
     _expect("A_log", A_log, (hv,), IO_DTYPES)
     _expect("dt_bias", dt_bias, (hv,), IO_DTYPES)
@@ -267,16 +272,15 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
         out = torch.empty_like(z, memory_format=torch.contiguous_format)
     if bsz == 0:
         return out
-    qkv, z, b, a, conv_w, A_log, dt_bias, norm_w = (
-        t.contiguous() for t in (qkv, z, b, a, conv_w, A_log, dt_bias, norm_w))
+    conv_w, A_log, dt_bias, norm_w = (t.contiguous() for t in (conv_w, A_log, dt_bias, norm_w))  # no-ops: weights
     bk, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     ns = _dv_splits(hk * bsz, bv)
     g = _heads_at_once(hv // hk, bk * bv // ns, hk * bsz * ns)
     ws_o, arrivals = _split_workspace(qkv.device, bsz, hk, hv, dv) if ns > 1 else (out, state_slots)
     _gdn_decode_kernel[(hk, bsz, ns)](
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, ws_o, arrivals,
-        dk ** -0.5, float(eps), HK=hk, HV=hv, DK=dk, DV=dv, K=kw, G=g, BK=bk, BV=bv, BT=triton.next_power_of_2(kw),
-        NS=ns, GP=triton.next_power_of_2(hv // hk),
+        qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, float(eps), HK=hk, HV=hv, DK=dk, DV=dv,
+        K=kw, G=g, BK=bk, BV=bv, BT=triton.next_power_of_2(kw), NS=ns, GP=triton.next_power_of_2(hv // hk),
         num_warps=max(MIN_WARPS, min(8, g * bk * bv // ns // STATE_PER_THREAD // 32)))
     return out
 

@@ -1,5 +1,6 @@
-"""Qwen3.5 layers. Parameter names mirror transformers', so HF checkpoints map onto them by name.
-Every op with a kernel goes through model.ops; the projections are plain nn.Linear."""
+"""Qwen3.5 layers. Parameter names mirror transformers', so HF checkpoints map onto them by name, except that the
+projections of one input are fused into one matmul (FusedLinear: q|k|v, GDN's qkv|z|b|a, gate|up), whose parts
+keep their HF names. Every op with a kernel goes through model.ops."""
 import torch
 from torch import nn
 
@@ -28,6 +29,19 @@ class GatedNormWeight(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
 
+class FusedLinear(nn.Linear):
+    """Several projections of one input in one matmul: the weight stacks `parts` (HF sibling name, rows) in order,
+    so the loader fills `<parent>.<name>.weight` into its rows and forward's output splits back into the parts."""
+
+    def __init__(self, in_features: int, parts: dict[str, int]):
+        super().__init__(in_features, sum(parts.values()), bias=False)
+        self.parts = dict(parts)
+
+    def forward_parts(self, x) -> tuple[torch.Tensor, ...]:
+        # x: (N, in) -> one (N, rows) view per part
+        return self(x).split(list(self.parts.values()), dim=-1)
+
+
 class GatedAttention(nn.Module):
     """Full attention with q/k RMSNorm, partial RoPE, GQA over the paged cache and a sigmoid output gate."""
 
@@ -35,9 +49,9 @@ class GatedAttention(nn.Module):
         super().__init__()
         self.h, self.kv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        self.q_proj = nn.Linear(cfg.hidden_size, self.h * self.d * 2, bias=False)  # per head: [q | gate]
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv * self.d, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv * self.d, bias=False)
+        # q_proj gives per head [q | gate]
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q_proj": self.h * self.d * 2, "k_proj": self.kv * self.d,
+                                                      "v_proj": self.kv * self.d})
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -45,9 +59,9 @@ class GatedAttention(nn.Module):
     def forward(self, x, step: StepInput, k_pages, v_pages):
         # x: (N, hidden); k_pages, v_pages: this layer's (num_pages, page_size, KV, D)
         n = x.shape[0]
-        q, gate = self.q_proj(x).view(n, self.h, 2 * self.d).chunk(2, dim=-1)
-        k = self.k_proj(x).view(n, self.kv, self.d)
-        v = self.v_proj(x).view(n, self.kv, self.d)
+        q_gate, k, v = self.qkv_proj.forward_parts(x)
+        q, gate = q_gate.view(n, self.h, 2 * self.d).chunk(2, dim=-1)
+        k, v = k.view(n, self.kv, self.d), v.view(n, self.kv, self.d)
         q = ops.attention_prep(q, k, v, self.q_norm.weight, self.k_norm.weight, step, k_pages, v_pages, self.eps)
         o = ops.paged_attention(q, k_pages, v_pages, step, self.d ** -0.5, gate=gate)  # (N, H, D)
         return self.o_proj(o.reshape(n, self.h * self.d))
@@ -61,10 +75,8 @@ class GatedDeltaNet(nn.Module):
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv, self.eps = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.rms_norm_eps
         c = cfg.conv_dim
-        self.in_proj_qkv = nn.Linear(cfg.hidden_size, c, bias=False)
-        self.in_proj_z = nn.Linear(cfg.hidden_size, self.hv * self.dv, bias=False)
-        self.in_proj_b = nn.Linear(cfg.hidden_size, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        self.in_proj = FusedLinear(cfg.hidden_size, {"in_proj_qkv": c, "in_proj_z": self.hv * self.dv,
+                                                     "in_proj_b": self.hv, "in_proj_a": self.hv})
         self.conv1d = nn.Conv1d(c, c, cfg.linear_conv_kernel_dim, groups=c, bias=False)  # weight only
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
@@ -74,21 +86,20 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, step: StepInput, conv_states, recurrent_states):
         # x: (N, hidden); conv_states: (slots, C, K-1); recurrent_states: (slots, Hv, dk, dv) fp32
         n = x.shape[0]
-        o = ops.gated_deltanet(self.in_proj_qkv(x), self.in_proj_z(x).view(n, self.hv, self.dv),
-                               self.in_proj_b(x), self.in_proj_a(x), self.conv1d.weight[:, 0, :], self.A_log,
+        qkv, z, b, a = self.in_proj.forward_parts(x)  # views of one matmul output
+        o = ops.gated_deltanet(qkv, z.view(n, self.hv, self.dv), b, a, self.conv1d.weight[:, 0, :], self.A_log,
                                self.dt_bias, self.norm.weight, conv_states, recurrent_states, step, self.hk,
                                self.eps)
         return self.out_proj(o.reshape(n, self.hv * self.dv))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). gate_proj and up_proj are stacked into one matmul,
-    gate_up_proj (2I, H); the loader stacks HF's separate tensors into it."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate_proj and up_proj stacked into one matmul, gate_up_proj."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.gate_up_proj = FusedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x):

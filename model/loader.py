@@ -15,15 +15,15 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from model.config import Qwen35Config
+from model.layers import FusedLinear
 from model.model import Qwen35ForCausalLM
 
 log = logging.getLogger(__name__)
 
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 _BACKBONE_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
-_STACKED = {"gate_proj": 0, "up_proj": 1}  # halves of our gate_up_proj
+_STACKED = {"gate_proj": 0, "up_proj": 1}  # halves of the fused experts' gate_up_proj
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_MLP_HALF = re.compile(r"^(.*\.mlp(?:\.shared_expert)?)\.(gate_proj|up_proj)\.weight$")
 _TIED = {"lm_head.weight": "model.embed_tokens.weight", "model.embed_tokens.weight": "lm_head.weight"}
 
 
@@ -37,6 +37,19 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
+def fused_parts(model: Qwen35ForCausalLM) -> dict[str, tuple[str, slice, str]]:
+    """HF name of every part of a FusedLinear -> (our fused weight, its rows, the part's name), e.g.
+    `model.layers.0.self_attn.k_proj.weight` -> (`model.layers.0.self_attn.qkv_proj.weight`, rows, "k_proj")."""
+    out = {}
+    for path, module in model.named_modules():
+        if isinstance(module, FusedLinear):
+            parent, start = path.rsplit(".", 1)[0], 0
+            for part, rows in module.parts.items():
+                out[f"{parent}.{part}.weight"] = (f"{path}.weight", slice(start, start + rows), part)
+                start += rows
+    return out
+
+
 class WeightLoader:
     """Copies HF tensors into a model's parameters and keeps count of what was filled, so that missing,
     unexpected or misshapen tensors become one clear error."""
@@ -44,6 +57,7 @@ class WeightLoader:
     def __init__(self, model: Qwen35ForCausalLM):
         self.model = model
         self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.fused_parts = fused_parts(model)
         self.pieces_needed = {n: self._pieces(n, p) for n, p in self.params.items()}
         self.filled: dict[str, set] = {n: set() for n in self.params}
         self.unexpected: list[str] = []
@@ -54,7 +68,7 @@ class WeightLoader:
             return 2 * p.shape[0]
         if name.endswith("mlp.experts.down_proj"):
             return p.shape[0]
-        return 2 if name.endswith("gate_up_proj.weight") else 1
+        return sum(target == name for target, _, _ in self.fused_parts.values()) or 1
 
     @torch.no_grad()
     def load(self, hf_name: str, tensor: torch.Tensor) -> None:
@@ -89,13 +103,7 @@ class WeightLoader:
             inter = self.params.get(f"{base}.gate_up_proj", torch.empty(0, 0)).shape[1] // 2
             half = _STACKED[proj]
             return f"{base}.gate_up_proj", (e, slice(half * inter, (half + 1) * inter)), (e, half)
-        m = _MLP_HALF.match(name)
-        if m:
-            target = f"{m.group(1)}.gate_up_proj.weight"
-            inter = self.params.get(target, torch.empty(0)).shape[0] // 2
-            half = _STACKED[m.group(2)]
-            return target, slice(half * inter, (half + 1) * inter), half
-        return name, None, "all"
+        return self.fused_parts.get(name, (name, None, "all"))
 
     def _missing_names(self, name: str, got: set) -> list[str]:
         """What parameter `name` still lacks, named as on disk (per expert, gate/up halves) where it is part-filled."""
@@ -106,10 +114,8 @@ class WeightLoader:
         if name.endswith("mlp.experts.down_proj") and got:
             base = name[:-len(".down_proj")]
             return [f"{base}.{e}.down_proj.weight" for e in range(self.params[name].shape[0]) if e not in got]
-        if name.endswith("gate_up_proj.weight"):
-            base = name[:-len(".gate_up_proj.weight")]
-            return [f"{base}.{proj}.weight" for proj, half in _STACKED.items() if half not in got]
-        return [name]
+        parts = [hf for hf, (target, _, part) in self.fused_parts.items() if target == name and part not in got]
+        return parts or [name]
 
     def finish(self) -> None:
         """Raise ValueError naming missing or unexpected tensors; log the skipped count."""

@@ -94,6 +94,28 @@ def test_split_launches_leave_counters_at_zero():
     assert torch.equal(arrivals.cpu(), torch.zeros(1, dtype=torch.int32)), "the last split must reset its counter"
 
 
+def test_rows_as_views_of_one_projection():
+    # the model's fused in_proj: qkv | z | b | a are column slices of one (B, C + Hv dv + 2 Hv) matmul output
+    gen = torch.Generator().manual_seed(5)
+    hk, hv, dk, dv, bsz = 2, 4, 16, 32, 3
+    c = 2 * hk * dk + hv * dv
+    conv_w, a_log, dt_bias, norm_w, conv, rec = make_layer(gen, hk, hv, dk, dv, torch.float32, 5)
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    proj = torch.randn(bsz, c + hv * dv + 2 * hv, generator=gen).to(DEVICE)
+    qkv, z, b, a = proj.split([c, hv * dv, hv, hv], dim=-1)
+    z = z.view(bsz, hv, dv)
+    r_conv, r_rec = conv.clone(), rec.clone()
+    out = gdn_decode_step(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv, rec, slots, hk, EPS)
+    ref = _ref_gated_deltanet(qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), conv_w, a_log,
+                              dt_bias, norm_w, r_conv, r_rec, decode_step(slots), hk, EPS)
+    assert_close(out, ref, 1e-5, "strided rows output")
+    assert torch.equal(conv, r_conv)
+    assert_close(rec, r_rec, 1e-5, "strided rows recurrent_states")
+    with pytest.raises(ValueError, match="z must be contiguous within a row"):
+        gdn_decode_step(qkv, z.transpose(1, 2).contiguous().transpose(1, 2), b, a, conv_w, a_log, dt_bias, norm_w,
+                        conv, rec, slots, hk, EPS)
+
+
 def test_fp32_norm_weight_with_fp16_io():
     run_steps(2, 4, 16, 16, torch.float16, 2, n_slots=4, steps=2, tol_out=1e-3, tol_state=1e-4,
               norm_dtype=torch.float32)
