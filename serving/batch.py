@@ -26,14 +26,16 @@ def build_step_input(chunks: list[ScheduledChunk], page_size: int, device) -> St
     """The flat varlen batch of the chunks: N = sum of num_tokens over B = len(chunks) sequences."""
     tokens, positions, slot_mapping, cu_seqlens = [], [], [], [0]
     for c in chunks:
-        tokens += c.seq.token_ids[c.start:c.end]
+        prompt, n_prompt = c.seq.prompt_ids, c.seq.num_prompt_tokens
+        tokens += prompt[c.start:c.end] if c.end <= n_prompt else c.seq.token_ids[c.start:c.end]
         span = range(c.start, c.end)
         positions += span
         slot_mapping += [c.seq.pages[p // page_size] * page_size + p % page_size for p in span]
         cu_seqlens.append(cu_seqlens[-1] + c.num_tokens)
     max_pages = max(len(c.seq.pages) for c in chunks)
     page_table = [c.seq.pages + [0] * (max_pages - len(c.seq.pages)) for c in chunks]  # (B, max_pages)
-    as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    pin = torch.device(device).type == "cuda"  # pinned staging: the copies do not wait for the stream
+    as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
     return StepInput(
         token_ids=as_tensor(tokens, torch.int64),
         positions=as_tensor(positions, torch.int64),

@@ -1,5 +1,7 @@
 """LLMEngine on the reference ops (CPU, fp32): greedy output equals model.generate.greedy token for token,
-through batching, the hybrid prefix cache, chunked prefill and preemption; and nothing leaks."""
+through batching, the hybrid prefix cache, chunked prefill and preemption; and nothing leaks. `padded` runs
+decode batches as the CUDA graphs would (padded to the ladder with dummy rows, decode rows of mixed steps split
+off), without capturing."""
 import pytest
 import torch
 
@@ -26,9 +28,12 @@ def expected(model, prompt: list[int], max_tokens: int) -> list[int]:
     return greedy(model, torch.tensor([prompt]), max_tokens)[0].tolist()
 
 
-def small_engine(model, **fields) -> LLMEngine:
+def small_engine(model, padded: bool = False, **fields) -> LLMEngine:
     cfg = dict(num_pages=64, page_size=8, max_num_seqs=4, snapshot_slots=8, max_num_batched_tokens=128)
-    return LLMEngine(model, EngineConfig(**{**cfg, **fields}))
+    return LLMEngine(model, EngineConfig(**{**cfg, **fields}), pad_decode=padded)
+
+
+padded = pytest.mark.parametrize("padded", [False, True], ids=["exact-batch", "padded"])
 
 
 def assert_nothing_leaks(engine: LLMEngine) -> None:
@@ -42,7 +47,7 @@ def assert_nothing_leaks(engine: LLMEngine) -> None:
 
 
 def test_one_request_equals_greedy(model):
-    engine = small_engine(model)
+    engine = small_engine(model, padded=padded)
     prompt = random_prompt(21, seed=1)
     out = engine.generate([prompt], SamplingParams(max_tokens=10))[0]
     assert out.output_ids == expected(model, prompt, 10)
@@ -50,8 +55,9 @@ def test_one_request_equals_greedy(model):
     assert_nothing_leaks(engine)
 
 
-def test_batched_requests_of_different_lengths_equal_greedy(model):
-    engine = small_engine(model, max_num_seqs=3)  # five requests: two wait for a slot
+@padded
+def test_batched_requests_of_different_lengths_equal_greedy(model, padded):
+    engine = small_engine(model, max_num_seqs=3, padded=padded)  # five requests: two wait for a slot
     prompts = [random_prompt(n, seed=n) for n in (1, 7, 8, 30, 17)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=9))
     for prompt, out in zip(prompts, outs):
@@ -59,7 +65,8 @@ def test_batched_requests_of_different_lengths_equal_greedy(model):
     assert_nothing_leaks(engine)
 
 
-def test_returning_session_hits_the_prefix_cache(model):
+@padded
+def test_returning_session_hits_the_prefix_cache(model, padded):
     engine = small_engine(model)
     first = random_prompt(27, seed=2)
     reply = engine.generate([first], SamplingParams(max_tokens=14))[0].output_ids
@@ -93,8 +100,9 @@ def test_shared_system_prompt_across_sessions(model):
     assert_nothing_leaks(engine)
 
 
-def test_chunked_prefill_with_a_tiny_token_budget(model):
-    engine = small_engine(model, page_size=4, num_pages=128, max_num_batched_tokens=6)
+@padded
+def test_chunked_prefill_with_a_tiny_token_budget(model, padded):
+    engine = small_engine(model, page_size=4, num_pages=128, max_num_batched_tokens=6, padded=padded)
     prompts = [random_prompt(n, seed=20 + n) for n in (23, 11, 2)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=7))
     for prompt, out in zip(prompts, outs):
@@ -102,9 +110,10 @@ def test_chunked_prefill_with_a_tiny_token_budget(model):
     assert_nothing_leaks(engine)
 
 
-def test_preemption_under_a_tiny_page_pool(model):
+@padded
+def test_preemption_under_a_tiny_page_pool(model, padded):
     # three requests need 6 pages each at the end; the pool has 10, so decodes run out and preempt
-    engine = small_engine(model, page_size=4, num_pages=10, max_num_seqs=3, snapshot_slots=4)
+    engine = small_engine(model, page_size=4, num_pages=10, max_num_seqs=3, snapshot_slots=4, padded=padded)
     prompts = [random_prompt(10, seed=30 + i) for i in range(3)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=12))
     assert engine.scheduler.num_preemptions > 0
@@ -171,3 +180,38 @@ def test_seeded_sampling_is_reproducible_and_top_k_one_is_greedy(model):
     assert [o.output_ids for o in first] == [o.output_ids for o in second]
     top1 = small_engine(model).generate(prompts, SamplingParams(temperature=0.7, top_k=1, max_tokens=8))
     assert [o.output_ids for o in top1] == [expected(model, p, 8) for p in prompts]
+
+
+def test_padded_decode_runs_at_ladder_sizes_and_splits_mixed_steps(model):
+    """Five sequences decode at the padded size 8 (ladder 1, 2, 4, 8): padding rows write only the dummy page and
+    slot; a late arrival's prefill runs eagerly beside the decodes (a mixed step); all equal greedy."""
+    engine = small_engine(model, padded=True, max_num_seqs=8, num_pages=128)
+    assert engine.runner.graph_sizes == (1, 2, 4, 8)
+    assert engine.runner.padded_size(5) == 8 and engine.runner.padded_size(1) == 1
+    prompts = [random_prompt(n, seed=50 + n) for n in (3, 9, 16, 5, 12)]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=10)) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    late = random_prompt(20, seed=60)
+    ids.append(engine.add_request(late, SamplingParams(max_tokens=6)))
+    while engine.has_unfinished:
+        engine.step()
+    for prompt, seq_id in zip(prompts + [late], ids):
+        assert engine.pop_output(seq_id).output_ids == expected(model, prompt, 10 if prompt is not late else 6)
+    assert engine.runner.num_eager_decode_steps > 0
+    assert_nothing_leaks(engine)
+
+
+def test_max_model_len_bounds_requests(model):
+    engine = small_engine(model, max_model_len=40)
+    assert engine.cfg.max_model_len == 40 and engine.runner.width == 5
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request(random_prompt(30, seed=0), SamplingParams(max_tokens=11))
+    engine.add_request(random_prompt(30, seed=0), SamplingParams(max_tokens=10))
+
+
+def test_pool_summary_reports_the_sizes(model):
+    engine = small_engine(model)
+    assert "KV pool 64 pages x 8 = 512 tokens" in engine.pool_summary
+    assert "GDN state 13 slots" in engine.pool_summary  # 4 running + 8 snapshots + 1 for padding
+    assert engine.pools.num_pages == 65  # the last page is the decode padding's

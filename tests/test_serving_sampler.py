@@ -57,3 +57,21 @@ def test_draws_follow_the_softmax():
     out = sample(logits.expand(n, 4), [SamplingParams(temperature=1.0)] * n, gens(*range(n)))
     freq = torch.bincount(out, minlength=4).float() / n
     assert (freq - torch.softmax(logits[0], -1)).abs().max() < 0.03
+
+
+def test_rows_without_params_are_argmax_and_draw_nothing():
+    logits = random_logits(3, seed=5)
+    g = gens(0, 1, 2)
+    before = [x.get_state() for x in g]
+    out = sample(logits, [None, SamplingParams(temperature=1.0), None], [None, g[1], None])
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+    assert torch.equal(g[0].get_state(), before[0]) and not torch.equal(g[1].get_state(), before[1])
+
+
+def test_a_seeded_row_draws_the_same_alone_or_batched():
+    logits = random_logits(4, seed=6)
+    p = SamplingParams(temperature=1.3, top_k=20, top_p=0.95)
+    alone = [sample(logits[i:i + 1], [p], gens(100 + i)).item() for i in range(4)]
+    batched = sample(logits, [p, SamplingParams(), p, p], gens(100, 101, 102, 103)).tolist()
+    assert [batched[i] for i in (0, 2, 3)] == [alone[i] for i in (0, 2, 3)]
+    assert batched[1] == logits[1].argmax()
