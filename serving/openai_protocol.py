@@ -224,12 +224,12 @@ class MarkerSplitter:
 
 
 class Detokenizer:
-    """Generated tokens to text: incremental UTF-8, end-of-sequence tokens dropped, cut at the first stop
-    string (then `stopped` is set)."""
+    """Generated tokens to text: incremental UTF-8, end-of-sequence tokens (and the request's stop token ids)
+    dropped, cut at the first stop string (then `stopped` is set)."""
 
-    def __init__(self, tokenizer: QwenTokenizer, stop: tuple[str, ...]):
+    def __init__(self, tokenizer: QwenTokenizer, stop: tuple[str, ...], stop_token_ids: tuple[int, ...] = ()):
         self._decoder = StreamDecoder(tokenizer)
-        self._eos = set(tokenizer.eos_token_ids)
+        self._eos = set(tokenizer.eos_token_ids) | set(stop_token_ids)
         self._stops = MarkerSplitter(stop)
 
     @property

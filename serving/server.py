@@ -98,7 +98,7 @@ async def generate_text(request: web.Request, req: GenerationRequest, stream: Re
     """Text deltas of the request's tokens, then a Finished. A stop string ends the request in the engine with
     reason "stop" (the text stops before it); a client that went away aborts it (ClientGone)."""
     state = request.app[STATE]
-    detok, count = Detokenizer(state.tokenizer, req.params.stop), 0
+    detok, count = Detokenizer(state.tokenizer, req.params.stop, req.params.stop_token_ids), 0
     try:
         async for token in stream:
             count += 1

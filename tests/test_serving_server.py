@@ -1,7 +1,8 @@
 """The OpenAI-compatible server on the `tiny` preset (random weights, CPU), driven by the real openai client over
 a socket: greedy text equals the model's own greedy decode, streaming equals non-streaming, usage reports prefix
-cache hits, stop strings and ignore_eos hold, bad requests get 400 with OpenAI's error JSON, and an aborted stream
-leaks no KV pages."""
+cache hits, stop strings, stop token ids and ignore_eos hold, `<tool_call>` output becomes tool_calls (the model's
+tokens scripted), bad requests get 4xx with OpenAI's error JSON, and an aborted stream leaks no KV pages.
+tests/test_serving_faults.py has the bad input and fault tests."""
 import asyncio
 import json
 import threading
@@ -142,6 +143,66 @@ def test_chat_streaming_equals_non_streaming_and_reuses_the_prefix_cache(server)
     wait_idle_and_check_no_leak(server.engine)
 
 
+def test_stop_string_in_a_chat_stream_and_stop_token_ids(server):
+    messages = [{"role": "user", "content": "Tell me about foxes."}]
+    prompt = server.tokenizer.apply_chat_template(messages)
+    tokens = greedy(server.model, torch.tensor([prompt]), 16)[0].tolist()
+    eos = server.tokenizer.eos_token_ids
+    full = server.tokenizer.decode(t for t in tokens if t not in eos)
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    args = dict(model="tiny", messages=messages, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(server.client.chat.completions.create(**args, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == full[:full.index(stop)].strip()
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    at = 5  # the first place of tokens[at]: generation ends there, and its text is not returned
+    first = tokens.index(tokens[at])
+    out = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                           extra_body={"ignore_eos": True, "stop_token_ids": [tokens[at]]})
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == first + 1
+    assert out.choices[0].text == server.tokenizer.decode(t for t in tokens[:first] if t not in eos)
+    wait_idle_and_check_no_leak(server.engine)
+
+
+def script_model_output(engine: LLMEngine, monkeypatch, prompt_ids: list[int], script: list[int]) -> None:
+    """The request whose prompt is prompt_ids generates `script` instead of the model's tokens (run it with
+    max_tokens=len(script) and ignore_eos, so that the engine ends it where the script does)."""
+    real_step = engine.step
+
+    def step():
+        outputs = real_step()
+        for out in outputs:
+            seq = engine.sequences[out.seq_id]
+            if seq.prompt_ids == prompt_ids:
+                seq.output_ids[-1] = out.token = script[len(seq.output_ids) - 1]
+        return outputs
+
+    monkeypatch.setattr(engine, "step", step)
+
+
+def test_tool_call_output_becomes_tool_calls(server, monkeypatch):
+    tok = server.tokenizer
+    messages = [{"role": "user", "content": "What does README.md say?"}]
+    body = "\n<function=read_file>\n<parameter=path>\nREADME.md\n</parameter>\n</function>\n"
+    script = (tok.encode("Let me look.\n\n") + [tok.encode_special("<tool_call>")] + tok.encode(body)
+              + [tok.encode_special("</tool_call>"), tok.im_end_id])
+    script_model_output(server.engine, monkeypatch, tok.apply_chat_template(messages, tools=TOOLS), script)
+    args = dict(model="tiny", messages=messages, tools=TOOLS, max_tokens=len(script),
+                extra_body={"ignore_eos": True})
+    out = server.client.chat.completions.create(**args)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id
+    assert call.function.name == "read_file" and json.loads(call.function.arguments) == {"path": "README.md"}
+    chunks = list(server.client.chat.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == "Let me look."
+    (streamed,) = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+    assert streamed.index == 0 and streamed.function.name == "read_file"
+    assert json.loads(streamed.function.arguments) == {"path": "README.md"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    wait_idle_and_check_no_leak(server.engine)
+
+
 def test_chat_thinking_goes_to_reasoning_content(server):
     out = server.client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0,
@@ -162,7 +223,7 @@ def test_chat_thinking_goes_to_reasoning_content(server):
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
 ])
-def test_bad_requests_get_400_with_openai_error_json(server, path, body, param):
+def test_bad_requests_get_400_with_openai_error_json(server, path, body, param):  # more in test_serving_faults
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     response = httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"})
     assert response.status_code == 400
