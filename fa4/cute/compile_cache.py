@@ -34,9 +34,11 @@ def _example_args(config: AttentionConfig):
             cutlass.Float32(1.0), make_fake_stream())
 
 
-def compile_config(config: AttentionConfig):
-    """Compiles (without caching) the kernel of `config`; returns the compiled callable."""
-    return cute.compile(FlashAttentionForwardSm90(config), *_example_args(config))
+def compile_config(config: AttentionConfig, keep_ptx: bool = False):
+    """Compiles (without caching) the kernel of `config`; returns the compiled callable (with keep_ptx, its
+    `__ptx__` holds the PTX, and a copy lands in $CUTE_DSL_DUMP_DIR or the working directory)."""
+    options = "--keep-ptx" if keep_ptx else None
+    return cute.compile(FlashAttentionForwardSm90(config), *_example_args(config), options=options)
 
 
 def get_kernel(config: AttentionConfig):

@@ -14,7 +14,8 @@ TORCH_DTYPES = {getattr(torch, name): name for name in DTYPES}
 
 
 def dsl_available() -> bool:
-    return importlib.util.find_spec("cutlass") is not None and importlib.util.find_spec("cutlass.cute") is not None
+    """Whether nvidia-cutlass-dsl is installed (without importing it: its import fixes CUTE_DSL_ARCH)."""
+    return importlib.util.find_spec("cutlass") is not None
 
 
 def cute_unsupported(q, k, v, **index_tensors) -> str | None:

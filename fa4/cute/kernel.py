@@ -69,10 +69,10 @@ class FlashAttentionForwardSm90:
         qk_tiler = (WGMMA_M, n_tile, d)  # (M, N, K) of S = Q K^T per consumer warpgroup
         pv_tiler = (WGMMA_M, d, n_tile)  # (M, N, K) of O = P V
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             (1, 1, 1), qk_tiler[:2])
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
             (1, 1, 1), pv_tiler[:2], warpgroup.OperandSource.RMEM)
 
         # smem: Q as num_consumer_wg stages of 64 x D (one per consumer warpgroup), K and V rings
