@@ -349,12 +349,12 @@ def test_a_request_that_fails_in_the_engine_fails_alone(server, model, monkeypat
 
     monkeypatch.setattr(model, "forward_step", forward_step)
     prompts = [server.tokenizer.encode(f"Story number {i}:") for i in range(3)]
-    wants = [greedy_text(server, model, p, 10) for p in prompts]
+    wants = [greedy_text(server, model, p, 8) for p in prompts]
 
     async def run():
         async with aiohttp.ClientSession() as session:
             async def good(prompt, started: asyncio.Event) -> str:
-                body = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": True,
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True,
                         "ignore_eos": True}
                 text = ""
                 async with session.post(server.url + "/v1/completions", json=body) as response:
@@ -368,7 +368,7 @@ def test_a_request_that_fails_in_the_engine_fails_alone(server, model, monkeypat
             goods = [asyncio.create_task(good(p, e)) for p, e in zip(prompts, events)]
             for event in events:
                 await event.wait()  # all three are running when the poisoned one comes
-            body = {"model": "tiny", "prompt": [11, POISON, 12], "max_tokens": 5, "stream": stream}
+            body = {"model": "tiny", "prompt": [11, POISON, 12], "max_tokens": 2, "stream": stream}
             async with session.post(server.url + "/v1/completions", json=body) as response:
                 bad = (response.status, await response.read())
             return [await g for g in goods], bad

@@ -188,13 +188,23 @@ def test_tool_call_output_becomes_tool_calls(server, monkeypatch):
     script_model_output(server.engine, monkeypatch, tok.apply_chat_template(messages, tools=TOOLS), script)
     args = dict(model="tiny", messages=messages, tools=TOOLS, max_tokens=len(script),
                 extra_body={"ignore_eos": True})
-    out = server.client.chat.completions.create(**args)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+    async def both():  # at once: one batch
+        streamed = await client.chat.completions.create(**args, stream=True)
+        out, chunks = await asyncio.gather(client.chat.completions.create(**args), collect(streamed))
+        await client.close()
+        return out, chunks
+
+    async def collect(stream):
+        return [chunk async for chunk in stream]
+
+    out, chunks = asyncio.run(both())
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id
     assert call.function.name == "read_file" and json.loads(call.function.arguments) == {"path": "README.md"}
-    chunks = list(server.client.chat.completions.create(**args, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks).strip() == "Let me look."
     (streamed,) = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
     assert streamed.index == 0 and streamed.function.name == "read_file"
