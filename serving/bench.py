@@ -1,0 +1,343 @@
+"""Closed-loop replay of agent traces through the engine: `python -m serving.bench --model qwen3.5-2b --trace short`.
+
+N users (--concurrency) each replay traces (serving/traces.py: JSONL or the synthetic short/long variants): a user
+sends a turn's request (the whole conversation so far, as an agent harness does), waits for the full answer, and
+sends the next turn at once. Before timing, one request warms the kernels and puts the shared system prefix in
+the prefix cache (a server that has seen any earlier session has it).
+
+Per user it reports TTFT p50/p99 (all turns, and returning turns apart: turn 2 on), time to the final answer of
+a trace, decode tok/s (1000 / mean TPOT in ms, TPOT of a request = (last - first token time) / (tokens - 1)),
+the plain cache hit rate (cached prompt tokens / prompt tokens) and the eligible one (cached / the prompt tokens
+that an earlier request of the session, or the shared system prefix, had already sent: DESIGN.md section 5), and
+throughput. It prints a table and adds the run to profiles/results/serving.json (card, versions, command), keyed
+by model, trace and concurrency. --hf-baseline then times transformers' greedy generate on the same config
+(random weights, batch 1) and reports our batch-1 decode speed over it.
+"""
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model import ops
+from model.config import Qwen35Config
+from profiles.common import RESULTS, bandwidth_ceilings, command_line, environment, print_table, write_result
+from serving.config import EngineConfig
+from serving.demo import load_model, pick_device
+from serving.engine import LLMEngine
+from serving.sequence import SamplingParams
+from serving.traces import Trace, load_jsonl, synthetic, write_jsonl
+
+
+@dataclass
+class Request:
+    user: int
+    trace: str
+    turn: int
+    prompt_tokens: int
+    eligible_tokens: int
+    submit: float
+    first: float | None = None
+    last: float | None = None
+    generated: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def ttft_ms(self) -> float:
+        return 1e3 * (self.first - self.submit)
+
+    @property
+    def tpot_ms(self) -> float | None:
+        return 1e3 * (self.last - self.first) / (self.generated - 1) if self.generated > 1 else None
+
+
+class User:
+    """One closed-loop client: replays its traces turn after turn."""
+
+    def __init__(self, index: int, traces: list[Trace]):
+        self.index, self.queue = index, list(traces)
+        self.trace: Trace | None = None
+        self.turn = 0
+        self.history: list[int] = []  # everything sent and received in the current trace
+        self.trace_start = 0.0
+        self.trace_times: list[float] = []  # seconds from a trace's first request to its final answer
+
+    def next_prompt(self) -> tuple[list[int], int, int] | None:
+        """(prompt, max_new, eligible tokens) of the next request, or None when the user is done."""
+        if self.trace is None:
+            if not self.queue:
+                return None
+            self.trace, self.turn, self.history = self.queue.pop(0), 0, []
+            self.trace_start = time.perf_counter()
+        t = self.trace.turns[self.turn]
+        eligible = len(self.history) if self.turn else self.trace.shared_prefix
+        return self.history + t.new_ids, t.max_new, eligible
+
+    def finished_turn(self, prompt: list[int], output: list[int], now: float) -> None:
+        self.history = prompt + output
+        self.turn += 1
+        if self.turn == len(self.trace.turns):
+            self.trace_times.append(now - self.trace_start)
+            self.trace = None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q / 100 * (len(v) - 1))))]
+
+
+def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: bool = True
+           ) -> tuple[list[Request], list[User], float]:
+    """Run every trace to its end with `concurrency` closed-loop users. Returns the requests, users, wall time."""
+    from tqdm import tqdm
+    users = [User(i, traces[i::concurrency]) for i in range(min(concurrency, len(traces)))]
+    live: dict[int, tuple[User, Request, list[int]]] = {}
+    done: list[Request] = []
+    bar = tqdm(total=sum(len(t.turns) for t in traces), desc="turns", disable=not progress, file=sys.stderr)
+    start = time.perf_counter()
+    idle = list(users)
+    while idle or live:
+        for u in idle:
+            nxt = u.next_prompt()
+            if nxt is None:
+                continue
+            prompt, max_new, eligible = nxt
+            seq_id = engine.add_request(prompt, SamplingParams(max_tokens=max_new, ignore_eos=True))
+            live[seq_id] = (u, Request(u.index, u.trace.id, u.turn, len(prompt), min(eligible, len(prompt) - 1),
+                                       time.perf_counter()), prompt)
+        idle = []
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            u, r, prompt = live[o.seq_id]
+            r.first = r.first or now
+            r.last, r.generated = now, r.generated + 1
+            if o.finished:
+                result = engine.pop_output(o.seq_id)
+                r.cached_tokens = result.cached_tokens
+                u.finished_turn(prompt, result.output_ids, now)
+                del live[o.seq_id]
+                done.append(r)
+                idle.append(u)
+                bar.update(1)
+    bar.close()
+    return done, users, time.perf_counter() - start
+
+
+def summarize(requests: list[Request], users: list[User], wall_s: float) -> tuple[list[dict], dict]:
+    """Per-user rows and the overall row."""
+    def row(name, reqs, trace_times):
+        tpots = [r.tpot_ms for r in reqs if r.tpot_ms is not None]
+        back = [r.ttft_ms for r in reqs if r.turn > 0]
+        prompt = sum(r.prompt_tokens for r in reqs)
+        cached = sum(r.cached_tokens for r in reqs)
+        eligible = sum(r.eligible_tokens for r in reqs)
+        return {
+            "user": name, "requests": len(reqs),
+            "ttft_p50_ms": percentile([r.ttft_ms for r in reqs], 50),
+            "ttft_p99_ms": percentile([r.ttft_ms for r in reqs], 99),
+            "ttft_first_turn_ms": percentile([r.ttft_ms for r in reqs if r.turn == 0], 50),
+            "ttft_return_p50_ms": percentile(back, 50), "ttft_return_p99_ms": percentile(back, 99),
+            "final_answer_s": sum(trace_times) / len(trace_times) if trace_times else None,
+            "decode_tok_s": 1e3 / (sum(tpots) / len(tpots)) if tpots else None,
+            "hit_rate": cached / prompt if prompt else None,
+            "eligible_hit_rate": cached / eligible if eligible else None,
+            "prompt_tokens": prompt, "cached_tokens": cached, "eligible_tokens": eligible,
+            "generated": sum(r.generated for r in reqs),
+        }
+    rows = [row(str(u.index), [r for r in requests if r.user == u.index], u.trace_times) for u in users]
+    overall = row("all", requests, [t for u in users for t in u.trace_times])
+    per_user = [r["decode_tok_s"] for r in rows if r["decode_tok_s"] is not None]
+    overall["decode_tok_s"] = sum(per_user) / len(per_user) if per_user else None  # the mean user
+    overall["min_user_decode_tok_s"] = min(per_user) if per_user else None
+    overall["wall_s"] = wall_s
+    overall["throughput_tok_s"] = overall["generated"] / wall_s
+    overall["prefill_tok_s"] = (overall["prompt_tokens"] - overall["cached_tokens"]) / wall_s
+    return rows, overall
+
+
+def hf_model(cfg: Qwen35Config, device: torch.device):
+    """transformers' Qwen3.5 for cfg, random weights, bf16, built on the device."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    hf = cfg.to_hf()
+    hf.pop("model_type")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            if cfg.is_moe:
+                hf.pop("intermediate_size", None)
+                return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**hf)).eval()
+            return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**hf)).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+@torch.no_grad()
+def hf_decode_tok_s(cfg: Qwen35Config, device: torch.device, prompt_len: int, new_tokens: int) -> dict:
+    """transformers' greedy generate at batch 1 on cfg (random weights, bf16): decode tok/s from the time of
+    new_tokens tokens minus the time of 1 (the prefill)."""
+    import transformers
+    hf = hf_model(cfg, device)
+    ids = torch.randint(1000, min(150000, cfg.vocab_size), (1, prompt_len), device=device)
+
+    def timed(n: int) -> float:
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize(device)
+        assert out.shape[1] == prompt_len + n, out.shape
+        return time.perf_counter() - t
+
+    timed(2)  # warm-up
+    prefill, total = timed(1), timed(new_tokens)
+    result = dict(transformers=transformers.__version__, prompt_tokens=prompt_len, new_tokens=new_tokens,
+                  prefill_s=prefill, decode_tok_s=(new_tokens - 1) / max(total - prefill, 1e-9))
+    try:
+        import fla
+        result["fla"] = getattr(fla, "__version__", "yes")
+    except ImportError:
+        result["fla"] = None
+    return result
+
+
+def build_traces(args, vocab: int) -> list[Trace]:
+    n = args.num_traces or args.concurrency
+    if args.trace in ("short", "long"):
+        return synthetic(args.trace, n, vocab=vocab, scale=args.scale, turns=args.turns, max_new=args.max_new,
+                         seed=args.seed)
+    return load_jsonl(args.trace, vocab=vocab, turns=args.turns, max_new=args.max_new, seed=args.seed)
+
+
+def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
+    page = args.page_size
+    max_len = -(-(max(t.total_tokens() for t in traces) + 1) // page) * page
+    common = dict(page_size=page, max_num_seqs=args.concurrency, max_model_len=max_len,
+                  snapshot_slots=3 * args.concurrency + 16, max_num_batched_tokens=args.chunk,
+                  fast_lane_tokens=args.fast_lane, cuda_graphs=not args.eager, seed=args.seed)
+    if model.lm_head.weight.device.type == "cuda":
+        return LLMEngine(model, EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common))
+    # CPU: room for every user's longest trace plus the cache of one more
+    return LLMEngine(model, EngineConfig.for_token_budget((args.concurrency + 1) * max_len, **common))
+
+
+def warm_up(engine: LLMEngine, traces: list[Trace]) -> None:
+    """Compile the kernels and cache the shared system prefix: one request of the prefix and a few decodes."""
+    t = traces[0]
+    prefix = t.turns[0].new_ids[:max(t.shared_prefix, 1)]
+    engine.generate([prefix + [prefix[-1]]], SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def run_key(args) -> str:
+    trace = args.trace if args.trace in ("short", "long") else Path(args.trace).name
+    mode = "eager" if args.eager else "graphs"
+    return f"{args.model}|{trace}|c{args.concurrency}|{args.device_name}|{mode}"
+
+
+def main(argv=None, model=None) -> dict:
+    """The command line; `model` (a Qwen35ForCausalLM) replaces --model (tests)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="preset (random weights) or HF checkpoint folder; default: "
+                                                  "tiny on the CPU, qwen3.5-2b on the GPU")
+    ap.add_argument("--trace", default="short", help="short | long | a JSONL file of traces")
+    ap.add_argument("--concurrency", type=int, default=1, help="closed-loop users")
+    ap.add_argument("--num-traces", type=int, default=None, help="traces in all (default: one per user)")
+    ap.add_argument("--turns", type=int, default=None, help="replay only the first TURNS turns of each trace")
+    ap.add_argument("--max-new", type=int, default=None, help="cap every answer at MAX_NEW tokens")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply the synthetic traces' lengths")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--ops", default="auto", choices=["auto", "reference", "triton"])
+    graphs = ap.add_mutually_exclusive_group()
+    graphs.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
+    graphs.add_argument("--cuda-graphs", dest="eager", action="store_false", help="CUDA graphs for decode (default)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=2048, help="max tokens a step computes (chunked prefill)")
+    ap.add_argument("--fast-lane", type=int, default=1024, help="returning-session prefills up to this go first")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate (GPU)")
+    ap.add_argument("--hf-prompt", type=int, default=8192, help="prompt tokens of the HF baseline")
+    ap.add_argument("--hf-new", type=int, default=64, help="tokens the HF baseline generates")
+    ap.add_argument("--write-trace", default=None, help="also write the replayed traces to this JSONL file")
+    ap.add_argument("--out-dir", default=None, help="where serving.json goes (default profiles/results)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    out = sys.stdout
+    device = pick_device(args.device)
+    args.device_name = device.type
+    ops.set_backend(args.ops if args.ops != "auto" else ("triton" if device.type == "cuda" else "reference"))
+    if model is None:
+        args.model = args.model or ("qwen3.5-2b" if device.type == "cuda" else "tiny")
+        model, what = load_model(args.model, device)
+    else:
+        args.model, what = args.model or "custom", "a given model"
+    traces = build_traces(args, model.config.vocab_size)
+    if args.write_trace:
+        write_jsonl(traces, args.write_trace)
+    engine = make_engine(model, args, traces)
+    out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype} | ops: {ops.get_backend()}\n"
+              f"engine: {engine.pool_summary}\n"
+              f"traces: {len(traces)} x {args.trace} ({sum(len(t.turns) for t in traces)} turns, up to "
+              f"{max(t.total_tokens() for t in traces)} tokens each) at concurrency {args.concurrency}\n")
+    warm_up(engine, traces)
+    runner = engine.runner
+    steps_before = (runner.num_graph_steps, runner.num_eager_decode_steps, runner.num_eager_steps)
+    requests, users, wall = replay(engine, traces, args.concurrency, progress=not args.no_progress)
+    rows, overall = summarize(requests, users, wall)
+    columns = ["user", "requests", "ttft_p50_ms", "ttft_p99_ms", "ttft_return_p50_ms", "final_answer_s",
+               "decode_tok_s", "hit_rate", "eligible_hit_rate", "generated"]
+    print_table(rows + [overall], columns, out)
+    out.write(f"throughput {overall['throughput_tok_s']:.1f} generated tok/s, {overall['prefill_tok_s']:.0f} "
+              f"prefilled tok/s, wall {wall:.2f} s; steps: "
+              f"{runner.num_graph_steps - steps_before[0]} graph decode, "
+              f"{runner.num_eager_decode_steps - steps_before[1]} eager decode, "
+              f"{runner.num_eager_steps - steps_before[2]} eager (prefill or mixed)\n")
+    run = dict(model=args.model, weights=what, trace=args.trace, concurrency=args.concurrency, turns=args.turns,
+               max_new=args.max_new, scale=args.scale, device=str(device), dtype=str(model.lm_head.weight.dtype),
+               ops=ops.get_backend(), engine=engine.pool_summary, cuda_graphs=not args.eager,
+               command=command_line(), overall=overall, users=rows,
+               steps=dict(graph_decode=runner.num_graph_steps - steps_before[0],
+                          eager_decode=runner.num_eager_decode_steps - steps_before[1],
+                          eager=runner.num_eager_steps - steps_before[2]))
+    if device.type == "cuda":
+        run["ceilings"] = bandwidth_ceilings(2.0)
+    if args.hf_baseline:
+        if device.type != "cuda":
+            raise SystemExit("--hf-baseline needs the GPU")
+        del engine, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+        hf = hf_decode_tok_s(model.config, device, args.hf_prompt, args.hf_new)
+        gc.collect()
+        torch.cuda.empty_cache()
+        hf["ratio"] = overall["decode_tok_s"] / hf["decode_tok_s"] if overall["decode_tok_s"] else None
+        run["hf_baseline"] = hf
+        out.write(f"HF transformers {hf['transformers']} (fla {hf['fla']}) greedy generate, batch 1, "
+                  f"{args.hf_prompt}-token prompt: {hf['decode_tok_s']:.1f} tok/s; ours per user "
+                  f"{overall['decode_tok_s']:.1f} tok/s = {hf['ratio']:.1f}x\n")
+    path = save(run, run_key(args), args.out_dir)
+    out.write(f"wrote {path}\n")
+    return run
+
+
+def save(run: dict, key: str, out_dir=None) -> Path:
+    """Add the run to serving.json under key, keeping the other runs."""
+    path = Path(out_dir or RESULTS) / "serving.json"
+    runs = {}
+    if path.exists():
+        try:
+            runs = json.loads(path.read_text()).get("runs", {})
+        except (json.JSONDecodeError, AttributeError):
+            runs = {}
+    runs[key] = run
+    return write_result("serving", {"environment": environment(), "runs": runs}, out_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""serving.bench and serving.traces on the CPU: a scaled-down closed-loop replay runs, its metrics add up, and
+the prefix cache serves the returning turns."""
+import json
+
+import pytest
+
+from model.model import Qwen35ForCausalLM
+from serving import bench, traces
+from tests.hf_oracle import small_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Qwen35ForCausalLM.random(small_config(vocab_size=512), seed=0)
+
+
+def test_synthetic_traces_have_the_documented_shape():
+    short = traces.synthetic("short", 3, vocab=248320)
+    assert len(short) == 3 and all(len(t.turns) == 11 for t in short)
+    first = [t.turns[0].new_ids for t in short]
+    assert all(len(f) == 8192 for f in first) and short[0].shared_prefix == 4096
+    assert first[0][:4096] == first[1][:4096] != first[0][4096:4096 + 4096]  # one shared system prefix
+    assert all(300 <= len(x.new_ids) <= 800 and 1 <= x.max_new <= 300 for t in short for x in t.turns[1:])
+    long = traces.synthetic("long", 1, vocab=248320, turns=3, max_new=50)
+    assert [len(x.new_ids) for x in long[0].turns] == [50000, 800, 800]
+    assert all(x.max_new <= 50 for x in long[0].turns)
+
+
+def test_jsonl_round_trip_and_counts(tmp_path):
+    path = tmp_path / "t.jsonl"
+    ts = traces.synthetic("short", 2, vocab=512, scale=0.01, turns=3)
+    traces.write_jsonl(ts, path)
+    back = traces.load_jsonl(path, vocab=512)
+    assert [[x.new_ids for x in t.turns] for t in back] == [[x.new_ids for x in t.turns] for t in ts]
+    assert [t.shared_prefix for t in back] == [t.shared_prefix for t in ts]
+    path.write_text(json.dumps({"id": "a", "system_tokens": 32, "turns": [{"new_tokens": 10, "max_new": 3},
+                                                                          {"new_tokens": 5, "max_new": 2}]}) + "\n")
+    (t,) = traces.load_jsonl(path, vocab=512)
+    assert [len(x.new_ids) for x in t.turns] == [42, 5] and t.shared_prefix == 32
+    path.write_text('{"turns": [{"max_new": 3}]}\n')
+    with pytest.raises(ValueError, match="not a trace"):
+        traces.load_jsonl(path, vocab=512)
+
+
+def test_bench_smoke_on_the_cpu(model, tmp_path, capsys):
+    run = bench.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "3", "--max-new", "3",
+                      "--concurrency", "2", "--page-size", "8", "--out-dir", str(tmp_path), "--no-progress"],
+                     model=model)
+    printed = capsys.readouterr().out
+    assert "eligible_hit_rate" in printed and "ttft_p50_ms" in printed
+    overall = run["overall"]
+    replayed = traces.synthetic("short", 2, vocab=512, scale=0.01, turns=3, max_new=3)
+    assert overall["requests"] == 6 and overall["generated"] == sum(x.max_new for t in replayed for x in t.turns)
+    assert overall["decode_tok_s"] > 0 and overall["ttft_p99_ms"] >= overall["ttft_p50_ms"] > 0
+    # returning turns resend the conversation unchanged: the cache serves all but the page-unaligned tail
+    assert overall["eligible_hit_rate"] > 0.7 and 0 < overall["hit_rate"] <= overall["eligible_hit_rate"]
+    assert all(u["final_answer_s"] > 0 for u in run["users"])
+    saved = json.loads((tmp_path / "serving.json").read_text())
+    assert "custom|short|c2|cpu|graphs" in saved["runs"] and "command" in saved and "environment" in saved
