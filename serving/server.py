@@ -1,6 +1,8 @@
 """An OpenAI-compatible HTTP server on aiohttp: `python -m serving.server --model PRESET|PATH [--host 127.0.0.1]
-[--port 8000] [--device auto|cpu|cuda] [--max-model-len N] [--kv-tokens N] [--max-num-seqs N] [--api-key KEY]
-[--max-body-bytes N] [--max-queued N] [--served-model-name NAME]`.
+[--port 8000] [--device auto|cpu|cuda] [--max-model-len N] [--kv-tokens N] [--gpu-memory-utilization F] [--eager]
+[--max-num-seqs N] [--api-key KEY] [--max-body-bytes N] [--max-queued N] [--served-model-name NAME]`.
+
+On a CUDA device the KV pool takes --gpu-memory-utilization of the card; on the CPU it holds --kv-tokens.
 
 GET /v1/models, POST /v1/completions and POST /v1/chat/completions, with SSE streaming; GET /health (no key
 needed) and GET /metrics (Prometheus text). The wire format lives in serving.openai_protocol, the engine loop in
@@ -323,10 +325,11 @@ def limits_middleware(limits: Limits):
 def create_app(engine: LLMEngine, tokenizer: QwenTokenizer, model_name: str, max_model_len: int,
                limits: Limits = Limits(), aliases: tuple[str, ...] = ()) -> web.Application:
     """The server around an LLMEngine (whose eos_token_ids should be the tokenizer's); the engine loop starts
-    and stops with the app. Prompts plus max_tokens are kept within max_model_len (capped to the KV pool).
+    and stops with the app. Prompts plus max_tokens are kept within max_model_len (capped to the engine's
+    max_model_len and its KV pool).
     Requests may name the model model_name or one of aliases."""
-    pool_tokens = engine.cfg.num_pages * engine.cfg.page_size
-    served = ServedModel(model_name, min(max_model_len, pool_tokens), engine.model.config.vocab_size, aliases)
+    limit = min(max_model_len, engine.cfg.max_model_len, engine.cfg.num_pages * engine.cfg.page_size)
+    served = ServedModel(model_name, limit, engine.model.config.vocab_size, aliases)
     registry = ServingMetrics()
     app = web.Application(middlewares=[errors_as_json, limits_middleware(limits)],
                           client_max_size=limits.max_body_bytes)
@@ -357,6 +360,8 @@ class ServerArgs:
     device: str = "auto"
     max_model_len: int | None = None
     kv_tokens: int = 65536
+    gpu_memory_utilization: float = 0.85
+    eager: bool = False
     max_num_seqs: int = 8
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -370,8 +375,12 @@ def parse_args(argv=None) -> ServerArgs:
     ap.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback only)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the KV pool)")
-    ap.add_argument("--kv-tokens", type=int, default=65536, help="tokens of KV the page pool holds")
+    ap.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the KV pool on the "
+                    "CPU, serving.config.DEFAULT_MAX_MODEL_LEN on a GPU; never past the model's positions)")
+    ap.add_argument("--kv-tokens", type=int, default=65536, help="tokens of KV the page pool holds (CPU)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                    help="fraction of the card for weights, activations and the KV pool (CUDA)")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--max-num-seqs", type=int, default=8, help="requests generated at once")
     ap.add_argument("--api-key", default=os.environ.get("FA4_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on every route but /health (default: $FA4_API_KEY)")
@@ -389,8 +398,13 @@ def main(argv=None) -> None:
     ops.set_backend("triton" if device.type == "cuda" else "reference")
     model, what = load_model(args.model, device)
     tokenizer = load_tokenizer()
-    engine = LLMEngine(model, EngineConfig.for_token_budget(args.kv_tokens, max_num_seqs=args.max_num_seqs,
-                                                            eos_token_ids=tokenizer.eos_token_ids))
+    common = dict(max_num_seqs=args.max_num_seqs, eos_token_ids=tokenizer.eos_token_ids,
+                  max_model_len=args.max_model_len, cuda_graphs=not args.eager)
+    if device.type == "cuda":
+        cfg = EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common)
+    else:
+        cfg = EngineConfig.for_token_budget(args.kv_tokens, **common)
+    engine = LLMEngine(model, cfg)
     max_len = args.max_model_len or model.config.max_position_embeddings
     name = args.served_model_name or Path(args.model).name
     limits = Limits(args.api_key, args.max_body_bytes, args.max_queued)
