@@ -1,7 +1,8 @@
 """ModelRunner: the engine's chunks in, logits out, over Qwen35ForCausalLM.forward_step.
 
 Two paths.
-- Eager: any mix of prefill chunks and decodes, flattened by serving.batch.build_step_input (host lists).
+- Eager: any mix of prefill chunks and decodes, flattened by serving.batch.build_step_input (host lists), with
+  the page tables of the persistent slot table below.
 - Decode (every sequence brings one token): static-shape inputs, replayed from a CUDA graph on CUDA devices.
   The host writes three int64 rows (token, position, state slot) for the batch into one pinned buffer, and
   one non-blocking copy moves them. Everything else is derived on the device inside the graph:
@@ -98,8 +99,12 @@ class ModelRunner:
         return self._eager(chunks), chunks
 
     def _eager(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Any chunks, eagerly, over the same width-W page tables as decode steps (so attention kernels that pick
+        their split count from the table's capacity do the same with and without graphs)."""
         self.num_eager_steps += 1
-        return self.model.forward_step(build_step_input(chunks, self.page_size, self.device), self.pools)
+        self.sync_page_tables([c.seq for c in chunks])
+        step = build_step_input(chunks, self.page_size, self.device, slot_page_table=self.table)
+        return self.model.forward_step(step, self.pools)
 
     # ---- decode steps ------------------------------------------------------------------------------------
 
