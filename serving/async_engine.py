@@ -52,10 +52,16 @@ class RequestStream:
         return self.output.done()
 
     async def __aiter__(self):
-        while (item := await self.queue.get()) is not None:
-            if isinstance(item, Exception):
-                raise item
+        while (item := await self.next_token()) is not None:
             yield item
+
+    async def next_token(self, timeout: float | None = None) -> int | None:
+        """The next token, or None once the request has ended; raises its failure, or TimeoutError when
+        nothing came within timeout seconds (the request goes on)."""
+        item = self.queue.get_nowait() if not self.queue.empty() else await asyncio.wait_for(self.queue.get(), timeout)
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     def finish(self, output: RequestOutput | None) -> None:
         if not self.done:

@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_MAX_QUEUED = 256
 RETRY_AFTER_S = 1
+CLIENT_CHECK_S = 0.5  # how often a request that gets no tokens (queued, or a long prefill) checks its client
 
 
 @dataclass(frozen=True)
@@ -98,15 +99,24 @@ def client_gone(request: web.Request) -> bool:
 
 async def generate_text(request: web.Request, req: GenerationRequest, stream: RequestStream) -> AsyncIterator:
     """Text deltas of the request's tokens, then a Finished. A stop string ends the request in the engine with
-    reason "stop" (the text stops before it); a client that went away aborts it (ClientGone)."""
+    reason "stop" (the text stops before it); a client that went away (seen at each token, and every
+    CLIENT_CHECK_S while none comes, e.g. in the queue) aborts it (ClientGone)."""
     state = request.app[STATE]
     detok, count = Detokenizer(state.tokenizer, req.params.stop, req.params.stop_token_ids), 0
     try:
-        async for token in stream:
-            count += 1
+        while True:
+            try:
+                token = await stream.next_token(CLIENT_CHECK_S)
+            except TimeoutError:
+                token = ...  # nothing yet: only check the client
             if client_gone(request):
                 state.engine.cancel(stream)
                 raise ClientGone
+            if token is None:
+                break
+            if token is ...:
+                continue
+            count += 1
             if text := detok.push(token):
                 yield text
             if detok.stopped:

@@ -482,6 +482,28 @@ def test_full_queue_gets_429_with_retry_after(model, tokenizer):
         assert metrics(live)['fa4_requests_rejected_total{reason="queue_full"}'] == 1
 
 
+def test_a_client_that_leaves_while_queued_is_dropped_from_the_queue(model, tokenizer):
+    with live_server(model, tokenizer, engine_config(tokenizer, max_num_seqs=1)) as live:
+        async def run():
+            async with aiohttp.ClientSession() as session:
+                long = {"model": "tiny", "prompt": "Count:", "max_tokens": 400, "stream": True, "ignore_eos": True}
+                running = await session.post(live.url + "/v1/completions", json=long)
+                assert (await running.content.readline()).startswith(b"data: ")  # it holds the only slot
+                with pytest.raises(asyncio.TimeoutError):  # the queued request's client gives up
+                    await _request("POST", live.url + "/v1/completions",
+                                   {"model": "tiny", "prompt": "wait", "max_tokens": 2}, timeout=0.3)
+                start = time.perf_counter()
+                while live.aengine.num_queued or live.aengine.metrics.requests.get("abort") < 1:
+                    assert time.perf_counter() - start < 3, "the abandoned request is still queued"
+                    await asyncio.sleep(0.02)
+                assert not running.content.at_eof()  # while the long one still runs
+                running.close()
+
+        asyncio.run(run())
+        wait_all_free(live)
+        assert metrics(live)['fa4_requests_total{finish_reason="abort"}'] == 2
+
+
 # ---- metrics and prompt safety ---------------------------------------------------------------------------------
 
 
