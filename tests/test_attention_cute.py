@@ -116,7 +116,7 @@ print(json.dumps({"seconds": time.time() - start, "wgmma": ptx.count("wgmma.mma_
 @needs_dsl
 @pytest.mark.parametrize("index", range(len(representative_configs())),
                          ids=[f"d{c.head_dim}-{'causal' if c.causal else 'full'}-pack{c.pack_gqa}"
-                              for c in representative_configs()])
+                              f"{'-overlap' if c.intra_wg_overlap else ''}" for c in representative_configs()])
 def test_cute_kernel_compiles_for_sm90(index, tmp_path):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE, str(index)], cwd=ROOT, env=env, capture_output=True,
@@ -125,11 +125,12 @@ def test_cute_kernel_compiles_for_sm90(index, tmp_path):
     stats = json.loads(run.stdout.strip().splitlines()[-1])
     print(stats)
     cfg = representative_configs()[index]
+    copies = 2 if cfg.intra_wg_overlap else 1  # the overlapped loop has a peeled first QK^T/softmax and last PV
     k_blocks_qk, k_blocks_pv = cfg.head_dim // 16, cfg.tile_n // 16
-    assert stats["wgmma"] == k_blocks_qk + k_blocks_pv, stats  # one wgmma per k-block of QK^T and of PV
+    assert stats["wgmma"] == copies * (k_blocks_qk + k_blocks_pv), stats  # one per k-block of QK^T and of PV
     assert stats["tma"] > 0 and stats["setmaxnreg"] == 2, stats
     cols = cfg.tile_n // 4  # per thread and row: 2 rows of 64 x tile_n over 128 threads
-    assert stats["ex2"] == 2 * cols * (1 - cfg.poly_exp2_fraction) + 2, stats  # + the 2 rescale factors
+    assert stats["ex2"] == copies * (2 * cols * (1 - cfg.poly_exp2_fraction) + 2), stats  # + 2 rescale factors
 
 
 @needs_dsl
@@ -208,13 +209,17 @@ def test_cute_gpu_softmax_scale_and_cache():
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("d,overrides", [(128, dict(pingpong=False)), (128, dict(kv_stages=1)),
+@pytest.mark.parametrize("d,overrides", [(128, dict(intra_wg_overlap=True)), (256, dict(intra_wg_overlap=True)),
+                                         (128, dict(intra_wg_overlap=True, pingpong=False)),
+                                         (256, dict(intra_wg_overlap=True, poly_exp2_fraction=0.25)),
+                                         (128, dict(pingpong=False)), (128, dict(kv_stages=1)),
                                          (128, dict(tile_n=64)), (256, dict(pingpong=False)),
                                          (256, dict(tile_n=32, kv_stages=3))])
 def test_cute_gpu_config_variants(d, overrides):
     from fa4.cute.entry import cute_attention
     for causal in (True, False):
-        q, k, v = qkv(2, 1000, 1000, 16, 2, d, BF16)
-        out = cute_attention(q, k, v, causal=causal, softmax_scale=d ** -0.5, **overrides)
-        ref = R.attention(q.float(), k.float(), v.float(), causal=causal)
-        assert_rel(out.float(), ref, TOL[BF16], f"d{d} {overrides} causal={causal}")
+        for sq, sk in ((1, 1), (65, 65), (1000, 1000), (300, 1000), (1000, 300)):
+            q, k, v = qkv(2, sq, sk, 16, 2, d, BF16)
+            out = cute_attention(q, k, v, causal=causal, softmax_scale=d ** -0.5, **overrides)
+            ref = R.attention(q.float(), k.float(), v.float(), causal=causal)
+            assert_rel(out.float(), ref, TOL[BF16], f"d{d} {overrides} sq{sq} sk{sk} causal={causal}")

@@ -30,10 +30,11 @@ from fa4.cute import softmax as S
 from fa4.cute.config import WGMMA_M, AttentionConfig
 from fa4.cute.tile_scheduler import StaticTileScheduler
 
-try:  # 4.8 moved LayoutEnum; the old path warns
+try:  # 4.8 moved these; the old paths warn
+    from cutlass.memory import SmemAllocator
     from cutlass.tensor_utils import LayoutEnum
 except ImportError:  # pragma: no cover
-    LayoutEnum = utils.LayoutEnum
+    LayoutEnum, SmemAllocator = utils.LayoutEnum, utils.SmemAllocator
 
 
 @cute.jit
@@ -117,7 +118,7 @@ class FlashAttentionForwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         q_pipe = P.make_tma_pipeline(storage.q_mbar.data_ptr(), 1, self.q_bytes, cfg.num_consumer_wg)
         k_pipe = P.make_tma_pipeline(storage.k_mbar.data_ptr(), cfg.kv_stages, self.kv_bytes, cfg.num_consumer_wg)
@@ -187,7 +188,7 @@ class FlashAttentionForwardSm90:
             acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, d)))
             acc_o.fill(0.0)
             coords = thr_qk.partition_C(cute.make_identity_tensor((WGMMA_M, n_tile)))
-            row_max, row_sum = S.make_state(2)
+            row_max, row_sum, row_scale = S.make_state(2)
             row_base = m_block * cfg.tile_m + cwg * WGMMA_M
             n_nomask = M.n_block_nomask(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
             pingpong = cfg.pingpong and cfg.num_consumer_wg == 2
@@ -198,32 +199,87 @@ class FlashAttentionForwardSm90:
                 q_pipe.consumer_wait(q_state)
                 k_state = P.consumer_state(cfg.kv_stages)
                 v_state = P.consumer_state(cfg.kv_stages)
-                for i in cutlass.range(n_max, unroll=1):
-                    n_block = n_max - 1 - i
-                    acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((WGMMA_M, n_tile)))
+                acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((WGMMA_M, n_tile)))
+                # P in registers as the A operand of PV: the accumulator of S and the A fragment of a
+                # 64 x N x 16 wgmma hold the same (row, col) per thread in the same order for 16-bit types
+                tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((WGMMA_M, n_tile)), self.dtype)
+                tOrP_as_s = cute.make_tensor(tOrP.iterator, acc_s.layout)
+                if cutlass.const_expr(not cfg.intra_wg_overlap):
+                    # per tile: S = Q K^T, wait; softmax; O += P V, wait
+                    for i in cutlass.range(n_max, unroll=1):
+                        n_block = n_max - 1 - i
+                        k_pipe.consumer_wait(k_state)
+                        P.pingpong_wait(cwg, pingpong)
+                        warpgroup.fence()
+                        tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], True)
+                        warpgroup.commit_group()
+                        P.pingpong_pass(cwg, i == n_max - 1, pingpong)
+                        warpgroup.wait_group(0)
+                        k_pipe.consumer_release(k_state)
+                        k_state.advance()
+                        if n_block >= n_nomask:
+                            M.apply_mask(acc_s, coords, row_base, n_block, seqlen_q, seqlen_k, cfg.causal, pack,
+                                         n_tile)
+                        if S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
+                                                   cfg.rescale_threshold, cfg.poly_exp2_fraction):
+                            S.rescale_o(acc_o, row_scale)
+                        tOrP_as_s.store(acc_s.load().to(self.dtype))
+                        v_pipe.consumer_wait(v_state)
+                        warpgroup.fence()
+                        tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        v_pipe.consumer_release(v_state)
+                        v_state.advance()
+                else:
+                    # intra-warpgroup overlap (FA3): S_i = Q K_i^T and O += P_{i-1} V_{i-1} are issued together;
+                    # the softmax of S_i runs while PV_{i-1} is in flight, and only the (conditional) O rescale
+                    # waits for it. Turns (ping-pong): tile 0's QK^T, the n_max - 1 pairs, the last PV.
                     k_pipe.consumer_wait(k_state)
                     P.pingpong_wait(cwg, pingpong)
                     warpgroup.fence()
                     tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], True)
                     warpgroup.commit_group()
-                    P.pingpong_pass(cwg, i == n_max - 1, pingpong)
+                    P.pingpong_pass(cwg, False, pingpong)
                     warpgroup.wait_group(0)
                     k_pipe.consumer_release(k_state)
                     k_state.advance()
-
-                    if n_block >= n_nomask:
-                        M.apply_mask(acc_s, coords, row_base, n_block, seqlen_q, seqlen_k, cfg.causal, pack, n_tile)
-                    S.online_softmax_step(row_max, row_sum, acc_s, acc_o, scale_log2, cfg.rescale_threshold,
-                                           cfg.poly_exp2_fraction)
-                    # P in registers as the A operand of PV: the accumulator of S and the A fragment of a
-                    # 64 x N x 16 wgmma hold the same (row, col) per thread in the same order for 16-bit types
-                    tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((WGMMA_M, n_tile)), self.dtype)
-                    cute.make_tensor(tOrP.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
-
+                    if n_max - 1 >= n_nomask:
+                        M.apply_mask(acc_s, coords, row_base, n_max - 1, seqlen_q, seqlen_k, cfg.causal, pack, n_tile)
+                    S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2, cfg.rescale_threshold,
+                                            cfg.poly_exp2_fraction)  # O is still 0: nothing to rescale
+                    tOrP_as_s.store(acc_s.load().to(self.dtype))
+                    for i in cutlass.range(1, n_max, unroll=1):
+                        n_block = n_max - 1 - i
+                        k_pipe.consumer_wait(k_state)
+                        v_pipe.consumer_wait(v_state)
+                        P.pingpong_wait(cwg, pingpong)
+                        warpgroup.fence()
+                        tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], True)
+                        warpgroup.commit_group()
+                        tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
+                        warpgroup.commit_group()
+                        P.pingpong_pass(cwg, False, pingpong)
+                        warpgroup.wait_group(1)  # S_i is ready; PV_{i-1} may still run
+                        k_pipe.consumer_release(k_state)
+                        k_state.advance()
+                        if n_block >= n_nomask:
+                            M.apply_mask(acc_s, coords, row_base, n_block, seqlen_q, seqlen_k, cfg.causal, pack,
+                                         n_tile)
+                        need = S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
+                                                       cfg.rescale_threshold, cfg.poly_exp2_fraction)
+                        warpgroup.wait_group(0)  # PV_{i-1} done: O and P_{i-1} are free
+                        v_pipe.consumer_release(v_state)
+                        v_state.advance()
+                        if need:
+                            S.rescale_o(acc_o, row_scale)
+                        tOrP_as_s.store(acc_s.load().to(self.dtype))
                     v_pipe.consumer_wait(v_state)
+                    P.pingpong_wait(cwg, pingpong)
                     warpgroup.fence()
                     tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
                     warpgroup.commit_group()
+                    P.pingpong_pass(cwg, True, pingpong)
                     warpgroup.wait_group(0)
                     v_pipe.consumer_release(v_state)
                     v_state.advance()

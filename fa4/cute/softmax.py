@@ -87,21 +87,25 @@ def quad_reduce_sum(x: Float32) -> Float32:
 
 
 def make_state(num_rows: int):
-    """(row_max, row_sum) register tensors of one thread's rows: -inf and 0."""
+    """(row_max, row_sum, row_scale) register tensors of one thread's rows: -inf, 0 and 1."""
     row_max = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
     row_sum = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+    row_scale = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
     row_max.fill(-Float32.inf)
     row_sum.fill(0.0)
-    return row_max, row_sum
+    row_scale.fill(1.0)
+    return row_max, row_sum, row_scale
 
 
 @cute.jit
-def online_softmax_step(row_max: cute.Tensor, row_sum: cute.Tensor, acc_s: cute.Tensor, acc_o: cute.Tensor,
-                        scale_log2: Float32, threshold: cutlass.Constexpr, poly_fraction: cutlass.Constexpr):
-    """Turns the scores in acc_s into unnormalised probabilities (in place), rescaling acc_o rows and row_sum
-    when the warp moves its running max. acc_s, acc_o: wgmma accumulators of QK^T and PV."""
+def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, acc_s: cute.Tensor,
+                          scale_log2: Float32, threshold: cutlass.Constexpr,
+                          poly_fraction: cutlass.Constexpr) -> cutlass.Boolean:
+    """Turns the scores in acc_s (a QK^T accumulator) into unnormalised probabilities, in place, and updates
+    the running max and sum. Returns whether this warp moved its max; then row_scale holds the factors that
+    the O rows must be multiplied by (`rescale_o`) before the next PV accumulates. Reads no O, so it may run
+    while the previous PV matmul is in flight."""
     s_mn = acc_mn_view(acc_s)
-    o_mn = acc_mn_view(acc_o)
     num_rows = cute.size(s_mn, mode=[0])
     num_cols = cute.size(s_mn, mode=[1])
     row_new = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
@@ -114,15 +118,15 @@ def online_softmax_step(row_max: cute.Tensor, row_sum: cute.Tensor, acc_s: cute.
         row_new[r] = m
         # growth in log2 units; -inf - -inf (no key yet) is NaN and compares false: nothing to rescale
         grow = cute.arch.fmax(grow, (m - row_max[r]) * scale_log2)
-    if cute.arch.vote_any_sync(grow > Float32(threshold)):
+    need = cute.arch.vote_any_sync(grow > Float32(threshold))
+    if need:
         for r in cutlass.range_constexpr(num_rows):
             m_new = row_new[r]
             factor = cute.math.exp2((row_max[r] - m_new) * scale_log2, fastmath=True)  # 0 when the old max is -inf
             if m_new == -Float32.inf:
                 factor = Float32(1.0)
+            row_scale[r] = factor
             row_sum[r] = row_sum[r] * factor
-            for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                o_mn[r, c] = o_mn[r, c] * factor
             row_max[r] = m_new
     poly = poly_columns(num_cols, poly_fraction)
     for r in cutlass.range_constexpr(num_rows):
@@ -141,6 +145,16 @@ def online_softmax_step(row_max: cute.Tensor, row_sum: cute.Tensor, acc_s: cute.
             s_mn[r, c] = p
             total = total + p
         row_sum[r] = row_sum[r] + total
+    return need
+
+
+@cute.jit
+def rescale_o(acc_o: cute.Tensor, row_scale: cute.Tensor):
+    """O rows *= row_scale (after `online_softmax_update` returned True)."""
+    o_mn = acc_mn_view(acc_o)
+    for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+            o_mn[r, c] = o_mn[r, c] * row_scale[r]
 
 
 @cute.jit
