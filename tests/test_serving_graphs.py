@@ -1,0 +1,199 @@
+"""Decode steps as the CUDA graphs run them (serving/model_runner.py).
+
+CPU: padded decode batches on the Triton ops (interpreter) follow the reference ops; graphs are refused where the
+ops or the model would sync with the host.
+GPU (bf16, triton ops): at batch 1 the engine's greedy output with graphs equals it without graphs and equals
+model.generate.greedy token for token (same kernels on the same shapes: the engine's page tables have the width
+of a SequenceCache of max_model_len tokens, and a page-aligned prompt is prefilled in one chunk); with the prefix
+cache, graphs and eager agree exactly. Batched (padded to the ladder), logits along the common path agree within
+BATCHED_TOL relative error, since padding changes the GEMM shapes.
+"""
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import rel_err
+
+from model import ops
+from model.config import Qwen35Config
+from model.generate import greedy
+from model.model import Qwen35ForCausalLM
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
+from serving.model_runner import graphs_unsupported
+from serving.sequence import SamplingParams
+
+# the smallest shapes the kernels take (head_dim 64), for the CPU interpreter
+KERNEL_SMALL = Qwen35Config(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, intermediate_size=96, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+# real head shapes, 8 layers (2 full attention), the real vocabulary
+GPU_CFG = Qwen35Config(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                       linear_num_value_heads=32, intermediate_size=2048)
+BATCHED_TOL = 3e-2  # bf16, 8 layers: relative logit error between padded-graph and eager batches
+
+
+def record_logits(engine: LLMEngine) -> dict[int, list[torch.Tensor]]:
+    """seq id -> the fp32 logits of each of its sampled rows, in order (wraps the runner)."""
+    rows = defaultdict(list)
+    execute = engine.runner.execute
+
+    def wrapped(chunks):
+        logits, order = execute(chunks)
+        for c, row in zip(order, logits):
+            if c.end == c.seq.num_tokens:
+                rows[c.seq.id].append(row.float().cpu())
+        return logits, order
+    engine.runner.execute = wrapped
+    return rows
+
+
+def run(engine: LLMEngine, prompts, max_tokens: int, **params) -> list[list[int]]:
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)) for p in prompts]
+    while engine.has_unfinished:
+        engine.step()
+    return [engine.pop_output(i).output_ids for i in ids]
+
+
+def assert_logits_close_until_divergence(a_out, a_logits, b_out, b_logits, tol: float) -> int:
+    """Along each sequence's common token path, logits agree within tol; returns the tokens in common."""
+    common = 0
+    for seq, (ta, tb) in enumerate(zip(a_out, b_out)):
+        for i, (x, y) in enumerate(zip(ta, tb)):
+            err = rel_err(a_logits[seq][i], b_logits[seq][i])
+            assert err < tol, f"sequence {seq} token {i}: relative logit error {err:.2e}"
+            if x != y:
+                break
+            common += 1
+    return common
+
+
+def prompts_of(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def test_graphs_are_refused_where_they_would_sync():
+    model = Qwen35ForCausalLM.random(KERNEL_SMALL, seed=0)
+    with ops.use_backend("reference"):
+        assert "reference" in graphs_unsupported(model)
+    with ops.use_backend("triton"):
+        assert graphs_unsupported(model) is None
+        moe = Qwen35ForCausalLM.random(replace(KERNEL_SMALL, intermediate_size=0, num_experts=4,
+                                               num_experts_per_tok=2, moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=32), seed=0)
+        assert "MoE" in graphs_unsupported(moe)
+    engine = LLMEngine(model, EngineConfig(num_pages=32, max_num_seqs=2))
+    assert "eager decode (not a CUDA device)" in engine.pool_summary
+
+
+def test_padded_decode_on_triton_ops_follows_the_reference_cpu():
+    """Three sequences (prefilled on the reference ops) decode padded to batch 4 (one dummy row) on the Triton
+    kernels in the interpreter."""
+    model = Qwen35ForCausalLM.random(KERNEL_SMALL, seed=3)
+    prompts = prompts_of((5, 16, 11), KERNEL_SMALL.vocab_size)
+    cfg = EngineConfig(num_pages=32, page_size=16, max_num_seqs=4, snapshot_slots=4)
+    results = {}
+    for backend in ("reference", "triton"):
+        engine = LLMEngine(model, cfg, pad_decode=True)
+        logits = record_logits(engine)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=3)) for p in prompts]
+        engine.step()  # the three prefills
+        with ops.use_backend(backend):
+            while engine.has_unfinished:
+                engine.step()
+        results[backend] = [engine.pop_output(i).output_ids for i in ids], [logits[i] for i in sorted(logits)]
+        assert engine.runner.num_eager_decode_steps == 2  # padded 3 -> 4
+    common = assert_logits_close_until_divergence(*results["triton"], *results["reference"], tol=1e-4)
+    assert common >= 3
+
+
+@pytest.fixture(scope="module")
+def gpu_model():
+    return Qwen35ForCausalLM.random(GPU_CFG, device="cuda", dtype=torch.bfloat16, seed=1)
+
+
+GPU_ENGINE = EngineConfig(num_pages=512, page_size=16, max_num_seqs=8, snapshot_slots=8, max_model_len=1024)
+
+
+@pytest.mark.gpu
+def test_batch1_greedy_graphs_equal_eager_and_model_greedy(gpu_model):
+    with ops.use_backend("triton"):
+        graphs = LLMEngine(gpu_model, GPU_ENGINE)
+        eager = LLMEngine(gpu_model, replace(GPU_ENGINE, cuda_graphs=False))
+        assert graphs.runner.graphs and not eager.runner.graphs, (graphs.pool_summary, eager.pool_summary)
+        prompt = prompts_of((128,), GPU_CFG.vocab_size, seed=1)  # page-aligned: one prefill chunk
+        n = 48  # crosses three page boundaries while decoding
+        out_g, out_e = run(graphs, prompt, n)[0], run(eager, prompt, n)[0]
+        ref = greedy(gpu_model, torch.tensor(prompt, device="cuda"), n,
+                     cache=gpu_model.new_cache(1, GPU_ENGINE.max_model_len, page_size=GPU_ENGINE.page_size))
+        assert graphs.runner.num_graph_steps >= n - 1 and eager.runner.num_graph_steps == 0
+        assert out_g == out_e
+        assert out_g == ref[0].tolist()
+        # the returning turn: the conversation back unchanged plus new tokens, served from the prefix cache
+        second = prompt[0] + out_g + prompts_of((37,), GPU_CFG.vocab_size, seed=2)[0]
+        ids = [e.add_request(second, SamplingParams(max_tokens=32, ignore_eos=True)) for e in (graphs, eager)]
+        for e in (graphs, eager):
+            while e.has_unfinished:
+                e.step()
+        res_g, res_e = graphs.pop_output(ids[0]), eager.pop_output(ids[1])
+        assert res_g.cached_tokens == res_e.cached_tokens >= 128
+        assert res_g.output_ids == res_e.output_ids
+
+
+@pytest.mark.gpu
+def test_batched_graphs_follow_eager_within_tolerance(gpu_model):
+    with ops.use_backend("triton"):
+        prompts = prompts_of((30, 77, 128, 200, 9), GPU_CFG.vocab_size, seed=3)  # batch 5 replays the 8 graph
+        results = []
+        for cfg in (GPU_ENGINE, replace(GPU_ENGINE, cuda_graphs=False)):
+            engine = LLMEngine(gpu_model, cfg)
+            logits = record_logits(engine)
+            out = run(engine, prompts, 24)
+            results.append((out, [logits[i] for i in sorted(logits)]))
+            assert all(torch.isfinite(x).all() for rows in logits.values() for x in rows)
+        assert engine.runner.num_graph_steps == 0
+        common = assert_logits_close_until_divergence(*results[0], *results[1], tol=BATCHED_TOL)
+        assert common >= len(prompts)  # at least the prefill tokens
+
+
+@pytest.mark.gpu
+def test_graphs_through_preemption_and_slot_reuse(gpu_model):
+    """A pool too small for all: decodes preempt and recompute, slots and pages are reused, graph batch sizes
+    change as sequences finish; everything finishes and nothing leaks."""
+    cfg = replace(GPU_ENGINE, num_pages=24, max_model_len=256, snapshot_slots=4)
+    with ops.use_backend("triton"):
+        engine = LLMEngine(gpu_model, cfg)
+        prompts = prompts_of((40, 60, 33, 70, 20, 50), GPU_CFG.vocab_size, seed=4)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=40 + 7 * i, ignore_eos=True))
+               for i, p in enumerate(prompts)]
+        while engine.has_unfinished:
+            engine.step()
+        outs = [engine.pop_output(i) for i in ids]
+    assert [len(o.output_ids) for o in outs] == [40 + 7 * i for i in range(len(prompts))]
+    assert engine.scheduler.num_preemptions > 0 and engine.runner.num_graph_steps > 0
+    bm = engine.block_manager
+    assert all(r == 0 for r in bm.refcount) and len(engine.scheduler.free_state_slots) == cfg.max_num_seqs
+
+
+@pytest.mark.gpu
+def test_seeded_sampling_with_graphs_is_reproducible(gpu_model):
+    with ops.use_backend("triton"):
+        prompts = prompts_of((20, 45, 64), GPU_CFG.vocab_size, seed=5)
+        params = dict(temperature=0.8, top_p=0.9, top_k=50, seed=7)
+        a = run(LLMEngine(gpu_model, GPU_ENGINE), prompts, 16, **params)
+        b = run(LLMEngine(gpu_model, GPU_ENGINE), prompts, 16, **params)
+        assert a == b
+
+
+@pytest.mark.gpu
+def test_pools_sized_from_gpu_memory(gpu_model):
+    torch.cuda.empty_cache()
+    util = 0.3
+    with ops.use_backend("triton"):
+        engine = LLMEngine(gpu_model, EngineConfig.for_gpu_memory(util, max_num_seqs=4, max_model_len=4096))
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert engine.cfg.num_pages * engine.cfg.page_size >= 4096 and engine.cfg.max_model_len == 4096
+    assert engine.sizing["peak_GiB"] > 0 and "KV pool" in engine.pool_summary
+    assert torch.cuda.memory_allocated() <= util * total, engine.pool_summary
