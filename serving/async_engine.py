@@ -88,6 +88,7 @@ class AsyncEngine:
         self._suspects: list[int] = []
         self._solo: int | None = None
         self._parked: list = []
+        self.consecutive_failures = 0  # failed steps since the last good one
         self.stats = EngineStats()
         self._refresh_stats()
 
@@ -145,8 +146,10 @@ class AsyncEngine:
             try:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
             except Exception as error:  # noqa: BLE001 - one request's fault must not stop the server
+                self.consecutive_failures += 1
                 self._step_failed(error)
                 continue
+            self.consecutive_failures = 0
             for out in outputs:
                 self._dispatch(out.seq_id, out.token, out.finished)
             if self._solo is not None and any(out.seq_id == self._solo for out in outputs):

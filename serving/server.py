@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_MAX_QUEUED = 256
 RETRY_AFTER_S = 1
+UNHEALTHY_FAILURES = 3  # failed engine steps in a row that make /health answer 503
 CLIENT_CHECK_S = 0.5  # how often a request that gets no tokens (queued, or a long prefill) checks its client
 
 
@@ -195,9 +196,15 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 while the engine loop runs and its steps succeed; 503 when it stopped, or when its last
+    UNHEALTHY_FAILURES steps all failed (e.g. a broken device), until a step succeeds again."""
     state = request.app.get(STATE)
-    alive = state is not None and state.engine.running
-    return web.json_response({"status": "ok" if alive else "engine stopped"}, status=200 if alive else 503)
+    if state is None or not state.engine.running:
+        return web.json_response({"status": "engine stopped"}, status=503)
+    if state.engine.consecutive_failures >= UNHEALTHY_FAILURES:
+        return web.json_response({"status": "engine failing",
+                                  "consecutive_failed_steps": state.engine.consecutive_failures}, status=503)
+    return web.json_response({"status": "ok"})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -411,6 +411,23 @@ def test_a_failure_after_the_first_token_ends_that_stream_with_an_error_event(se
     good_request(server)
 
 
+def test_an_engine_whose_every_step_fails_fails_each_request_and_health_says_so(server, model, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(model, "forward_step", broken)
+    for i in range(3):
+        error = assert_openai_error(request("POST", server.url + "/v1/completions",
+                                            {"model": "tiny", "prompt": f"try {i}", "max_tokens": 2}), 500)
+        assert error["type"] == "server_error" and "device lost" in error["message"]
+    reply = request("GET", server.url + "/health")
+    assert reply.status == 503 and reply.json()["status"] == "engine failing"
+    monkeypatch.undo()
+    good_request(server)
+    assert request("GET", server.url + "/health").status == 200
+    wait_all_free(server)
+
+
 # ---- safety limits ---------------------------------------------------------------------------------------------
 
 
