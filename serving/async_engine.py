@@ -134,26 +134,32 @@ class AsyncEngine:
     # ---- the loop task -----------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            self._apply_commands()
-            self._advance_isolation()
-            self._refresh_stats()
-            if not self.engine.has_unfinished:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
             try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception as error:  # noqa: BLE001 - one request's fault must not stop the server
-                self.consecutive_failures += 1
-                self._step_failed(error)
-                continue
-            self.consecutive_failures = 0
-            for out in outputs:
-                self._dispatch(out.seq_id, out.token, out.finished)
-            if self._solo is not None and any(out.seq_id == self._solo for out in outputs):
-                self._clear_solo()
+                await self._iteration()
+            except Exception as error:  # noqa: BLE001 - a bug here must not leave requests hanging forever
+                log.exception("the engine loop failed; failing every request in flight")
+                self._fail_everything(error)
+
+    async def _iteration(self) -> None:
+        self._apply_commands()
+        self._advance_isolation()
+        self._refresh_stats()
+        if not self.engine.has_unfinished:
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        try:
+            outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step)
+        except Exception as error:  # noqa: BLE001 - one request's fault must not stop the server
+            self.consecutive_failures += 1
+            self._step_failed(error)
+            return
+        self.consecutive_failures = 0
+        for out in outputs:
+            self._dispatch(out.seq_id, out.token, out.finished)
+        if self._solo is not None and any(out.seq_id == self._solo for out in outputs):
+            self._clear_solo()
 
     def _apply_commands(self) -> None:
         adds, self._adds = self._adds, []
@@ -289,6 +295,21 @@ class AsyncEngine:
         if solo in self._parked:
             self._parked.remove(solo)
             scheduler.waiting.appendleft(solo)
+
+    def _fail_everything(self, error: Exception) -> None:
+        """Last resort: end every request in the engine and every stream, so that the loop can go on."""
+        live, self._live = self._live, {}
+        self._suspects, self._solo = [], None
+        scheduler = self.engine.scheduler
+        scheduler.waiting.extend(self._parked)
+        self._parked = []
+        for seq_id in list(self.engine.sequences):
+            with contextlib.suppress(Exception):
+                self._finish_sequence(seq_id, "error")
+            self.engine.sequences.pop(seq_id, None)
+        for stream in live.values():
+            self.metrics.requests.inc(label_value="error")
+            stream.fail(EngineFailure(f"the engine loop failed: {error!r}"))
 
     def _clear_solo(self) -> None:
         """The suspect running alone produced a token: it is innocent; park it too and judge the next one."""

@@ -428,6 +428,21 @@ def test_an_engine_whose_every_step_fails_fails_each_request_and_health_says_so(
     wait_all_free(server)
 
 
+def test_a_bug_in_the_engine_loop_fails_the_requests_in_flight_not_the_server(server, monkeypatch):
+    real_dispatch = server.aengine._dispatch
+
+    def dispatch(*args):
+        monkeypatch.setattr(server.aengine, "_dispatch", real_dispatch)  # once
+        raise RuntimeError("loop bug")
+
+    monkeypatch.setattr(server.aengine, "_dispatch", dispatch)
+    error = assert_openai_error(request("POST", server.url + "/v1/completions",
+                                        {"model": "tiny", "prompt": "hi", "max_tokens": 2}), 500)
+    assert "loop bug" in error["message"]
+    wait_all_free(server)
+    good_request(server)
+
+
 # ---- safety limits ---------------------------------------------------------------------------------------------
 
 
