@@ -1,9 +1,10 @@
 """Bad input and faults, against live servers on loopback (the `tiny` preset, random weights, CPU).
 
 Raw bad requests (aiohttp client) get a 4xx with OpenAI's error JSON and the next good request still succeeds; a
-client that disconnects mid-stream (or mid-request) has its request aborted and every page freed; a soak of 200
-requests from 16 concurrent clients leaves every page and state slot free; a request that fails inside the
-engine fails alone while the others finish with their exact greedy text; API key (401), body limit (413), queue
+client that disconnects mid-stream, mid-request or while queued has its request aborted and every page freed; a
+soak of 200 requests from 16 concurrent clients leaves every page and state slot free; a request that fails
+inside the engine fails alone while the others finish with their exact greedy text (and an engine whose every
+step fails, or a bug in the engine loop, fails requests, not the server); API key (401), body limit (413), queue
 limit (429 + Retry-After); /metrics has the named series; tool output cannot forge chat roles.
 """
 import asyncio
