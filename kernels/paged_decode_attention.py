@@ -101,7 +101,6 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_N = 64
 MAX_SPLITS = 128  # choose_num_splits' cap; a caller may ask for up to 256
 PROGRAMS_PER_SM = 2  # resident split programs per SM that choose_num_splits aims for (decode)
-SMEM_PER_CTA = 227 * 1024  # sm_90's shared memory per block
 RESCALE_THRESHOLD = 8.0  # chunk variant: log2 growth of the running max that forces an O rescale (0: always)
 COMBINE_TILE = 4096  # splits x head dims one combine program reduces
 COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk variant's combine reduces
@@ -167,16 +166,15 @@ def _config(block_m: int, head_dim: int, elt_size: int) -> tuple[int, int]:
     return num_warps, (4 if row_bytes <= 256 else 3 if row_bytes <= 512 else 2)
 
 
-def smem_estimate(block_m: int, head_dim: int, elt_size: int, num_stages: int) -> int:
-    """Shared-memory bytes of a split program: the Q tile plus max(1, stages - 1) buffers each of K and V
-    (what Triton 3.6's pipeliner allocated in sm_90a compiles of these kernels, within 4 KB)."""
-    kv_tile = BLOCK_N * head_dim * elt_size
-    return block_m * head_dim * elt_size + 2 * max(1, num_stages - 1) * kv_tile
-
-
 def plan(max_q_len: int, group: int, head_dim: int, elt_size: int, block_m: int | None = None) -> Plan:
     """The variant and tile for a call whose sequences have at most max_q_len query tokens.
-    block_m (a power of two in 16..128) forces the chunk variant with that M-block (tests, tuning)."""
+    block_m (a power of two in 16..128) forces the chunk variant with that M-block (tests, tuning).
+
+    Chunk tiles (sm_90a compiles on a CPU, Triton 3.6, bf16, page 64; see tests/test_agent_turn_attention.py):
+    M-block 128 with 8 warps and 3 stages (4 at d64) uses wgmma with two buffers each of K and V:
+    d256 192 KB of shared memory, 255 registers (~44 bytes spilled, outside the key loops); d128 96 KB,
+    220 registers; d64 48 KB, 142 registers. Eight warps at 255 registers take the whole register file, so
+    one program per SM; four-warp tiles (M-block <= 32, or 64 at d <= 128) leave room for two."""
     rows = max_q_len * group
     if block_m is None and max_q_len <= DECODE_MAX_Q_LEN and rows <= DECODE_MAX_ROWS:
         bm = max(16, triton.next_power_of_2(rows))
@@ -184,15 +182,12 @@ def plan(max_q_len: int, group: int, head_dim: int, elt_size: int, block_m: int 
     if block_m is None:
         big = CHUNK_BLOCK_M if elt_size <= 2 else CHUNK_BLOCK_M // 2  # fp32: a 128 x 256 Q tile alone is 128 KB
         block_m = max(16, triton.next_power_of_2(rows)) if rows <= 64 else big
-    if block_m <= 64:
+    if block_m <= 32:
         num_warps, num_stages = _config(block_m, head_dim, elt_size)
     else:
-        num_warps, num_stages = 8, (4 if head_dim * elt_size <= 128 else 3)
-    while num_stages > 2 and smem_estimate(block_m, head_dim, elt_size, num_stages) > SMEM_PER_CTA:
-        num_stages -= 1
-    smem = smem_estimate(block_m, head_dim, elt_size, num_stages)
-    fits_two = num_warps == 4 and 2 * smem <= SMEM_PER_CTA
-    return Plan(True, block_m, triton.cdiv(rows, block_m), num_warps, num_stages, 2 if fits_two else 1)
+        num_warps = 4 if block_m * head_dim * elt_size <= 16384 else 8
+        num_stages = 4 if head_dim * elt_size <= 128 else 3 if head_dim * elt_size <= 512 else 2
+    return Plan(True, block_m, triton.cdiv(rows, block_m), num_warps, num_stages, 2 if num_warps == 4 else 1)
 
 
 @triton.jit
@@ -369,7 +364,7 @@ def _chunk_kernel(
         kv_mid = tl.minimum(tl.maximum(full // BLOCK_N * BLOCK_N, kv_start), kv_end)  # unmasked [start, mid)
 
         d = tl.arange(0, HEAD_DIM)
-        token = (q_start + qi).to(tl.int64)
+        token = q_start + qi
         q = tl.load(q_ptr + (token * stride_qn + head * stride_qh)[:, None] + d[None, :], mask=row_ok[:, None],
                     other=0.0)  # (M, D)
         k_base = k_ptr + kvh * stride_kh

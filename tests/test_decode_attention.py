@@ -32,10 +32,11 @@ def make_cache(lens, kv, d, page, dtype, seed, spare_pages=3):
     """A shuffled page pool holding len tokens per sequence; unused pages and slots past each length are NaN.
     Returns k_pages, v_pages (num_pages, page, kv, d), page_table (B, max_pages) int32, seqused_k (B,) int32."""
     gen = torch.Generator().manual_seed(seed)
+    vals = torch.Generator(device=DEV).manual_seed(seed)  # values drawn on the device: 50k-token caches are quick
     need = [math.ceil(n / page) for n in lens]
     n_pages = sum(need) + spare_pages
-    k_pages = torch.full((n_pages, page, kv, d), float("nan"))
-    v_pages = torch.full((n_pages, page, kv, d), float("nan"))
+    k_pages = torch.full((n_pages, page, kv, d), float("nan"), device=DEV)
+    v_pages = torch.full((n_pages, page, kv, d), float("nan"), device=DEV)
     perm = torch.randperm(n_pages, generator=gen)
     table = torch.zeros(len(lens), max(need) + 1, dtype=torch.int32)  # one spare column past every sequence
     used = 0
@@ -43,10 +44,9 @@ def make_cache(lens, kv, d, page, dtype, seed, spare_pages=3):
         ids = perm[used:used + need[b]]
         used += need[b]
         table[b, :need[b]] = ids.int()
-        k_pages.view(-1, kv, d)[(ids[:, None] * page + torch.arange(page)).flatten()[:n]] = \
-            torch.randn(n, kv, d, generator=gen)
-        v_pages.view(-1, kv, d)[(ids[:, None] * page + torch.arange(page)).flatten()[:n]] = \
-            torch.randn(n, kv, d, generator=gen)
+        slots = (ids[:, None] * page + torch.arange(page)).flatten()[:n].to(DEV)
+        k_pages.view(-1, kv, d)[slots] = torch.randn(n, kv, d, generator=vals, device=DEV)
+        v_pages.view(-1, kv, d)[slots] = torch.randn(n, kv, d, generator=vals, device=DEV)
     seqused = torch.tensor(lens, dtype=torch.int32)
     return [t.to(DEV) for t in (k_pages.to(dtype), v_pages.to(dtype), table, seqused)]
 
