@@ -71,10 +71,11 @@ class ModelRunner:
         dev = self.device
         self.table = torch.full((pools.num_slots, self.width), dummy_page, dtype=torch.int32, device=dev)
         self._synced: list[tuple[list[int], int] | None] = [None] * pools.num_slots
-        self.inputs = torch.zeros(3, self.max_decode, dtype=torch.int64, device=dev)  # token, position, slot
-        self._host = torch.zeros(3, self.max_decode, dtype=torch.int64, pin_memory=cuda)
-        self._host_np = self._host.numpy()
-        self._upd = torch.zeros(3, 0, dtype=torch.int64)
+        # a batch of bs reads inputs[:3 * bs] as (3, bs) rows: token, position, state slot (contiguous, so one
+        # plain copy from the pinned host buffer fills it; each captured size has its own fixed view)
+        self.inputs = torch.zeros(3 * self.max_decode, dtype=torch.int64, device=dev)
+        self._host = torch.zeros(3 * self.max_decode, dtype=torch.int64, pin_memory=cuda)
+        self._upd = torch.zeros(0, dtype=torch.int64)  # page-table updates (3, k) flat: row, column, page
         self._events: dict[int, torch.cuda.Event] = {}  # staging buffer -> the event after its last copy
         self.cu_seqlens = torch.arange(self.max_decode + 1, dtype=torch.int32, device=dev)
         self.rope = None  # (cos, sin) tables over positions on CUDA; the CPU computes them per step
@@ -127,10 +128,9 @@ class ModelRunner:
             positions.append(p)
             slots.append(seq.state_slot)
         self._wait(self._host)
-        h = self._host_np
-        h[0, :n], h[1, :n], h[2, :n] = tokens, positions, slots
-        h[0, n:bs], h[1, n:bs], h[2, n:bs] = 0, 0, self.dummy_slot
-        self.inputs[:, :bs].copy_(self._host[:, :bs], non_blocking=True)
+        pad = bs - n
+        self._host.numpy()[:3 * bs] = tokens + [0] * pad + positions + [0] * pad + slots + [self.dummy_slot] * pad
+        self.inputs[:3 * bs].copy_(self._host[:3 * bs], non_blocking=True)
         self._record(self._host)
         graph = self.graphs.get(bs)
         if graph is not None:
@@ -154,7 +154,7 @@ class ModelRunner:
 
     def _decode_forward(self, bs: int, zero_dummy: bool) -> torch.Tensor:
         """The decode step of inputs[:, :bs] (what a graph captures): logits (bs, vocab)."""
-        tokens, positions, slots = self.inputs[0, :bs], self.inputs[1, :bs], self.inputs[2, :bs]
+        tokens, positions, slots = self.inputs[:3 * bs].view(3, bs)
         ps = self.page_size
         page_table = self.table.index_select(0, slots)  # (bs, W)
         slot_mapping = page_table.gather(1, (positions // ps)[:, None])[:, 0].long() * ps + positions % ps
@@ -188,13 +188,12 @@ class ModelRunner:
         if not rows:
             return
         k = len(rows)
-        if self._upd.shape[1] < k:
-            self._upd = torch.zeros(3, max(k, 2 * self._upd.shape[1], 256), dtype=torch.int64,
+        if self._upd.numel() < 3 * k:
+            self._upd = torch.zeros(max(3 * k, 2 * self._upd.numel(), 768), dtype=torch.int64,
                                     pin_memory=self.device.type == "cuda")
         self._wait(self._upd)
-        upd = self._upd.numpy()
-        upd[0, :k], upd[1, :k], upd[2, :k] = rows, cols, vals
-        dev = self._upd[:, :k].to(self.device, non_blocking=True)
+        self._upd.numpy()[:3 * k] = rows + cols + vals
+        dev = self._upd[:3 * k].to(self.device, non_blocking=True).view(3, k)
         self._record(self._upd)
         self.table[dev[0], dev[1]] = dev[2].to(torch.int32)
 
@@ -206,13 +205,11 @@ class ModelRunner:
         eagerly first, on a side stream, so Triton compiles and cuBLAS picks its kernels outside the capture."""
         if not self.use_graphs:
             return
-        h = self._host_np
-        h[0], h[1], h[2] = 0, 0, self.dummy_slot
-        self.inputs.copy_(self._host)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for bs in self.graph_sizes:
+            for bs in self.graph_sizes:  # every row a padding row: token 0 at position 0 in the dummy slot
+                self.inputs[:3 * bs].view(3, bs).copy_(torch.tensor([[0], [0], [self.dummy_slot]]).expand(3, bs))
                 self._decode_forward(bs, zero_dummy=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
