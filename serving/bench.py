@@ -228,10 +228,15 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
 
 
 def warm_up(engine: LLMEngine, traces: list[Trace]) -> None:
-    """Compile the kernels and cache the shared system prefix: one request of the prefix and a few decodes."""
+    """Compile the kernels of every step shape the replay meets and cache the shared system prefix: a first turn
+    of the prefix plus a few tokens, then a returning turn as long as trace 0's second turn (other tokens)."""
     t = traces[0]
     prefix = t.turns[0].new_ids[:max(t.shared_prefix, 1)]
-    engine.generate([prefix + [prefix[-1]]], SamplingParams(max_tokens=4, ignore_eos=True))
+    first = prefix + [prefix[-1]] * 8
+    out = engine.generate([first], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    n_back = len(t.turns[1].new_ids) if len(t.turns) > 1 else 64
+    back = first + out.output_ids + [(i * 7919) % engine.model.config.vocab_size for i in range(n_back)]
+    engine.generate([back], SamplingParams(max_tokens=4, ignore_eos=True))
 
 
 def run_key(args) -> str:
