@@ -1,7 +1,8 @@
 """`flash_attention`: one entry point for prefill attention, dense, varlen or over a paged KV prefix.
 
 Backends: "triton" (fa4/triton_forward.py), "reference" (reference.attention / reference.paged_attention),
-"cute" (not written yet: ValueError) and "auto". "auto" sends causal chunks of at most 512 tokens per sequence
+"cute" (fa4/cute: the CuTe-DSL kernel for sm_90a; bf16, d128/d256, dense; anything else is a ValueError) and
+"auto". "auto" sends causal chunks of at most 512 tokens per sequence
 over a paged prefix (decode steps, agent turns) to the split-KV kernel of kernels/paged_decode_attention.py
 (see `split_kv_unsupported`), takes triton wherever it supports the call (see `triton_unsupported`) and the
 reference otherwise. A backend asked for by name never falls back: an
@@ -137,7 +138,8 @@ def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=N
     sequence b reads its first seqused_k[b] keys; q is (B, S, H, D) or (total, H, D) with cu_seqlens_q.
     Causal masks align at the end (a chunk attends to its cached prefix and itself); rows with no key give 0.
     backend: "triton", "reference", "auto" (the split-KV paged kernel when `split_kv_unsupported` is None, else
-    triton when `triton_unsupported` is None, else reference) or "cute" (not written yet: ValueError).
+    triton when `triton_unsupported` is None, else reference) or "cute" (bf16 d128/d256 dense on sm_90a; auto does
+    not pick it until it is measured faster on the H200).
     FA4 flags (triton only, both exact; the split-KV kernel keeps its own rescale threshold):
     rescale_threshold, the log2 growth of the running max that forces an O rescale (0: always);
     poly_exp2_fraction, the share of each tile's columns whose exp2 runs as an FMA polynomial (0: none).

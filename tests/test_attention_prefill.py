@@ -179,7 +179,7 @@ def _bad_calls():
     k_pages, v_pages, table, seqused = make_pool([4], 1, 64, 16, torch.float32, seed=0)
     cu = torch.tensor([0, 4], dtype=torch.int32, device=DEV)
     return {
-        "cute": (lambda: flash_attention(q, k, v, causal=True, backend="cute"), "does not exist yet"),
+        "cute fp32": (lambda: flash_attention(q, k, v, causal=True, backend="cute"), "cute. cannot run"),
         "unknown backend": (lambda: flash_attention(q, k, v, causal=True, backend="cuda"), "backend must be"),
         "dtype mismatch": (lambda: flash_attention(q, k.half(), v.half(), causal=True), "share a dtype"),
         "int dtype": (lambda: flash_attention(q.int(), k.int(), v.int(), causal=True), "dtype"),
