@@ -104,10 +104,12 @@ def test_completion_equals_greedy_and_streaming_equals_it(server):
     wait_idle_and_check_no_leak(server.engine)
 
 
-def test_ignore_eos_gives_exactly_max_tokens(server):
-    out = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=7, temperature=0.8, seed=3,
-                                           extra_body={"ignore_eos": True, "top_k": 50})
+def test_ignore_eos_gives_exactly_max_tokens_and_a_seed_repeats_a_sample(server):
+    args = dict(model="tiny", prompt="Hello", max_tokens=7, temperature=0.8, top_p=0.95, seed=3,
+                extra_body={"ignore_eos": True, "top_k": 50})
+    out = server.client.completions.create(**args)
     assert out.usage.completion_tokens == 7 and out.choices[0].finish_reason == "length"
+    assert server.client.completions.create(**args).choices[0].text == out.choices[0].text
 
 
 def test_stop_string_truncates_and_finishes(server):
