@@ -27,7 +27,8 @@ Algorithm (two kernels):
      RESCALE_THRESHOLD in log2 units; P <= 2^threshold; exact, since O is divided by the true row sum).
      Programs of one (KV head, split) that differ only in their M-block are adjacent in launch order, so they
      read the same K/V tiles at about the same time and the second read hits L2.
-2. `_combine_kernel`, grid (N, H, D / BLOCK_D): out = sum_s 2^(lse_s - m) O_s / sum_s 2^(lse_s - m),
+2. `_combine_kernel`, grid (N, H, D / BLOCK_D) (the chunk variant's `_combine_rows_kernel` takes several
+   (token, head) rows per program): out = sum_s 2^(lse_s - m) O_s / sum_s 2^(lse_s - m),
    times sigmoid(gate) when a gate is given, stored in q's dtype; rows that see no key give 0. Each
    program reads all splits of a BLOCK_D slice in one load. On sm_90 it is launched with
    programmatic dependent launch, so its launch overlaps the split kernel (it waits in griddepcontrol).
@@ -64,20 +65,20 @@ Chunk bound (H200, bf16; FLOPs = 4 * visible (query, key) pairs * H * D at ~700 
 attention rate, against the K/V bytes 2 * ctx * KV * D * 2 B at ~4.4 TB/s). FLOPs per K/V byte are
 q_len * group, so with the H200's 700 / 4.4 = 160 FLOP/B a chunk is compute-bound once q_len * group > ~160
 (q_len > 40 at GQA 4); only decode and very short chunks are bandwidth-bound. H16/KV4 d256, one sequence:
-  64 new over 50k:  52.4 GFLOP -> 75 us;   KV 205 MB -> 47 us.    256 over 50k: 210 GFLOP -> 300 us.
-  512 over 50k:    419 GFLOP -> 599 us.    500 over 8k: 63.5 GFLOP (3.88 M pairs) -> 91 us; KV 33 MB -> 8 us.
-  batch 8, 64 new over 32k: 275 GFLOP -> 393 us (278 us even at the 989 TFLOP/s dense peak); KV 537 MB -> 122 us.
+  64 new over a 50k prefix:  52.5 GFLOP -> 75 us;  KV 205 MB -> 47 us.   256 new: 210 GFLOP -> 300 us.
+  512 new over 50k: 421 GFLOP -> 602 us.   500 new over 8k: 67.6 GFLOP -> 97 us;  KV 35 MB -> 8 us.
+  batch 8, 64 new over 32k: 275 GFLOP -> 393 us (278 us even at the 989 TFLOP/s dense peak); KV 1.08 GB -> 245 us.
 So the chunk kernel is a compute kernel: wgmma-sized tiles (128 packed rows x 64 keys, 8 warps = two
 warpgroups of 64 rows), 1 program per SM, and splits only to fill the SMs. Budget at d256 bf16 (sm_90a
 compile on a CPU, `tests/test_agent_turn_attention.py`): the Q tile 128 x 256 (64 KB) plus two buffers each of
 the 64 x 256 K and V tiles (4 x 32 KB) = 192 KB of the 227 KB per CTA; the fp32 accumulator 128 x 256 over
-256 threads is 128 registers, the S/P tile 32 more: ~255 registers per thread, no spills, so 8 warps x 255
-registers fill the 64 K register file: one program per SM. A 256-row M-block would need a 256 KB accumulator
-(the whole register file), hence two M-blocks for 64 tokens x GQA 4 and L2 for the second K/V read. The split
-count aims at one program per SM in whole waves (`choose_num_splits` with programs_per_sm=1): 64/50k -> S = 16
-(128 programs of ~49 tiles), 500/8k -> S = 2 (16 M-blocks x 4 heads x 2), B8 64/32k -> S = 2. The workspace
-(N * H * S * D fp32, 16.8 MB at 64/50k and 500/8k) is written once and read once by the combine: ~8 us of
-traffic if it does not stay in the 50 MB L2.
+256 threads is 128 registers, the S/P tile 32 more: 255 registers per thread (ptxas spills ~44 bytes, all
+outside the key loops), so 8 warps x 255 registers fill the 64 K register file: one program per SM. A
+256-row M-block would need a 256 KB accumulator (the whole register file), hence two M-blocks for 64 tokens
+x GQA 4 and L2 for the second K/V read. The split count aims at one program per SM in whole waves
+(`choose_num_splits` with programs_per_sm=1): 64/50k -> S = 16 (128 programs of ~49 tiles), 500/8k -> S = 2
+(16 M-blocks x 4 heads x 2), B8 64/32k -> S = 2. The workspace (N * H * S * D fp32, 16.8 MB at 64/50k and
+500/8k) is written once and read once by the combine: ~8 us of traffic if it does not stay in the 50 MB L2.
 """
 import functools
 import math
@@ -540,6 +541,9 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     q3, out3 = q.flatten(0, -3), out.view(-1, num_heads, head_dim)  # (N, H, D)
     g3 = gate.flatten(0, -3) if gate is not None else out3  # (N, H, D); out3 stands in when there is no gate
     n_tokens = q3.shape[0]
+    if max(q3.numel(), n_tokens * num_heads * num_splits * head_dim) >= 2**31:
+        raise ValueError(f"q ({n_tokens} tokens x {num_heads} heads) with num_splits {num_splits} is too large for the "
+                         f"kernels' int32 offsets (N * H * S * D must be < 2^31)")
     if num_splits > 1:
         if workspace is None:
             workspace = alloc_workspace(n_tokens, num_heads, num_splits, head_dim, q.device)
