@@ -93,8 +93,9 @@ class Sequence:
         """The chain hashes of the first num_pages full pages (tokens only grow, so they are memoised)."""
         if num_pages * page_size > self.num_tokens:
             raise ValueError(f"{num_pages} pages of {page_size} exceed the {self.num_tokens} tokens")
-        tokens = self.token_ids
-        for i in range(len(self._page_hashes), num_pages):
-            prev = self._page_hashes[-1] if i else 0
-            self._page_hashes.append(page_hash(prev, tuple(tokens[i * page_size:(i + 1) * page_size])))
+        if len(self._page_hashes) < num_pages:  # token_ids builds a list: only when a page is new
+            tokens = self.token_ids
+            for i in range(len(self._page_hashes), num_pages):
+                prev = self._page_hashes[-1] if i else 0
+                self._page_hashes.append(page_hash(prev, tuple(tokens[i * page_size:(i + 1) * page_size])))
         return self._page_hashes[:num_pages]
