@@ -140,7 +140,7 @@ def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=N
     backend: "triton", "reference", "auto" (the split-KV paged kernel when `split_kv_unsupported` is None, else
     triton when `triton_unsupported` is None, else reference) or "cute" (bf16 d128/d256 dense on sm_90a; auto does
     not pick it until it is measured faster on the H200).
-    FA4 flags (triton only, both exact; the split-KV kernel keeps its own rescale threshold):
+    FA4 flags (both exact; the split-KV kernel takes rescale_threshold and uses the hardware exp2 only):
     rescale_threshold, the log2 growth of the running max that forces an O rescale (0: always);
     poly_exp2_fraction, the share of each tile's columns whose exp2 runs as an FMA polynomial (0: none).
     """
@@ -161,7 +161,8 @@ def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=N
         if split_kv_unsupported(q, causal, max_seqlen_q, page_table, reason) is None:
             return PD.paged_decode_attention(q, k, v, _int32(page_table), _int32(seqused_k), softmax_scale=scale,
                                              cu_seqlens_q=_int32(cu_seqlens_q),
-                                             max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else None)
+                                             max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else None,
+                                             rescale_threshold=rescale_threshold)
     if backend == "auto":
         backend = "reference" if reason else "triton"
     if backend == "reference":
