@@ -19,6 +19,7 @@ import triton.language as tl
 
 import reference as R
 from fa4 import flash_attention
+from fa4 import triton_forward as TF
 from fa4.softmax import EXP2_POLY_MAX_REL_ERR, exp2_poly
 from tests.conftest import HAS_CUDA, assert_rel
 
@@ -172,6 +173,28 @@ def test_attention_auto_and_reference_backends():
         flash_attention(q, k, v, causal=True, backend="triton")
     q, k, v = qkv(1, 5, 5, 2, 1, 64, torch.float32)
     assert_rel(flash_attention(q, k, v, causal=True), R.attention(q, k, v, causal=True), 1e-5, "auto -> triton")
+
+
+def test_model_long_chunks_run_on_the_triton_forward(monkeypatch):
+    """model.ops' paged attention sends a step with a chunk over 512 tokens (beside a decode row) to the Triton
+    forward over the paged prefix, gated; it equals the reference op."""
+    from kernels import paged_decode_attention as P
+    from model.ops import _ref_paged_attention
+    from model.step import StepInput
+    lens, q_lens, h, kv, d = [600, 40], [520, 1], 2, 1, 64
+    k_pages, v_pages, table, seqused = make_pool(lens, kv, d, 16, torch.float32, seed=3)
+    n = sum(q_lens)
+    gen = torch.Generator().manual_seed(4)
+    q, gate = (torch.randn(n, h, d, generator=gen).to(DEV) for _ in range(2))
+    cu = torch.tensor([0, q_lens[0], n], dtype=torch.int32, device=DEV)
+    zeros = torch.zeros(n, dtype=torch.int64, device=DEV)
+    step = StepInput(token_ids=zeros, positions=zeros, cu_seqlens=cu, max_seqlen_q=max(q_lens), seqused_k=seqused,
+                     page_table=table, slot_mapping=zeros, state_slots=zeros[:2])
+    called, forward = [], TF.triton_forward
+    monkeypatch.setattr(TF, "triton_forward", lambda *a, **kw: called.append(1) or forward(*a, **kw))
+    out = P.paged_attention_op(q, k_pages, v_pages, step, d ** -0.5, gate)
+    assert called, "the long chunk did not go to fa4's Triton forward"
+    assert_rel(out, _ref_paged_attention(q, k_pages, v_pages, step, d ** -0.5, gate), 1e-5, "long chunk step")
 
 
 def _bad_calls():
