@@ -97,6 +97,7 @@ MAX_Q_LEN = 512  # query tokens per sequence; longer chunks are prefill (fa4's f
 DECODE_MAX_Q_LEN = 8  # the decode variant's limits: q_len and packed rows (q_len * group)
 DECODE_MAX_ROWS = 128
 CHUNK_BLOCK_M = 128  # packed rows per M-block of the chunk variant (16-bit dtypes)
+SHORT_ROWS = 32  # a mixed step's decode rows: sequences of <= SHORT_ROWS // group tokens get tiles this small
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_N = 64
@@ -189,6 +190,15 @@ def plan(max_q_len: int, group: int, head_dim: int, elt_size: int, block_m: int 
         num_warps = 4 if block_m * head_dim * elt_size <= 16384 else 8
         num_stages = 4 if head_dim * elt_size <= 128 else 3 if head_dim * elt_size <= 512 else 2
     return Plan(True, block_m, triton.cdiv(rows, block_m), num_warps, num_stages, 2 if num_warps == 4 else 1)
+
+
+def _short_rows_plan(tile: Plan, group: int, head_dim: int, elt_size: int) -> tuple[int, Plan] | None:
+    """(q_max, plan) of a mixed step's decode-row launch: sequences of <= q_max tokens in SHORT_ROWS-row tiles;
+    None when the big tile is no larger."""
+    q_max = SHORT_ROWS // group
+    if q_max < 1 or tile.block_m <= SHORT_ROWS:
+        return None
+    return q_max, plan(q_max, group, head_dim, elt_size, block_m=max(16, triton.next_power_of_2(q_max * group)))
 
 
 @triton.jit
@@ -338,8 +348,10 @@ def _chunk_kernel(
     VARLEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, HAS_GATE: tl.constexpr,
     RESCALE_THRESHOLD: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    Q_MIN: tl.constexpr, Q_MAX: tl.constexpr,
 ):
-    # grid (B * m_blocks, KV, S); seqlen_q: every sequence's q_len when not VARLEN
+    # grid (B * m_blocks, KV, S); seqlen_q: every sequence's q_len when not VARLEN; only sequences with
+    # Q_MIN <= q_len <= Q_MAX (0: no bound) are done here (a mixed step runs its decode rows in small tiles)
     if PDL:
         gdc_launch_dependents()  # let the combine kernel launch now; it waits for this grid to finish
     b = tl.program_id(0) // m_blocks
@@ -348,7 +360,12 @@ def _chunk_kernel(
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     q_start, q_len = sequence_span(cu_q_ptr, b, seqlen_q, VARLEN)
-    if m0 < q_len * GROUP:  # M-blocks past this sequence's rows have nothing to do
+    active = m0 < q_len * GROUP  # M-blocks past this sequence's rows have nothing to do
+    if Q_MIN > 0:
+        active = active & (q_len >= Q_MIN)
+    if Q_MAX > 0:
+        active = active & (q_len <= Q_MAX)
+    if active:
         seqlen = tl.minimum(tl.maximum(tl.load(seqused_ptr + b), 0), capacity)
         rows = m0 + tl.arange(0, BLOCK_M)  # row r: query token r // GROUP, head kvh * GROUP + r % GROUP
         qi = rows // GROUP
@@ -509,7 +526,7 @@ def _check_workspace(workspace, rows: int, head_dim: int, device):
 
 def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softmax_scale=None, cu_seqlens_q=None,
                            max_seqlen_q=None, gate=None, num_splits=None, max_seqlen_k=None, out=None,
-                           workspace=None, block_m=None, rescale_threshold=RESCALE_THRESHOLD):
+                           workspace=None, block_m=None, rescale_threshold=RESCALE_THRESHOLD, split_decode_rows=True):
     """Causal attention of 1..512 new queries per sequence over its paged KV cache (decode steps, speculative
     verification, agent-turn chunks; mixed in one varlen batch).
 
@@ -519,7 +536,10 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     (the output is multiplied by sigmoid(gate)). num_splits: KV splits (None: choose_num_splits from
     max_seqlen_k, by default the page table's capacity). out: q's shape and dtype; workspace: from
     alloc_workspace. Tuning knobs of the chunk variant: block_m (power of two in 16..128; forces the chunk
-    variant) and rescale_threshold (0: rescale O whenever the max grows; both exact). Returns out.
+    variant) and rescale_threshold (0: rescale O whenever the max grows; both exact). split_decode_rows: in a
+    varlen batch of 2+ sequences on the chunk variant, first run the sequences of at most SHORT_ROWS // group
+    tokens (decode rows) in SHORT_ROWS-row tiles, then the rest in the big tiles (one more launch; the same
+    splits and combine). Returns out.
     """
     _check_tensors(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, gate, out)
     batch, q_len = _check_shapes(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, gate, out)
@@ -562,8 +582,17 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
                   num_stages=tile.num_stages)
     if tile.chunk:
         # seqlen_q: the fixed q_len without cu_seqlens_q (unused with it)
+        q_min = 0
+        short = _short_rows_plan(tile, group, head_dim, q.element_size()) if (
+            split_decode_rows and cu_seqlens_q is not None and batch > 1 and block_m is None) else None
+        if short is not None:  # a mixed step: its decode rows (q_len <= short q_max) in small tiles first
+            _chunk_kernel[(batch, kv_heads, num_splits)](
+                *args, q_len, 1, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=0, Q_MAX=short[0],
+                **{**common, "BLOCK_M": short[1].block_m, "num_warps": short[1].num_warps,
+                   "num_stages": short[1].num_stages})
+            q_min = short[0] + 1
         _chunk_kernel[(batch * tile.m_blocks, kv_heads, num_splits)](
-            *args, q_len, tile.m_blocks, RESCALE_THRESHOLD=float(rescale_threshold), **common)
+            *args, q_len, tile.m_blocks, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=q_min, Q_MAX=0, **common)
     else:
         _split_kernel[(batch, kv_heads, num_splits)](*args, Q_LEN=q_len, **common)
     if num_splits > 1 and tile.chunk:
@@ -610,9 +639,17 @@ def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
 
 
 def long_chunk_attention(q, k_pages, v_pages, step, scale, gate):
-    """Steps with a chunk longer than MAX_Q_LEN: the reference op for now (fa4's Triton forward is to take it)."""
+    """Steps with a chunk longer than MAX_Q_LEN (long prefills): fa4's Triton forward over the paged prefix, one
+    program per (query head, 128-row tile), then the output gate. Not graph-captured (prefill runs eagerly)."""
+    from fa4.interface import triton_unsupported
+    from fa4.triton_forward import triton_forward
     from model import ops
-    return ops._BACKENDS["reference"]["paged_attention"](q, k_pages, v_pages, step, scale, gate)
+    from reference import sigmoid_gate_mul
+    if triton_unsupported(q, k_pages, v_pages) is not None:  # e.g. a head dim it has no tile for
+        return ops._BACKENDS["reference"]["paged_attention"](q, k_pages, v_pages, step, scale, gate)
+    o = triton_forward(q, k_pages, v_pages, causal=True, scale=scale, cu_seqlens_q=step.cu_seqlens,
+                       max_seqlen_q=step.max_seqlen_q, page_table=step.page_table, seqused_k=step.seqused_k)
+    return o if gate is None else sigmoid_gate_mul(o, gate)
 
 
 OPS = {"paged_attention": paged_attention_op}

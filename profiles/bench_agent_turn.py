@@ -4,8 +4,9 @@ A chunk of q_len new tokens per sequence over a cached prefix of ctx tokens (seq
 at the end, paged (page 128, shuffled), H16/KV4 d256 bf16 unless said: ours (kernels/paged_decode_attention.py,
 the split-KV chunk variant, timed in a CUDA graph and eagerly) beside flash-attn-4's flash_attn_varlen_func with
 page_table/seqused_k in the same run; for chunks over 512 tokens (not ours) the rows report where
-fa4.flash_attention's auto goes (its Triton forward) and time that forward. Writes agent_turn.json and
-agent_turn.png (time against q_len at a 50k context) to --out.
+fa4.flash_attention's auto goes (its Triton forward) and time that forward. Also one serving mixed step (32 decode
+rows beside a 256-token chunk over 32k prefixes). Writes agent_turn.json and agent_turn.png (time against q_len
+at a 50k context) to --out.
 
 Bound per case: max(FLOPs / 700 TFLOP/s, KV bytes / 4.4 TB/s), FLOPs = 4 * visible pairs * H * D, visible
 pairs = q_len * ctx + q_len * (q_len + 1) / 2 per sequence, KV bytes = 2 * (ctx + q_len) * KV * D * 2. This
@@ -42,19 +43,24 @@ CURVE_Q_LENS = [1, 16, 64, 128, 256, 512]
 CURVE_CTX = 50000
 
 
-def make_turn(batch, q_len, ctx, h=H, kv=KV, d=D, page=PAGE, seed=0):
-    """q (batch * q_len, H, D), shuffled page pools holding ctx + q_len tokens per sequence, the page table,
-    seqused_k and cu_seqlens_q (int32)."""
+def make_turn(batch, q_len, ctx, h=H, kv=KV, d=D, page=PAGE, seed=0, q_lens=None):
+    """q (total new tokens, H, D), shuffled page pools holding ctx + q_len tokens per sequence, the page table,
+    seqused_k and cu_seqlens_q (int32). q_lens (per sequence) overrides batch x q_len."""
+    q_lens = q_lens or [q_len] * batch
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    total = ctx + q_len
-    pages_per_seq = math.ceil(total / page)
-    n_pages = batch * pages_per_seq
+    pages = [math.ceil((ctx + n) / page) for n in q_lens]
+    width, n_pages = max(pages), sum(pages)
     k_pages = torch.randn(n_pages, page, kv, d, device="cuda", dtype=BF16, generator=gen)
     v_pages = torch.randn(n_pages, page, kv, d, device="cuda", dtype=BF16, generator=gen)
-    table = torch.randperm(n_pages, device="cuda", generator=gen).int().view(batch, pages_per_seq)
-    q = torch.randn(batch * q_len, h, d, device="cuda", dtype=BF16, generator=gen)
-    seqused = torch.full((batch,), total, device="cuda", dtype=torch.int32)
-    cu = torch.arange(0, (batch + 1) * q_len, q_len, device="cuda", dtype=torch.int32)
+    perm = torch.randperm(n_pages, device="cuda", generator=gen).int()
+    table = torch.zeros(len(q_lens), width, device="cuda", dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = perm[start:start + n]
+        start += n
+    q = torch.randn(sum(q_lens), h, d, device="cuda", dtype=BF16, generator=gen)
+    seqused = torch.tensor([ctx + n for n in q_lens], device="cuda", dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     return q, k_pages, v_pages, table, seqused, cu
 
 
@@ -161,6 +167,24 @@ def bench_case(name, batch, q_len, ctx, target_us=None, peers=True, check=True):
     return row
 
 
+def bench_mixed(n_decode=32, chunk=256, ctx=32768):
+    """A serving mixed step: n_decode decode rows and one chunk, all over ctx-token prefixes: ours with the decode
+    rows in small tiles (default), ours in one launch of big tiles, and flash-attn-4."""
+    q_lens = [1] * n_decode + [chunk]
+    q, kp, vp, table, seqused, cu = make_turn(0, 0, ctx, q_lens=q_lens)
+    row = {"case": f"{n_decode} decode + 1 x {chunk} / {ctx // 1000}k", "B": len(q_lens), "q_len": chunk, "ctx": ctx}
+    flops = sum(work(1, n, ctx)[0] for n in q_lens)
+    kv_bytes = sum(work(1, n, ctx)[1] for n in q_lens)
+    row["bound_us"] = max(flops / PEAK_TFLOPS / 1e6, kv_bytes / READ_TBPS / 1e6)
+    for key, knobs in (("ours", {}), ("ours_one_launch", {"split_decode_rows": False})):
+        timed(row, key, lambda knobs=knobs: ours_fn(q, kp, vp, table, seqused, cu, chunk, **knobs)[0])
+    timed(row, "fa4", lambda: fa4_fn(q, kp, vp, table, seqused, cu, chunk))
+    ours_t, peer_t = best(row, "ours"), best(row, "fa4")
+    row["ours_best_us"] = ours_t
+    row["fa4_over_ours"] = peer_t / ours_t if ours_t and peer_t else None
+    return row
+
+
 def sweep(cases):
     """Tile, rescale and split variants of our kernel on the given cases (graph times)."""
     rows = []
@@ -235,6 +259,7 @@ def main(argv=None):
     ceil = bandwidth_ceilings()
     ceil["gemm_TFLOPs"] = gemm_tflops()
     rows = [bench_case(*c) for c in CASES]
+    mixed = bench_mixed()
     for r in rows:
         if r.get("ours_best_us"):
             flops, kv_bytes = work(r["B"], r["q_len"], r["ctx"])
@@ -251,11 +276,14 @@ def main(argv=None):
             "bound_us", "target_us", "TFLOPs", "frac_of_bound", "fa4_over_ours", "meets_target", "rel_err_vs_fa4"]
     print("\nagent turn, H16/KV4 d256 bf16, page 128 (us; ratios from the best of graph/eager times)")
     print_table(rows, cols)
+    print("\nmixed step (decode rows beside a chunk)")
+    print_table([mixed], ["case", "ours_us", "ours_graph_us", "ours_one_launch_graph_us", "fa4_us", "fa4_graph_us",
+                          "bound_us", "fa4_over_ours"])
     if curve:
         print(f"\ntime against q_len over a {CURVE_CTX} prefix")
         print_table(curve, ["q_len", "tile", "splits", "ours_graph_us", "fa4_us", "fa4_graph_us", "triton_fwd_us",
                             "bound_us", "TFLOPs", "fa4_over_ours"])
-    payload = {"env": environment(), "ceilings": ceil, "cases": rows, "curve": curve}
+    payload = {"env": environment(), "ceilings": ceil, "cases": rows, "mixed_step": mixed, "curve": curve}
     if args.sweep:
         payload["sweep"] = sweep([c for c in CASES if c[2] <= 512])
     out = write_result("agent_turn", payload, args.out)

@@ -110,6 +110,22 @@ def test_given_buffers_and_nan_workspace():
     assert_close(out, reference(q, k_pages, v_pages, table, seqused, cu_seqlens_q=cu), dtype, "given buffers")
 
 
+def test_mixed_step_decode_rows_in_small_tiles():
+    """A mixed varlen step (decode rows beside a 20-token chunk, GQA 4): the decode rows run in a 32-row tile
+    launch, the chunk in 128-row tiles; equal to one launch of big tiles and to the reference."""
+    dtype, d, h, kv, page = torch.float32, 64, 8, 2, 16
+    ctx, q_lens = [90, 30, 0, 64], [1, 20, 1, 8]
+    lens = [c + n for c, n in zip(ctx, q_lens)]
+    k_pages, v_pages, table, seqused = make_cache(lens, kv, d, page, dtype, seed=20)
+    q = randn(sum(q_lens), h, d, dtype=dtype, seed=21)
+    cu = cu_of(q_lens)
+    args = (q, k_pages, v_pages, table, seqused)
+    split = paged_decode_attention(*args, cu_seqlens_q=cu, max_seqlen_q=20, num_splits=2)
+    joint = paged_decode_attention(*args, cu_seqlens_q=cu, max_seqlen_q=20, num_splits=2, split_decode_rows=False)
+    assert rel_err(split, joint) <= 1e-6
+    assert_close(split, reference(q, k_pages, v_pages, table, seqused, cu_seqlens_q=cu), dtype, "mixed step")
+
+
 @settings(max_examples=6, deadline=None)
 @given(data=st.data())
 def test_chunk_property(data):
@@ -120,7 +136,7 @@ def test_chunk_property(data):
     ctx = data.draw(st.lists(st.integers(0, 70), min_size=batch, max_size=batch))
     page = data.draw(st.sampled_from([16, 24]))
     splits = data.draw(st.integers(1, 3))
-    block_m = data.draw(st.sampled_from([16, 32]))
+    block_m = data.draw(st.sampled_from([16, 32, None]))  # None: rows <= 8 x group may take the short tiles
     run_case(torch.float32, 64, group, 1, page, ctx, q_lens, seed=sum(ctx), num_splits=splits, block_m=block_m)
 
 
@@ -175,7 +191,8 @@ ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 for d in (256,):
     t = P.plan(64, 4, d, 2)
     const = dict(VARLEN=True, GROUP=4, HEAD_DIM=d, PAGE_SIZE=64, BLOCK_M=t.block_m, BLOCK_N=P.BLOCK_N, DIRECT=False,
-                 HAS_GATE=False, RESCALE_THRESHOLD=P.RESCALE_THRESHOLD, DOT_PRECISION="tf32", PDL=True)
+                 HAS_GATE=False, RESCALE_THRESHOLD=P.RESCALE_THRESHOLD, DOT_PRECISION="tf32", PDL=True, Q_MIN=9,
+                 Q_MAX=0)
     sig = {n: "constexpr" if n in const else "*bf16" if n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr") else
            "*fp32" if n.startswith("ws_") else "*i32" if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32"
            for n in fn.arg_names}
