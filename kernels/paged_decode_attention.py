@@ -26,7 +26,10 @@ Algorithm (two kernels):
      visited. The O rescale is conditional (FA4: the running max is only replaced when it grows by more than
      RESCALE_THRESHOLD in log2 units; P <= 2^threshold; exact, since O is divided by the true row sum).
      Programs of one (KV head, split) that differ only in their M-block are adjacent in launch order, so they
-     read the same K/V tiles at about the same time and the second read hits L2.
+     read the same K/V tiles at about the same time and the second read hits L2. A mixed varlen step (decode
+     rows beside chunks; the host only knows max_seqlen_q) launches it twice with the same splits: first the
+     sequences of <= SHORT_ROWS // group tokens in SHORT_ROWS-row tiles, then the others in 128-row tiles, each
+     launch skipping the other's sequences, so decode rows are not computed in 128-row tiles.
 2. `_combine_kernel`, grid (N, H, D / BLOCK_D) (the chunk variant's `_combine_rows_kernel` takes several
    (token, head) rows per program): out = sum_s 2^(lse_s - m) O_s / sum_s 2^(lse_s - m),
    times sigmoid(gate) when a gate is given, stored in q's dtype; rows that see no key give 0. Each
