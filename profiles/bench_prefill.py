@@ -1,8 +1,9 @@
 """Prefill benchmark on the GPU: `python -m profiles.bench_prefill [--out DIR] [--quick]`.
 
-1. Attention, bf16: `fa4.flash_attention(backend="triton")` in TFLOP/s against flash-attn-4, cuDNN SDPA and FA2
-   SDPA on DESIGN.md's shapes, with each FA4 flag on its own (the rescale threshold, the polynomial exp2
-   fraction), so the table shows what each idea is worth. FLOPs: 4 * Sq * Sk * H * D, halved for causal.
+1. Attention, bf16: `fa4.flash_attention(backend="triton")` (and "cute" at d128/d256) in TFLOP/s against
+   flash-attn-4, cuDNN SDPA and FA2 SDPA on DESIGN.md's shapes, with each FA4 flag on its own (the rescale
+   threshold, the polynomial exp2 fraction), so the table shows what each idea is worth.
+   FLOPs: 4 * Sq * Sk * H * D, halved for causal.
 2. The chunked Gated DeltaNet prefill (kernels/gdn_prefill.py) in Mtok/s against fla's chunk_gated_delta_rule.
 Writes prefill.json to --out.
 
@@ -50,7 +51,7 @@ def peer_attention(name, q, k, v, causal):
     return lambda: flash_attn_func(q, k, v, causal=causal)
 
 
-def bench_attention_case(batch, seqlen, h, kv, d, causal, variants, peers=("fa4", "cudnn", "fa2")):
+def bench_attention_case(batch, seqlen, h, kv, d, causal, variants, peers=("fa4", "cudnn", "fa2"), cute=True):
     from fa4 import flash_attention
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(batch, seqlen, h, d, device="cuda", dtype=BF16, generator=gen)
@@ -62,6 +63,11 @@ def bench_attention_case(batch, seqlen, h, kv, d, causal, variants, peers=("fa4"
         us = bench_us(functools.partial(flash_attention, q, k, v, causal=causal, backend="triton",
                                         rescale_threshold=threshold, poly_exp2_fraction=frac))
         row[f"{label}_TFLOPs"] = flops / us / 1e6
+    if cute and d in (128, 256):
+        try:  # the CuTe-DSL kernel (fa4/cute), FA4 flags at their defaults
+            row["cute_TFLOPs"] = flops / bench_us(lambda: flash_attention(q, k, v, causal=causal, backend="cute")) / 1e6
+        except Exception as err:  # reported, not fatal: the benchmark still shows the rest
+            row["cute_TFLOPs"], row["cute_error"] = None, f"{type(err).__name__}: {err}"[:200]
     for name in peers:
         try:
             row[f"{name}_TFLOPs"] = flops / bench_us(peer_attention(name, q, k, v, causal)) / 1e6
@@ -71,6 +77,8 @@ def bench_attention_case(batch, seqlen, h, kv, d, causal, variants, peers=("fa4"
     row["ours_best_TFLOPs"] = max(ours)
     row["ours_best_flags"] = variants[ours.index(max(ours))][0]
     row["vs_fa4"] = row["ours_best_TFLOPs"] / row["fa4_TFLOPs"] if row.get("fa4_TFLOPs") else None
+    row["cute_vs_fa4"] = row["cute_TFLOPs"] / row["fa4_TFLOPs"] if row.get("cute_TFLOPs") and row.get("fa4_TFLOPs") \
+        else None
     return row
 
 
@@ -109,15 +117,15 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="one attention case, both flags on, no peers")
     args = ap.parse_args(argv)
     if args.quick:
-        row = bench_attention_case(*ATTN_CASES[2], variants=FLAG_VARIANTS[1:2], peers=())
+        row = bench_attention_case(*ATTN_CASES[2], variants=FLAG_VARIANTS[1:2], peers=(), cute=False)
         print_table([row], ["B", "S", "H/KV", "D", "causal", "ours_best_TFLOPs"])
         return
     attn = [bench_attention_case(*c, variants=FLAG_VARIANTS if i in ABLATION_CASES else MAIN_VARIANTS)
             for i, c in enumerate(ATTN_CASES)]
     gdn = [bench_gdn_case(*c) for c in GDN_CASES]
     print("\nprefill attention, bf16, TFLOP/s (ours: fa4.flash_attention(backend='triton') with each flag set)")
-    print_table(attn, ["B", "S", "H/KV", "D", "causal", *[f"{v[0]}_TFLOPs" for v in FLAG_VARIANTS], "fa4_TFLOPs",
-                       "cudnn_TFLOPs", "fa2_TFLOPs", "vs_fa4"])
+    print_table(attn, ["B", "S", "H/KV", "D", "causal", *[f"{v[0]}_TFLOPs" for v in FLAG_VARIANTS], "cute_TFLOPs",
+                       "fa4_TFLOPs", "cudnn_TFLOPs", "fa2_TFLOPs", "vs_fa4", "cute_vs_fa4"])
     print("\nGated DeltaNet chunked prefill, dk = dv = 128 (Mtok/s)")
     print_table(gdn, ["B", "T", "H", "ours_Mtok_s", "fla_Mtok_s", "vs_fla"])
     out = write_result("prefill", {"env": environment(), "flag_variants": FLAG_VARIANTS, "attention": attn,
