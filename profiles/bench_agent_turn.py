@@ -150,7 +150,8 @@ def bench_case(name, batch, q_len, ctx, target_us=None, peers=True, check=True):
     else:
         fn = None
         row["route"] = "fa4 triton forward (auto: q_len > 512)"
-    timed(row, "triton_fwd", lambda: triton_forward_fn(q, kp, vp, table, seqused, cu, q_len))
+    timed(row, "triton_fwd", lambda: triton_forward_fn(q, kp, vp, table, seqused, cu, q_len),
+          graph_too=q_len > MAX_Q_LEN)  # a graph only where it is auto's route (saves the lead's GPU time)
     if peers:
         peer = timed(row, "fa4", lambda: fa4_fn(q, kp, vp, table, seqused, cu, q_len))
         if check and peer is not None and fn is not None:  # a sanity check: both are bf16
