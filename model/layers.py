@@ -6,6 +6,7 @@ from torch import nn
 
 from model import ops
 from model.config import Qwen35Config
+from model.parallel import SINGLE, ShardPlan, Split
 from model.step import StepInput
 
 
@@ -122,13 +123,17 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Top-k routed SwiGLU experts plus a sigmoid-gated shared expert."""
+    """Top-k routed SwiGLU experts plus a sigmoid-gated shared expert. With `experts` (tensor parallel), this rank
+    holds only experts [experts.start, experts.stop) and the router stays whole: forward returns this rank's
+    partial sum (its experts' share plus its slice of the shared expert), which the decoder layer all-reduces."""
 
-    def __init__(self, cfg: Qwen35Config):
+    def __init__(self, cfg: Qwen35Config, experts: Split | None = None):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
+        self.expert_start = experts.start if experts is not None else None
         self.gate = Router(cfg.num_experts, cfg.hidden_size)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = Experts(experts.size if experts is not None else cfg.num_experts, cfg.hidden_size,
+                               cfg.moe_intermediate_size)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
@@ -136,21 +141,28 @@ class SparseMoE(nn.Module):
         s = self.shared_expert
         gate_w, up_w = s.gate_up_proj.weight.split(s.intermediate)
         shared = (gate_w, up_w, s.down_proj.weight, self.shared_expert_gate.weight)
-        return ops.moe(x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, shared)
+        return ops.moe(x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj, self.top_k, shared,
+                       self.expert_start)
 
 
 class DecoderLayer(nn.Module):
     """h += mixer(input_layernorm(h)); h += mlp(post_attention_layernorm(h)), with the residual adds fused
-    into the following norm (add_rms_norm)."""
+    into the following norm (add_rms_norm). With a sharded `plan` (tensor parallel) the mixer and the MLP hold
+    this rank's heads / intermediate slice / experts, and each half ends in one all-reduce of its partial sums."""
 
-    def __init__(self, cfg: Qwen35Config, layer_type: str):
+    def __init__(self, cfg: Qwen35Config, layer_type: str, plan: ShardPlan | None = None):
         super().__init__()
         self.layer_type = layer_type
+        self.tp = plan.tp if plan is not None else SINGLE
+        local = plan.local if plan is not None else cfg  # this rank's head counts and intermediate sizes
         if layer_type == "full_attention":
-            self.self_attn = GatedAttention(cfg)
+            self.self_attn = GatedAttention(local)
         else:
-            self.linear_attn = GatedDeltaNet(cfg)
-        self.mlp = SparseMoE(cfg) if cfg.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+            self.linear_attn = GatedDeltaNet(local)
+        if cfg.is_moe:
+            self.mlp = SparseMoE(local, plan.experts if plan is not None and plan.sharded else None)
+        else:
+            self.mlp = MLP(cfg.hidden_size, local.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -161,7 +173,7 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
         mixer = self.self_attn if self.layer_type == "full_attention" else self.linear_attn
-        h = mixer(h, step, state_a, state_b)
+        h = self.tp.all_reduce(mixer(h, step, state_a, state_b))  # no-op at world size 1
         h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight,
                                        self.post_attention_layernorm.eps)
-        return self.mlp(h), residual
+        return self.tp.all_reduce(self.mlp(h)), residual

@@ -3,6 +3,10 @@
 One code path serves prefill of T tokens and decode of one: `forward_step` over a flat varlen batch
 (model.step.StepInput) and the cache pools (model.cache.CachePools). `forward` is the plain (batch, T)
 entry that drives a SequenceCache.
+
+Tensor parallel (model.parallel): built with a ParallelContext of world size N, the model holds one rank's
+slices (ShardPlan) and forward_step runs the collectives; every rank runs it on the same inputs and gets the
+same logits. At world size 1 nothing differs from the plain model.
 """
 import math
 
@@ -13,30 +17,44 @@ import reference as R
 from model import ops
 from model.cache import CachePools, SequenceCache
 from model.config import Qwen35Config, get_preset
-from model.layers import DecoderLayer, RMSNorm
+from model.layers import DecoderLayer, FusedLinear, RMSNorm
+from model.parallel import SINGLE, ParallelContext, ShardPlan, gather_logits, vocab_parallel_embedding
 from model.step import StepInput
 
 
 class Qwen35Backbone(nn.Module):
     """transformers' `model.*`: embed_tokens, layers, norm."""
 
-    def __init__(self, cfg: Qwen35Config):
+    def __init__(self, cfg: Qwen35Config, plan: ShardPlan):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.embed_tokens = nn.Embedding(plan.vocab.size if plan.sharded else cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t, plan) for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen35ForCausalLM(nn.Module):
-    def __init__(self, cfg: Qwen35Config):
+    def __init__(self, cfg: Qwen35Config, tp: ParallelContext | None = None):
+        """tp: this process's rank in a tensor-parallel group (None: one process holds the whole model).
+        Raises ValueError when cfg cannot be split over tp.world_size ranks."""
         super().__init__()
         self.config = cfg
-        self.model = Qwen35Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.plan = ShardPlan.build(cfg, tp or SINGLE)
+        self.model = Qwen35Backbone(cfg, self.plan)
+        vocab_rows = self.plan.vocab.size if self.plan.sharded else cfg.vocab_size
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.tie_weights()
         # layer index -> its ordinal among layers of its kind (the index into the cache pools)
         self._pool_index = {i: cfg.full_attention_layers.index(i) if t == "full_attention"
                             else cfg.linear_attention_layers.index(i) for i, t in enumerate(cfg.layer_types)}
+
+    @property
+    def tp(self) -> ParallelContext:
+        return self.plan.tp
+
+    @property
+    def cache_config(self) -> Qwen35Config:
+        """The config of this rank's cache shapes (its KV heads and GDN heads); the model config at world size 1."""
+        return self.plan.local
 
     def tie_weights(self) -> None:
         """Share the embedding with lm_head when the config says so (again after to_empty, which unties)."""
@@ -44,10 +62,11 @@ class Qwen35ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def empty(cls, cfg: Qwen35Config, *, device="cpu", dtype=torch.float32) -> "Qwen35ForCausalLM":
-        """Uninitialised parameters of the right shapes, allocated once on `device` in `dtype`."""
+    def empty(cls, cfg: Qwen35Config, *, device="cpu", dtype=torch.float32,
+              tp: ParallelContext | None = None) -> "Qwen35ForCausalLM":
+        """Uninitialised parameters of the right shapes (this rank's slices under tp), allocated once on `device`."""
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg, tp)
         model = model.to_empty(device=device).to(dtype)
         model.tie_weights()
         return model
@@ -55,21 +74,27 @@ class Qwen35ForCausalLM(nn.Module):
     # ---- construction ------------------------------------------------------------------------------------
 
     @classmethod
-    def from_preset(cls, name: str, *, device="cpu", dtype=torch.float32, seed: int = 0) -> "Qwen35ForCausalLM":
+    def from_preset(cls, name: str, *, device="cpu", dtype=torch.float32, seed: int = 0,
+                    tp: ParallelContext | None = None) -> "Qwen35ForCausalLM":
         """A preset's real shapes with seeded RANDOM weights (for speed and tests, not for text)."""
-        return cls.random(get_preset(name), device=device, dtype=dtype, seed=seed)
+        return cls.random(get_preset(name), device=device, dtype=dtype, seed=seed, tp=tp)
 
     @classmethod
-    def random(cls, cfg: Qwen35Config, *, device="cpu", dtype=torch.float32, seed: int = 0):
-        model = cls.empty(cfg, device=device, dtype=dtype)
+    def random(cls, cfg: Qwen35Config, *, device="cpu", dtype=torch.float32, seed: int = 0,
+               tp: ParallelContext | None = None):
+        """Seeded random weights; under tp each rank holds the slices of the world-size-1 model's weights."""
+        model = cls.empty(cfg, device=device, dtype=dtype, tp=tp)
         model.init_random_weights(seed)
         return model.eval()
 
     @torch.no_grad()
     def init_random_weights(self, seed: int) -> None:
-        """Seeded random weights with the scales of a trained model's initialisation."""
+        """Seeded random weights with the scales of a trained model's initialisation. Tensor parallel: each full
+        tensor is drawn as at world size 1 (one at a time), then this rank keeps its slice."""
         gen = torch.Generator(device=self.lm_head.weight.device).manual_seed(seed)
-        for name, p in self.named_parameters():
+        full = _FullShapes(self.config) if self.plan.sharded else None
+        for name, local in self.named_parameters():
+            p = local if full is None else torch.empty(full.shapes[name], dtype=local.dtype, device=local.device)
             leaf = name.rsplit(".", 1)[-1]
             if name.endswith("linear_attn.norm.weight"):
                 p.normal_(1.0, 0.05, generator=gen)
@@ -83,11 +108,13 @@ class Qwen35ForCausalLM(nn.Module):
                 p.uniform_(-0.5, 0.5, generator=gen)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+            if full is not None:
+                local.copy_(full.take(self.plan, name, p))
 
     def new_cache(self, batch: int, max_tokens: int, *, page_size: int = 16, shuffle_pages: bool = False,
                   seed: int = 0) -> SequenceCache:
         p = self.lm_head.weight
-        return SequenceCache(self.config, batch, max_tokens, page_size=page_size, dtype=p.dtype, device=p.device,
+        return SequenceCache(self.cache_config, batch, max_tokens, page_size=page_size, dtype=p.dtype, device=p.device,
                              shuffle_pages=shuffle_pages, seed=seed)
 
     # ---- forward -----------------------------------------------------------------------------------------
@@ -105,7 +132,11 @@ class Qwen35ForCausalLM(nn.Module):
         Returns logits (N, vocab) when all_logits, else each sequence's last token (B, vocab)."""
         if step.cos is None:
             step.cos, step.sin = R.rope_cos_sin(step.positions, self.config.rotary_dim, self.config.rope_theta)
-        x, residual = self.model.embed_tokens(step.token_ids), None
+        if self.plan.sharded:
+            x = vocab_parallel_embedding(step.token_ids, self.model.embed_tokens.weight, self.plan)
+        else:
+            x = self.model.embed_tokens(step.token_ids)
+        residual = None
         for i, layer in enumerate(self.model.layers):
             j = self._pool_index[i]
             if layer.layer_type == "full_attention":
@@ -115,16 +146,36 @@ class Qwen35ForCausalLM(nn.Module):
         h, _ = ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
         if not all_logits:
             h = h[step.last_token_indices]
-        return self.lm_head(h)
+        logits = self.lm_head(h)
+        return gather_logits(logits, self.plan) if self.plan.sharded else logits
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: SequenceCache, *, all_logits: bool = True) -> torch.Tensor:
         """input_ids: (batch, T) appended to the sequences in `cache` -> logits (batch, T, vocab),
         or only each sequence's last position (batch, 1, vocab) when not all_logits."""
         self.check_token_ids(input_ids)
-        if cache.cfg != self.config:
+        if cache.cfg != self.cache_config:
             raise ValueError("the cache was made for another model config")
         step = cache.plan(input_ids)
         logits = self.forward_step(step, cache.pools, all_logits=all_logits)
         cache.advance(step)
         return logits.view(input_ids.shape[0], -1, logits.shape[-1])
+
+
+class _FullShapes:
+    """The world-size-1 parameter shapes and fused-projection parts of a config (a meta model: no memory)."""
+
+    def __init__(self, cfg: Qwen35Config):
+        with torch.device("meta"):
+            whole = Qwen35ForCausalLM(cfg)
+        self.shapes = {n: p.shape for n, p in whole.named_parameters()}
+        self.parts = {f"{path}.weight": (path.rsplit(".", 1)[0], m.parts) for path, m in whole.named_modules()
+                      if isinstance(m, FusedLinear)}
+
+    def take(self, plan: ShardPlan, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full parameter `name`: a fused projection slices each of its parts."""
+        if name not in self.parts:
+            return plan.take(name, full)
+        parent, parts = self.parts[name]
+        pieces = full.split(list(parts.values()))
+        return torch.cat([plan.take(f"{parent}.{part}.weight", t) for part, t in zip(parts, pieces)])

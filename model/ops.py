@@ -123,9 +123,12 @@ def gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, re
                                    recurrent_states, step, num_k_heads, eps)
 
 
-def moe(x, router_w, gate_up_w, down_w, top_k, shared):
-    # x: (N, hidden) -> (N, hidden)
-    return _run("moe", x, router_w, gate_up_w, down_w, top_k, shared)
+def moe(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=None):
+    """x: (N, hidden) -> (N, hidden). expert_start (expert parallel): gate_up_w/down_w hold experts
+    [expert_start, expert_start + E_local) of the router's E; the result is this rank's partial sum."""
+    if expert_start is None:
+        return _run("moe", x, router_w, gate_up_w, down_w, top_k, shared)
+    return _run("moe", x, router_w, gate_up_w, down_w, top_k, shared, expert_start)
 
 
 # ---- the reference backend: compositions of reference/ ------------------------------------------------

@@ -31,18 +31,25 @@ def topk_route(x, router_w, top_k: int):
     return weights / weights.sum(-1, keepdim=True), ids
 
 
-def moe(x, router_w, gate_up_w, down_w, top_k: int, shared=None):
+def moe(x, router_w, gate_up_w, down_w, top_k: int, shared=None, expert_start=None):
     """Sparse MoE: sum_k w_k expert_{id_k}(x) (+ sigmoid(shared_gate(x)) * shared_swiglu(x)).
     x: (n, H); router_w: (E, H); gate_up_w: (E, 2I, H); down_w: (E, H, I);
-    shared: None or (gate_w, up_w, down_w, shared_gate_w (1, H))."""
-    if gate_up_w.shape[0] != router_w.shape[0] or down_w.shape[0] != router_w.shape[0]:
+    shared: None or (gate_w, up_w, down_w, shared_gate_w (1, H)).
+    expert_start (expert parallel): gate_up_w/down_w hold only experts [expert_start, expert_start + E_local) of
+    the router's E; tokens routed elsewhere get nothing from them (another rank adds those)."""
+    n_local = gate_up_w.shape[0]
+    start = 0 if expert_start is None else expert_start
+    if (down_w.shape[0] != n_local or (expert_start is None and n_local != router_w.shape[0])
+            or not 0 <= start <= router_w.shape[0] - n_local):
         raise ValueError("router, gate_up and down weights disagree on the number of experts")
     weights, ids = topk_route(x, router_w, top_k)
     weights = weights.to(x.dtype)
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
+        if not start <= e < start + n_local:
+            continue
         tok, slot = torch.where(ids == e)
-        h = F.linear(silu_and_mul(F.linear(x[tok], gate_up_w[e])), down_w[e])
+        h = F.linear(silu_and_mul(F.linear(x[tok], gate_up_w[e - start])), down_w[e - start])
         out.index_add_(0, tok, (h * weights[tok, slot, None]).to(x.dtype))
     if shared is not None:
         gate_w, up_w, down_w_s, shared_gate_w = shared
