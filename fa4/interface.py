@@ -1,7 +1,8 @@
 """`flash_attention`: one entry point for prefill attention, dense, varlen or over a paged KV prefix.
 
 Backends: "triton" (fa4/triton_forward.py), "reference" (reference.attention / reference.paged_attention),
-"cute" (fa4/cute: the CuTe-DSL kernel for sm_90a; bf16, d128/d256, dense; anything else is a ValueError) and
+"cute" (fa4/cute: the CuTe-DSL kernel for sm_90a; bf16, d128/d256, dense, varlen or paged with page sizes whose
+gcd with the K tile is a multiple of 16; anything else is a ValueError) and
 "auto". "auto" sends causal chunks of at most 512 tokens per sequence
 over a paged prefix (decode steps, agent turns) to the split-KV kernel of kernels/paged_decode_attention.py
 (see `split_kv_unsupported`), takes triton wherever it supports the call (see `triton_unsupported`) and the
@@ -138,7 +139,7 @@ def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=N
     sequence b reads its first seqused_k[b] keys; q is (B, S, H, D) or (total, H, D) with cu_seqlens_q.
     Causal masks align at the end (a chunk attends to its cached prefix and itself); rows with no key give 0.
     backend: "triton", "reference", "auto" (the split-KV paged kernel when `split_kv_unsupported` is None, else
-    triton when `triton_unsupported` is None, else reference) or "cute" (bf16 d128/d256 dense on sm_90a; auto does
+    triton when `triton_unsupported` is None, else reference) or "cute" (bf16 d128/d256 on sm_90a; auto does
     not pick it until it is measured faster on the H200).
     FA4 flags (both exact; the split-KV kernel takes rescale_threshold and uses the hardware exp2 only):
     rescale_threshold, the log2 growth of the running max that forces an O rescale (0: always);
@@ -147,13 +148,14 @@ def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=N
     _check_inputs(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k, backend)
     TF.check_flags(rescale_threshold, poly_exp2_fraction)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if backend == "cute":  # fa4/cute: bf16, d128/d256, dense, sm_90a; never falls back
+    if backend == "cute":  # fa4/cute: bf16, d128/d256, sm_90a; never falls back
         why = CE.cute_unsupported(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                   page_table=page_table, seqused_k=seqused_k)
         if why is not None:
             raise ValueError(f"backend 'cute' cannot run this call: {why}")
-        return CE.cute_attention(q, k, v, causal=causal, softmax_scale=scale, rescale_threshold=rescale_threshold,
-                                 poly_exp2_fraction=poly_exp2_fraction)
+        return CE.cute_attention(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens_q=cu_seqlens_q,
+                                 cu_seqlens_k=cu_seqlens_k, page_table=page_table, seqused_k=seqused_k,
+                                 rescale_threshold=rescale_threshold, poly_exp2_fraction=poly_exp2_fraction)
     reason = triton_unsupported(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, page_table=page_table,
                                 seqused_k=seqused_k)
     if backend == "auto" and page_table is not None:

@@ -1,12 +1,15 @@
 """fa4.flash_attention(backend="cute"): the CuTe-DSL forward for sm_90a (fa4/cute) against reference.attention.
 
 CPU: the configuration and its errors (no DSL needed); what the backend refuses, with the reason (d64, fp16,
-varlen/paged, CPU tensors); and, when nvidia-cutlass-dsl is installed, a compile for sm_90a of the
-representative set (d128/d256 x causal/non-causal, GQA packing, FA4 flags) in a subprocess with
-CUTE_DSL_ARCH=sm_90a, checking the PTX for TMA, wgmma and setmaxnreg, plus the compile cache.
+page sizes without a 16-key tile inside a page, CPU tensors); and, when nvidia-cutlass-dsl is installed, a
+compile for sm_90a of the representative set (d128/d256 x causal/non-causal, GQA packing, FA4 flags, varlen,
+paged with pages of 64 and 16, the persistent scheduler) in a subprocess with CUTE_DSL_ARCH=sm_90a, checking
+the PTX for TMA, wgmma and setmaxnreg, plus the compile cache.
 `gpu` tests (H200): bf16, GQA 1/2/4/8, head dims 128/256, the lengths of tests/test_attention_prefill.py (1, 2,
-65, 127, 1000, 4097, and q_len != k_len), causal and not, FA4 flags on and off, rows without keys, relative
-error < 1e-2 against the fp32 reference.
+65, 127, 1000, 4097, and q_len != k_len), causal and not, FA4 flags on and off, rows without keys; varlen
+(cu_seqlens) and paged prefixes (make_pool: shuffled pages of 16/64/128/256 keys, NaN in unused slots), a
+sequence full of NaN/Inf that must not leak into its neighbours, the persistent scheduler; relative error < 1e-2
+against the fp32 reference.
 """
 import json
 import os
@@ -18,10 +21,10 @@ import torch
 
 import reference as R
 from fa4 import flash_attention
-from fa4.cute.config import AttentionConfig, choose_config, pack_factor, representative_configs
+from fa4.cute.config import AttentionConfig, choose_config, pack_factor, paged_tile_n, representative_configs
 from fa4.cute.entry import dsl_available
 from tests.conftest import HAS_CUDA, assert_rel
-from tests.test_attention_prefill import TOL, qkv
+from tests.test_attention_prefill import TOL, make_pool, qkv
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 if not HAS_CUDA:  # CuTe-DSL reads the target when it is first imported; without a GPU, compile for sm_90a
@@ -54,6 +57,14 @@ def test_cute_config_choice():
     assert hash(c) == hash(choose_config(128, True, 32, 4))  # a cache key
     for cfg in representative_configs():
         assert cfg.smem_bytes() <= 227 * 1024
+    # paged: the K/V tile lies inside a page
+    assert [paged_tile_n(128, p) for p in (16, 32, 48, 64, 128, 256, 1024)] == [16, 32, 16, 64, 128, 128, 128]
+    assert [paged_tile_n(256, p) for p in (16, 64, 128, 96)] == [16, 64, 64, 32]
+    for page in (8, 24, 0):
+        with pytest.raises(ValueError, match=f"page_size {page} is not supported"):
+            paged_tile_n(128, page)
+    c = choose_config(128, True, 16, 2, varlen_q=True, kv_mode="paged", page_size=64)
+    assert (c.tile_n, c.page_size, c.kv_mode, c.varlen_q) == (64, 64, "paged", True)
 
 
 @pytest.mark.parametrize("fields,match", [
@@ -65,6 +76,9 @@ def test_cute_config_choice():
     (dict(rescale_threshold=16.0), "rescale_threshold"),
     (dict(kv_stages=3), "shared memory"),  # d128: 32 + 3 x 64 KiB does not fit
     (dict(consumer_regs=256), "setmaxnreg"),
+    (dict(kv_mode="ragged"), "kv_mode"),
+    (dict(kv_mode="paged", page_size=96), "page_size 96 is not a multiple of the K/V tile"),
+    (dict(page_size=64), "only read with kv_mode 'paged'"),
 ])
 def test_cute_config_rejects(fields, match):
     base = dict(head_dim=128, causal=False)
@@ -75,17 +89,16 @@ def test_cute_config_rejects(fields, match):
 @pytest.mark.parametrize("case,match", [
     ("d64", "head_dim 64 is not one of"),
     ("fp16", "dtype torch.float16 is not supported"),
-    ("varlen", "varlen and paged KV"),
+    ("page24", "page_size 24 is not supported: a K/V tile must lie inside one page"),
 ])
 def test_cute_refuses_unsupported(case, match):
     d = 64 if case == "d64" else 128
     dtype = torch.float16 if case == "fp16" else BF16
     q, k, v = qkv(1, 8, 8, 2, 1, d, dtype)
     kwargs = {}
-    if case == "varlen":
-        q, k, v = q[0], k[0], v[0]
-        cu = torch.tensor([0, 8], dtype=torch.int32, device=DEV)
-        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    if case == "page24":
+        k, v, table, seqused = make_pool([30], 1, d, 24, dtype, seed=0)
+        kwargs = dict(page_table=table, seqused_k=seqused)
     with pytest.raises(ValueError, match=f"backend 'cute' cannot run this call: {match}"):
         flash_attention(q, k, v, causal=True, backend="cute", **kwargs)
 
@@ -116,7 +129,10 @@ print(json.dumps({"seconds": time.time() - start, "wgmma": ptx.count("wgmma.mma_
 @needs_dsl
 @pytest.mark.parametrize("index", range(len(representative_configs())),
                          ids=[f"d{c.head_dim}-{'causal' if c.causal else 'full'}-pack{c.pack_gqa}"
-                              f"{'-overlap' if c.intra_wg_overlap else ''}" for c in representative_configs()])
+                              f"{'-overlap' if c.intra_wg_overlap else ''}{'-varlen' if c.varlen_q else ''}"
+                              f"{'-kvvarlen' if c.kv_mode == 'varlen' else ''}"
+                              f"{f'-paged{c.page_size}' if c.kv_mode == 'paged' else ''}"
+                              f"{'-persistent' if c.persistent else ''}" for c in representative_configs()])
 def test_cute_kernel_compiles_for_sm90(index, tmp_path):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE, str(index)], cwd=ROOT, env=env, capture_output=True,
@@ -223,3 +239,119 @@ def test_cute_gpu_config_variants(d, overrides):
             out = cute_attention(q, k, v, causal=causal, softmax_scale=d ** -0.5, **overrides)
             ref = R.attention(q.float(), k.float(), v.float(), causal=causal)
             assert_rel(out.float(), ref, TOL[BF16], f"d{d} {overrides} sq{sq} sk{sk} causal={causal}")
+
+
+def _varlen_qkv(lens_q, lens_k, h, kv, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lens_q), h, d, generator=gen).to(DEV, BF16)
+    k, v = (torch.randn(sum(lens_k), kv, d, generator=gen).to(DEV, BF16) for _ in range(2))
+    cu_q = torch.tensor([0, *lens_q], device=DEV).cumsum(0).int()
+    cu_k = torch.tensor([0, *lens_k], device=DEV).cumsum(0).int()
+    return q, k, v, cu_q, cu_k
+
+
+VARLEN_LENS = [1, 2, 65, 127, 1000, 4097]
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("h,kv", GQA)
+def test_cute_gpu_varlen(d, h, kv):
+    q, k, v, cu, _ = _varlen_qkv(VARLEN_LENS, VARLEN_LENS, h, kv, d, seed=4)
+    for causal in (True, False):
+        out = flash_attention(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="cute",
+                              poly_exp2_fraction=0.125)
+        ref = R.attention(q.float(), k.float(), v.float(), causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        assert_rel(out.float(), ref, TOL[BF16], f"varlen d{d} h{h}/{kv} causal={causal}")
+    # q_len != k_len per sequence: chunks over longer keys, rows without keys (causal), a sequence with no keys
+    lens_q, lens_k = [65, 1, 300, 2, 1000, 7], [1000, 3, 65, 0, 4097, 7]
+    q, k, v, cu_q, cu_k = _varlen_qkv(lens_q, lens_k, h, kv, d, seed=5)
+    for causal in (True, False):
+        out = flash_attention(q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="cute")
+        ref = R.attention(q.float(), k.float(), v.float(), causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        assert_rel(out.float(), ref, TOL[BF16], f"varlen q!=k d{d} h{h}/{kv} causal={causal}")
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_cute_gpu_varlen_neighbours_do_not_leak(d, poison):
+    """Tiles read rows past a sequence's end (the next sequence's): those keys must never reach the softmax or O,
+    so a sequence full of NaN/Inf leaves its neighbours exact."""
+    lens = [65, 127, 1, 1000, 2, 200]
+    bad = 2  # its q, k and v are poisoned; it sits after a ragged 127 and before a long sequence
+    q, k, v, cu, _ = _varlen_qkv(lens, lens, 16, 2, d, seed=6)
+    rows = slice(int(cu[bad]), int(cu[bad + 1]))
+    for t in (q, k, v):
+        t[rows] = poison
+    for causal in (True, False):
+        out = flash_attention(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="cute")
+        ref = R.attention(q.float(), k.float(), v.float(), causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu)
+        keep = torch.ones(q.shape[0], dtype=torch.bool, device=DEV)
+        keep[rows] = False
+        assert_rel(out[keep].float(), ref[keep], TOL[BF16], f"neighbours of a {poison} sequence, causal={causal}")
+
+
+def check_paged(lens_q, lens_k, h, kv, d, page, varlen_q=True, seed=0, **flags):
+    k_pages, v_pages, table, seqused = make_pool(lens_k, kv, d, page, BF16, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    if varlen_q:
+        q = torch.randn(sum(lens_q), h, d, generator=gen).to(DEV, BF16)
+        cu_q = torch.tensor([0, *lens_q], device=DEV).cumsum(0).int()
+    else:
+        q = torch.randn(len(lens_q), lens_q[0], h, d, generator=gen).to(DEV, BF16)
+        cu_q = None
+    out = flash_attention(q, k_pages, v_pages, causal=True, cu_seqlens_q=cu_q, page_table=table, seqused_k=seqused,
+                          backend="cute", **flags)
+    ref = R.paged_attention(q.float(), k_pages.float(), v_pages.float(), table, seqused, causal=True,
+                            cu_seqlens_q=cu_q)
+    assert_rel(out.float(), ref, TOL[BF16], f"paged page {page} d{d} h{h}/{kv} varlen_q={varlen_q} {flags}")
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("page", [16, 64, 128, 256])
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("h,kv", GQA)
+def test_cute_gpu_paged(page, d, h, kv):
+    check_paged([1, 65, 127, 1000, 2], [4097, 65, 300, 1000, 2], h, kv, d, page, seed=page + d,
+                poly_exp2_fraction=0.125)
+    check_paged([33, 33], [33, 100], h, kv, d, page, varlen_q=False, seed=page + d + 1)  # dense q
+    check_paged([5, 1, 40], [70, 1, 0], h, kv, d, page, seed=page + d + 2)  # one sequence without keys
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("d,page", [(128, 128), (256, 64), (128, 16)])
+def test_cute_gpu_paged_agent_turn(d, page):
+    # a chunk over a long cached prefix, the agent-turn shape at a smaller size
+    check_paged([800], [20000], 16, 4, d, page, seed=7)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("overrides", [dict(persistent=True), dict(persistent=True, intra_wg_overlap=True)])
+def test_cute_gpu_persistent(d, overrides):
+    from fa4.cute.entry import cute_attention
+    for causal in (True, False):
+        for sq, sk in ((1, 1), (1000, 1000), (300, 1000), (1000, 300), (4097, 4097)):
+            q, k, v = qkv(2, sq, sk, 16, 2, d, BF16)
+            out = cute_attention(q, k, v, causal=causal, softmax_scale=d ** -0.5, **overrides)
+            ref = R.attention(q.float(), k.float(), v.float(), causal=causal)
+            assert_rel(out.float(), ref, TOL[BF16], f"d{d} {overrides} sq{sq} sk{sk} causal={causal}")
+    q, k, v, cu, _ = _varlen_qkv(VARLEN_LENS, VARLEN_LENS, 16, 2, d, seed=8)
+    out = cute_attention(q, k, v, causal=True, softmax_scale=d ** -0.5, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                         **overrides)
+    ref = R.attention(q.float(), k.float(), v.float(), causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert_rel(out.float(), ref, TOL[BF16], f"persistent varlen d{d} {overrides}")
+    k_pages, v_pages, table, seqused = make_pool([4097, 65, 300], 2, d, 64, BF16, seed=9)
+    qp = torch.randn(1 + 65 + 127, 16, d, generator=torch.Generator().manual_seed(10)).to(DEV, BF16)
+    cu_q = torch.tensor([0, 1, 66, 193], dtype=torch.int32, device=DEV)
+    out = cute_attention(qp, k_pages, v_pages, causal=True, softmax_scale=d ** -0.5, cu_seqlens_q=cu_q,
+                         page_table=table, seqused_k=seqused, **overrides)
+    ref = R.paged_attention(qp.float(), k_pages.float(), v_pages.float(), table, seqused, causal=True,
+                            cu_seqlens_q=cu_q)
+    assert_rel(out.float(), ref, TOL[BF16], f"persistent paged d{d} {overrides}")

@@ -26,12 +26,28 @@ def as_cute(t: torch.Tensor):
     return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=2)
 
 
+def as_cute_index(t: torch.Tensor | None):
+    """An int32 index tensor (cu_seqlens, seqused_k: (n,); page_table: (B, pages), rows contiguous) as a CuTe
+    tensor with dynamic shape and strides; None stays None (the kernel is compiled without it)."""
+    if t is None:
+        return None
+    return from_dlpack(t, assumed_align=4).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
 def _example_args(config: AttentionConfig):
+    """Placeholders of the kernel's arguments (shapes and strides are dynamic; only the None-ness of the index
+    tensors and the dtypes matter)."""
     dtype = TORCH_DTYPES[config.dtype]
-    q = torch.empty(2, 2, config.head_dim, dtype=dtype)  # shapes are dynamic: these are placeholders
+    q = torch.empty(2, 2, config.head_dim, dtype=dtype)
     kv = torch.empty(2, 1, config.head_dim, dtype=dtype)
-    return (as_cute(q), as_cute(kv), as_cute(kv), as_cute(q), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
-            cutlass.Float32(1.0), make_fake_stream())
+    index = torch.zeros(3, dtype=torch.int32)
+    cu_q = index if config.varlen_q else None
+    cu_k = index if config.kv_mode == "varlen" else None
+    seqused = index if config.kv_mode == "paged" else None
+    table = torch.zeros(2, 2, dtype=torch.int32) if config.kv_mode == "paged" else None
+    return (as_cute(q), as_cute(kv), as_cute(kv), as_cute(q), as_cute_index(cu_q), as_cute_index(cu_k),
+            as_cute_index(seqused), as_cute_index(table), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
+            cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
 
 
 def compile_config(config: AttentionConfig, keep_ptx: bool = False):

@@ -11,12 +11,20 @@ position m // pack_gqa of head m % pack_gqa of the group), so one K/V tile feeds
 
 Shared memory: Q (tile_m x d) + kv_stages x (K and V tiles, tile_n x d each), bf16.
   d128: tile_n 128, 2 stages: 32 + 2 x 64 KiB = 160 KiB.   d256: tile_n 64, 2 stages: 64 + 2 x 64 = 192 KiB.
+
+Sequences (compile-time layout, runtime lengths): `varlen_q` reads query rows through cu_seqlens_q; `kv_mode`
+"dense" (b * S_k), "varlen" (cu_seqlens_k) or "paged" (a pool of pages of `page_size` keys, page_table and
+seqused_k). A paged K/V tile is one TMA box inside one page, so the page size must be a multiple of tile_n:
+`choose_config` shrinks tile_n to gcd(tile_n, page_size), which must stay a multiple of 16 (pages 16, 32, 48,
+64, 128, 256... work; 8 or 24 are refused).
+`persistent`: grid = number of SMs, each CTA loops over tiles in a static strided order (tile_scheduler.py).
 """
 import math
 from dataclasses import dataclass
 
 HEAD_DIMS = (128, 256)
 DTYPES = ("bfloat16",)
+KV_MODES = ("dense", "varlen", "paged")
 POLY_FRACTIONS = (0.0, 0.125, 0.25, 0.5, 1.0)  # same set as the triton backend (fa4/softmax.py)
 MAX_RESCALE_THRESHOLD = 15.0  # P = 2^(s - m) <= 2^threshold must stay far from bf16/fp32 overflow
 SMEM_LIMIT = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
@@ -39,6 +47,10 @@ class AttentionConfig:
     consumer_regs: int = 240  # setmaxnreg of each consumer warpgroup
     rescale_threshold: float = 8.0  # FA4 conditional rescale, log2 units (0: rescale whenever the max grows)
     poly_exp2_fraction: float = 0.0  # share of each row's exp2 done by the FMA polynomial
+    varlen_q: bool = False  # query rows of sequence b: cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
+    kv_mode: str = "dense"  # "dense", "varlen" (cu_seqlens_k) or "paged" (page_table + seqused_k)
+    page_size: int = 0  # keys per page (kv_mode "paged" only)
+    persistent: bool = False  # grid = SMs, tiles claimed in a static strided order, longest first if causal
 
     @property
     def rows_per_wg(self) -> int:
@@ -75,6 +87,14 @@ class AttentionConfig:
             raise ValueError(f"rescale_threshold must be in [0, {MAX_RESCALE_THRESHOLD}], got {self.rescale_threshold}")
         if self.producer_regs * 128 + self.consumer_regs * 128 * self.num_consumer_wg > 65536:
             raise ValueError("setmaxnreg budget exceeds the 64K registers of an SM")
+        if self.kv_mode not in KV_MODES:
+            raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
+        if self.kv_mode == "paged":
+            if self.page_size < 1 or self.page_size % self.tile_n:
+                raise ValueError(f"page_size {self.page_size} is not a multiple of the K/V tile ({self.tile_n} keys): "
+                                 "a tile is loaded by one TMA box inside one page")
+        elif self.page_size:
+            raise ValueError("page_size is only read with kv_mode 'paged'")
         if self.smem_bytes() > SMEM_LIMIT:
             raise ValueError(f"config needs {self.smem_bytes()} bytes of shared memory (> {SMEM_LIMIT})")
         return self
@@ -89,23 +109,40 @@ def default_tile_n(head_dim: int) -> int:
     return 128 if head_dim <= 128 else 64
 
 
+def paged_tile_n(head_dim: int, page_size: int) -> int:
+    """The K/V tile for a page size: the largest divisor of the page that divides the default tile. Raises
+    ValueError when it is not a multiple of 16 (a wgmma K step)."""
+    tile_n = math.gcd(default_tile_n(head_dim), page_size) if page_size > 0 else 0
+    if tile_n < 16 or tile_n % 16:
+        raise ValueError(f"page_size {page_size} is not supported: a K/V tile must lie inside one page and be a "
+                         f"multiple of 16 keys, and gcd({default_tile_n(head_dim)}, {page_size}) = {tile_n}")
+    return tile_n
+
+
 def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int, *, rescale_threshold: float = 8.0,
-                  poly_exp2_fraction: float = 0.0, **overrides) -> AttentionConfig:
+                  poly_exp2_fraction: float = 0.0, varlen_q: bool = False, kv_mode: str = "dense", page_size: int = 0,
+                  **overrides) -> AttentionConfig:
     """The config for a call; `overrides` replace any field (tile sizes, stages, pingpong...)."""
+    tile_n = paged_tile_n(head_dim, page_size) if kv_mode == "paged" else default_tile_n(head_dim)
     fields = dict(head_dim=head_dim, causal=causal, pack_gqa=pack_factor(num_heads // num_kv_heads),
-                  tile_n=default_tile_n(head_dim), rescale_threshold=float(rescale_threshold),
-                  poly_exp2_fraction=float(poly_exp2_fraction))
+                  tile_n=tile_n, rescale_threshold=float(rescale_threshold),
+                  poly_exp2_fraction=float(poly_exp2_fraction), varlen_q=varlen_q, kv_mode=kv_mode,
+                  page_size=page_size if kv_mode == "paged" else 0)
     fields.update(overrides)
     return AttentionConfig(**fields).validate()
 
 
 def representative_configs() -> list[AttentionConfig]:
     """The CPU compile-test set: each head dim, causal and not, with and without GQA packing, FA4 flags and
-    the intra-warpgroup overlap."""
+    the intra-warpgroup overlap; varlen, paged (pages of 64 and 16 keys) and the persistent scheduler."""
     return [
         choose_config(128, False, 8, 8),
         choose_config(128, True, 8, 2, poly_exp2_fraction=0.25),
         choose_config(256, False, 16, 4),
         choose_config(256, True, 16, 2, poly_exp2_fraction=0.125),
         choose_config(256, True, 16, 4, intra_wg_overlap=True),
+        choose_config(128, True, 8, 4, varlen_q=True, kv_mode="varlen"),
+        choose_config(256, True, 16, 4, varlen_q=True, kv_mode="paged", page_size=64),
+        choose_config(128, False, 8, 1, kv_mode="paged", page_size=16, persistent=True),
+        choose_config(256, True, 16, 2, varlen_q=True, kv_mode="varlen", intra_wg_overlap=True, persistent=True),
     ]

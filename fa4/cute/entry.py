@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from fa4.cute.config import DTYPES, HEAD_DIMS, choose_config
+from fa4.cute.config import DTYPES, HEAD_DIMS, choose_config, paged_tile_n
 
 TORCH_DTYPES = {getattr(torch, name): name for name in DTYPES}
 
@@ -25,9 +25,11 @@ def cute_unsupported(q, k, v, **index_tensors) -> str | None:
         return f"dtype {q.dtype} is not supported (only {DTYPES}); use backend 'triton'"
     if q.shape[-1] not in HEAD_DIMS:
         return f"head_dim {q.shape[-1]} is not one of {HEAD_DIMS}; use backend 'triton'"
-    given = [name for name, t in index_tensors.items() if t is not None]
-    if given:
-        return f"varlen and paged KV ({', '.join(given)}) are not written yet in the cute backend"
+    if index_tensors.get("page_table") is not None:
+        try:
+            paged_tile_n(q.shape[-1], k.shape[1])
+        except ValueError as err:
+            return f"{err}; use backend 'triton'"
     if not dsl_available():
         return "nvidia-cutlass-dsl is not installed"
     if q.device.type != "cuda":
@@ -39,35 +41,69 @@ def cute_unsupported(q, k, v, **index_tensors) -> str | None:
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(B, S, heads, D) -> (B * S, heads, D), contiguous and 16-byte aligned (TMA needs both)."""
-    t = t.reshape(-1, *t.shape[2:])
+    """(B, S, heads, D) -> (B * S, heads, D), contiguous and 16-byte aligned (TMA needs both); 3-dim tensors
+    (varlen rows) are only made contiguous."""
+    if t.dim() == 4:
+        t = t.reshape(-1, *t.shape[2:])
     if not t.is_contiguous() or t.data_ptr() % 16:
         t = t.contiguous()
     return t
 
 
-def cute_attention(q, k, v, *, causal: bool, softmax_scale: float, rescale_threshold: float = 8.0,
+def _index(t):
+    return None if t is None else t.to(torch.int32).contiguous()
+
+
+_NUM_SMS: dict = {}
+
+
+def num_sms(device) -> int:
+    index = torch.device(device).index
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def cute_attention(q, k, v, *, causal: bool, softmax_scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
+                   page_table=None, seqused_k=None, max_seqlen_q: int | None = None, rescale_threshold: float = 8.0,
                    poly_exp2_fraction: float = 0.0, **config_overrides):
-    """Dense attention, q (B, Sq, H, D) and k, v (B, Sk, KV, D), bf16 on an sm_90 GPU; returns q's shape.
-    Call `cute_unsupported` first. config_overrides: fields of AttentionConfig (tile_n, kv_stages, ...)."""
+    """Attention on an sm_90 GPU, bf16; returns q's shape. Call `cute_unsupported` first (the inputs are those
+    `fa4.flash_attention` checked).
+    q: (B, Sq, H, D), or (total_q, H, D) with cu_seqlens_q (B + 1,). k, v: (B, Sk, KV, D); (total_k, KV, D) with
+    cu_seqlens_k; or pools (num_pages, page_size, KV, D) with page_table (B, max_pages) and seqused_k (B,).
+    max_seqlen_q: the longest query sequence (read from cu_seqlens_q on the host when not given: a sync).
+    config_overrides: fields of AttentionConfig (tile_n, kv_stages, persistent, ...)."""
     import cutlass
 
-    from fa4.cute.compile_cache import as_cute, get_kernel
+    from fa4.cute.compile_cache import as_cute, as_cute_index, get_kernel
 
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_kv = k.shape[1], k.shape[2]
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_kv = k.shape[-2]
+    varlen_q = cu_seqlens_q is not None
+    kv_mode = "paged" if page_table is not None else "varlen" if cu_seqlens_k is not None else "dense"
+    if varlen_q:
+        batch = cu_seqlens_q.shape[0] - 1
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch > 0 else 0
+    else:
+        batch, max_seqlen_q = q.shape[0], q.shape[1]
+    seqlen_k = k.shape[1] if kv_mode == "dense" else 0
     config = choose_config(head_dim, causal, num_heads, num_kv, rescale_threshold=rescale_threshold,
-                           poly_exp2_fraction=poly_exp2_fraction, **config_overrides)
+                           poly_exp2_fraction=poly_exp2_fraction, varlen_q=varlen_q, kv_mode=kv_mode,
+                           page_size=k.shape[1] if kv_mode == "paged" else 0, **config_overrides)
     kernel = get_kernel(config)
     q3, k3, v3 = _rows(q), _rows(k), _rows(v)
     o = torch.empty_like(q3)
-    if o.numel() == 0:
+    if o.numel() == 0 or max_seqlen_q == 0:
         return o.view(q.shape)
-    if seqlen_k == 0:  # no keys: every row gives 0 (and a TMA descriptor cannot have an empty extent)
+    if k3.shape[0] == 0 or (kv_mode == "dense" and seqlen_k == 0):
+        # no keys: every row gives 0 (and a TMA descriptor cannot have an empty extent)
         return o.zero_().view(q.shape)
     from cuda.bindings import driver
 
     stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    kernel(as_cute(q3), as_cute(k3), as_cute(v3), as_cute(o), cutlass.Int32(batch), cutlass.Int32(seqlen_q),
-           cutlass.Int32(seqlen_k), cutlass.Float32(softmax_scale * math.log2(math.e)), stream)
+    kernel(as_cute(q3), as_cute(k3), as_cute(v3), as_cute(o), as_cute_index(_index(cu_seqlens_q)),
+           as_cute_index(_index(cu_seqlens_k)), as_cute_index(_index(seqused_k)), as_cute_index(_index(page_table)),
+           cutlass.Int32(batch), cutlass.Int32(max_seqlen_q), cutlass.Int32(seqlen_k),
+           cutlass.Float32(softmax_scale * math.log2(math.e)), cutlass.Int32(num_sms(q.device)), stream)
     return o.view(q.shape)

@@ -1,21 +1,27 @@
 """The CuTe-DSL FlashAttention forward for Hopper (sm_90a): TMA, mbarrier rings, wgmma, warp specialisation.
 
-Tensors (host view): q, o (B * Sq, H, D); k, v (B * Sk, KV, D); contiguous, bf16. Sequence b's rows start at
-b * Sq (queries) and b * Sk (keys). The kernel sees:
+Tensors (host view): q, o (total_q, H, D); k, v (total_k, KV, D) or, paged, the pools seen as
+(num_pages * page_size, KV, D); contiguous, bf16. Sequence b's rows (seqlen.py): dense b * Sq / b * Sk, varlen
+cu_seqlens_q/_k, paged the pages page_table[b] holding its first seqused_k[b] keys. The kernel sees:
 - Q and O as ((pack, T), D, H / pack): GQA packing puts the `pack` heads that share a KV head in M (row
   m = g + pack * t), so a 64-row wgmma tile holds 64 / pack query positions of `pack` heads;
 - K as (T_k, D, KV) (K-major B of QK^T) and V as (D, T_k, KV) (MN-major B of PV).
 TMA descriptors cover the whole tensors; a CTA offsets their row coordinate by its sequence start
-(`domain_offset`). Rows a tile reads past its sequence belong to the next sequence (or are zero-filled past the
-tensor): queries there are never stored, keys there are masked.
+(`domain_offset`; paged: each K/V tile's TMA coordinate is its page's row in the pool, one page_table read per
+tile). Rows a tile reads past its sequence belong to the next sequence, an unused page slot, or are zero-filled
+past the tensor: query rows there are never stored; key rows there never reach the softmax (their scores are set
+to -inf before the row max) nor O (their V rows are zeroed in shared memory before PV, mask.zero_key_rows, so a
+neighbour's NaN or Inf cannot leak through 0 x NaN).
 
 CTA (config.py): warpgroup 0 is the producer (setmaxnreg down; its warp 0 issues the TMA loads: Q once, then
 K and V of each visited tile, last tile first); warpgroups 1 and 2 are consumers (setmaxnreg up), each owning
 64 rows of the 128-row Q tile. Per K/V tile a consumer: S = Q K^T (wgmma, smem operands), mask (diagonal and
 ragged tiles only), online softmax (softmax.py), P to bf16 in registers, O += P V (wgmma, P from registers).
 Epilogue: O / rowsum to bf16, into the warpgroup's own Q smem slice, then 16-byte stores of the rows that
-exist.
+exist; then the consumers release Q's buffer, so a persistent CTA's producer may load its next tile's Q.
+Tiles (tile_scheduler.py): one per CTA, or a persistent loop; the K/V ring states carry across tiles.
 """
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -27,8 +33,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from fa4.cute import mask as M
 from fa4.cute import pipeline as P
 from fa4.cute import softmax as S
+from fa4.cute import tile_scheduler as TS
 from fa4.cute.config import WGMMA_M, AttentionConfig
-from fa4.cute.tile_scheduler import StaticTileScheduler
+from fa4.cute.seqlen import sequence_bounds
 
 try:  # 4.8 moved these; the old paths warn
     from cutlass.memory import SmemAllocator
@@ -54,8 +61,12 @@ class FlashAttentionForwardSm90:
 
     # ---------------------------------------------------------------- host side (traced once per config)
     @cute.jit
-    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, batch: Int32,
-                 seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, stream: cuda.CUstream):
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
+                 cu_seqlens_q: cute.Tensor | None, cu_seqlens_k: cute.Tensor | None,
+                 seqused_k: cute.Tensor | None, page_table: cute.Tensor | None, batch: Int32,
+                 seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, num_ctas: Int32, stream: cuda.CUstream):
+        """seqlen_q: the (longest, with varlen) query length; seqlen_k: the dense key length (else unread);
+        num_ctas: the persistent grid (number of SMs; else unread)."""
         cfg = self.cfg
         d, pack, n_tile = cfg.head_dim, cfg.pack_gqa, cfg.tile_n
         num_heads, num_kv = q.shape[1], k.shape[1]
@@ -100,20 +111,26 @@ class FlashAttentionForwardSm90:
         self.shared_storage = SharedStorage
 
         num_m_blocks = (seqlen_q * pack + (cfg.tile_m - 1)) // cfg.tile_m
+        grid = (num_m_blocks, num_heads // pack, batch)
+        if cutlass.const_expr(cfg.persistent):
+            grid = (cutlass.max(cutlass.min(num_ctas, num_m_blocks * (num_heads // pack) * batch), 1), 1, 1)
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, mO, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout,
-                    sV_layout, seqlen_q, seqlen_k, num_heads // num_kv, scale_log2, num_m_blocks).launch(
-            grid=(num_m_blocks, num_heads // pack, batch), block=[cfg.num_threads, 1, 1], stream=stream,
-            min_blocks_per_mp=1)
+                    sV_layout, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, batch, seqlen_q, seqlen_k,
+                    num_heads // num_kv, scale_log2, num_m_blocks).launch(
+            grid=grid, block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mV: cute.Tensor, mO: cute.Tensor, tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sV_layout: cute.ComposedLayout, seqlen_q: Int32, seqlen_k: Int32, group: Int32, scale_log2: Float32,
-               num_m_blocks: Int32):
+               sV_layout: cute.ComposedLayout, cu_seqlens_q: cute.Tensor | None,
+               cu_seqlens_k: cute.Tensor | None, seqused_k: cute.Tensor | None,
+               page_table: cute.Tensor | None, batch_size: Int32, max_seqlen_q: Int32, dense_seqlen_k: Int32,
+               group: Int32, scale_log2: Float32, num_m_blocks: Int32):
         cfg = self.cfg
         d, pack, n_tile = cfg.head_dim, cfg.pack_gqa, cfg.tile_n
+        paged = cfg.kv_mode == "paged"
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -134,46 +151,60 @@ class FlashAttentionForwardSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        m_block, head_group, batch = StaticTileScheduler(num_m_blocks, cfg.causal).get_work()
-        kv_head = (head_group * pack) // group
-        n_max = M.n_block_max(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
-
-        # this sequence's tiles: Q (64, D, m tiles of 64 rows), K (N, D, n tiles), V (D, N, n tiles)
-        gQ = cute.local_tile(cute.domain_offset(((0, batch * seqlen_q), 0), mQ[None, None, head_group]),
-                             (WGMMA_M, d), (None, 0))
-        gK = cute.local_tile(cute.domain_offset((batch * seqlen_k, 0), mK[None, None, kv_head]), (n_tile, d),
-                             (None, 0))
-        gV = cute.local_tile(cute.domain_offset((0, batch * seqlen_k), mV[None, None, kv_head]), (d, n_tile),
-                             (0, None))
+        num_head_groups = mQ.shape[2]
+        total_tiles = TS.num_tiles(num_m_blocks, num_head_groups, batch_size, cfg.persistent)
+        tiles_per_page = cfg.page_size // n_tile if paged else 1
 
         if wg_idx == 0:
             # ------------------------------------------------ producer warpgroup
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == 0:
-                tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                                   cute.group_modes(gQ, 0, 2))
-                tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                                   cute.group_modes(gK, 0, 2))
-                tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                                   cute.group_modes(gV, 0, 2))
-                if n_max > 0:
-                    q_state = P.producer_state(1)
-                    q_pipe.producer_acquire(q_state)
-                    for half in cutlass.range_constexpr(cfg.num_consumer_wg):
-                        cute.copy(tma_q, tQgQ[None, m_block * cfg.num_consumer_wg + half], tQsQ[None, half],
-                                  tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
-                    k_state = P.producer_state(cfg.kv_stages)
-                    v_state = P.producer_state(cfg.kv_stages)
-                    for i in cutlass.range(n_max, unroll=1):
-                        n_block = n_max - 1 - i
-                        k_pipe.producer_acquire(k_state)
-                        cute.copy(tma_k, tKgK[None, n_block], tKsK[None, k_state.index],
-                                  tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
-                        k_state.advance()
-                        v_pipe.producer_acquire(v_state)
-                        cute.copy(tma_v, tVgV[None, n_block], tVsV[None, v_state.index],
-                                  tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
-                        v_state.advance()
+                q_state = P.producer_state(1)
+                k_state = P.producer_state(cfg.kv_stages)
+                v_state = P.producer_state(cfg.kv_stages)
+                tile = TS.first_tile(cfg.persistent)
+                while tile < total_tiles:
+                    m_block, head_group, batch = TS.tile_coords(tile, num_m_blocks, num_head_groups, batch_size,
+                                                                cfg.causal, cfg.persistent)
+                    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(
+                        batch, max_seqlen_q, dense_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k, cfg.varlen_q,
+                        cfg.kv_mode)
+                    if m_block * cfg.tile_m < seqlen_q * pack:  # else: past this sequence (varlen)
+                        kv_head = (head_group * pack) // group
+                        n_max = M.n_block_max(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
+                        gQ = cute.local_tile(cute.domain_offset(((0, q_start), 0), mQ[None, None, head_group]),
+                                             (WGMMA_M, d), (None, 0))
+                        gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, None, kv_head]), (n_tile, d),
+                                             (None, 0))
+                        gV = cute.local_tile(cute.domain_offset((0, k_start), mV[None, None, kv_head]), (d, n_tile),
+                                             (0, None))
+                        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                                           cute.group_modes(gQ, 0, 2))
+                        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                           cute.group_modes(gK, 0, 2))
+                        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                                           cute.group_modes(gV, 0, 2))
+                        # Q is loaded even when no key is visible: the consumers' epilogue stages O in its buffer
+                        q_pipe.producer_acquire(q_state)
+                        for half in cutlass.range_constexpr(cfg.num_consumer_wg):
+                            cute.copy(tma_q, tQgQ[None, m_block * cfg.num_consumer_wg + half], tQsQ[None, half],
+                                      tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+                        q_state.advance()
+                        for i in cutlass.range(n_max, unroll=1):
+                            n_block = n_max - 1 - i
+                            kv_tile = n_block
+                            if cutlass.const_expr(paged):  # the tile's page, and the tile inside it
+                                page = page_table[batch, n_block // tiles_per_page]
+                                kv_tile = page * tiles_per_page + n_block % tiles_per_page
+                            k_pipe.producer_acquire(k_state)
+                            cute.copy(tma_k, tKgK[None, kv_tile], tKsK[None, k_state.index],
+                                      tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
+                            k_state.advance()
+                            v_pipe.producer_acquire(v_state)
+                            cute.copy(tma_v, tVgV[None, kv_tile], tVsV[None, v_state.index],
+                                      tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
+                            v_state.advance()
+                    tile = TS.next_tile(tile, cfg.persistent)
         else:
             # ------------------------------------------------ consumer warpgroups
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
@@ -185,121 +216,153 @@ class FlashAttentionForwardSm90:
             tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_wg))  # (MMA, 1, D / 16)
             tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, D / 16, stages)
             tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sV))  # (MMA, D / n, N / 16, stages)
-            acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, d)))
-            acc_o.fill(0.0)
             coords = thr_qk.partition_C(cute.make_identity_tensor((WGMMA_M, n_tile)))
-            row_max, row_sum, row_scale = S.make_state(2)
-            row_base = m_block * cfg.tile_m + cwg * WGMMA_M
-            n_nomask = M.n_block_nomask(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
             pingpong = cfg.pingpong and cfg.num_consumer_wg == 2
+            acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, d)))
+            acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((WGMMA_M, n_tile)))
+            # P in registers as the A operand of PV: the accumulator of S and the A fragment of a
+            # 64 x N x 16 wgmma hold the same (row, col) per thread in the same order for 16-bit types
+            tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((WGMMA_M, n_tile)), self.dtype)
+            tOrP_as_s = cute.make_tensor(tOrP.iterator, acc_s.layout)
+            q_state = P.consumer_state(1)
+            k_state = P.consumer_state(cfg.kv_stages)
+            v_state = P.consumer_state(cfg.kv_stages)
+            tile = TS.first_tile(cfg.persistent)
+            while tile < total_tiles:
+                m_block, head_group, batch = TS.tile_coords(tile, num_m_blocks, num_head_groups, batch_size,
+                                                            cfg.causal, cfg.persistent)
+                q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(
+                    batch, max_seqlen_q, dense_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k, cfg.varlen_q,
+                    cfg.kv_mode)
+                if m_block * cfg.tile_m < seqlen_q * pack:
+                    n_max = M.n_block_max(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
+                    n_nomask = M.n_block_nomask(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
+                    row_max, row_sum, row_scale = S.make_state(2)
+                    row_base = m_block * cfg.tile_m + cwg * WGMMA_M
+                    acc_o.fill(0.0)
+                    q_pipe.consumer_wait(q_state)
+                    if n_max > 0:
+                        P.pingpong_start(cwg, pingpong)
+                        if cutlass.const_expr(not cfg.intra_wg_overlap):
+                            # per tile: S = Q K^T, wait; softmax; O += P V, wait
+                            for i in cutlass.range(n_max, unroll=1):
+                                n_block = n_max - 1 - i
+                                k_pipe.consumer_wait(k_state)
+                                P.pingpong_wait(cwg, pingpong)
+                                warpgroup.fence()
+                                tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index],
+                                                     True)
+                                warpgroup.commit_group()
+                                P.pingpong_pass(cwg, i == n_max - 1, pingpong)
+                                warpgroup.wait_group(0)
+                                k_pipe.consumer_release(k_state)
+                                k_state.advance()
+                                if n_block >= n_nomask:
+                                    M.apply_mask(acc_s, coords, row_base, n_block, seqlen_q, seqlen_k, cfg.causal,
+                                                 pack, n_tile)
+                                if S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
+                                                           cfg.rescale_threshold, cfg.poly_exp2_fraction):
+                                    S.rescale_o(acc_o, row_scale)
+                                tOrP_as_s.store(acc_s.load().to(self.dtype))
+                                v_pipe.consumer_wait(v_state)
+                                self.zero_ragged_v(sV, v_state.index, n_block, seqlen_k, tid, cwg)
+                                warpgroup.fence()
+                                tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index],
+                                                     False)
+                                warpgroup.commit_group()
+                                warpgroup.wait_group(0)
+                                v_pipe.consumer_release(v_state)
+                                v_state.advance()
+                        else:
+                            # intra-warpgroup overlap (FA3): S_i = Q K_i^T and O += P_{i-1} V_{i-1} are issued
+                            # together; the softmax of S_i runs while PV_{i-1} is in flight, and only the
+                            # (conditional) O rescale waits for it. Turns (ping-pong): tile 0's QK^T, the n_max - 1
+                            # pairs, the last PV.
+                            k_pipe.consumer_wait(k_state)
+                            P.pingpong_wait(cwg, pingpong)
+                            warpgroup.fence()
+                            tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], True)
+                            warpgroup.commit_group()
+                            P.pingpong_pass(cwg, False, pingpong)
+                            warpgroup.wait_group(0)
+                            k_pipe.consumer_release(k_state)
+                            k_state.advance()
+                            if n_max - 1 >= n_nomask:
+                                M.apply_mask(acc_s, coords, row_base, n_max - 1, seqlen_q, seqlen_k, cfg.causal, pack,
+                                             n_tile)
+                            S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
+                                                    cfg.rescale_threshold, cfg.poly_exp2_fraction)  # O is 0 yet
+                            tOrP_as_s.store(acc_s.load().to(self.dtype))
+                            for i in cutlass.range(1, n_max, unroll=1):
+                                n_block = n_max - 1 - i
+                                k_pipe.consumer_wait(k_state)
+                                v_pipe.consumer_wait(v_state)
+                                self.zero_ragged_v(sV, v_state.index, n_block + 1, seqlen_k, tid, cwg)
+                                P.pingpong_wait(cwg, pingpong)
+                                warpgroup.fence()
+                                tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index],
+                                                     True)
+                                warpgroup.commit_group()
+                                tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index],
+                                                     False)
+                                warpgroup.commit_group()
+                                P.pingpong_pass(cwg, False, pingpong)
+                                warpgroup.wait_group(1)  # S_i is ready; PV_{i-1} may still run
+                                k_pipe.consumer_release(k_state)
+                                k_state.advance()
+                                if n_block >= n_nomask:
+                                    M.apply_mask(acc_s, coords, row_base, n_block, seqlen_q, seqlen_k, cfg.causal,
+                                                 pack, n_tile)
+                                need = S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
+                                                               cfg.rescale_threshold, cfg.poly_exp2_fraction)
+                                warpgroup.wait_group(0)  # PV_{i-1} done: O and P_{i-1} are free
+                                v_pipe.consumer_release(v_state)
+                                v_state.advance()
+                                if need:
+                                    S.rescale_o(acc_o, row_scale)
+                                tOrP_as_s.store(acc_s.load().to(self.dtype))
+                            v_pipe.consumer_wait(v_state)
+                            self.zero_ragged_v(sV, v_state.index, 0, seqlen_k, tid, cwg)
+                            P.pingpong_wait(cwg, pingpong)
+                            warpgroup.fence()
+                            tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index],
+                                                 False)
+                            warpgroup.commit_group()
+                            P.pingpong_pass(cwg, True, pingpong)
+                            warpgroup.wait_group(0)
+                            v_pipe.consumer_release(v_state)
+                            v_state.advance()
 
-            if n_max > 0:
-                P.pingpong_start(cwg, pingpong)
-                q_state = P.consumer_state(1)
-                q_pipe.consumer_wait(q_state)
-                k_state = P.consumer_state(cfg.kv_stages)
-                v_state = P.consumer_state(cfg.kv_stages)
-                acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((WGMMA_M, n_tile)))
-                # P in registers as the A operand of PV: the accumulator of S and the A fragment of a
-                # 64 x N x 16 wgmma hold the same (row, col) per thread in the same order for 16-bit types
-                tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((WGMMA_M, n_tile)), self.dtype)
-                tOrP_as_s = cute.make_tensor(tOrP.iterator, acc_s.layout)
-                if cutlass.const_expr(not cfg.intra_wg_overlap):
-                    # per tile: S = Q K^T, wait; softmax; O += P V, wait
-                    for i in cutlass.range(n_max, unroll=1):
-                        n_block = n_max - 1 - i
-                        k_pipe.consumer_wait(k_state)
-                        P.pingpong_wait(cwg, pingpong)
-                        warpgroup.fence()
-                        tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], True)
-                        warpgroup.commit_group()
-                        P.pingpong_pass(cwg, i == n_max - 1, pingpong)
-                        warpgroup.wait_group(0)
-                        k_pipe.consumer_release(k_state)
-                        k_state.advance()
-                        if n_block >= n_nomask:
-                            M.apply_mask(acc_s, coords, row_base, n_block, seqlen_q, seqlen_k, cfg.causal, pack,
-                                         n_tile)
-                        if S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
-                                                   cfg.rescale_threshold, cfg.poly_exp2_fraction):
-                            S.rescale_o(acc_o, row_scale)
-                        tOrP_as_s.store(acc_s.load().to(self.dtype))
-                        v_pipe.consumer_wait(v_state)
-                        warpgroup.fence()
-                        tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(0)
-                        v_pipe.consumer_release(v_state)
-                        v_state.advance()
-                else:
-                    # intra-warpgroup overlap (FA3): S_i = Q K_i^T and O += P_{i-1} V_{i-1} are issued together;
-                    # the softmax of S_i runs while PV_{i-1} is in flight, and only the (conditional) O rescale
-                    # waits for it. Turns (ping-pong): tile 0's QK^T, the n_max - 1 pairs, the last PV.
-                    k_pipe.consumer_wait(k_state)
-                    P.pingpong_wait(cwg, pingpong)
-                    warpgroup.fence()
-                    tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], True)
-                    warpgroup.commit_group()
-                    P.pingpong_pass(cwg, False, pingpong)
-                    warpgroup.wait_group(0)
-                    k_pipe.consumer_release(k_state)
-                    k_state.advance()
-                    if n_max - 1 >= n_nomask:
-                        M.apply_mask(acc_s, coords, row_base, n_max - 1, seqlen_q, seqlen_k, cfg.causal, pack, n_tile)
-                    S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2, cfg.rescale_threshold,
-                                            cfg.poly_exp2_fraction)  # O is still 0: nothing to rescale
-                    tOrP_as_s.store(acc_s.load().to(self.dtype))
-                    for i in cutlass.range(1, n_max, unroll=1):
-                        n_block = n_max - 1 - i
-                        k_pipe.consumer_wait(k_state)
-                        v_pipe.consumer_wait(v_state)
-                        P.pingpong_wait(cwg, pingpong)
-                        warpgroup.fence()
-                        tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], True)
-                        warpgroup.commit_group()
-                        tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
-                        warpgroup.commit_group()
-                        P.pingpong_pass(cwg, False, pingpong)
-                        warpgroup.wait_group(1)  # S_i is ready; PV_{i-1} may still run
-                        k_pipe.consumer_release(k_state)
-                        k_state.advance()
-                        if n_block >= n_nomask:
-                            M.apply_mask(acc_s, coords, row_base, n_block, seqlen_q, seqlen_k, cfg.causal, pack,
-                                         n_tile)
-                        need = S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
-                                                       cfg.rescale_threshold, cfg.poly_exp2_fraction)
-                        warpgroup.wait_group(0)  # PV_{i-1} done: O and P_{i-1} are free
-                        v_pipe.consumer_release(v_state)
-                        v_state.advance()
-                        if need:
-                            S.rescale_o(acc_o, row_scale)
-                        tOrP_as_s.store(acc_s.load().to(self.dtype))
-                    v_pipe.consumer_wait(v_state)
-                    P.pingpong_wait(cwg, pingpong)
-                    warpgroup.fence()
-                    tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index], False)
-                    warpgroup.commit_group()
-                    P.pingpong_pass(cwg, True, pingpong)
-                    warpgroup.wait_group(0)
-                    v_pipe.consumer_release(v_state)
-                    v_state.advance()
+                    S.online_softmax_finalize(row_sum, acc_o)
+                    self.epilogue(acc_o, thr_pv, sQ_wg, mO, cwg, tid, m_block, head_group, q_start, seqlen_q)
+                    q_pipe.consumer_release(q_state)  # O's staging in Q's buffer is read: the next Q may land
+                    q_state.advance()
+                tile = TS.next_tile(tile, cfg.persistent)
 
-            S.online_softmax_finalize(row_sum, acc_o)
-            self.epilogue(acc_o, thr_pv, sQ_wg, mO, cwg, tid, m_block, head_group, batch, seqlen_q)
+    @cute.jit
+    def zero_ragged_v(self, sV: cute.Tensor, stage: Int32, n_block: Int32, seqlen_k: Int32, tid: Int32, cwg: Int32):
+        """If V tile n_block (in ring slot `stage`) reaches past the keys, zero those rows (mask.zero_key_rows)
+        and make the zeros visible to this warpgroup's wgmma."""
+        valid = seqlen_k - n_block * self.cfg.tile_n
+        if valid < self.cfg.tile_n:
+            M.zero_key_rows(sV[None, None, stage], valid, tid, self.cfg.tile_n, self.cfg.head_dim)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            P.epilogue_sync(cwg)
 
     @cute.jit
     def epilogue(self, acc_o: cute.Tensor, thr_pv, sO: cute.Tensor, mO: cute.Tensor, cwg: Int32, tid: Int32,
-                 m_block: Int32, head_group: Int32, batch: Int32, seqlen_q: Int32):
+                 m_block: Int32, head_group: Int32, q_start: Int32, seqlen_q: Int32):
         """O (fp32 fragment, already normalised) -> bf16 in the warpgroup's Q smem slice -> the rows that exist."""
         cfg = self.cfg
         d, pack = cfg.head_dim, cfg.pack_gqa
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         r_o.store(acc_o.load().to(self.dtype))
+        P.epilogue_sync(cwg)  # every warp's QK^T has read this Q slice (wgmma reads finish before wait_group)
         cute.autovec_copy(r_o, thr_pv.partition_C(sO))
         P.epilogue_sync(cwg)
 
         tile = m_block * cfg.num_consumer_wg + cwg  # 64-row tile of this sequence's packed rows
-        gO = cute.local_tile(cute.domain_offset(((0, batch * seqlen_q), 0), mO[None, None, head_group]),
+        gO = cute.local_tile(cute.domain_offset(((0, q_start), 0), mO[None, None, head_group]),
                              (WGMMA_M, d), (tile, 0))
         cO = cute.local_tile(cute.make_identity_tensor((pack * seqlen_q, d)), (WGMMA_M, d), (tile, 0))
         vec = 128 // self.dtype.width  # 8 bf16 = 16 bytes per store

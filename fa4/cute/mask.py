@@ -57,3 +57,17 @@ def apply_mask(acc_s: cute.Tensor, coords: cute.Tensor, row_base: Int32, n_block
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             if c_mn[r, c][1] >= limit:
                 s_mn[r, c] = -Float32.inf
+
+
+@cute.jit
+def zero_key_rows(sV: cute.Tensor, valid: Int32, tid: Int32, tile_n: cutlass.Constexpr, head_dim: cutlass.Constexpr):
+    """Zeroes the rows `valid..tile_n` (keys past the sequence) of one V tile in shared memory, sV (D, N).
+
+    Masking sets their scores to -inf, so P is 0 there, but the PV wgmma still multiplies those P by V, and
+    0 x NaN (a neighbour's or an unused page slot's NaN/Inf) is NaN. A consumer warpgroup calls this on its
+    sequence's last, ragged tile only, after the V tile has landed and before its PV: thread tid writes columns
+    tid, tid + 128... of each row, then a proxy fence and the warpgroup's barrier make the zeros visible to
+    wgmma. Both consumer warpgroups zero the same rows (the same value), so neither waits for the other."""
+    for n in cutlass.range(valid, tile_n, unroll=1):
+        for c in cutlass.range_constexpr(head_dim // 128):
+            sV[c * 128 + tid, n] = sV.element_type(0.0)
