@@ -46,6 +46,11 @@ class CachePools:
     def num_slots(self) -> int:
         return self.conv_states.shape[1]
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy slot src's GDN state (every linear layer's conv window and recurrent state) into slot dst."""
+        self.conv_states[:, dst].copy_(self.conv_states[:, src])
+        self.recurrent_states[:, dst].copy_(self.recurrent_states[:, src])
+
     def reset_slots(self, slots: torch.Tensor) -> None:
         """Zero the GDN state of the given slots (a new sequence starts from nothing)."""
         self.conv_states[:, slots] = 0

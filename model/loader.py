@@ -4,6 +4,10 @@ Handles the text-only layout (`model.layers.*`, flat config), the VLM layout (`m
 config nested under `text_config`), sharded folders (`model.safetensors.index.json`), tied embeddings, and
 MoE experts either per expert on disk (`mlp.experts.{e}.{gate,up,down}_proj.weight`) or fused
 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`). `model.visual.*` and `mtp.*` are skipped and counted.
+
+Tensor parallel (`tp=`): the model holds one rank's slices (model.parallel.ShardPlan) and each tensor is sliced as
+it is read: from the safetensors file only the rows or columns of the rank (get_slice), and experts of other ranks
+are not read at all.
 """
 import json
 import logging
@@ -17,6 +21,7 @@ from tqdm import tqdm
 from model.config import Qwen35Config
 from model.layers import FusedLinear
 from model.model import Qwen35ForCausalLM
+from model.parallel import ParallelContext
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,8 @@ class WeightLoader:
         self.filled: dict[str, set] = {n: set() for n in self.params}
         self.unexpected: list[str] = []
         self.skipped = 0
+        self.plan = model.plan
+        self.other_ranks = 0  # tensors (experts) that only other tensor-parallel ranks hold
 
     def _pieces(self, name: str, p: torch.Tensor) -> int:
         if name.endswith("mlp.experts.gate_up_proj"):
@@ -71,11 +78,18 @@ class WeightLoader:
         return sum(target == name for target, _, _ in self.fused_parts.values()) or 1
 
     @torch.no_grad()
-    def load(self, hf_name: str, tensor: torch.Tensor) -> None:
+    def load(self, hf_name: str, tensor) -> None:
+        """tensor: the full HF tensor, or (tensor parallel) a safetensors slice to read this rank's part from."""
         name = canonical_name(hf_name)
         if name is None:
             self.skipped += 1
             return
+        if self.plan.sharded:
+            name = self._local_expert_name(name)
+            if name is None:
+                self.other_ranks += 1
+                return
+        tensor = self.plan.take(name, tensor)  # the tensor itself at world size 1
         target, index, piece = self._route(name)
         if target not in self.params:
             self.unexpected.append(hf_name)
@@ -90,6 +104,22 @@ class WeightLoader:
                              "(tie_word_embeddings); the checkpoint's config does not match its weights")
         dest.copy_(tensor.to(dest.dtype))
         self.filled[target].add(piece)
+
+    def held_elsewhere(self, hf_name: str) -> bool:
+        """Whether only other tensor-parallel ranks hold this tensor (an expert of theirs): then it is not read."""
+        name = canonical_name(hf_name)
+        if name is None or not self.plan.sharded or self._local_expert_name(name) is not None:
+            return False
+        self.other_ranks += 1
+        return True
+
+    def _local_expert_name(self, name: str) -> str | None:
+        """A per-expert name renumbered to this rank's experts; None for another rank's expert."""
+        m = _EXPERT.match(name)
+        if m is None:
+            return name
+        local = self.plan.local_expert(int(m.group(2)))
+        return None if local is None else f"{m.group(1)}.{local}.{m.group(3)}.weight"
 
     def _route(self, name: str):
         # -> (our parameter name, index into it or None, piece id)
@@ -163,14 +193,17 @@ def checkpoint_files(path: Path) -> dict[Path, set[str] | None]:
     return dict.fromkeys(files)
 
 
-def load_checkpoint(path, *, device="cpu", dtype=torch.bfloat16, progress: bool = True) -> Qwen35ForCausalLM:
-    """Build the model from `path/config.json` and load every safetensors shard in `path`."""
+def load_checkpoint(path, *, device="cpu", dtype=torch.bfloat16, progress: bool = True,
+                    tp: ParallelContext | None = None) -> Qwen35ForCausalLM:
+    """Build the model from `path/config.json` and load every safetensors shard in `path` (under tp: this rank's
+    slices, reading only those)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise ValueError(f"{path} has no config.json")
     cfg = Qwen35Config.from_json(path / "config.json")
-    model = Qwen35ForCausalLM.empty(cfg, device=device, dtype=dtype)
+    model = Qwen35ForCausalLM.empty(cfg, device=device, dtype=dtype, tp=tp)
     loader = WeightLoader(model)
+    lazy = model.plan.sharded
     files = checkpoint_files(path)
     with tqdm(total=len(files), desc=f"loading {path.name}", unit="shard", disable=not progress) as bar:
         for f, names in files.items():
@@ -179,7 +212,9 @@ def load_checkpoint(path, *, device="cpu", dtype=torch.bfloat16, progress: bool 
                     raise ValueError(f"the index assigns tensors to {f.name} that it does not hold: "
                                      f"{sorted(names - set(sf.keys()))[:8]}")
                 for name in sf.keys() if names is None else sorted(names):
-                    loader.load(name, sf.get_tensor(name))
+                    if lazy and loader.held_elsewhere(name):
+                        continue
+                    loader.load(name, sf.get_slice(name) if lazy else sf.get_tensor(name))
             bar.update(1)
     loader.finish()
     return model.eval()

@@ -97,9 +97,9 @@ class Split:
         return self.start + self.size
 
 
-def _even(total: int, world: int, rank: int, what: str) -> Split:
+def _even(total: int, world: int, rank: int, what: str, why: str = "") -> Split:
     if total % world:
-        raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size ({world})")
+        raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size ({world}){why}")
     size = total // world
     return Split(rank * size, size, total)
 
@@ -136,10 +136,10 @@ class ShardPlan:
                              f"not divide it, so KV heads cannot be replicated evenly")
         else:  # fewer KV heads than ranks: w / kv ranks share (replicate) each KV head
             kv_heads = Split(r // (w // kv), 1, kv)
-        lin_k = _even(cfg.linear_num_key_heads, w, r, "linear_num_key_heads (each rank keeps whole key-head groups)")
+        lin_k = _even(cfg.linear_num_key_heads, w, r, "linear_num_key_heads", ": each rank keeps whole key-head groups")
         lin_v = _even(cfg.linear_num_value_heads, w, r, "linear_num_value_heads")
         if cfg.is_moe:
-            experts = _even(cfg.num_experts, w, r, "num_experts (expert parallel)")
+            experts = _even(cfg.num_experts, w, r, "num_experts", ": experts are split across ranks")
             shared = _even(cfg.shared_expert_intermediate_size, w, r, "shared_expert_intermediate_size")
             inter = Split(0, cfg.intermediate_size, cfg.intermediate_size)  # unused by MoE layers
         else:

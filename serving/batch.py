@@ -27,6 +27,24 @@ def build_step_input(chunks: list[ScheduledChunk], page_size: int, device,
     """The flat varlen batch of the chunks: N = sum of num_tokens over B = len(chunks) sequences. The page table
     is (B, max pages of the batch) from seq.pages, or the rows of slot_page_table (one row per state slot, kept
     up to date by the caller: serving.model_runner) at the chunks' state slots."""
+    pages = None if slot_page_table is not None else [c.seq.pages for c in chunks]
+    return step_from_lists(flatten_chunks(chunks, page_size), device, slot_page_table, pages)
+
+
+@dataclass
+class StepLists:
+    """One step's flat varlen batch as host lists: what build_step_input turns into a StepInput, and what rank 0
+    sends to tensor-parallel workers (serving.tp_worker), which build the same StepInput from it."""
+    tokens: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    cu_seqlens: list[int]
+    seqused_k: list[int]
+    state_slots: list[int]
+    max_seqlen_q: int
+
+
+def flatten_chunks(chunks: list[ScheduledChunk], page_size: int) -> StepLists:
     tokens, positions, slot_mapping, cu_seqlens = [], [], [], [0]
     for c in chunks:
         prompt, n_prompt = c.seq.prompt_ids, c.seq.num_prompt_tokens
@@ -35,20 +53,28 @@ def build_step_input(chunks: list[ScheduledChunk], page_size: int, device,
         positions += span
         slot_mapping += [c.seq.pages[p // page_size] * page_size + p % page_size for p in span]
         cu_seqlens.append(cu_seqlens[-1] + c.num_tokens)
+    return StepLists(tokens, positions, slot_mapping, cu_seqlens, [c.end for c in chunks],
+                     [c.seq.state_slot for c in chunks], max(c.num_tokens for c in chunks))
+
+
+def step_from_lists(lists: StepLists, device, slot_page_table: torch.Tensor | None = None,
+                    pages: list[list[int]] | None = None) -> StepInput:
+    """The StepInput of the lists; its page table: slot_page_table's rows at the state slots, else `pages`
+    (each sequence's page list) padded to the longest."""
     pin = torch.device(device).type == "cuda"  # pinned staging: the copies do not wait for the stream
     as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
-    state_slots = as_tensor([c.seq.state_slot for c in chunks], torch.int64)
+    state_slots = as_tensor(lists.state_slots, torch.int64)
     if slot_page_table is None:
-        max_pages = max(len(c.seq.pages) for c in chunks)
-        page_table = as_tensor([c.seq.pages + [0] * (max_pages - len(c.seq.pages)) for c in chunks], torch.int32)
+        max_pages = max(len(p) for p in pages)
+        page_table = as_tensor([p + [0] * (max_pages - len(p)) for p in pages], torch.int32)
     else:
         page_table = slot_page_table.index_select(0, state_slots)  # (B, W)
     return StepInput(
-        token_ids=as_tensor(tokens, torch.int64),
-        positions=as_tensor(positions, torch.int64),
-        cu_seqlens=as_tensor(cu_seqlens, torch.int32),
-        max_seqlen_q=max(c.num_tokens for c in chunks),
-        seqused_k=as_tensor([c.end for c in chunks], torch.int32),
+        token_ids=as_tensor(lists.tokens, torch.int64),
+        positions=as_tensor(lists.positions, torch.int64),
+        cu_seqlens=as_tensor(lists.cu_seqlens, torch.int32),
+        max_seqlen_q=lists.max_seqlen_q,
+        seqused_k=as_tensor(lists.seqused_k, torch.int32),
         page_table=page_table,
-        slot_mapping=as_tensor(slot_mapping, torch.int64),
+        slot_mapping=as_tensor(lists.slot_mapping, torch.int64),
         state_slots=state_slots)

@@ -58,11 +58,13 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_model(spec: str, device: torch.device) -> tuple[Qwen35ForCausalLM, str]:
+def load_model(spec: str, device: torch.device, tp=None) -> tuple[Qwen35ForCausalLM, str]:
+    """A checkpoint folder or a preset name; tp (a model.parallel.ParallelContext): this rank's slices only."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if Path(spec).is_dir():
-        return load_checkpoint(spec, device=device, dtype=dtype), f"checkpoint {spec}"
-    return Qwen35ForCausalLM.from_preset(spec, device=device, dtype=dtype), f"preset {spec} (RANDOM weights)"
+        return load_checkpoint(spec, device=device, dtype=dtype, tp=tp), f"checkpoint {spec}"
+    return (Qwen35ForCausalLM.from_preset(spec, device=device, dtype=dtype, tp=tp),
+            f"preset {spec} (RANDOM weights)")
 
 
 def run_turn(engine: LLMEngine, tokenizer, prompt: list[int], max_new_tokens: int, out) -> tuple[list[int], TurnStats]:

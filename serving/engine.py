@@ -15,6 +15,7 @@ from serving.sampler import sample
 from serving.scheduler import Scheduler
 from serving.sequence import SamplingParams, Sequence
 from serving.state_cache import StateSnapshotCache
+from serving.tp_worker import leader_link
 
 log = logging.getLogger("serving")
 
@@ -49,8 +50,12 @@ class LLMEngine:
         cfg, self.sizing = self._size(model, cfg)
         self.cfg = cfg
         num_slots = cfg.max_num_seqs + cfg.snapshot_slots + 1  # the last slot and the last page are padding's
-        self.pools = CachePools.allocate(model.config, cfg.num_pages + 1, cfg.page_size, num_slots, weight.dtype,
-                                         weight.device)
+        # tensor parallel: rank 0 sends each step to the workers (serving.tp_worker), whose engines only hold the
+        # pools and the runner; every rank's pools hold its own heads (model.cache_config). None at TP=1.
+        self.link = leader_link(model)
+        pools = CachePools.allocate(model.cache_config, cfg.num_pages + 1, cfg.page_size, num_slots, weight.dtype,
+                                    weight.device)
+        self.pools = pools if self.link is None else self.link.recording(pools)
         self.block_manager = KVBlockManager(cfg.num_pages, cfg.page_size)
         self.state_cache = StateSnapshotCache(self.pools, cfg.max_num_seqs, cfg.snapshot_slots)
         self.scheduler = Scheduler(cfg, self.block_manager, self.state_cache, self.pools)
@@ -65,7 +70,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.pools, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
                                   max_num_seqs=cfg.max_num_seqs, dummy_page=cfg.num_pages, dummy_slot=num_slots - 1,
                                   graph_sizes=cfg.graph_batch_sizes() if use_graphs or pad_decode else (),
-                                  use_graphs=use_graphs)
+                                  use_graphs=use_graphs, link=self.link)
         self.runner.capture()
         sizes = list(self.runner.graph_sizes)
         self.graphs = f"decode CUDA graphs at batch {sizes}" if use_graphs else f"eager decode ({why_not})"
@@ -75,6 +80,11 @@ class LLMEngine:
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
         self._seeds = torch.Generator().manual_seed(cfg.seed)
+
+    def close(self) -> None:
+        """Tensor parallel rank 0: stop the workers' loops (nothing to do at TP=1)."""
+        if self.link is not None:
+            self.link.stop()
 
     @staticmethod
     def _size(model: Qwen35ForCausalLM, cfg: EngineConfig) -> tuple[EngineConfig, dict | None]:

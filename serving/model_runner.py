@@ -25,6 +25,11 @@ Two paths.
 Graphs need the decode ops free of host syncs: the "triton" ops backend (kernels/paged_decode_attention.py,
 kernels/gdn_decode.py, norms, attention_prep) is; the reference ops and MoE routing (its .tolist()) are not, so
 graphs are switched off, with a log line, when the backend or the model is not capturable.
+
+Tensor parallel (serving.tp_worker): on rank 0 `link` sends each step's host inputs (page-table updates, the decode
+rows, or an eager step's flat lists) to the workers before the step runs; a worker's runner runs the very same
+`write_table`, `decode_values` and `eager_lists` on them, so every rank replays the same graphs (collectives
+inside) on the same inputs. At world size 1 link is None and nothing is sent.
 """
 import logging
 
@@ -35,7 +40,7 @@ from model import ops
 from model.cache import CachePools
 from model.model import Qwen35ForCausalLM
 from model.step import StepInput
-from serving.batch import ScheduledChunk, build_step_input
+from serving.batch import ScheduledChunk, StepLists, flatten_chunks, step_from_lists
 
 log = logging.getLogger("serving")
 
@@ -56,10 +61,11 @@ def graphs_unsupported(model: Qwen35ForCausalLM) -> str | None:
 class ModelRunner:
     def __init__(self, model: Qwen35ForCausalLM, pools: CachePools, *, page_size: int, max_model_len: int,
                  max_num_seqs: int, dummy_page: int, dummy_slot: int, graph_sizes: tuple[int, ...] = (),
-                 use_graphs: bool = False):
+                 use_graphs: bool = False, link=None):
         """graph_sizes: the ladder decode batches are padded to (empty: no padding); use_graphs: capture them
         (CUDA only). Padding without graphs runs the same shapes eagerly (tests of the padding on the CPU)."""
         self.model, self.pools, self.page_size = model, pools, page_size
+        self.link = link  # rank 0's serving.tp_worker.StepBroadcaster under tensor parallelism, else None
         self.cfg = model.config
         self.device = model.lm_head.weight.device
         self.dummy_page, self.dummy_slot = dummy_page, dummy_slot
@@ -102,9 +108,15 @@ class ModelRunner:
     def _eager(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Any chunks, eagerly, over the same width-W page tables as decode steps (so attention kernels that pick
         their split count from the table's capacity do the same with and without graphs)."""
-        self.num_eager_steps += 1
         self.sync_page_tables([c.seq for c in chunks])
-        step = build_step_input(chunks, self.page_size, self.device, slot_page_table=self.table)
+        lists = flatten_chunks(chunks, self.page_size)
+        if self.link is not None:
+            self.link.send("eager", lists)
+        return self.eager_lists(lists)
+
+    def eager_lists(self, lists: StepLists) -> torch.Tensor:
+        self.num_eager_steps += 1
+        step = step_from_lists(lists, self.device, slot_page_table=self.table)
         return self.model.forward_step(step, self.pools)
 
     # ---- decode steps ------------------------------------------------------------------------------------
@@ -127,9 +139,16 @@ class ModelRunner:
             tokens.append(seq.prompt_ids[p] if p < n_prompt else seq.output_ids[p - n_prompt])
             positions.append(p)
             slots.append(seq.state_slot)
-        self._wait(self._host)
         pad = bs - n
-        self._host.numpy()[:3 * bs] = tokens + [0] * pad + positions + [0] * pad + slots + [self.dummy_slot] * pad
+        values = tokens + [0] * pad + positions + [0] * pad + slots + [self.dummy_slot] * pad
+        if self.link is not None:
+            self.link.send("decode", (bs, n, values))
+        return self.decode_values(bs, n, values)
+
+    def decode_values(self, bs: int, n: int, values: list[int]) -> torch.Tensor:
+        """The decode step of n rows padded to bs: values holds the (3, bs) rows token, position, state slot."""
+        self._wait(self._host)
+        self._host.numpy()[:3 * bs] = values
         self.inputs[:3 * bs].copy_(self._host[:3 * bs], non_blocking=True)
         self._record(self._host)
         graph = self.graphs.get(bs)
@@ -187,6 +206,12 @@ class ModelRunner:
             self._synced[slot] = (pages, end)
         if not rows:
             return
+        if self.link is not None:
+            self.link.table(rows, cols, vals)
+        self.write_table(rows, cols, vals)
+
+    def write_table(self, rows: list[int], cols: list[int], vals: list[int]) -> None:
+        """table[rows[i], cols[i]] = vals[i], through one pinned staging copy."""
         k = len(rows)
         if self._upd.numel() < 3 * k:
             self._upd = torch.zeros(max(3 * k, 2 * self._upd.numel(), 768), dtype=torch.int64,
@@ -226,12 +251,12 @@ class ModelRunner:
 # ---- sizing the pools from memory -------------------------------------------------------------------------
 
 def kv_page_bytes(model: Qwen35ForCausalLM, page_size: int) -> int:
-    cfg, elt = model.config, model.lm_head.weight.element_size()
+    cfg, elt = model.cache_config, model.lm_head.weight.element_size()  # this rank's heads
     return len(cfg.full_attention_layers) * 2 * page_size * cfg.num_key_value_heads * cfg.head_dim * elt
 
 
 def state_slot_bytes(model: Qwen35ForCausalLM) -> int:
-    cfg, elt = model.config, model.lm_head.weight.element_size()
+    cfg, elt = model.cache_config, model.lm_head.weight.element_size()  # this rank's heads
     per_layer = (cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * elt
                  + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
     return len(cfg.linear_attention_layers) * per_layer
@@ -244,7 +269,7 @@ def profile_step_peak(model: Qwen35ForCausalLM, page_size: int, max_model_len: i
     dev = model.lm_head.weight.device
     n = max(1, min(num_tokens, max_model_len))
     pages = -(-max_model_len // page_size)
-    pools = CachePools.allocate(model.config, pages, page_size, 1, model.lm_head.weight.dtype, dev)
+    pools = CachePools.allocate(model.cache_config, pages, page_size, 1, model.lm_head.weight.dtype, dev)
     positions = torch.arange(max_model_len - n, max_model_len, device=dev)
     step = StepInput(token_ids=torch.zeros(n, dtype=torch.int64, device=dev), positions=positions,
                      cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=dev), max_seqlen_q=n,
@@ -272,6 +297,7 @@ def pages_for_memory(model: Qwen35ForCausalLM, *, utilization: float, page_size:
     reserve = 512 * 2**20 + max_num_seqs * model.config.vocab_size * 32  # sampler (fp32 sort) and graph pool
     budget = free - (1 - utilization) * total - peak - reserve - num_slots * state_slot_bytes(model)
     num_pages = int(budget // kv_page_bytes(model, page_size)) - 1  # one page is the decode padding's
+    num_pages = model.tp.min_over_ranks(num_pages)  # tensor parallel: every rank's pool has the same pages
     if num_pages < -(-max_model_len // page_size):
         raise ValueError(f"after the weights and a {peak / 2**30:.2f} GiB activation peak, {utilization:.0%} of the "
                          f"card leaves {max(num_pages, 0)} KV pages, fewer than one {max_model_len}-token "

@@ -1,6 +1,9 @@
 """An OpenAI-compatible HTTP server on aiohttp: `python -m serving.server --model PRESET|PATH [--host 127.0.0.1]
 [--port 8000] [--device auto|cpu|cuda] [--max-model-len N] [--kv-tokens N] [--gpu-memory-utilization F] [--eager]
-[--max-num-seqs N] [--api-key KEY] [--max-body-bytes N] [--max-queued N] [--served-model-name NAME]`.
+[--max-num-seqs N] [--api-key KEY] [--max-body-bytes N] [--max-queued N] [--served-model-name NAME] [--tp N]`.
+
+--tp N: tensor parallel over N processes (GPUs cuda:0..N-1 with NCCL, or CPU processes with gloo); this process
+is rank 0 (scheduler and HTTP), it spawns ranks 1..N-1 (serving.tp_worker). NCCL_NVLS_ENABLE=0 in every process.
 
 On a CUDA device the KV pool takes --gpu-memory-utilization of the card; on the CPU it holds --kv-tokens.
 
@@ -24,10 +27,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from aiohttp import web
 
 from model import ops
 from model.tokenizer import QwenTokenizer, load_tokenizer
+from serving import tp_worker
 from serving.async_engine import AsyncEngine, EngineFailure, RequestRejected, RequestStream
 from serving.config import EngineConfig
 from serving.demo import load_model, pick_device
@@ -384,6 +389,7 @@ class ServerArgs:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queued: int = DEFAULT_MAX_QUEUED
     served_model_name: str | None = None
+    tp: int = 1
 
 
 def parse_args(argv=None) -> ServerArgs:
@@ -405,15 +411,18 @@ def parse_args(argv=None) -> ServerArgs:
     ap.add_argument("--max-queued", type=int, default=DEFAULT_MAX_QUEUED,
                     help="requests that may wait for admission; more get 429 with Retry-After")
     ap.add_argument("--served-model-name", help="the model name of the API (default: the --model name)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (GPUs): this one and N-1 workers")
     return ServerArgs(**vars(ap.parse_args(argv)))
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    if args.tp < 1:
+        raise SystemExit(f"--tp must be >= 1, got {args.tp}")
     device = pick_device(args.device)
-    ops.set_backend("triton" if device.type == "cuda" else "reference")
-    model, what = load_model(args.model, device)
+    backend = "triton" if device.type == "cuda" else "reference"
+    ops.set_backend(backend)
     tokenizer = load_tokenizer()
     common = dict(max_num_seqs=args.max_num_seqs, eos_token_ids=tokenizer.eos_token_ids,
                   max_model_len=args.max_model_len, cuda_graphs=not args.eager)
@@ -421,14 +430,26 @@ def main(argv=None) -> None:
         cfg = EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common)
     else:
         cfg = EngineConfig.for_token_budget(args.kv_tokens, **common)
+    tp, workers = None, []
+    if args.tp > 1:  # rank 0 here; ranks 1..N-1 in spawned workers that build the same engine
+        if device.type == "cuda" and torch.cuda.device_count() < args.tp:
+            raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs; {torch.cuda.device_count()} are visible")
+        tp, workers = tp_worker.launch(args.tp, args.model, device.type, cfg, backend)
+        device = tp_worker.rank_device(device.type, 0)
+    model, what = load_model(args.model, device, tp=tp)
     engine = LLMEngine(model, cfg)
     max_len = args.max_model_len or model.config.max_position_embeddings
     name = args.served_model_name or Path(args.model).name
     limits = Limits(args.api_key, args.max_body_bytes, args.max_queued)
     log.info("serving %s on %s as '%s' at http://%s:%d (API key %s)", what, device, name, args.host, args.port,
              "required" if args.api_key else "off")
-    web.run_app(create_app(engine, tokenizer, name, max_len, limits, aliases=(args.model,)),
-                host=args.host, port=args.port, print=None)
+    try:
+        web.run_app(create_app(engine, tokenizer, name, max_len, limits, aliases=(args.model,)),
+                    host=args.host, port=args.port, print=None)
+    finally:
+        engine.close()  # tensor parallel: stops the workers
+        for p in workers:
+            p.join(timeout=30)
 
 
 if __name__ == "__main__":

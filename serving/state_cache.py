@@ -28,8 +28,7 @@ class StateSnapshotCache:
 
     def copy_state(self, src: int, dst: int) -> None:
         """conv_states[:, dst] = conv_states[:, src], recurrent likewise: every linear layer at once."""
-        self.pools.conv_states[:, dst].copy_(self.pools.conv_states[:, src])
-        self.pools.recurrent_states[:, dst].copy_(self.pools.recurrent_states[:, src])
+        self.pools.copy_slot(src, dst)
 
     def _take_slot(self) -> int | None:
         """A free slot, else the least recently used published one; None when all are private."""

@@ -1,0 +1,153 @@
+"""Tensor-parallel serving: one process per rank (GPU), the scheduler on rank 0.
+
+Every rank builds the same LLMEngine over its slice of the model (model.parallel): pools of its own heads, a
+ModelRunner with the same decode graphs. Only rank 0's engine schedules, samples and serves; each step it sends
+the workers what its ModelRunner is about to run, as host data over a gloo group (one broadcast per model call):
+- the cache edits since the last message, in order: GDN slot resets and snapshot copies (the scheduler's, through
+  RecordingPools) and page-table row updates;
+- then the call: a decode of n rows padded to bs (its (3, bs) token / position / slot rows), or an eager step's
+  flat lists (serving.batch.StepLists), or "stop".
+A worker (serve_worker) applies the edits to its own pools and runs the same ModelRunner method on the same host
+data, so every rank enqueues the same kernels and collectives, graphs included; the logits (gathered on every
+rank) are used by rank 0 only.
+
+`launch` starts ranks 1..N-1 as spawned processes running `worker_main`; rank 0 then joins with init_parallel.
+NCCL_NVLS_ENABLE=0 (no NVLink multicast) is set in every process.
+"""
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from model.cache import CachePools
+from model.parallel import ParallelContext, init_parallel
+
+log = logging.getLogger("serving")
+
+
+@dataclass
+class RecordingPools(CachePools):
+    """Rank 0's pools: every slot reset and snapshot copy is applied here and queued for the workers."""
+    link: "StepBroadcaster | None" = None
+
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        super().reset_slots(slots)
+        self.link.pending.append(("reset", torch.as_tensor(slots).tolist()))
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        super().copy_slot(src, dst)
+        self.link.pending.append(("copy", src, dst))
+
+
+class StepBroadcaster:
+    """Rank 0's link to the workers."""
+
+    def __init__(self, tp: ParallelContext):
+        self.tp = tp
+        self.pending: list[tuple] = []  # cache edits not yet sent
+        self.stopped = False
+
+    def recording(self, pools: CachePools) -> RecordingPools:
+        return RecordingPools(pools.k_pages, pools.v_pages, pools.conv_states, pools.recurrent_states, link=self)
+
+    def table(self, rows: list[int], cols: list[int], vals: list[int]) -> None:
+        self.pending.append(("table", rows, cols, vals))
+
+    def send(self, kind: str, payload) -> None:
+        message, self.pending = [(kind, self.pending, payload)], []
+        dist.broadcast_object_list(message, src=0, group=self.tp.cpu_group)
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self.send("stop", None)
+
+
+def leader_link(model) -> StepBroadcaster | None:
+    """Rank 0's link when the model is tensor parallel, else None (TP=1, or a worker rank)."""
+    tp = model.tp
+    return StepBroadcaster(tp) if tp.world_size > 1 and tp.rank == 0 else None
+
+
+def serve_worker(engine) -> int:
+    """A worker rank's loop over rank 0's messages, until "stop". Returns the number of model calls run."""
+    runner, pools, tp = engine.runner, engine.pools, engine.model.tp
+    device = pools.conv_states.device
+    calls = 0
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=tp.cpu_group)
+        kind, edits, payload = message[0]
+        for edit in edits:
+            if edit[0] == "table":
+                runner.write_table(*edit[1:])
+            elif edit[0] == "reset":
+                pools.reset_slots(torch.tensor(edit[1], device=device))
+            elif edit[0] == "copy":
+                pools.copy_slot(edit[1], edit[2])
+            else:
+                raise ValueError(f"unknown cache edit {edit[0]!r}")
+        if kind == "stop":
+            return calls
+        if kind == "decode":
+            runner.decode_values(*payload)
+        elif kind == "eager":
+            runner.eager_lists(payload)
+        else:
+            raise ValueError(f"unknown step message {kind!r}")
+        calls += 1
+
+
+# ---- processes ----------------------------------------------------------------------------------------------
+
+
+def rank_device(device_type: str, rank: int) -> torch.device:
+    """cuda:rank on GPUs (made the current device), else the CPU."""
+    if device_type != "cuda":
+        return torch.device(device_type)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def worker_main(rank: int, world_size: int, init_method: str, model_spec: str, device_type: str, engine_cfg,
+                ops_backend: str) -> None:
+    """A worker rank: join the group, build its slice of the model and the same engine, then serve_worker."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    from model import ops
+    from serving.demo import load_model
+    from serving.engine import LLMEngine
+    logging.basicConfig(level=logging.WARNING)
+    device = rank_device(device_type, rank)
+    ops.set_backend(ops_backend)
+    tp = init_parallel(rank, world_size, init_method)
+    try:
+        model, _ = load_model(model_spec, device, tp=tp)
+        serve_worker(LLMEngine(model, engine_cfg))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world_size: int, model_spec: str, device_type: str, engine_cfg, ops_backend: str):
+    """Rank 0: spawn ranks 1..world_size-1 (worker_main) and join the group. Returns (ParallelContext, processes);
+    rank 0 then builds its model with load_model(..., tp=) and its LLMEngine, and calls engine.close() at the end."""
+    import torch.multiprocessing as mp
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the workers too
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, args=(r, world_size, init_method, model_spec, device_type,
+                                                   engine_cfg, ops_backend), daemon=True)
+             for r in range(1, world_size)]
+    for p in procs:
+        p.start()
+    rank_device(device_type, 0)
+    return init_parallel(0, world_size, init_method), procs

@@ -1,0 +1,224 @@
+"""Tensor parallelism (model.parallel, serving.tp_worker) on the CPU with gloo: two spawned ranks
+(tests/tp_scenarios.py, run once per module) against world size 1 in this process. forward_step logits equal
+(dense, MoE, replicated KV heads), the engine's greedy output through the rank-0 scheduler and a worker equals
+TP=1 (batching, chunked prefill, padded decode, a prefix-cache hit), and checkpoints written by transformers'
+save_pretrained load sharded, reading only each rank's slices. Bad splits raise ValueError naming the dimension.
+The NCCL test (CUDA graphs with the collectives inside) needs >= 2 GPUs."""
+import pytest
+import torch
+import torch.multiprocessing as mp
+import tp_scenarios as S
+from conftest import rel_err
+from hf_oracle import hf_text_model, small_config
+
+import model.loader as loader_module
+from model.loader import load_checkpoint
+from model.model import Qwen35ForCausalLM, _FullShapes
+from model.parallel import ParallelContext, ShardPlan
+from serving.engine import LLMEngine
+from serving.server import parse_args
+
+TOL = 1e-5
+CHECKPOINTS = {"dense": small_config(vocab_size=509, tie_word_embeddings=True),  # 509 rows: the last shard padded
+               "moe": small_config(moe=True)}
+
+
+def write_checkpoints(workdir) -> None:
+    for name, cfg in CHECKPOINTS.items():
+        hf_text_model(cfg, seed=5).save_pretrained(workdir / f"ckpt-{name}")
+
+
+def spawn_ranks(workdir, device_type: str) -> list[dict]:
+    write_checkpoints(workdir)
+    mp.spawn(S.run_rank, args=(2, str(workdir), device_type), nprocs=2, join=True)
+    return [torch.load(workdir / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tp")
+
+
+@pytest.fixture(scope="module")
+def ranks(workdir) -> list[dict]:
+    """Both ranks' results, from one spawn for the whole module (process start-up dominates)."""
+    return spawn_ranks(workdir, "cpu")
+
+
+def assert_same_logits(tp_out: list[torch.Tensor], ref: list[torch.Tensor], what: str, tol: float = TOL) -> None:
+    for i, (a, b) in enumerate(zip(tp_out, ref)):
+        assert a.shape == b.shape, f"{what} step {i}: {tuple(a.shape)} vs {tuple(b.shape)}"
+        err = rel_err(a, b)
+        assert err < tol, f"{what} step {i}: rel err {err:.2e} at TP=2 vs TP=1"
+
+
+# ---- world size 2 against world size 1 -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(S.CONFIGS))
+def test_forward_step_logits_tp2_equal_tp1(ranks, name):
+    ref = S.step_logits(S.build(name, "cpu", None), "cpu")
+    for r in range(2):  # every rank ends with the whole (gathered) logits
+        assert_same_logits(ranks[r]["logits"][name], ref, f"{name} rank {r}")
+
+
+@pytest.mark.parametrize("case", list(S.ENGINE_CASES))
+def test_engine_greedy_tp2_equals_tp1(ranks, case):
+    name, padded = S.ENGINE_CASES[case]
+    ref = S.run_engine(S.build(name, "cpu", None), padded, "cpu")
+    got = ranks[0]["engine"][case]
+    assert ranks[1]["engine"][case] is None  # the worker rank only served
+    assert all(len(o) == S.NEW_TOKENS for o in got["outputs"])
+    assert got["outputs"] == ref["outputs"]
+    assert got["eager_steps"] == ref["eager_steps"]
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_sharded_checkpoint_logits_equal_tp1(ranks, workdir, name):
+    ref = S.step_logits(load_checkpoint(workdir / f"ckpt-{name}", dtype=torch.float32, progress=False), "cpu")
+    for r in range(2):
+        assert_same_logits(ranks[r]["loaded"][name], ref, f"loaded {name} rank {r}")
+
+
+# ---- sharded loading, in this process (no collectives needed) -------------------------------------------------
+
+class ReadLog:
+    """Wraps safetensors' safe_open to record which tensors are read whole and which through slices."""
+
+    def __init__(self, real):
+        self.real, self.whole, self.sliced = real, [], []
+
+    def __call__(self, *args, **kwargs):
+        log = self
+
+        class Handle:
+            def __init__(self):
+                self.f = log.real(*args, **kwargs)
+
+            def __enter__(self):
+                self.inner = self.f.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.f.__exit__(*exc)
+
+            def keys(self):
+                return self.inner.keys()
+
+            def get_tensor(self, name):
+                log.whole.append(name)
+                return self.inner.get_tensor(name)
+
+            def get_slice(self, name):
+                log.sliced.append(name)
+                return self.inner.get_slice(name)
+
+        return Handle()
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_loader_slices_equal_the_full_tensors(tmp_path, monkeypatch, name):
+    """Each rank's parameters are exactly its slices of the TP=1 load (padding rows zero); nothing is read whole and
+    experts of the other rank are never opened."""
+    cfg = CHECKPOINTS[name]
+    hf_text_model(cfg, seed=6).save_pretrained(tmp_path)
+    full = dict(load_checkpoint(tmp_path, dtype=torch.float32, progress=False).named_parameters())
+    shapes = _FullShapes(cfg)
+    for r in range(2):
+        reads = ReadLog(loader_module.safe_open)
+        monkeypatch.setattr(loader_module, "safe_open", reads)
+        model = load_checkpoint(tmp_path, dtype=torch.float32, progress=False, tp=ParallelContext(r, 2))
+        monkeypatch.undo()
+        assert reads.whole == [] and reads.sliced
+        if cfg.is_moe:
+            other = range(3, 6) if r == 0 else range(0, 3)
+            assert not [n for n in reads.sliced if any(f".experts.{e}." in n for e in other)]
+        for pname, p in model.named_parameters():
+            torch.testing.assert_close(p, shapes.take(model.plan, pname, full[pname]), rtol=0, atol=0,
+                                       msg=lambda m, pname=pname, r=r: f"rank {r} {pname}: {m}")
+        if name == "dense":
+            assert model.model.embed_tokens.weight.shape[0] == 255
+            assert r == 0 or model.model.embed_tokens.weight[-1].abs().sum() == 0  # row 509 is padding
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+# ---- the plan --------------------------------------------------------------------------------------------------
+
+def test_plan_slices_gdn_channels_by_key_head_groups():
+    cfg = small_config(linear_num_key_heads=2, linear_num_value_heads=4)  # dk = dv = 16: q 32 | k 32 | v 64
+    plan = ShardPlan.build(cfg, ParallelContext(1, 2))
+    assert plan.pieces("model.layers.0.linear_attn.in_proj_qkv.weight") == (0, [(16, 32), (48, 64), (96, 128)])
+    assert plan.pieces("model.layers.0.linear_attn.conv1d.weight") == (0, [(16, 32), (48, 64), (96, 128)])
+    assert plan.pieces("model.layers.0.linear_attn.in_proj_z.weight") == (0, [(32, 64)])
+    assert plan.pieces("model.layers.0.linear_attn.A_log") == (0, [(2, 4)])
+    assert plan.pieces("model.layers.0.linear_attn.out_proj.weight") == (1, [(32, 64)])
+    assert plan.pieces("model.layers.0.linear_attn.norm.weight") is None
+    assert plan.local.conv_dim == 64 and plan.local.linear_num_value_heads == 2
+
+
+def test_plan_replicates_kv_heads_when_fewer_than_ranks():
+    cfg = small_config(num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=8)
+    for rank, kv in [(0, 0), (1, 0), (2, 1), (3, 1)]:
+        plan = ShardPlan.build(cfg, ParallelContext(rank, 4))
+        assert (plan.kv_heads.start, plan.kv_heads.size) == (kv, 1)
+        assert plan.pieces("model.layers.3.self_attn.k_proj.weight") == (0, [(kv * 32, kv * 32 + 32)])
+        assert plan.pieces("model.layers.3.self_attn.q_proj.weight") == (0, [(rank * 64, rank * 64 + 64)])
+
+
+def test_world_size_one_is_the_plain_model():
+    cfg = small_config()
+    model = Qwen35ForCausalLM.random(cfg, seed=0)
+    assert not model.plan.sharded and model.cache_config is cfg
+    assert model.model.embed_tokens.weight.shape[0] == cfg.vocab_size
+    assert model.tp.all_reduce(x := torch.ones(3)) is x
+
+
+GDN4 = dict(linear_num_key_heads=4, linear_num_value_heads=8)  # splits over 4 ranks
+
+
+@pytest.mark.parametrize("overrides, world, match", [
+    (dict(num_attention_heads=4, num_key_value_heads=2), 3, "num_attention_heads \\(4\\) is not divisible"),
+    (dict(num_attention_heads=4, num_key_value_heads=1), 8, "num_attention_heads \\(4\\) is not divisible"),
+    (dict(num_attention_heads=6, num_key_value_heads=3), 2, "num_key_value_heads \\(3\\) is not divisible"),
+    (dict(num_attention_heads=12, num_key_value_heads=3), 4, "cannot be replicated evenly"),
+    (dict(linear_num_key_heads=2, linear_num_value_heads=4), 4, "linear_num_key_heads \\(2\\).*whole key-head"),
+    (dict(GDN4, intermediate_size=90), 4, "intermediate_size \\(90\\)"),
+    (dict(GDN4, moe=True), 4, "num_experts \\(6\\).*experts are split"),
+    (dict(GDN4, moe=True, num_experts=8, shared_expert_intermediate_size=50), 4, "shared_expert_intermediate_size"),
+])
+def test_bad_splits_raise_value_error(overrides, world, match):
+    cfg = small_config(**overrides)
+    with pytest.raises(ValueError, match=match):
+        Qwen35ForCausalLM(cfg, ParallelContext(0, world))
+
+
+def test_bad_rank_raises():
+    with pytest.raises(ValueError, match="rank 2 of world size 2"):
+        ParallelContext(2, 2)
+
+
+def test_server_takes_tp():
+    assert parse_args(["--tp", "2"]).tp == 2 and parse_args([]).tp == 1
+
+
+def test_tp1_engine_has_no_link():
+    engine = LLMEngine(Qwen35ForCausalLM.random(small_config(), seed=0), S.engine_config("cpu"))
+    assert engine.link is None and engine.runner.link is None and type(engine.pools).__name__ == "CachePools"
+
+
+# ---- NCCL on two GPUs (the lead's nvidia-h200-x2 run) ----------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_tp2_equals_tp1_with_cuda_graphs(tmp_path):
+    """The same scenarios with NCCL on cuda:0/1, the triton ops and decode CUDA graphs (collectives captured)."""
+    from model import ops
+    got = spawn_ranks(tmp_path, "cuda")
+    with ops.use_backend("triton"):
+        for name in S.CONFIGS:
+            ref = S.step_logits(S.build(name, "cuda", None), "cuda")
+            assert_same_logits(got[0]["logits"][name], ref, f"{name} on GPUs", tol=1e-4)
+        for case, (name, padded) in S.ENGINE_CASES.items():
+            ref = S.run_engine(S.build(name, "cuda", None), padded, "cuda")
+            assert got[0]["engine"][case]["outputs"] == ref["outputs"], case
+            if not S.CONFIGS[name].is_moe:
+                assert got[0]["engine"][case]["graph_steps"] > 0, "decode steps did not replay graphs at TP=2"

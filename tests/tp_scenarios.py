@@ -1,0 +1,88 @@
+"""What each rank of tests/test_tensor_parallel.py runs (a spawned process per rank): forward_step logits, engine
+greedy outputs and sharded checkpoint loads at world size N, saved by every rank to workdir/rank{r}.pt for the
+test process to compare with world size 1 (computed there by the same functions with tp=None)."""
+import torch
+import torch.distributed as dist
+from hf_oracle import small_config
+
+from model import ops
+from model.loader import load_checkpoint
+from model.model import Qwen35ForCausalLM
+from model.parallel import ParallelContext, init_parallel
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
+from serving.sequence import SamplingParams
+from serving.tp_worker import serve_worker
+
+VOCAB = 500  # token ids drawn below every config's vocabulary (the dense checkpoint's is 509: padded shards)
+SEED = 3
+# name -> config: dense, MoE, and fewer KV heads than ranks (replicated)
+CONFIGS = {"dense": small_config(), "moe": small_config(moe=True), "kv-replicated": small_config(num_key_value_heads=1)}
+ENGINE_CASES = {"dense-padded": ("dense", True), "moe": ("moe", False)}
+NEW_TOKENS = 16
+
+
+def step_logits(model: Qwen35ForCausalLM, device) -> list[torch.Tensor]:
+    """Prefill of 2 x 9 tokens (all logits), then two decode steps (last logits): through forward_step."""
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1)).to(device)
+    cache = model.new_cache(2, 16)
+    out = [model(ids[:, :9], cache)]
+    out += [model(ids[:, i:i + 1], cache, all_logits=False) for i in (9, 10)]
+    return [o.float().cpu() for o in out]
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    first = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (21, 5, 40)]
+    return first + [first[2][:32] + [1, 2, 3]]  # the last one hits the third's prefix (KV pages and GDN snapshot)
+
+
+def engine_outputs(engine: LLMEngine) -> list[list[int]]:
+    """Greedy NEW_TOKENS per prompt: three prompts batched (chunked prefill, mixed steps), then a prefix hit."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    ps = prompts()
+    outs = [o.output_ids for o in engine.generate(ps[:3], params)]
+    return outs + [o.output_ids for o in engine.generate(ps[3:], params)]
+
+
+def engine_config(device_type: str) -> EngineConfig:
+    return EngineConfig(num_pages=64, page_size=8, max_num_seqs=4, snapshot_slots=8, max_num_batched_tokens=32,
+                        cuda_graphs=device_type == "cuda")
+
+
+def build(name: str, device, tp: ParallelContext | None) -> Qwen35ForCausalLM:
+    return Qwen35ForCausalLM.random(CONFIGS[name], seed=SEED, device=device, tp=tp)
+
+
+def run_engine(model: Qwen35ForCausalLM, padded: bool, device_type: str) -> dict | None:
+    """Rank 0 (or world size 1): the outputs and the runner's step counts; workers serve until rank 0 closes."""
+    engine = LLMEngine(model, engine_config(device_type), pad_decode=padded)
+    if model.tp.rank != 0:
+        serve_worker(engine)
+        return None
+    outs = engine_outputs(engine)
+    engine.close()
+    r = engine.runner
+    return dict(outputs=outs, graph_steps=r.num_graph_steps, eager_steps=r.num_eager_steps)
+
+
+def run_rank(rank: int, world_size: int, workdir: str, device_type: str = "cpu") -> None:
+    torch.set_num_threads(1)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+        ops.set_backend("triton")
+    tp = init_parallel(rank, world_size, f"file://{workdir}/rendezvous",
+                       backend="nccl" if device_type == "cuda" else "gloo")
+    try:
+        results = {"logits": {n: step_logits(build(n, device, tp), device) for n in CONFIGS}}
+        results["engine"] = {case: run_engine(build(n, device, tp), padded, device_type)
+                             for case, (n, padded) in ENGINE_CASES.items()}
+        results["loaded"] = {}
+        for name in ("dense", "moe"):
+            model = load_checkpoint(f"{workdir}/ckpt-{name}", device=device, dtype=torch.float32, progress=False,
+                                    tp=tp)
+            results["loaded"][name] = step_logits(model, device)
+        torch.save(results, f"{workdir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
