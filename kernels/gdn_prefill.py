@@ -50,6 +50,11 @@ CHUNK = 64
 L2NORM_EPS = tl.constexpr(1e-6)
 FEW_PROGRAMS = 132  # the H200's SM count: with fewer kernel-2 programs than this, dv is split finer
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Software-pipelining stages of the state kernel's chunk loop, by io element size. Its shared memory on sm_90a
+# (dk = dv = 128, 8 warps, compiled on the CPU): 16-bit io BV 64 takes 197 KB at 2 stages, 263 KB at 3 (over the
+# 227 KB an SM has); fp32 io BV 64 takes 115 KB at 1 stage and 262 KB at 2. The WY kernel has no loads in a loop
+# (1 stage: 99 KB).
+STATE_STAGES = {2: 2, 4: 1}
 
 
 @triton.jit
@@ -225,7 +230,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, c
     if chunks.shape[0]:
         _chunk_wy_kernel[(chunks.shape[0], hv)](
             q, k, v, g, beta, chunks, w, u, p, gcum, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), scale, BV=bv_full, **common, num_warps=warps)
+            v.stride(0), v.stride(1), scale, BV=bv_full, **common, num_warps=warps, num_stages=1)
     bv = min(64, bv_full)
     while bv > 16 and n * hv * triton.cdiv(dv, bv) < FEW_PROGRAMS:
         bv //= 2
@@ -233,7 +238,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, c
     cu_dev = cu_seqlens.to(torch.int32)
     _chunk_state_kernel[(n, hv, triton.cdiv(dv, bv))](
         q, k, w, u, p, gcum, cu_dev, slots, recurrent_states, out, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), out.stride(0), out.stride(1), scale, BV=bv, **common, num_warps=warps)
+        k.stride(1), out.stride(0), out.stride(1), scale, BV=bv, **common, num_warps=warps,
+        num_stages=STATE_STAGES[q.element_size()])
     return out
 
 

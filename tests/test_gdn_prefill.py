@@ -2,6 +2,10 @@
 reference.recurrent_gated_delta_rule: outputs and the final states written back in place into scattered slots of a
 larger pool (other slots untouched), varlen batches crossing the chunk edges; the model.ops adapter against
 model.ops._ref_gated_deltanet; argument checks; bf16 at Qwen3.5-9B shapes on the GPU."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import rel_err
@@ -206,3 +210,36 @@ def test_gpu_bf16_single_long_sequence():
 @pytest.mark.gpu
 def test_gpu_bf16_op_real_shapes():
     check_op([65, 1, 1000], *QWEN9B, torch.bfloat16, 1e-2, 1e-3, seed=7)
+
+
+SM90_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+from kernels import gdn_prefill as G
+common = dict(HV=32, GROUP=2, DK=128, DV=128, BT=64, BK=128, L2NORM=True, PREC="tf32")
+for io, size in (("*bf16", 2), ("*fp32", 4)):
+    for kern, bv, stages in ((G._chunk_wy_kernel, 128, 1), (G._chunk_state_kernel, 64, G.STATE_STAGES[size])):
+        const = dict(common, BV=bv)
+        sig = {n: "constexpr" if n in const else io if n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr") else
+               "*i32" if n in ("chunk_ptr", "cu_ptr") else "*i64" if n == "slots_ptr" else
+               "*fp32" if n.endswith("_ptr") else "fp32" if n == "scale" else "i32" for n in kern.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names) if n.endswith("_ptr")}
+        k = triton.compile(ASTSource(kern, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 8, "num_stages": stages})
+        print(kern.__name__, io, k.metadata.shared)
+"""
+
+
+def test_kernels_fit_sm90_shared_memory():
+    """The interpreter skips Triton's compiler: compile both kernels for sm_90a at Qwen3.5's shapes (dk = dv = 128)
+    with the stages the launcher uses, and check each fits the 227 KB of shared memory an SM gives one CTA."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.split()
+    assert len(lines) == 12, run.stdout
+    for name, io, smem in zip(lines[::3], lines[1::3], map(int, lines[2::3])):
+        assert smem <= 227 * 1024, f"{name} {io}: {smem} bytes of shared memory"
