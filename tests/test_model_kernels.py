@@ -64,8 +64,11 @@ def test_model_decode_triton_equals_reference_gpu(moe):
                  shared_expert_intermediate_size=256) if moe else dict(intermediate_size=2048)
     cfg = Qwen35Config(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                        linear_num_value_heads=32, **extra)
-    model = Qwen35ForCausalLM.random(cfg, device="cuda", dtype=torch.bfloat16, seed=1)
+    # MoE routing is discrete: in bf16 the kernels' rounding flips near-tied top-k choices (a measured 3e-2 on the
+    # H200), so the MoE model is compared in fp32, where the kernels' products are exact fp32 too
+    dtype, tol = (torch.float32, 1e-3) if moe else (torch.bfloat16, 2e-2)
+    model = Qwen35ForCausalLM.random(cfg, device="cuda", dtype=dtype, seed=1)
     prompt = torch.randint(0, cfg.vocab_size, (3, 150), device="cuda")
     ref = decode_logits(model, prompt, 6, "reference", page_size=64)
     out = decode_logits(model, prompt, 6, "triton", page_size=64)
-    assert rel_err(out, ref) < 2e-2, rel_err(out, ref)
+    assert rel_err(out, ref) < tol, rel_err(out, ref)
