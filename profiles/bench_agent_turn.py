@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from profiles.common import RESULTS, bandwidth_ceilings, bench_us, environment, print_table, write_result
+from profiles.common import RESULTS, bandwidth_ceilings, bench_us, environment, print_table, progress, write_result
 
 BF16 = torch.bfloat16
 PAGE = 128
@@ -259,14 +259,14 @@ def main(argv=None):
         return
     ceil = bandwidth_ceilings()
     ceil["gemm_TFLOPs"] = gemm_tflops()
-    rows = [bench_case(*c) for c in CASES]
-    mixed = bench_mixed()
+    rows = [progress(bench_case(*c)) for c in CASES]
+    mixed = progress(bench_mixed())
     for r in rows:
         if r.get("ours_best_us"):
             flops, kv_bytes = work(r["B"], r["q_len"], r["ctx"])
             r["frac_of_measured_bound"] = max(flops / ceil["gemm_TFLOPs"] / 1e6,
                                               kv_bytes / ceil["read_TBps"] / 1e6) / r["ours_best_us"]
-    curve = [bench_case(f"{n} new / {CURVE_CTX // 1000}k", 1, n, CURVE_CTX, check=False) for n in
+    curve = [progress(bench_case(f"{n} new / {CURVE_CTX // 1000}k", 1, n, CURVE_CTX, check=False)) for n in
              ([] if args.no_curve else CURVE_Q_LENS)]
     for r in curve:
         for key in ("fa4", "triton_fwd"):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from profiles.common import RESULTS, bandwidth_ceilings, bench_us, environment, print_table, write_result
+from profiles.common import RESULTS, bandwidth_ceilings, bench_us, environment, print_table, progress, write_result
 
 BF16 = torch.bfloat16
 PAGE = 64
@@ -23,6 +23,7 @@ ATTN_CASES = [  # (batch, context, q heads, kv heads, head_dim)
     (1, 32768, 16, 4, 128), (8, 32768, 16, 4, 128), (64, 8192, 16, 4, 128),
 ]
 CURVE_CONTEXTS = [1024, 4096, 16384, 32768, 65536, 131072]
+SECTIONS = ("attention", "gdn", "small")
 
 
 # ---- attention ----------------------------------------------------------------------------------------
@@ -170,6 +171,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(RESULTS), help="folder for decode.json and decode_bw.png")
     ap.add_argument("--quick", action="store_true", help="only the first attention case (for ncu)")
+    ap.add_argument("--only", action="append", choices=SECTIONS,
+                    help="run only this section (repeatable); the JSON is then decode_<sections>.json")
     ap.add_argument("--plot", metavar="JSON", help="only draw decode_bw.png beside an existing decode.json")
     args = ap.parse_args(argv)
     if args.plot:
@@ -180,12 +183,14 @@ def main(argv=None):
         print_table([bench_attention_case(*ATTN_CASES[0], peers=())], ["B", "ctx", "ours_us", "ours_TBps"])
         return
     ceil = bandwidth_ceilings()
-    attn = [bench_attention_case(*c) for c in ATTN_CASES]
+    sections = args.only or SECTIONS
+    run_attention = "attention" in sections
+    attn = [progress(bench_attention_case(*c)) for c in ATTN_CASES] if run_attention else []
     for r in attn:
         r["ours_frac_of_read_ceiling"] = r["ours_graph_TBps"] / ceil["read_TBps"]
-    curve = [bench_attention_case(1, ctx, 16, 4, 256) for ctx in CURVE_CONTEXTS]
-    gdn = [bench_gdn_case(b) for b in (1, 8, 64)]
-    small = [r for n in (1, 64, 4096) for r in bench_small_ops_case(n)]
+    curve = [progress(bench_attention_case(1, ctx, 16, 4, 256)) for ctx in CURVE_CONTEXTS] if run_attention else []
+    gdn = [progress(bench_gdn_case(b)) for b in (1, 8, 64)] if "gdn" in sections else []
+    small = [r for n in (1, 64, 4096) for r in bench_small_ops_case(n)] if "small" in sections else []
     for r in small:
         r["frac_of_copy_ceiling"] = r["GBps"] / 1e3 / ceil["copy_TBps"]
     print(f"ceilings: read {ceil['read_TBps']:.2f} TB/s, copy {ceil['copy_TBps']:.2f} TB/s")
@@ -197,8 +202,12 @@ def main(argv=None):
                       "speedup_vs_fla", "graph_speedup_vs_fla"])
     print("\nfused small ops (CUDA graph)")
     print_table(small, ["op", "N", "width", "us", "GBps", "frac_of_copy_ceiling"])
-    out = write_result("decode", {"env": environment(), "ceilings": ceil, "attention": attn, "attention_curve": curve,
+    name = "decode" if set(sections) == set(SECTIONS) else "_".join(["decode", *sorted(set(sections))])
+    out = write_result(name, {"env": environment(), "ceilings": ceil, "attention": attn, "attention_curve": curve,
                                   "gdn_decode": gdn, "small_ops": small}, args.out)
+    if not curve:
+        print(f"\nwrote {out}")
+        return
     try:
         plot_curve(curve, out.with_name("decode_bw.png"))
         print(f"\nwrote {out} and {out.with_name('decode_bw.png')}")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from profiles.common import RESULTS, bench_us, environment, print_table, write_result
+from profiles.common import RESULTS, bench_us, environment, print_table, progress, write_result
 
 BF16 = torch.bfloat16
 ATTN_CASES = [  # (batch, seqlen, q heads, kv heads, head_dim, causal)
@@ -120,9 +120,9 @@ def main(argv=None):
         row = bench_attention_case(*ATTN_CASES[2], variants=FLAG_VARIANTS[1:2], peers=(), cute=False)
         print_table([row], ["B", "S", "H/KV", "D", "causal", "ours_best_TFLOPs"])
         return
-    attn = [bench_attention_case(*c, variants=FLAG_VARIANTS if i in ABLATION_CASES else MAIN_VARIANTS)
+    gdn = [progress(bench_gdn_case(*c)) for c in GDN_CASES]
+    attn = [progress(bench_attention_case(*c, variants=FLAG_VARIANTS if i in ABLATION_CASES else MAIN_VARIANTS))
             for i, c in enumerate(ATTN_CASES)]
-    gdn = [bench_gdn_case(*c) for c in GDN_CASES]
     print("\nprefill attention, bf16, TFLOP/s (ours: fa4.flash_attention(backend='triton') with each flag set)")
     print_table(attn, ["B", "S", "H/KV", "D", "causal", *[f"{v[0]}_TFLOPs" for v in FLAG_VARIANTS], "cute_TFLOPs",
                        "fa4_TFLOPs", "cudnn_TFLOPs", "fa2_TFLOPs", "vs_fa4", "cute_vs_fa4"])

@@ -55,7 +55,7 @@ def print_table(rows: list[dict], columns: list[str], out=sys.stdout) -> None:
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
         return "-" if v is None else str(v)
     cells = [[fmt(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
     out.write("  ".join(c.rjust(w) for c, w in zip(columns, widths)) + "\n")
     out.write("  ".join("-" * w for w in widths) + "\n")
     for row in cells:
@@ -67,6 +67,12 @@ def command_line() -> str:
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     entry = f"python -m {spec.name}" if spec is not None else f"python {sys.argv[0]}"
     return " ".join([entry, *sys.argv[1:]])
+
+
+def progress(row: dict) -> dict:
+    """Print one finished row as a JSON line at once (a run cut short by a time limit still shows it); returns it."""
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    return row
 
 
 def write_result(name: str, payload: dict, out_dir: Path | None = None) -> Path:
