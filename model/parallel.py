@@ -19,8 +19,10 @@ built from it; at world size 1 it is the config itself.
 All slicing rules live in `ShardPlan.pieces` (by HF tensor name), shared by the checkpoint loader and the seeded
 random initialisation, so a model at world size N holds exactly the slices of the world-size-1 model.
 """
+import os
 import re
 from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -72,16 +74,19 @@ SINGLE = ParallelContext()
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
 
 
+CONTROL_TIMEOUT = timedelta(days=365)  # an idle server's workers wait on the control group for the next step
+
+
 def init_parallel(rank: int, world_size: int, init_method: str, backend: str | None = None) -> ParallelContext:
-    """Join the process group (NCCL when CUDA is available, else gloo) and make a gloo group for control messages.
-    Every rank must call this; NCCL's NVLink multicast (NVLS) is switched off in this process first."""
-    import os
+    """Join the process group (NCCL when CUDA is available, else gloo) and make a gloo group for control messages
+    (without a practical timeout: workers wait there while the server idles). Every rank must call this; NCCL's
+    NVLink multicast (NVLS) is switched off in this process first."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     if world_size == 1:
         return SINGLE
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else None
+    cpu_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return ParallelContext(rank, world_size, group=None, cpu_group=cpu_group)
 
 

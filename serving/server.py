@@ -447,9 +447,13 @@ def main(argv=None) -> None:
         web.run_app(create_app(engine, tokenizer, name, max_len, limits, aliases=(args.model,)),
                     host=args.host, port=args.port, print=None)
     finally:
-        engine.close()  # tensor parallel: stops the workers
-        for p in workers:
-            p.join(timeout=30)
+        if workers:  # tensor parallel: stop the workers' loops (they are daemons: they end with this process anyway)
+            try:
+                engine.close()
+            except RuntimeError as error:
+                log.warning("could not stop the tensor-parallel workers cleanly: %s", error)
+            for p in workers:
+                p.join(timeout=30)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ NCCL_NVLS_ENABLE=0 (no NVLink multicast) is set in every process.
 """
 import logging
 import os
+import signal
 import socket
 from dataclasses import dataclass
 
@@ -117,6 +118,7 @@ def worker_main(rank: int, world_size: int, init_method: str, model_spec: str, d
                 ops_backend: str) -> None:
     """A worker rank: join the group, build its slice of the model and the same engine, then serve_worker."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 ends the workers
     from model import ops
     from serving.demo import load_model
     from serving.engine import LLMEngine
