@@ -12,7 +12,7 @@ from conftest import rel_err
 from hf_oracle import hf_text_model, small_config
 
 import model.loader as loader_module
-from model.loader import load_checkpoint
+from model.loader import load_checkpoint, load_state_dict
 from model.model import Qwen35ForCausalLM, _FullShapes
 from model.parallel import ParallelContext, ShardPlan
 from serving.engine import LLMEngine
@@ -139,6 +139,23 @@ def test_loader_slices_equal_the_full_tensors(tmp_path, monkeypatch, name):
             assert model.model.embed_tokens.weight.shape[0] == 255
             assert r == 0 or model.model.embed_tokens.weight[-1].abs().sum() == 0  # row 509 is padding
             assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_fused_experts_in_memory_load_sharded():
+    """transformers' in-memory MoE (experts fused: gate_up_proj (E, 2I, H)) through load_state_dict at TP=2: each
+    rank's experts are its rows of the fused tensors."""
+    cfg = CHECKPOINTS["moe"]
+    state = hf_text_model(cfg, seed=7).state_dict()
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    full = dict(load_state_dict(Qwen35ForCausalLM.empty(cfg), state).named_parameters())
+    for r in range(2):
+        model = load_state_dict(Qwen35ForCausalLM.empty(cfg, tp=ParallelContext(r, 2)), state)
+        experts = model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.shape[0] == 3
+        torch.testing.assert_close(experts.down_proj, full["model.layers.0.mlp.experts.down_proj"][3 * r:3 * r + 3],
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(experts.gate_up_proj,
+                                   full["model.layers.0.mlp.experts.gate_up_proj"][3 * r:3 * r + 3], rtol=0, atol=0)
 
 
 # ---- the plan --------------------------------------------------------------------------------------------------
