@@ -288,6 +288,9 @@ def main(argv=None):
     if args.sweep:
         payload["sweep"] = sweep([c for c in CASES if c[2] <= 512])
     out = write_result("agent_turn", payload, args.out)
+    if not curve:  # --no-curve: nothing to draw
+        print(f"\nwrote {out}")
+        return
     try:
         plot_curve(curve, out.with_name("agent_turn.png"))
         print(f"\nwrote {out} and {out.with_name('agent_turn.png')}")
