@@ -31,7 +31,11 @@ dependent loads and products; about 2 us a chunk would give 32 Mtok/s. Kernel 1'
 (BT - 1 steps of two (BT, BT) reductions, exact fp32, cut short in a partial chunk); fla's blocked 16x16 solve is
 the next step if it shows in a profile. The target: fla's chunked prefill, 14.9 Mtok/s (B1 T16k H32) and
 23.9 Mtok/s (B1 T32k H16).
-Tuning left to the GPU: num_warps (8 at d = 128), num_stages, BV, and tf32 vs tf32x3 for the state products.
+Measured on the H200 (profiles.bench_prefill, tf32 state products, before the stage fix): B1 T16k H32 1.94 Mtok/s
+against fla's 14.9 in the same run, 0.13x. Most likely cause, to confirm with ncu: kernel 1's row-by-row solve
+(63 dependent steps of two cross-warp (64, 64) reductions, for each of 8192 (chunk, head) programs), then kernel
+2's chain of 256 chunks. Next: fla-style blocked solve (16 x 16 diagonal inverses, off-diagonal blocks by tl.dot).
+Tuning left to the GPU: num_warps (8 at d = 128), num_stages, BV, and the state products' precision (tf32x3 now).
 
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
 distinct and in range (not checked: that would read them on the host).
@@ -55,6 +59,9 @@ IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 227 KB an SM has); fp32 io BV 64 takes 115 KB at 1 stage and 262 KB at 2. The WY kernel has no loads in a loop
 # (1 stage: 99 KB).
 STATE_STAGES = {2: 2, 4: 1}
+# The state kernel's products run as tf32x3 (about fp32 accuracy): with plain tf32 the state carried across the
+# chunks of a 4097-token sequence left the H200 test's 1e-3 tolerance against the fp32 recurrence, while the
+# 1000-token varlen case passed. The WY kernel's products stay tf32 (they do not compound across chunks).
 
 
 @triton.jit
@@ -221,6 +228,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, c
     chunks = _chunk_table(cu, dev)
     bk, bv_full = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
     prec = "tf32" if dev.type == "cuda" else "ieee"
+    state_prec = "tf32x3" if dev.type == "cuda" else "ieee"  # the carried state's error would grow chunk by chunk
     warps = 8 if max(bk, bv_full) >= 128 else 4  # (64, 128) fp32 tiles: 64 values a thread each at 8 warps
     common = dict(HV=hv, GROUP=hv // hk, DK=dk, DV=dv, BT=CHUNK, BK=bk, L2NORM=bool(use_qk_l2norm), PREC=prec)
     w = torch.empty(total, hv, dk, dtype=torch.float32, device=dev)
@@ -238,7 +246,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, c
     cu_dev = cu_seqlens.to(torch.int32)
     _chunk_state_kernel[(n, hv, triton.cdiv(dv, bv))](
         q, k, w, u, p, gcum, cu_dev, slots, recurrent_states, out, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), out.stride(0), out.stride(1), scale, BV=bv, **common, num_warps=warps,
+        k.stride(1), out.stride(0), out.stride(1), scale, BV=bv, **{**common, "PREC": state_prec}, num_warps=warps,
         num_stages=STATE_STAGES[q.element_size()])
     return out
 

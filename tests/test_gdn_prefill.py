@@ -217,10 +217,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from kernels import gdn_prefill as G
-common = dict(HV=32, GROUP=2, DK=128, DV=128, BT=64, BK=128, L2NORM=True, PREC="tf32")
+common = dict(HV=32, GROUP=2, DK=128, DV=128, BT=64, BK=128, L2NORM=True)
 for io, size in (("*bf16", 2), ("*fp32", 4)):
-    for kern, bv, stages in ((G._chunk_wy_kernel, 128, 1), (G._chunk_state_kernel, 64, G.STATE_STAGES[size])):
-        const = dict(common, BV=bv)
+    for kern, bv, stages, prec in ((G._chunk_wy_kernel, 128, 1, "tf32"),
+                                   (G._chunk_state_kernel, 64, G.STATE_STAGES[size], "tf32x3")):
+        const = dict(common, BV=bv, PREC=prec)
         sig = {n: "constexpr" if n in const else io if n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr") else
                "*i32" if n in ("chunk_ptr", "cu_ptr") else "*i64" if n == "slots_ptr" else
                "*fp32" if n.endswith("_ptr") else "fp32" if n == "scale" else "i32" for n in kern.arg_names}
