@@ -19,8 +19,8 @@ from serving.engine import LLMEngine
 from serving.server import parse_args
 
 TOL = 1e-5
-CHECKPOINTS = {"dense": small_config(vocab_size=509, tie_word_embeddings=True),  # 509 rows: the last shard padded
-               "moe": small_config(moe=True)}
+CHECKPOINTS = {"dense": small_config(vocab_size=509, tie_word_embeddings=True, head_dim=64),  # last shard padded
+               "moe": small_config(moe=True, head_dim=64)}
 
 
 def write_checkpoints(workdir) -> None:

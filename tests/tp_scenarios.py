@@ -16,8 +16,9 @@ from serving.tp_worker import serve_worker
 
 VOCAB = 500  # token ids drawn below every config's vocabulary (the dense checkpoint's is 509: padded shards)
 SEED = 3
-# name -> config: dense, MoE, and fewer KV heads than ranks (replicated)
-CONFIGS = {"dense": small_config(), "moe": small_config(moe=True), "kv-replicated": small_config(num_key_value_heads=1)}
+# name -> config: dense, MoE, and fewer KV heads than ranks (replicated); head_dim 64 as the kernels' CPU tests use
+CONFIGS = {"dense": small_config(head_dim=64), "moe": small_config(moe=True, head_dim=64),
+           "kv-replicated": small_config(num_key_value_heads=1, head_dim=64)}
 ENGINE_CASES = {"dense-padded": ("dense", True), "moe": ("moe", False)}
 NEW_TOKENS = 16
 
