@@ -1,6 +1,11 @@
 """Qwen3.5 layers. Parameter names mirror transformers', so HF checkpoints map onto them by name, except that the
 projections of one input are fused into one matmul (FusedLinear: q|k|v, GDN's qkv|z|b|a, gate|up), whose parts
-keep their HF names. Every op with a kernel goes through model.ops."""
+keep their HF names. Every op with a kernel goes through model.ops.
+
+Tensor parallel (model.parallel): layers are built from the rank's config (ShardPlan.local), so each FusedLinear is
+column parallel (every part keeps its rank's rows: heads, key-head groups, intermediate slice) and o_proj, out_proj
+and down_proj are row parallel (their input columns split); the row-parallel partial sums of a block half are
+added by one all-reduce in DecoderLayer (the MoE's experts and shared-expert slice share it)."""
 import torch
 from torch import nn
 
