@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -139,9 +140,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world_size: int, model_spec: str, device_type: str, engine_cfg, ops_backend: str):
+def launch(world_size: int, model_spec: str, device_type: str, engine_cfg, ops_backend: str,
+           timeout: timedelta | None = None):
     """Rank 0: spawn ranks 1..world_size-1 (worker_main) and join the group. Returns (ParallelContext, processes);
-    rank 0 then builds its model with load_model(..., tp=) and its LLMEngine, and calls engine.close() at the end."""
+    rank 0 then builds its model with load_model(..., tp=) and its LLMEngine, and calls engine.close() at the end.
+    timeout: rank 0's for the model's collectives (see init_parallel)."""
     import torch.multiprocessing as mp
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the workers too
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -152,4 +155,4 @@ def launch(world_size: int, model_spec: str, device_type: str, engine_cfg, ops_b
     for p in procs:
         p.start()
     rank_device(device_type, 0)
-    return init_parallel(0, world_size, init_method), procs
+    return init_parallel(0, world_size, init_method, timeout=timeout), procs

@@ -4,6 +4,8 @@
 TP=1 (batching, chunked prefill, padded decode, a prefix-cache hit), and checkpoints written by transformers'
 save_pretrained load sharded, reading only each rank's slices. Bad splits raise ValueError naming the dimension.
 The NCCL test (CUDA graphs with the collectives inside) needs >= 2 GPUs."""
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -29,14 +31,17 @@ def write_checkpoints(workdir) -> None:
 
 
 def spawn_ranks(workdir, device_type: str) -> list[dict]:
-    write_checkpoints(workdir)
+    """Both ranks' results (the checkpoints must be in workdir)."""
     mp.spawn(S.run_rank, args=(2, str(workdir), device_type), nprocs=2, join=True)
     return [torch.load(workdir / f"rank{r}.pt") for r in range(2)]
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tp")
+    """A folder with the checkpoints written by save_pretrained."""
+    path = tmp_path_factory.mktemp("tp")
+    write_checkpoints(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +82,28 @@ def test_sharded_checkpoint_logits_equal_tp1(ranks, workdir, name):
     ref = S.step_logits(load_checkpoint(workdir / f"ckpt-{name}", dtype=torch.float32, progress=False), "cpu")
     for r in range(2):
         assert_same_logits(ranks[r]["loaded"][name], ref, f"loaded {name} rank {r}")
+
+
+def test_launch_serves_through_a_spawned_worker(workdir):
+    """serving.tp_worker.launch (what `python -m serving.server --tp 2` runs): this process is rank 0 over a loaded
+    checkpoint, one spawned worker_main serves; the greedy output equals TP=1 and the worker exits on close."""
+    import torch.distributed as dist
+
+    from serving.demo import load_model
+    from serving.tp_worker import launch
+    path, cfg = str(workdir / "ckpt-dense"), S.engine_config("cpu")
+    prompts = S.prompts()[:2]
+    params = S.SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = [o.output_ids for o in LLMEngine(load_model(path, torch.device("cpu"))[0], cfg).generate(prompts, params)]
+    tp, procs = launch(2, path, "cpu", cfg, "reference", timeout=timedelta(seconds=120))  # a dead worker fails it
+    try:
+        engine = LLMEngine(load_model(path, torch.device("cpu"), tp=tp)[0], cfg)
+        assert [o.output_ids for o in engine.generate(prompts, params)] == ref
+        engine.close()
+        procs[0].join(timeout=60)
+        assert procs[0].exitcode == 0
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- sharded loading, in this process (no collectives needed) -------------------------------------------------
@@ -229,6 +256,7 @@ def test_tp1_engine_has_no_link():
 def test_nccl_tp2_equals_tp1_with_cuda_graphs(tmp_path):
     """The same scenarios with NCCL on cuda:0/1, the triton ops and decode CUDA graphs (collectives captured)."""
     from model import ops
+    write_checkpoints(tmp_path)
     got = spawn_ranks(tmp_path, "cuda")
     with ops.use_backend("triton"):
         for name in S.CONFIGS:
