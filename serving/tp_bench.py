@@ -27,10 +27,10 @@ def bench_rank(rank: int, world: int, init_method: str, args: argparse.Namespace
     from serving.demo import load_model
     from serving.engine import LLMEngine
     from serving.sequence import SamplingParams
-    from serving.tp_worker import rank_device, serve_worker
+    from serving.tp_worker import dist_backend, rank_device, serve_worker
     device = rank_device(args.device, rank)
     ops.set_backend("triton" if args.device == "cuda" else "reference")
-    tp = init_parallel(rank, world, init_method)
+    tp = init_parallel(rank, world, init_method, backend=dist_backend(args.device))
     model, _ = load_model(args.model, device, tp=tp)
     common = dict(max_num_seqs=1, max_model_len=args.prompt + args.tokens + 16, snapshot_slots=0,
                   cuda_graphs=not args.eager)

@@ -106,6 +106,11 @@ def serve_worker(engine) -> int:
 # ---- processes ----------------------------------------------------------------------------------------------
 
 
+def dist_backend(device_type: str) -> str:
+    """NCCL between GPUs, gloo between CPU processes (also on a machine that has GPUs)."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
 def rank_device(device_type: str, rank: int) -> torch.device:
     """cuda:rank on GPUs (made the current device), else the CPU."""
     if device_type != "cuda":
@@ -126,7 +131,7 @@ def worker_main(rank: int, world_size: int, init_method: str, model_spec: str, d
     logging.basicConfig(level=logging.WARNING)
     device = rank_device(device_type, rank)
     ops.set_backend(ops_backend)
-    tp = init_parallel(rank, world_size, init_method)
+    tp = init_parallel(rank, world_size, init_method, backend=dist_backend(device_type))
     try:
         model, _ = load_model(model_spec, device, tp=tp)
         serve_worker(LLMEngine(model, engine_cfg))
@@ -155,4 +160,4 @@ def launch(world_size: int, model_spec: str, device_type: str, engine_cfg, ops_b
     for p in procs:
         p.start()
     rank_device(device_type, 0)
-    return init_parallel(0, world_size, init_method, timeout=timeout), procs
+    return init_parallel(0, world_size, init_method, backend=dist_backend(device_type), timeout=timeout), procs
