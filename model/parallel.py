@@ -106,6 +106,8 @@ class Split:
 
 
 def _even(total: int, world: int, rank: int, what: str, why: str = "") -> Split:
+    if total < world:
+        raise ValueError(f"{what} ({total}) is fewer than the tensor-parallel size ({world}){why}")
     if total % world:
         raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size ({world}){why}")
     size = total // world

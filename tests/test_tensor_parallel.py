@@ -221,7 +221,7 @@ GDN4 = dict(linear_num_key_heads=4, linear_num_value_heads=8)  # splits over 4 r
 
 @pytest.mark.parametrize("overrides, world, match", [
     (dict(num_attention_heads=4, num_key_value_heads=2), 3, "num_attention_heads \\(4\\) is not divisible"),
-    (dict(num_attention_heads=4, num_key_value_heads=1), 8, "num_attention_heads \\(4\\) is not divisible"),
+    (dict(num_attention_heads=4, num_key_value_heads=1), 8, "num_attention_heads \\(4\\) is fewer than the tensor"),
     (dict(num_attention_heads=6, num_key_value_heads=3), 2, "num_key_value_heads \\(3\\) is not divisible"),
     (dict(num_attention_heads=12, num_key_value_heads=3), 4, "cannot be replicated evenly"),
     (dict(linear_num_key_heads=2, linear_num_value_heads=4), 4, "linear_num_key_heads \\(2\\).*whole key-head"),
