@@ -256,8 +256,7 @@ def test_tp1_engine_has_no_link():
 def test_nccl_tp2_equals_tp1_with_cuda_graphs(tmp_path):
     """The same scenarios with NCCL on cuda:0/1, the triton ops and decode CUDA graphs (collectives captured)."""
     from model import ops
-    write_checkpoints(tmp_path)
-    got = spawn_ranks(tmp_path, "cuda")
+    got = spawn_ranks(tmp_path, "cuda")  # the checkpoint loads are the CPU test's (transformers may be absent)
     with ops.use_backend("triton"):
         for name in S.CONFIGS:
             ref = S.step_logits(S.build(name, "cuda", None), "cuda")
