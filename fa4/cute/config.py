@@ -14,9 +14,10 @@ Shared memory: Q (tile_m x d) + kv_stages x (K and V tiles, tile_n x d each), bf
 
 Sequences (compile-time layout, runtime lengths): `varlen_q` reads query rows through cu_seqlens_q; `kv_mode`
 "dense" (b * S_k), "varlen" (cu_seqlens_k) or "paged" (a pool of pages of `page_size` keys, page_table and
-seqused_k). A paged K/V tile is one TMA box inside one page, so the page size must be a multiple of tile_n:
-`choose_config` shrinks tile_n to gcd(tile_n, page_size), which must stay a multiple of 16 (pages 16, 32, 48,
-64, 128, 256... work; 8 or 24 are refused).
+seqused_k). Every K/V TMA box lies inside one page: pages that are a multiple of the tile hold whole tiles; pages
+that divide the tile (8, 16, 32, 64 keys: whole 8-row swizzle atoms) fill a tile with one box per page
+(`kv_box_rows`); other pages shrink tile_n to gcd(tile_n, page_size) when that is a multiple of 16 (48 -> 16),
+and are refused otherwise (24, 40).
 `persistent`: grid = number of SMs, each CTA loops over tiles in a static strided order (tile_scheduler.py).
 """
 import math
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 HEAD_DIMS = (128, 256)
 DTYPES = ("bfloat16",)
 KV_MODES = ("dense", "varlen", "paged")
+PAGE_ROWS = 8  # a page smaller than the K/V tile is one TMA box: whole 8-row swizzle atoms
 POLY_FRACTIONS = (0.0, 0.125, 0.25, 0.5, 1.0)  # same set as the triton backend (fa4/softmax.py)
 MAX_RESCALE_THRESHOLD = 15.0  # P = 2^(s - m) <= 2^threshold must stay far from bf16/fp32 overflow
 SMEM_LIMIT = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
@@ -55,6 +57,13 @@ class AttentionConfig:
     @property
     def rows_per_wg(self) -> int:
         return self.tile_m // self.num_consumer_wg
+
+    @property
+    def kv_box_rows(self) -> int:
+        """Rows of one K/V TMA box: a page when pages are smaller than the tile, else the tile."""
+        if self.kv_mode == "paged" and self.page_size < self.tile_n:
+            return self.page_size
+        return self.tile_n
 
     @property
     def num_threads(self) -> int:
@@ -90,9 +99,11 @@ class AttentionConfig:
         if self.kv_mode not in KV_MODES:
             raise ValueError(f"kv_mode must be one of {KV_MODES}, got {self.kv_mode!r}")
         if self.kv_mode == "paged":
-            if self.page_size < 1 or self.page_size % self.tile_n:
-                raise ValueError(f"page_size {self.page_size} is not a multiple of the K/V tile ({self.tile_n} keys): "
-                                 "a tile is loaded by one TMA box inside one page")
+            if self.page_size < 1 or (self.page_size % self.tile_n and (self.tile_n % self.page_size
+                                                                         or self.page_size % PAGE_ROWS)):
+                raise ValueError(f"page_size {self.page_size} neither is a multiple of the K/V tile ({self.tile_n} "
+                                 f"keys) nor divides it in multiples of {PAGE_ROWS} rows: a TMA box must lie inside "
+                                 "one page")
         elif self.page_size:
             raise ValueError("page_size is only read with kv_mode 'paged'")
         if self.smem_bytes() > SMEM_LIMIT:
@@ -110,12 +121,17 @@ def default_tile_n(head_dim: int) -> int:
 
 
 def paged_tile_n(head_dim: int, page_size: int) -> int:
-    """The K/V tile for a page size: the largest divisor of the page that divides the default tile. Raises
-    ValueError when it is not a multiple of 16 (a wgmma K step)."""
-    tile_n = math.gcd(default_tile_n(head_dim), page_size) if page_size > 0 else 0
+    """The K/V tile for a page size. The default tile when the page is a multiple of it, or divides it in multiples
+    of 8 rows (a tile is then one TMA box per page); else the largest divisor of the page that divides the default
+    tile. Raises ValueError when that is not a multiple of 16 (a wgmma K step)."""
+    default = default_tile_n(head_dim)
+    if page_size > 0 and (page_size % default == 0 or (default % page_size == 0 and page_size % PAGE_ROWS == 0)):
+        return default
+    tile_n = math.gcd(default, page_size) if page_size > 0 else 0
     if tile_n < 16 or tile_n % 16:
-        raise ValueError(f"page_size {page_size} is not supported: a K/V tile must lie inside one page and be a "
-                         f"multiple of 16 keys, and gcd({default_tile_n(head_dim)}, {page_size}) = {tile_n}")
+        raise ValueError(f"page_size {page_size} is not supported: a K/V TMA box must lie inside one page, as a "
+                         f"multiple of {PAGE_ROWS} rows dividing the {default}-key tile, or a tile of a multiple of 16 "
+                         f"keys dividing the page (gcd({default}, {page_size}) = {tile_n})")
     return tile_n
 
 

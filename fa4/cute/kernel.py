@@ -94,8 +94,15 @@ class FlashAttentionForwardSm90:
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), (WGMMA_M, d))
-        tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (n_tile, d))
-        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (d, n_tile))
+        # K/V: one TMA box per page inside a tile when pages are smaller than the tile (paged), else the whole tile
+        box = cfg.kv_box_rows
+        sK_box = cute.slice_(sK_layout, (None, None, 0))
+        sV_box = cute.slice_(sV_layout, (None, None, 0))
+        if cutlass.const_expr(box != n_tile):
+            sK_box = cute.composition(sK_box, (cute.make_layout(box), cute.make_layout(d)))  # rows 0..box of a tile
+            sV_box = cute.composition(sV_box, (cute.make_layout(d), cute.make_layout(box)))
+        tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, sK_box, (box, d))
+        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, sV_box, (d, box))
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)  # both halves, one barrier
         self.kv_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
 
@@ -153,7 +160,9 @@ class FlashAttentionForwardSm90:
 
         num_head_groups = mQ.shape[2]
         total_tiles = TS.num_tiles(num_m_blocks, num_head_groups, batch_size, cfg.persistent)
-        tiles_per_page = cfg.page_size // n_tile if paged else 1
+        box = cfg.kv_box_rows
+        boxes = n_tile // box
+        lane = cute.arch.lane_idx()
 
         if wg_idx == 0:
             # ------------------------------------------------ producer warpgroup
@@ -174,15 +183,19 @@ class FlashAttentionForwardSm90:
                         n_max = M.n_block_max(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
                         gQ = cute.local_tile(cute.domain_offset(((0, q_start), 0), mQ[None, None, head_group]),
                                              (WGMMA_M, d), (None, 0))
-                        gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, None, kv_head]), (n_tile, d),
+                        # K (box, D, boxes) and V (D, box, boxes) of this sequence (paged: of the whole pool); the
+                        # smem tiles as (box, D, boxes per tile, 1, stages) and (D, box, 1, boxes per tile, stages)
+                        gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, None, kv_head]), (box, d),
                                              (None, 0))
-                        gV = cute.local_tile(cute.domain_offset((0, k_start), mV[None, None, kv_head]), (d, n_tile),
+                        gV = cute.local_tile(cute.domain_offset((0, k_start), mV[None, None, kv_head]), (d, box),
                                              (0, None))
                         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                                            cute.group_modes(gQ, 0, 2))
-                        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
+                                                           cute.group_modes(cute.flat_divide(sK, (box, d)), 0, 2),
                                                            cute.group_modes(gK, 0, 2))
-                        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
+                                                           cute.group_modes(cute.flat_divide(sV, (d, box)), 0, 2),
                                                            cute.group_modes(gV, 0, 2))
                         # Q is loaded even when no key is visible: the consumers' epilogue stages O in its buffer
                         q_pipe.producer_acquire(q_state)
@@ -190,19 +203,25 @@ class FlashAttentionForwardSm90:
                             cute.copy(tma_q, tQgQ[None, m_block * cfg.num_consumer_wg + half], tQsQ[None, half],
                                       tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
                         q_state.advance()
+                        # paged: lane j holds the page of box j of the next tile, read one tile ahead
+                        pages = self.load_pages(page_table, batch, n_max - 1, seqlen_k, lane)
                         for i in cutlass.range(n_max, unroll=1):
                             n_block = n_max - 1 - i
-                            kv_tile = n_block
-                            if cutlass.const_expr(paged):  # the tile's page, and the tile inside it
-                                page = page_table[batch, n_block // tiles_per_page]
-                                kv_tile = page * tiles_per_page + n_block % tiles_per_page
+                            pages_now = pages
+                            if cutlass.const_expr(paged):
+                                if n_block > 0:
+                                    pages = self.load_pages(page_table, batch, n_block - 1, seqlen_k, lane)
                             k_pipe.producer_acquire(k_state)
-                            cute.copy(tma_k, tKgK[None, kv_tile], tKsK[None, k_state.index],
-                                      tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
+                            for j in cutlass.range_constexpr(boxes):
+                                cute.copy(tma_k, tKgK[None, self.box_index(pages_now, n_block, j)],
+                                          tKsK[None, j, 0, k_state.index],
+                                          tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
                             k_state.advance()
                             v_pipe.producer_acquire(v_state)
-                            cute.copy(tma_v, tVgV[None, kv_tile], tVsV[None, v_state.index],
-                                      tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
+                            for j in cutlass.range_constexpr(boxes):
+                                cute.copy(tma_v, tVgV[None, self.box_index(pages_now, n_block, j)],
+                                          tVsV[None, 0, j, v_state.index],
+                                          tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
                             v_state.advance()
                     tile = TS.next_tile(tile, cfg.persistent)
         else:
@@ -338,6 +357,34 @@ class FlashAttentionForwardSm90:
                     q_pipe.consumer_release(q_state)  # O's staging in Q's buffer is read: the next Q may land
                     q_state.advance()
                 tile = TS.next_tile(tile, cfg.persistent)
+
+    @cute.jit
+    def load_pages(self, page_table, batch: Int32, n_block: Int32, seqlen_k: Int32, lane: Int32) -> Int32:
+        """Paged: lane j (< boxes per tile) reads the page of box j of K/V tile n_block (boxes past the keys read the
+        last page: their rows are masked and zeroed). Not paged: 0."""
+        page = Int32(0)
+        if cutlass.const_expr(self.cfg.kv_mode == "paged"):
+            cfg = self.cfg
+            boxes = cfg.tile_n // cfg.kv_box_rows
+            first_key = n_block * cfg.tile_n + cutlass.min(lane, boxes - 1) * cfg.kv_box_rows
+            key = cutlass.max(cutlass.min(first_key, seqlen_k - 1), 0)  # in the table even without keys
+            page = page_table[batch, key // cfg.page_size]
+        return page
+
+    @cute.jit
+    def box_index(self, pages: Int32, n_block: Int32, j: cutlass.Constexpr) -> Int32:
+        """The TMA box (of kv_box_rows rows, counted from the sequence start or, paged, the pool start) that fills
+        box j of K/V tile n_block."""
+        cfg = self.cfg
+        index = n_block
+        if cutlass.const_expr(cfg.kv_mode == "paged"):
+            page = cute.arch.shuffle_sync(pages, j)
+            if cutlass.const_expr(cfg.page_size >= cfg.tile_n):  # the tile inside its page
+                per_page = cfg.page_size // cfg.tile_n
+                index = page * per_page + n_block % per_page
+            else:  # one box is one page
+                index = page
+        return index
 
     @cute.jit
     def zero_ragged_v(self, sV: cute.Tensor, stage: Int32, n_block: Int32, seqlen_k: Int32, tid: Int32, cwg: Int32):
