@@ -74,6 +74,7 @@ def test_engine_greedy_tp2_equals_tp1(ranks, case):
     assert ranks[1]["engine"][case] is None  # the worker rank only served
     assert all(len(o) == S.NEW_TOKENS for o in got["outputs"])
     assert got["outputs"] == ref["outputs"]
+    assert got["cached"] == ref["cached"] and got["cached"][-1] == 32  # the last request hit the prefix cache
     assert got["eager_steps"] == ref["eager_steps"]
 
 

@@ -40,12 +40,13 @@ def prompts() -> list[list[int]]:
     return first + [first[2][:32] + [1, 2, 3]]  # the last one hits the third's prefix (KV pages and GDN snapshot)
 
 
-def engine_outputs(engine: LLMEngine) -> list[list[int]]:
-    """Greedy NEW_TOKENS per prompt: three prompts batched (chunked prefill, mixed steps), then a prefix hit."""
+def engine_outputs(engine: LLMEngine) -> tuple[list[list[int]], list[int]]:
+    """Greedy NEW_TOKENS per prompt: three prompts batched (chunked prefill, mixed steps), then a prefix hit.
+    Returns the outputs and each request's cached prompt tokens."""
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ps = prompts()
-    outs = [o.output_ids for o in engine.generate(ps[:3], params)]
-    return outs + [o.output_ids for o in engine.generate(ps[3:], params)]
+    done = engine.generate(ps[:3], params) + engine.generate(ps[3:], params)
+    return [o.output_ids for o in done], [o.cached_tokens for o in done]
 
 
 def engine_config(device_type: str) -> EngineConfig:
@@ -63,10 +64,10 @@ def run_engine(model: Qwen35ForCausalLM, padded: bool, device_type: str) -> dict
     if model.tp.rank != 0:
         serve_worker(engine)
         return None
-    outs = engine_outputs(engine)
+    outs, cached = engine_outputs(engine)
     engine.close()
     r = engine.runner
-    return dict(outputs=outs, graph_steps=r.num_graph_steps, eager_steps=r.num_eager_steps)
+    return dict(outputs=outs, cached=cached, graph_steps=r.num_graph_steps, eager_steps=r.num_eager_steps)
 
 
 def run_rank(rank: int, world_size: int, workdir: str, device_type: str = "cpu") -> None:
