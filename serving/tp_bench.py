@@ -26,7 +26,6 @@ def bench_rank(rank: int, world: int, init_method: str, args: argparse.Namespace
     from serving.config import EngineConfig
     from serving.demo import load_model
     from serving.engine import LLMEngine
-    from serving.sequence import SamplingParams
     from serving.tp_worker import dist_backend, rank_device, serve_worker
     device = rank_device(args.device, rank)
     ops.set_backend("triton" if args.device == "cuda" else "reference")
@@ -37,9 +36,22 @@ def bench_rank(rank: int, world: int, init_method: str, args: argparse.Namespace
     cfg = (EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common) if args.device == "cuda"
            else EngineConfig.for_token_budget(args.prompt + args.tokens + 16, **common))
     engine = LLMEngine(model, cfg)
-    if rank != 0:
-        serve_worker(engine)
-        return
+    try:
+        if rank == 0:
+            try:
+                Path(out).write_text(json.dumps(timed_run(engine, args, world)))
+            finally:
+                engine.close()  # the workers' loops end
+        else:
+            serve_worker(engine)
+    finally:
+        if world > 1:
+            torch.distributed.destroy_process_group()
+
+
+def timed_run(engine, args: argparse.Namespace, world: int) -> dict:
+    from serving.sequence import SamplingParams
+    model = engine.model
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
@@ -51,10 +63,8 @@ def bench_rank(rank: int, world: int, init_method: str, args: argparse.Namespace
     while engine.has_unfinished:
         n = len(engine.step())
         times += [time.perf_counter()] * n
-    engine.close()
-    row = dict(tp=world, decode_tok_s=(len(times) - 1) / (times[-1] - times[0]), ttft_ms=1e3 * (times[0] - start),
-               graphs=engine.graphs)
-    Path(out).write_text(json.dumps(row))
+    return dict(tp=world, decode_tok_s=(len(times) - 1) / (times[-1] - times[0]), ttft_ms=1e3 * (times[0] - start),
+                graphs=engine.graphs)
 
 
 def run(world: int, args: argparse.Namespace) -> dict:
