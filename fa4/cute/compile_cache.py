@@ -1,53 +1,45 @@
 """Compile cache of the CuTe-DSL attention forward: one compiled kernel per AttentionConfig.
 
-Shapes are runtime values of the compiled kernel: batch, lengths and head counts are Int32 arguments and the
-tensors' row strides are dynamic, so every call with an equal config reuses one compile. Tensors are passed
-as DLPack views with a dynamic layout (`as_cute`); the compile sees the same kind of view (of a tiny CPU tensor,
-so compiling needs no GPU: set CUTE_DSL_ARCH=sm_90a) and a placeholder stream.
+Shapes are runtime values of the compiled kernel: batch, lengths and head counts are Int32 arguments, so every
+call with an equal config reuses one compile. Tensors are passed as raw global pointers (`gmem_ptr`, a few
+microseconds each, against ~30 us for a DLPack view) plus their sizes; the kernel builds its layouts (contiguous
+rows) and TMA descriptors itself. The compile sees placeholder pointers and a placeholder stream, so compiling
+needs no GPU (set CUTE_DSL_ARCH=sm_90a).
 """
 import threading
 
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass.cute.runtime import from_dlpack, make_fake_stream
+from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from fa4.cute.config import AttentionConfig
 from fa4.cute.kernel import FlashAttentionForwardSm90
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
-TORCH_DTYPES = {"bfloat16": torch.bfloat16}
 
 
-def as_cute(t: torch.Tensor):
-    """A (rows, heads, head_dim) torch tensor, contiguous in its last dim, as a CuTe tensor with dynamic
-    shape and row/head strides (16-byte aligned base)."""
-    return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=2)
-
-
-def as_cute_index(t: torch.Tensor | None):
-    """An int32 index tensor (cu_seqlens, seqused_k: (n,); page_table: (B, pages), rows contiguous) as a CuTe
-    tensor with dynamic shape and strides; None stays None (the kernel is compiled without it)."""
+def gmem_ptr(t: torch.Tensor | None, dtype=cutlass.BFloat16, align: int = 16):
+    """A global-memory pointer to t's data (None stays None: the kernel is compiled without that tensor)."""
     if t is None:
         return None
-    return from_dlpack(t, assumed_align=4).mark_layout_dynamic(leading_dim=t.dim() - 1)
+    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
 def _example_args(config: AttentionConfig):
-    """Placeholders of the kernel's arguments (shapes and strides are dynamic; only the None-ness of the index
-    tensors and the dtypes matter)."""
-    dtype = TORCH_DTYPES[config.dtype]
-    q = torch.empty(2, 2, config.head_dim, dtype=dtype)
-    kv = torch.empty(2, 1, config.head_dim, dtype=dtype)
-    index = torch.zeros(3, dtype=torch.int32)
-    cu_q = index if config.varlen_q else None
-    cu_k = index if config.kv_mode == "varlen" else None
-    seqused = index if config.kv_mode == "paged" else None
-    table = torch.zeros(2, 2, dtype=torch.int32) if config.kv_mode == "paged" else None
-    return (as_cute(q), as_cute(kv), as_cute(kv), as_cute(q), as_cute_index(cu_q), as_cute_index(cu_k),
-            as_cute_index(seqused), as_cute_index(table), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
-            cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
+    """Placeholders of the kernel's arguments: sizes are runtime values, so only the None-ness of the index
+    pointers, the dtypes and the alignments matter."""
+    def ptr(dtype, align):
+        return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+
+    bf16, idx = ptr(cutlass.BFloat16, 16), ptr(cutlass.Int32, 4)
+    cu_q = idx if config.varlen_q else None
+    cu_k = idx if config.kv_mode == "varlen" else None
+    seqused = table = idx if config.kv_mode == "paged" else None
+    sizes = [cutlass.Int32(1)] * 8  # total_q, total_k, num_heads, num_kv, table_width, batch, seqlen_q, seqlen_k
+    return (bf16, bf16, bf16, bf16, cu_q, cu_k, seqused, table, *sizes, cutlass.Float32(1.0), cutlass.Int32(1),
+            make_fake_stream())
 
 
 def compile_config(config: AttentionConfig, keep_ptx: bool = False):

@@ -75,7 +75,7 @@ def cute_attention(q, k, v, *, causal: bool, softmax_scale: float, cu_seqlens_q=
     config_overrides: fields of AttentionConfig (tile_n, kv_stages, persistent, ...)."""
     import cutlass
 
-    from fa4.cute.compile_cache import as_cute, as_cute_index, get_kernel
+    from fa4.cute.compile_cache import get_kernel, gmem_ptr
 
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_kv = k.shape[-2]
@@ -88,10 +88,14 @@ def cute_attention(q, k, v, *, causal: bool, softmax_scale: float, cu_seqlens_q=
     else:
         batch, max_seqlen_q = q.shape[0], q.shape[1]
     seqlen_k = k.shape[1] if kv_mode == "dense" else 0
-    config = choose_config(head_dim, causal, num_heads, num_kv, rescale_threshold=rescale_threshold,
-                           poly_exp2_fraction=poly_exp2_fraction, varlen_q=varlen_q, kv_mode=kv_mode,
-                           page_size=k.shape[1] if kv_mode == "paged" else 0, **config_overrides)
-    kernel = get_kernel(config)
+    key = (head_dim, causal, num_heads, num_kv, rescale_threshold, poly_exp2_fraction, varlen_q, kv_mode,
+           k.shape[1] if kv_mode == "paged" else 0, tuple(sorted(config_overrides.items())))
+    kernel = _KERNELS.get(key)
+    if kernel is None:  # the config is validated once per call signature
+        config = choose_config(head_dim, causal, num_heads, num_kv, rescale_threshold=rescale_threshold,
+                               poly_exp2_fraction=poly_exp2_fraction, varlen_q=varlen_q, kv_mode=kv_mode,
+                               page_size=k.shape[1] if kv_mode == "paged" else 0, **config_overrides)
+        kernel = _KERNELS[key] = get_kernel(config)
     q3, k3, v3 = _rows(q), _rows(k), _rows(v)
     o = torch.empty_like(q3)
     if o.numel() == 0 or max_seqlen_q == 0:
@@ -99,11 +103,24 @@ def cute_attention(q, k, v, *, causal: bool, softmax_scale: float, cu_seqlens_q=
     if k3.shape[0] == 0 or (kv_mode == "dense" and seqlen_k == 0):
         # no keys: every row gives 0 (and a TMA descriptor cannot have an empty extent)
         return o.zero_().view(q.shape)
-    from cuda.bindings import driver
-
-    stream = driver.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    kernel(as_cute(q3), as_cute(k3), as_cute(v3), as_cute(o), as_cute_index(_index(cu_seqlens_q)),
-           as_cute_index(_index(cu_seqlens_k)), as_cute_index(_index(seqused_k)), as_cute_index(_index(page_table)),
-           cutlass.Int32(batch), cutlass.Int32(max_seqlen_q), cutlass.Int32(seqlen_k),
-           cutlass.Float32(softmax_scale * math.log2(math.e)), cutlass.Int32(num_sms(q.device)), stream)
+    cu_q, cu_k, seqused, table = (_index(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table))
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    kernel(gmem_ptr(q3), gmem_ptr(k3), gmem_ptr(v3), gmem_ptr(o), gmem_ptr(cu_q, cutlass.Int32, 4),
+           gmem_ptr(cu_k, cutlass.Int32, 4), gmem_ptr(seqused, cutlass.Int32, 4), gmem_ptr(table, cutlass.Int32, 4),
+           q3.shape[0], k3.shape[0], num_heads, num_kv, table.shape[1] if table is not None else 0, batch,
+           max_seqlen_q, seqlen_k, cutlass.Float32(softmax_scale * math.log2(math.e)), num_sms(q.device),
+           _cu_stream(stream))
     return o.view(q.shape)
+
+
+_KERNELS: dict = {}  # call signature -> compiled kernel (skips building and validating the config)
+_STREAMS: dict = {}
+
+
+def _cu_stream(handle: int):
+    """The cuda-python stream object of a raw stream handle (cached: one per stream)."""
+    stream = _STREAMS.get(handle)
+    if stream is None:
+        from cuda.bindings import driver
+        stream = _STREAMS[handle] = driver.CUstream(handle)
+    return stream

@@ -61,22 +61,34 @@ class FlashAttentionForwardSm90:
 
     # ---------------------------------------------------------------- host side (traced once per config)
     @cute.jit
-    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
-                 cu_seqlens_q: cute.Tensor | None, cu_seqlens_k: cute.Tensor | None,
-                 seqused_k: cute.Tensor | None, page_table: cute.Tensor | None, batch: Int32,
-                 seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, num_ctas: Int32, stream: cuda.CUstream):
-        """seqlen_q: the (longest, with varlen) query length; seqlen_k: the dense key length (else unread);
-        num_ctas: the persistent grid (number of SMs; else unread)."""
+    def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, o_ptr: cute.Pointer,
+                 cu_seqlens_q_ptr: cute.Pointer | None, cu_seqlens_k_ptr: cute.Pointer | None,
+                 seqused_k_ptr: cute.Pointer | None, page_table_ptr: cute.Pointer | None, total_q: Int32,
+                 total_k: Int32, num_heads: Int32, num_kv: Int32, table_width: Int32, batch: Int32, seqlen_q: Int32,
+                 seqlen_k: Int32, scale_log2: Float32, num_ctas: Int32, stream: cuda.CUstream):
+        """Raw pointers and sizes (no per-call tensor conversion on the host): q, o (total_q, num_heads, D);
+        k, v (total_k, num_kv, D), all contiguous; cu_seqlens (batch + 1,), seqused_k (batch,), page_table
+        (batch, table_width) row-major, int32. seqlen_q: the (longest, with varlen) query length; seqlen_k: the
+        dense key length (else unread); num_ctas: the persistent grid (number of SMs; else unread)."""
         cfg = self.cfg
         d, pack, n_tile = cfg.head_dim, cfg.pack_gqa, cfg.tile_n
-        num_heads, num_kv = q.shape[1], k.shape[1]
+        cu_seqlens_q = cu_seqlens_k = seqused_k = page_table = None
+        if cutlass.const_expr(cu_seqlens_q_ptr is not None):
+            cu_seqlens_q = cute.make_tensor(cu_seqlens_q_ptr, cute.make_layout(batch + 1))
+        if cutlass.const_expr(cu_seqlens_k_ptr is not None):
+            cu_seqlens_k = cute.make_tensor(cu_seqlens_k_ptr, cute.make_layout(batch + 1))
+        if cutlass.const_expr(seqused_k_ptr is not None):
+            seqused_k = cute.make_tensor(seqused_k_ptr, cute.make_layout(batch))
+        if cutlass.const_expr(page_table_ptr is not None):
+            page_table = cute.make_tensor(page_table_ptr, cute.make_layout((batch, table_width),
+                                                                           stride=(table_width, 1)))
         # Q, O: ((pack, T), D, H / pack); K: (T_k, D, KV); V: (D, T_k, KV)
-        q_view = cute.make_layout(((pack, q.shape[0]), d, num_heads // pack),
-                                  stride=((d, q.stride[0]), 1, pack * d))
-        mQ = cute.make_tensor(q.iterator, q_view)
-        mO = cute.make_tensor(o.iterator, q_view)
-        mK = cute.make_tensor(k.iterator, cute.make_layout((k.shape[0], d, num_kv), stride=(k.stride[0], 1, d)))
-        mV = cute.make_tensor(v.iterator, cute.make_layout((d, v.shape[0], num_kv), stride=(1, v.stride[0], d)))
+        q_view = cute.make_layout(((pack, total_q), d, num_heads // pack),
+                                  stride=((d, num_heads * d), 1, pack * d))
+        mQ = cute.make_tensor(q_ptr, q_view)
+        mO = cute.make_tensor(o_ptr, q_view)
+        mK = cute.make_tensor(k_ptr, cute.make_layout((total_k, d, num_kv), stride=(num_kv * d, 1, d)))
+        mV = cute.make_tensor(v_ptr, cute.make_layout((d, total_k, num_kv), stride=(1, num_kv * d, d)))
 
         qk_tiler = (WGMMA_M, n_tile, d)  # (M, N, K) of S = Q K^T per consumer warpgroup
         pv_tiler = (WGMMA_M, d, n_tile)  # (M, N, K) of O = P V
@@ -123,7 +135,7 @@ class FlashAttentionForwardSm90:
             grid = (cutlass.max(cutlass.min(num_ctas, num_m_blocks * (num_heads // pack) * batch), 1), 1, 1)
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, mO, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout,
                     sV_layout, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, batch, seqlen_q, seqlen_k,
-                    num_heads // num_kv, scale_log2, num_m_blocks).launch(
+                    num_heads // num_kv, scale_log2, num_m_blocks, num_heads // pack).launch(
             grid=grid, block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
@@ -134,7 +146,7 @@ class FlashAttentionForwardSm90:
                sV_layout: cute.ComposedLayout, cu_seqlens_q: cute.Tensor | None,
                cu_seqlens_k: cute.Tensor | None, seqused_k: cute.Tensor | None,
                page_table: cute.Tensor | None, batch_size: Int32, max_seqlen_q: Int32, dense_seqlen_k: Int32,
-               group: Int32, scale_log2: Float32, num_m_blocks: Int32):
+               group: Int32, scale_log2: Float32, num_m_blocks: Int32, num_head_groups: Int32):
         cfg = self.cfg
         d, pack, n_tile = cfg.head_dim, cfg.pack_gqa, cfg.tile_n
         paged = cfg.kv_mode == "paged"
@@ -158,7 +170,6 @@ class FlashAttentionForwardSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        num_head_groups = mQ.shape[2]
         total_tiles = TS.num_tiles(num_m_blocks, num_head_groups, batch_size, cfg.persistent)
         box = cfg.kv_box_rows
         boxes = n_tile // box
@@ -354,6 +365,7 @@ class FlashAttentionForwardSm90:
 
                     S.online_softmax_finalize(row_sum, acc_o)
                     self.epilogue(acc_o, thr_pv, sQ_wg, mO, cwg, tid, m_block, head_group, q_start, seqlen_q)
+                    cute.arch.fence_proxy("async.shared", space="cta")  # O's generic smem writes before Q's TMA
                     q_pipe.consumer_release(q_state)  # O's staging in Q's buffer is read: the next Q may land
                     q_state.advance()
                 tile = TS.next_tile(tile, cfg.persistent)
