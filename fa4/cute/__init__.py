@@ -3,7 +3,8 @@
 One concept per file: config.py (host-side AttentionConfig, the compile-cache key; no DSL import), entry.py
 (what the backend supports, and the call; no DSL import until called), compile_cache.py (one compiled kernel
 per config), kernel.py (TMA + wgmma + warp-specialised CTA), softmax.py (online softmax, FA4 conditional
-rescale and polynomial exp2), mask.py (visited tiles, causal/ragged masking), pipeline.py (mbarrier rings,
-ping-pong and epilogue named barriers), tile_scheduler.py (tile order). Compiling needs nvidia-cutlass-dsl
-(CUTE_DSL_ARCH=sm_90a without a GPU); running needs an sm_90 GPU.
+rescale and polynomial exp2), mask.py (visited tiles, causal/ragged masking, zeroing keys past a sequence),
+seqlen.py (where a sequence's rows live: dense, varlen, paged), pipeline.py (mbarrier rings, ping-pong and
+epilogue named barriers), tile_scheduler.py (tile order: one CTA per tile, or persistent longest first).
+Compiling needs nvidia-cutlass-dsl (CUTE_DSL_ARCH=sm_90a without a GPU); running needs an sm_90 GPU.
 """
