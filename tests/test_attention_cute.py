@@ -182,6 +182,55 @@ def test_cute_compile_cache_reuses():
     assert CC.cache_size() == before + 1
 
 
+@needs_dsl
+@pytest.mark.skipif(HAS_CUDA, reason="fakes the launch on the CPU")
+def test_cute_entry_passes_what_the_kernel_was_compiled_for(monkeypatch):
+    """cute_attention's launch arguments (CPU tensors, a recording kernel): as many as the compile placeholders,
+    None exactly where the config has no such tensor, and the sizes of dense, varlen and paged calls."""
+    from fa4.cute import compile_cache as CC
+    from fa4.cute import entry as CE
+    calls = []
+
+    def fake_get_kernel(config):
+        def launch(*args):
+            calls.append((config, args))
+        return launch
+
+    class Stream:
+        cuda_stream = 0
+
+    monkeypatch.setattr(CC, "get_kernel", fake_get_kernel)
+    monkeypatch.setattr(CE, "num_sms", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(CE, "_KERNELS", {})
+    q, k, v = qkv(2, 70, 90, 8, 2, 128, BF16)
+    qv = q.reshape(-1, 8, 128)
+    cu_q = torch.tensor([0, 30, 140], dtype=torch.int32)
+    cu_k = torch.tensor([0, 100, 180], dtype=torch.int64)
+    k_pages, v_pages, table, seqused = make_pool([50, 33], 2, 128, 16, BF16, seed=0)
+    cases = {
+        "dense": (q, k, v, {}, (140, 180, 8, 2, 0, 2, 70, 90)),
+        "varlen": (qv, k.reshape(-1, 2, 128), v.reshape(-1, 2, 128), dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k),
+                   (140, 180, 8, 2, 0, 2, 110, 0)),
+        "paged": (qv, k_pages, v_pages, dict(cu_seqlens_q=cu_q, page_table=table, seqused_k=seqused),
+                  (140, k_pages.shape[0] * 16, 8, 2, table.shape[1], 2, 110, 0)),
+        "paged dense q": (q, k_pages, v_pages, dict(page_table=table, seqused_k=seqused),
+                          (140, k_pages.shape[0] * 16, 8, 2, table.shape[1], 2, 70, 0)),
+    }
+    for name, (qq, kk, vv, index, sizes) in cases.items():
+        out = CE.cute_attention(qq, kk, vv, causal=True, softmax_scale=0.1, **index)
+        assert out.shape == qq.shape
+        config, args = calls[-1]
+        example = CC._example_args(config)
+        assert len(args) == len(example), name
+        assert [a is None for a in args] == [a is None for a in example], name
+        assert tuple(args[8:16]) == sizes, name
+        assert (config.varlen_q, config.kv_mode) == ("cu_seqlens_q" in index,
+                                                    "paged" if "page_table" in index else
+                                                    "varlen" if "cu_seqlens_k" in index else "dense"), name
+    assert calls[2][0].page_size == 16 and calls[2][0].kv_box_rows == 16
+
+
 # ------------------------------------------------------------------ GPU
 
 
