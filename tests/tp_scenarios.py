@@ -21,7 +21,8 @@ SEED = 3
 # name -> config: dense, MoE, and fewer KV heads than ranks (replicated); head_dim 64 as the kernels' CPU tests use
 CONFIGS = {"dense": small_config(head_dim=64), "moe": small_config(moe=True, head_dim=64),
            "kv-replicated": small_config(num_key_value_heads=1, head_dim=64)}
-ENGINE_CASES = {"dense-padded": ("dense", True), "moe": ("moe", False)}
+# case -> (config, decode padded to the graph ladder, KV pages of 8 tokens: 12 forces preemption and recompute)
+ENGINE_CASES = {"dense-padded": ("dense", True, 64), "moe": ("moe", False, 64), "dense-preempted": ("dense", False, 12)}
 NEW_TOKENS = 16
 
 
@@ -49,8 +50,8 @@ def engine_outputs(engine: LLMEngine) -> tuple[list[list[int]], list[int]]:
     return [o.output_ids for o in done], [o.cached_tokens for o in done]
 
 
-def engine_config(device_type: str) -> EngineConfig:
-    return EngineConfig(num_pages=64, page_size=8, max_num_seqs=4, snapshot_slots=8, max_num_batched_tokens=32,
+def engine_config(device_type: str, num_pages: int = 64) -> EngineConfig:
+    return EngineConfig(num_pages=num_pages, page_size=8, max_num_seqs=4, snapshot_slots=8, max_num_batched_tokens=32,
                         cuda_graphs=device_type == "cuda")
 
 
@@ -58,16 +59,17 @@ def build(name: str, device, tp: ParallelContext | None) -> Qwen35ForCausalLM:
     return Qwen35ForCausalLM.random(CONFIGS[name], seed=SEED, device=device, tp=tp)
 
 
-def run_engine(model: Qwen35ForCausalLM, padded: bool, device_type: str) -> dict | None:
+def run_engine(model: Qwen35ForCausalLM, padded: bool, num_pages: int, device_type: str) -> dict | None:
     """Rank 0 (or world size 1): the outputs and the runner's step counts; workers serve until rank 0 closes."""
-    engine = LLMEngine(model, engine_config(device_type), pad_decode=padded)
+    engine = LLMEngine(model, engine_config(device_type, num_pages), pad_decode=padded)
     if model.tp.rank != 0:
         serve_worker(engine)
         return None
     outs, cached = engine_outputs(engine)
     engine.close()
     r = engine.runner
-    return dict(outputs=outs, cached=cached, graph_steps=r.num_graph_steps, eager_steps=r.num_eager_steps)
+    return dict(outputs=outs, cached=cached, graph_steps=r.num_graph_steps, eager_steps=r.num_eager_steps,
+                preemptions=engine.scheduler.num_preemptions)
 
 
 def run_rank(rank: int, world_size: int, workdir: str, device_type: str = "cpu") -> None:
@@ -80,8 +82,8 @@ def run_rank(rank: int, world_size: int, workdir: str, device_type: str = "cpu")
                        backend="nccl" if device_type == "cuda" else "gloo")
     try:
         results = {"logits": {n: step_logits(build(n, device, tp), device) for n in CONFIGS}}
-        results["engine"] = {case: run_engine(build(n, device, tp), padded, device_type)
-                             for case, (n, padded) in ENGINE_CASES.items()}
+        results["engine"] = {case: run_engine(build(n, device, tp), padded, pages, device_type)
+                             for case, (n, padded, pages) in ENGINE_CASES.items()}
         results["loaded"] = {}
         for name in ("dense", "moe"):
             if not os.path.isdir(f"{workdir}/ckpt-{name}"):  # no transformers to write them (a GPU machine)
