@@ -187,6 +187,16 @@ def test_fused_experts_in_memory_load_sharded():
                                    full["model.layers.0.mlp.experts.gate_up_proj"][3 * r:3 * r + 3], rtol=0, atol=0)
 
 
+def test_step_messages_round_trip():
+    from serving.batch import StepLists
+    from serving.tp_worker import decode, encode
+    edits = [("table", [1, 2], [0, 1], [5, 6]), ("reset", [3]), ("copy", 4, 9), ("table", [7], [3], [8])]
+    for kind, payload in [("decode", (4, 3, list(range(12)))), ("stop", None),
+                          ("eager", StepLists([1, 2, 3], [0, 1, 2], [8, 9, 10], [0, 2, 3], [2, 1], [5, 6], 2))]:
+        for e in (edits, []):
+            assert decode(encode(kind, e, payload)) == (kind, e, payload)
+
+
 # ---- the plan --------------------------------------------------------------------------------------------------
 
 def test_plan_slices_gdn_channels_by_key_head_groups():
