@@ -106,7 +106,7 @@ def serve_worker(engine) -> int:
 
 # ---- the wire: messages as int64 lists, broadcast from rank 0 ----------------------------------------------------
 
-CAPACITY = 8192  # int64s in the buffer every message is broadcast in (a 2048-token eager step fits)
+CAPACITY = 1024  # int64s in the buffer every message is broadcast in: decode steps up to batch ~300 fit
 _KINDS = ("stop", "decode", "eager")
 _EDITS = ("table", "reset", "copy")
 
