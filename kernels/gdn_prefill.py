@@ -4,7 +4,7 @@ Per value head j (key head h = j // (Hv / Hk)), with q, k l2-normalised (fused) 
     S = exp(g_t) S;  S += k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t          S: (dk, dv) fp32
 is evaluated a chunk of BT tokens at a time (reference/gated_delta.py's `_chunked_one` derives it). In a chunk
 with cumulative log-decay G = cumsum(g) and the strictly lower triangular A_ij = beta_i exp(G_i - G_j) (k_i.k_j):
-    T     = (I + A)^-1                   unit lower triangular, by forward substitution (kernel 1)
+    T     = (I + A)^-1                   unit lower triangular, by 16 x 16 blocks (kernel 1, below)
     w     = T (beta exp(G) k)            (BT, dk)    kernel 1, all chunks and heads in parallel
     u     = T (beta v)                   (BT, dv)
     P     = mask_{i>=j}(exp(G_i - G_j) q_i.k_j)  (BT, BT)
@@ -20,6 +20,16 @@ registers through its chunks, writes o and finally S back in place, i.e. straigh
 (kernels/gdn_decode.py) slot layout. Every product is a tl.dot; fp32 operands with tf32 tensor cores on the GPU
 ("ieee" under the interpreter, whose tf32 is not emulated).
 
+The solve (kernel 1). T is block lower triangular in 16 x 16 blocks (SUB): the four diagonal blocks
+T_ii = (I + A_ii)^-1 by forward substitution, the four joined into one (16, 16, 2, 2) tensor so that each of the 15
+steps is two reductions for all four; then T_ij = -T_ii sum_{l=j}^{i-1} A_il T_lj, three rounds of 16 x 16 x 16
+products. The blocks come out of A (64, 64) and T goes back into one (64, 64) tile by reshape / permute / split /
+join (register shuffles through shared memory), so that kk, w, u and P stay single (64 x 64 x d) tensor-core products
+and every value but T is bit for bit what the former row-by-row solve (63 steps on the whole (64, 64) tile) gave.
+The solve runs in exact fp32: the substitution in fp32 FMAs, the block products as "ieee" dots (64 K FMA a chunk
+and head, against 4 M tf32 FLOP of the four big products), so T differs from the former one by fp32 rounding only
+(w, u within 1e-7 of it under the interpreter, the tests' error against the recurrence unchanged or lower).
+
 Bound (H200). The work per token and value head is O(dk dv): kernel 2 does three (BT x dk x BV)-sized products a
 chunk (w S, q S, k^T v_new) and P v_new, kernel 1 four (BT x BT x d) products; about 0.2 MFLOP a token and head,
 6 MFLOP a token at Hv 32, i.e. about 70 Mtok/s at the dense tf32 rate (~400 TFLOP/s). The fp32 workspace,
@@ -27,14 +37,22 @@ chunk (w S, q S, k^T v_new) and P v_new, kernel 1 four (BT x BT x d) products; a
 of a head's dv / BV programs (4 at B1), which walk the chunks in step, so mostly from L2: about 80 Mtok/s at
 4 TB/s if read once, 26 Mtok/s if every read came from DRAM. The limit of one long sequence is kernel 2's chain:
 N Hv dv / BV programs (B1 Hv 32 dv 128: BV 32, 128 programs, about one per SM) each walk T / 64 chunks through
-dependent loads and products; about 2 us a chunk would give 32 Mtok/s. Kernel 1's solve is the per-row loop
-(BT - 1 steps of two (BT, BT) reductions, exact fp32, cut short in a partial chunk); fla's blocked 16x16 solve is
-the next step if it shows in a profile. The target: fla's chunked prefill, 14.9 Mtok/s (B1 T16k H32) and
-23.9 Mtok/s (B1 T32k H16).
-Measured on the H200 (profiles.bench_prefill, tf32 state products, before the stage fix): B1 T16k H32 1.94 Mtok/s
-against fla's 14.9 in the same run, 0.13x. Most likely cause, to confirm with ncu: kernel 1's row-by-row solve
-(63 dependent steps of two cross-warp (64, 64) reductions, for each of 8192 (chunk, head) programs), then kernel
-2's chain of 256 chunks. Next: fla-style blocked solve (16 x 16 diagonal inverses, off-diagonal blocks by tl.dot).
+dependent loads and products; about 2 us a chunk would give 32 Mtok/s. The target: fla's chunked prefill,
+14.9 Mtok/s (B1 T16k H32) and 23.9 Mtok/s (B1 T32k H16).
+Measured on the H200 (profiles.bench_prefill, tf32 state products, before the stage fix, with the former
+row-by-row solve): B1 T16k H32 1.94 Mtok/s against fla's 14.9 in the same run, 0.13x. Likely cause, not profiled:
+kernel 1's solve, a latency chain with nothing to hide it: 255 registers a thread at 8 warps, so one CTA per SM and
+8192 (chunk, head) programs in 62 waves of 132, each a chain of 63 steps x 8 barrier-separated phases (two
+cross-warp reductions of the (64, 64) tile, 16 values a thread, and a layout change) = 504 bar.sync, plus ~20 for
+the rest. Expected now (not yet measured; from the sm_90a PTX compiled on the CPU): 15 steps x 8 phases = 120
+bar.sync for all four diagonal blocks (4 values a thread each), ~50 for the block products and the block
+reshapes, ~30 for the rest: ~200 barrier phases on the chain instead of ~525, each moving a quarter of the data,
+and the solve's CUDA-core work down from ~0.5 M to ~0.1 M FMA a program; tensor-core work unchanged (4.2 MFLOP a
+program, ~1.4 us at an SM's tf32 share). At ~100 cycles a phase: ~50 us -> ~12 us a program, kernel 1 from
+~3 ms to ~0.7 ms at B1 T16k H32 (62 waves). Still one CTA per SM (255 registers, 104 bytes spilled, 112 KiB of
+shared memory at 8 warps): the next lever is occupancy (fewer live (64, 128) fp32 tiles, e.g. w and u by dk / dv
+halves, or 16-bit copies of q, k, v), so that two programs per SM hide each other's barriers; then kernel 2's chain
+of 256 chunks (profile first: kernel 2 alone may be ~1 ms).
 Tuning left to the GPU: num_warps (8 at d = 128), num_stages, BV, and the state products' precision (tf32x3 now).
 
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
@@ -51,13 +69,14 @@ from kernels import gdn_decode
 from reference._checks import check_cu_seqlens, check_tensor
 
 CHUNK = 64
+SUB = tl.constexpr(16)  # the WY kernel's sub-block: the chunk's T = (I + A)^-1 by 16 x 16 blocks
 L2NORM_EPS = tl.constexpr(1e-6)
 FEW_PROGRAMS = 132  # the H200's SM count: with fewer kernel-2 programs than this, dv is split finer
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Software-pipelining stages of the state kernel's chunk loop, by io element size. Its shared memory on sm_90a
 # (dk = dv = 128, 8 warps, compiled on the CPU): 16-bit io BV 64 takes 197 KB at 2 stages, 263 KB at 3 (over the
 # 227 KB an SM has); fp32 io BV 64 takes 115 KB at 1 stage and 262 KB at 2. The WY kernel has no loads in a loop
-# (1 stage: 99 KB).
+# (1 stage: 115 KB with the blocked solve, 99 KB before).
 STATE_STAGES = {2: 2, 4: 1}
 # The state kernel's products run as tf32x3 (about fp32 accuracy): with plain tf32 the state carried across the
 # chunks of a 4097-token sequence left the H200 test's 1e-3 tolerance against the fp32 recurrence, while the
@@ -85,11 +104,69 @@ def _load_qk(q_ptr, k_ptr, t, t_mask, sq_t, sk_t, head_off_q, head_off_k, rk, sc
 
 
 @triton.jit
+def _inv_unit_lower4(a0, a1, a2, a3):
+    """(I + a)^-1 of four strictly lower triangular (SUB, SUB) fp32 tiles by forward substitution, exact fp32: rows
+    r < i of t hold T_r (strict part) when row i becomes -a_i - sum_r a_ir T_r. The four tiles are joined into one
+    (SUB, SUB, 2, 2) tensor so that each of the SUB - 1 steps is two reductions for all four, not eight."""
+    r = tl.arange(0, SUB)[:, None, None, None]
+    c = tl.arange(0, SUB)[None, :, None, None]
+    t = -tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [..., x, y]: tile 2 y + x
+    for i in tl.static_range(1, SUB):
+        row = tl.sum(tl.where(r == i, t, 0.0), axis=0)  # (SUB, 2, 2) -a_i, zero from column i on
+        row += tl.sum(row[:, None, :, :] * t, axis=0)
+        t = tl.where(r == i, row[None, :, :, :], t)
+    t += tl.where(r == c, 1.0, 0.0)
+    t01, t23 = tl.split(t)
+    t0, t1 = tl.split(t01)
+    t2, t3 = tl.split(t23)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _join4(z0, z1, z2, z3):
+    """Four tensors of one shape joined on two new last axes (..., 2, 2): z_n at [..., n % 2, n // 2]."""
+    return tl.join(tl.join(z0, z1), tl.join(z2, z3))
+
+
+@triton.jit
+def _split4(z):
+    """The inverse of _join4."""
+    lo, hi = tl.split(z)
+    z0, z1 = tl.split(lo)
+    z2, z3 = tl.split(hi)
+    return z0, z1, z2, z3
+
+
+@triton.jit
+def _blocks(x):
+    """The (SUB, SUB) blocks x_IJ of a (4 SUB, 4 SUB) tile, I row block, J column block; returns the four column
+    blocks of each block row in turn (x_00, x_01, ..., x_33). x[16 (2 I1 + I0) + r, 16 (2 J1 + J0) + c] is
+    y[r, c, I0, I1, J0, J1]; each _split4 peels two axes."""
+    y = tl.permute(tl.reshape(x, (2, 2, SUB, 2, 2, SUB)), (2, 5, 1, 0, 4, 3))
+    c0, c1, c2, c3 = _split4(y)  # column blocks J: (SUB, SUB, 2, 2)
+    x00, x10, x20, x30 = _split4(c0)
+    x01, x11, x21, x31 = _split4(c1)
+    x02, x12, x22, x32 = _split4(c2)
+    x03, x13, x23, x33 = _split4(c3)
+    return x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33
+
+
+@triton.jit
+def _unblocks(x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33):
+    """The inverse of _blocks: one (4 SUB, 4 SUB) tile."""
+    y = _join4(_join4(x00, x10, x20, x30), _join4(x01, x11, x21, x31), _join4(x02, x12, x22, x32),
+               _join4(x03, x13, x23, x33))  # y[r, c, I0, I1, J0, J1]
+    return tl.reshape(tl.permute(y, (3, 2, 0, 5, 4, 1)), (4 * SUB, 4 * SUB))
+
+
+@triton.jit
 def _chunk_wy_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_ptr, p_ptr, gcum_ptr,
                      sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, scale,
                      HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
-    # grid (chunks, Hv): tokens [start, end) of one sequence (end - start <= BT), value head j
+    # grid (chunks, Hv): tokens [start, end) of one sequence (end - start <= BT), value head j. x_ij: the (SUB, SUB)
+    # block of a (BT, BT) tile x at row block i and column block j.
+    tl.static_assert(BT == 4 * SUB)
     c = tl.program_id(0)
     j = tl.program_id(1)
     start = tl.load(chunk_ptr + 2 * c)
@@ -99,27 +176,36 @@ def _chunk_wy_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_p
     tm = t < end
     h = j // GROUP
     q, k = _load_qk(q_ptr, k_ptr, t, tm, sq_t, sk_t, h * sq_h, h * sk_h, rk, scale, DK, L2NORM)  # (BT, BK)
-    v = _load_rows(v_ptr + j * sv_h, t, tm, sv_t, 0, rv, DV)  # (BT, BV)
     g = tl.load(g_ptr + t * HV + j, mask=tm, other=0.0)  # (BT,)
     beta = tl.load(beta_ptr + t * HV + j, mask=tm, other=0.0)
     G = tl.cumsum(g, 0)
     lower = r[:, None] >= r[None, :]
     decay = tl.exp(tl.where(lower, G[:, None] - G[None, :], float("-inf")))  # (BT, BT) exp(G_i - G_j), i >= j
     kk = tl.dot(k, tl.trans(k), input_precision=PREC)
-    # t_inv holds -A, then row by row the strictly lower part of T: T_i = -A_i - sum_{l<i} A_il T_l
-    t_inv = tl.where(r[:, None] > r[None, :], -(beta[:, None] * decay * kk), 0.0)
-    for i in range(1, end - start):
-        row = tl.sum(tl.where(r[:, None] == i, t_inv, 0.0), axis=0)  # (BT,) -A_i, zero from column i on
-        row += tl.sum(row[:, None] * t_inv, axis=0)  # rows l < i are already T_l
-        t_inv = tl.where(r[:, None] == i, row[None, :], t_inv)
-    t_inv += tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    w = tl.dot(t_inv, k * (beta * tl.exp(G))[:, None], input_precision=PREC)  # (BT, BK)
-    u = tl.dot(t_inv, v * beta[:, None], input_precision=PREC)  # (BT, BV)
-    p = decay * tl.dot(q, tl.trans(k), input_precision=PREC)  # (BT, BT), zero above the diagonal
+    a = tl.where(r[:, None] > r[None, :], beta[:, None] * decay * kk, 0.0)  # A, strictly lower triangular
+    a00, _, _, _, a10, a11, _, _, a20, a21, a22, _, a30, a31, a32, a33 = _blocks(a)
+    # T = (I + A)^-1, block lower triangular: the diagonal blocks by substitution (independent of each other), the
+    # others by block substitution T_ij = -T_ii sum_{l=j}^{i-1} A_il T_lj, all in exact fp32 ("ieee")
+    T00, T11, T22, T33 = _inv_unit_lower4(a00, a11, a22, a33)
+    T10 = -tl.dot(T11, tl.dot(a10, T00, input_precision="ieee"), input_precision="ieee")
+    T21 = -tl.dot(T22, tl.dot(a21, T11, input_precision="ieee"), input_precision="ieee")
+    T32 = -tl.dot(T33, tl.dot(a32, T22, input_precision="ieee"), input_precision="ieee")
+    T20 = tl.dot(a20, T00, input_precision="ieee")
+    T20 = -tl.dot(T22, tl.dot(a21, T10, T20, input_precision="ieee"), input_precision="ieee")
+    T31 = tl.dot(a31, T11, input_precision="ieee")
+    T31 = -tl.dot(T33, tl.dot(a32, T21, T31, input_precision="ieee"), input_precision="ieee")
+    T30 = tl.dot(a31, T10, tl.dot(a30, T00, input_precision="ieee"), input_precision="ieee")
+    T30 = -tl.dot(T33, tl.dot(a32, T20, T30, input_precision="ieee"), input_precision="ieee")
+    zero = tl.zeros((SUB, SUB), dtype=tl.float32)
+    t_inv = _unblocks(T00, zero, zero, zero, T10, T11, zero, zero, T20, T21, T22, zero, T30, T31, T32, T33)
     row_off = t[:, None].to(tl.int64) * HV + j
-    tl.store(w_ptr + row_off * DK + rk[None, :], w, mask=tm[:, None] & (rk[None, :] < DK))
-    tl.store(u_ptr + row_off * DV + rv[None, :], u, mask=tm[:, None] & (rv[None, :] < DV))
+    p = decay * tl.dot(q, tl.trans(k), input_precision=PREC)  # (BT, BT), zero above the diagonal
     tl.store(p_ptr + row_off * BT + r[None, :], p, mask=tm[:, None] & (r[None, :] < BT))
+    w = tl.dot(t_inv, k * (beta * tl.exp(G))[:, None], input_precision=PREC)  # (BT, BK)
+    tl.store(w_ptr + row_off * DK + rk[None, :], w, mask=tm[:, None] & (rk[None, :] < DK))
+    v = _load_rows(v_ptr + j * sv_h, t, tm, sv_t, 0, rv, DV)  # (BT, BV)
+    u = tl.dot(t_inv, v * beta[:, None], input_precision=PREC)  # (BT, BV)
+    tl.store(u_ptr + row_off * DV + rv[None, :], u, mask=tm[:, None] & (rv[None, :] < DV))
     tl.store(gcum_ptr + t * HV + j, G, mask=tm)
 
 

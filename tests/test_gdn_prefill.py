@@ -67,7 +67,7 @@ def check_against_oracle(lens, hk, hv, dk, dv, dtype, tol_out, tol_state, seed=0
 
 # ---- interpreter-sized (also run on the GPU) ----------------------------------------------------------------
 
-MIXED = [1, 2, 63, 64, 65, 130]  # inside, at and across the 64-token chunk edges
+MIXED = [1, 2, 17, 63, 64, 65, 130]  # inside, at and across the 64-token chunk edges and the solve's 16-row blocks
 
 
 def test_mixed_lengths_gqa2_fp32():
@@ -85,6 +85,30 @@ def test_fp16_io():
 
 def test_no_l2norm_custom_scale():
     check_against_oracle([5, 80], 1, 2, 16, 16, torch.float32, 1e-5, 1e-5, seed=3, scale=0.3, use_qk_l2norm=False)
+
+
+def test_correlated_keys_weak_decay_fp32():
+    """The regime where T = (I + A)^-1 has large entries: keys of one direction (cosines near 0.9), beta near 1, almost
+    no decay. The blocked solve (16 x 16 diagonal blocks by substitution, the rest by block products) against the
+    recurrence in float64."""
+    gen = torch.Generator().manual_seed(8)
+    lens, hk, hv, d = [64, 130, 17], 1, 2, 32
+    total = sum(lens)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    k = r(1, hk, d) + 0.3 * r(total, hk, d)
+    q, v = r(total, hk, d), r(total, hv, d)
+    g = -0.01 * torch.rand(total, hv, generator=gen)
+    beta = 0.9 + 0.1 * torch.rand(total, hv, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    pool = r(len(lens), hv, d, d) * 0.5
+    ref_o, ref_s = R.recurrent_gated_delta_rule(*(t.double() for t in (q, k, v, g, beta)), initial_state=pool.double(),
+                                                cu_seqlens=cu)
+    q, k, v, g, beta, cu, states = (t.to(DEVICE) for t in (q, k, v, g, beta, cu, pool))
+    o = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_states=states, state_slots=torch.arange(len(lens),
+                               device=DEVICE), cu_seqlens=cu)
+    tol = 1e-5 if DEVICE == "cpu" else 1e-3  # tf32 products on the GPU
+    assert_close(o.double().cpu(), ref_o, tol, "correlated keys output")
+    assert_close(states.double().cpu(), ref_s, tol, "correlated keys final states")
 
 
 def prefill_step(lens, slots) -> StepInput:
