@@ -21,8 +21,9 @@ registers through its chunks, writes o and finally S back in place, i.e. straigh
 ("ieee" under the interpreter, whose tf32 is not emulated).
 
 The solve (kernel 1). T is block lower triangular in 16 x 16 blocks (SUB): the four diagonal blocks
-T_ii = (I + A_ii)^-1 by forward substitution, the four joined into one (16, 16, 2, 2) tensor so that each of the 15
-steps is two reductions for all four; then T_ij = -T_ii sum_{l=j}^{i-1} A_il T_lj, three rounds of 16 x 16 x 16
+T_ii = (I + A_ii)^-1 by forward substitution, the four held transposed in one (2, 2, 16, 16) tensor so that each of
+the 15 steps is two reductions along the last axis (within a warp) for all four and one vector transpose (the only
+shared-memory round trip of a step); then T_ij = -T_ii sum_{l=j}^{i-1} A_il T_lj, three rounds of 16 x 16 x 16
 products. The blocks come out of A (64, 64) and T goes back into one (64, 64) tile by reshape / permute / split /
 join (register shuffles through shared memory), so that kk, w, u and P stay single (64 x 64 x d) tensor-core products
 and every value but T is bit for bit what the former row-by-row solve (63 steps on the whole (64, 64) tile) gave.
@@ -44,15 +45,16 @@ row-by-row solve): B1 T16k H32 1.94 Mtok/s against fla's 14.9 in the same run, 0
 kernel 1's solve, a latency chain with nothing to hide it: 255 registers a thread at 8 warps, so one CTA per SM and
 8192 (chunk, head) programs in 62 waves of 132, each a chain of 63 steps x 8 barrier-separated phases (two
 cross-warp reductions of the (64, 64) tile, 16 values a thread, and a layout change) = 504 bar.sync, plus ~20 for
-the rest. Expected now (not yet measured; from the sm_90a PTX compiled on the CPU): 15 steps x 8 phases = 120
-bar.sync for all four diagonal blocks (4 values a thread each), ~50 for the block products and the block
-reshapes, ~30 for the rest: ~200 barrier phases on the chain instead of ~525, each moving a quarter of the data,
-and the solve's CUDA-core work down from ~0.5 M to ~0.1 M FMA a program; tensor-core work unchanged (4.2 MFLOP a
-program, ~1.4 us at an SM's tf32 share). At ~100 cycles a phase: ~50 us -> ~12 us a program, kernel 1 from
-~3 ms to ~0.7 ms at B1 T16k H32 (62 waves). Still one CTA per SM (255 registers, 104 bytes spilled, 112 KiB of
-shared memory at 8 warps): the next lever is occupancy (fewer live (64, 128) fp32 tiles, e.g. w and u by dk / dv
-halves, or 16-bit copies of q, k, v), so that two programs per SM hide each other's barriers; then kernel 2's chain
-of 256 chunks (profile first: kernel 2 alone may be ~1 ms).
+the rest. Expected now (not yet measured; counted in the sm_90a PTX compiled on the CPU, straight-line code, so every
+bar.sync runs once): 104 bar.sync a program instead of ~525 (8 x 63 in the loop + 21), of which the substitution
+takes 30 (2 x 15, against 504), A's block extraction 32, the block products and T's reassembly ~25, the rest
+~17; each moves 4 values a thread instead of 16. The solve's CUDA-core work falls from ~0.5 M to ~0.1 M FMA a
+program; the tensor-core work is unchanged (64 wgmma: 4.2 MFLOP a program, ~1.4 us at an SM's share of the tf32 rate).
+At ~100-150 cycles a barrier phase: ~40 us -> ~8 us a program, kernel 1 from ~2.5 ms to ~0.5 ms at B1 T16k H32
+(8192 programs, 62 waves of 132), i.e. ~5x on kernel 1; where the whole 8.4 ms goes (kernel 2's share) is for the
+profile to say. Still one CTA per SM: 254 registers (0 spilled) and 112 KiB of shared memory at 8 warps (4 warps
+spill 684 bytes). The next lever is occupancy (fewer live (64, 128) fp32 tiles: w and u by dk / dv halves, or 16-bit
+copies of q, k, v), so that two programs per SM hide each other's barriers; then kernel 2's chain of 256 chunks.
 Tuning left to the GPU: num_warps (8 at d = 128), num_stages, BV, and the state products' precision (tf32x3 now).
 
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
@@ -105,21 +107,25 @@ def _load_qk(q_ptr, k_ptr, t, t_mask, sq_t, sk_t, head_off_q, head_off_k, rk, sc
 
 @triton.jit
 def _inv_unit_lower4(a0, a1, a2, a3):
-    """(I + a)^-1 of four strictly lower triangular (SUB, SUB) fp32 tiles by forward substitution, exact fp32: rows
-    r < i of t hold T_r (strict part) when row i becomes -a_i - sum_r a_ir T_r. The four tiles are joined into one
-    (SUB, SUB, 2, 2) tensor so that each of the SUB - 1 steps is two reductions for all four, not eight."""
-    r = tl.arange(0, SUB)[:, None, None, None]
-    c = tl.arange(0, SUB)[None, :, None, None]
-    t = -tl.join(tl.join(a0, a1), tl.join(a2, a3))  # [..., x, y]: tile 2 y + x
+    """(I + a)^-1 of four strictly lower triangular (SUB, SUB) fp32 tiles by forward substitution in exact fp32:
+    row i of T is x_i - sum_{l<i} x_il T_l with x_i = -a_i (and T_l the rows done). The four are held in one
+    (2, 2, SUB, SUB) tensor of T^T, u[y, x, c, l] = T[l, c] of tile 2 y + x, so that both reductions of a step run
+    along the last axis (within a warp) for all four tiles; the step's row goes in as column i of u."""
+    r = tl.arange(0, SUB)[None, None, :, None]
+    c = tl.arange(0, SUB)[None, None, None, :]
+    r3 = tl.arange(0, SUB)[None, None, :]
+    u = -tl.join(tl.join(tl.trans(a0), tl.trans(a1)), tl.join(tl.trans(a2), tl.trans(a3)))  # [c, l, x, y]
+    u = tl.permute(u, (3, 2, 0, 1))
     for i in tl.static_range(1, SUB):
-        row = tl.sum(tl.where(r == i, t, 0.0), axis=0)  # (SUB, 2, 2) -a_i, zero from column i on
-        row += tl.sum(row[:, None, :, :] * t, axis=0)
-        t = tl.where(r == i, row[None, :, :, :], t)
-    t += tl.where(r == c, 1.0, 0.0)
-    t01, t23 = tl.split(t)
-    t0, t1 = tl.split(t01)
-    t2, t3 = tl.split(t23)
-    return t0, t1, t2, t3
+        x = tl.sum(tl.where(c == i, u, 0.0), axis=3)  # (2, 2, SUB): x[l] = -a_il, zero from l = i on
+        x = tl.where(r3 == i, 1.0, x)  # + e_i: column i of u is x itself
+        col = tl.sum(x[:, :, None, :] * u, axis=3)  # sum_l x_l u[:, l] = row i of T
+        u = tl.where(c == i, col[:, :, :, None], u)
+    u += tl.where(r == c, 1.0, 0.0)
+    u01, u23 = tl.split(tl.permute(u, (2, 3, 1, 0)))
+    u0, u1 = tl.split(u01)
+    u2, u3 = tl.split(u23)
+    return tl.trans(u0), tl.trans(u1), tl.trans(u2), tl.trans(u3)
 
 
 @triton.jit
