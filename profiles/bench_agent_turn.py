@@ -26,7 +26,16 @@ from pathlib import Path
 
 import torch
 
-from profiles.common import RESULTS, bandwidth_ceilings, bench_us, environment, print_table, progress, write_result
+from profiles.common import (
+    RESULTS,
+    bandwidth_ceilings,
+    bench_us,
+    environment,
+    plot_series,
+    print_table,
+    progress,
+    write_result,
+)
 
 BF16 = torch.bfloat16
 PAGE = 128
@@ -219,24 +228,11 @@ def gemm_tflops(n=8192):
 
 
 def plot_curve(curve, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
-    for key, label in [("ours_best_us", "ours (Triton split-KV)"), ("fa4_best_us", "flash-attn-4"),
-                       ("triton_fwd_best_us", "fa4 Triton forward"), ("bound_us", "bound (700 TFLOP/s, 4.4 TB/s)")]:
-        pts = [(r["q_len"], r[key]) for r in curve if r.get(key)]
-        if pts:
-            ax.plot(*zip(*pts), marker="o" if key != "bound_us" else None, label=label,
-                    linestyle="--" if key == "bound_us" else "-")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel(f"new tokens over a {CURVE_CTX // 1000}k prefix (B1, H16/KV4, d256, bf16, page {PAGE})")
-    ax.set_ylabel("time (us)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
+    series = [("ours_best_us", "ours (Triton split-KV)"), ("fa4_best_us", "flash-attn-4"),
+              ("triton_fwd_best_us", "fa4 Triton forward"), ("bound_us", "bound (700 TFLOP/s, 4.4 TB/s)")]
+    plot_series(path, curve, "q_len", series,
+                f"new tokens over a {CURVE_CTX // 1000}k prefix (B1, H16/KV4, d256, bf16, page {PAGE})", "time (us)",
+                log_y=True, dashed=("bound_us",))
 
 
 def main(argv=None):

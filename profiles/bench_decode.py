@@ -14,7 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from profiles.common import RESULTS, bandwidth_ceilings, bench_us, environment, print_table, progress, write_result
+from profiles.common import (
+    RESULTS,
+    bandwidth_ceilings,
+    bench_us,
+    environment,
+    plot_series,
+    print_table,
+    progress,
+    write_result,
+)
 
 BF16 = torch.bfloat16
 PAGE = 64
@@ -149,22 +158,9 @@ def bench_small_ops_case(n, hidden=4096, inter=12288):
 # ---- plot and main ------------------------------------------------------------------------------------
 
 def plot_curve(curve, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
-    for key, label in [("ours_graph_TBps", "ours (Triton split-KV)"), ("cudnn_TBps", "cuDNN SDPA"),
-                       ("fa2_TBps", "FA2 SDPA"), ("fa4_TBps", "flash-attn-4")]:
-        pts = [(r["ctx"], r[key]) for r in curve if r.get(key)]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context tokens (B1, H16/KV4, d256, bf16)")
-    ax.set_ylabel("KV read TB/s")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
+    series = [("ours_graph_TBps", "ours (Triton split-KV)"), ("cudnn_TBps", "cuDNN SDPA"), ("fa2_TBps", "FA2 SDPA"),
+              ("fa4_TBps", "flash-attn-4")]
+    plot_series(path, curve, "ctx", series, "context tokens (B1, H16/KV4, d256, bf16)", "KV read TB/s")
 
 
 def main(argv=None):

@@ -69,6 +69,32 @@ def command_line() -> str:
     return " ".join([entry, *sys.argv[1:]])
 
 
+def plot_series(path: Path, rows: list[dict], x: str, series: list[tuple[str, str]], xlabel: str, ylabel: str, *,
+                log_y: bool = False, dashed: tuple[str, ...] = ()) -> None:
+    """A small PNG: one line per (row key, label) of `series` against rows[x], on a log2 x axis; keys in `dashed`
+    (bounds) are drawn dashed. Raises ImportError without matplotlib (the GPU machine has none: plot from the
+    JSON later)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    for key, label in series:
+        pts = [(r[x], r[key]) for r in rows if r.get(key)]
+        if pts:
+            ax.plot(*zip(*pts), marker=None if key in dashed else "o", linestyle="--" if key in dashed else "-",
+                    label=label)
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def progress(row: dict) -> dict:
     """Print one finished row as a JSON line at once (a run cut short by a time limit still shows it); returns it."""
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
