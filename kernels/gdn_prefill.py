@@ -52,9 +52,10 @@ takes 30 (2 x 15, against 504), A's block extraction 32, the block products and 
 program; the tensor-core work is unchanged (64 wgmma: 4.2 MFLOP a program, ~1.4 us at an SM's share of the tf32 rate).
 At ~100-150 cycles a barrier phase: ~40 us -> ~8 us a program, kernel 1 from ~2.5 ms to ~0.5 ms at B1 T16k H32
 (8192 programs, 62 waves of 132), i.e. ~5x on kernel 1; where the whole 8.4 ms goes (kernel 2's share) is for the
-profile to say. Still one CTA per SM: 254 registers (0 spilled) and 112 KiB of shared memory at 8 warps (4 warps
-spill 684 bytes). The next lever is occupancy (fewer live (64, 128) fp32 tiles: w and u by dk / dv halves, or 16-bit
-copies of q, k, v), so that two programs per SM hide each other's barriers; then kernel 2's chain of 256 chunks.
+profile to say. Still one CTA per SM: 255 registers (4 bytes spilled) and 81 KiB of shared memory at 8 warps
+(4 warps spill more). The next lever is occupancy, so that two programs per SM hide each other's barriers:
+WY_MAXNREG = 128 (spills 844 bytes) to try first, then fewer live (64, 128) fp32 tiles (w and u by dk / dv
+halves); then kernel 2's chain of 256 chunks.
 Tuning left to the GPU: num_warps (8 at d = 128), num_stages, BV, and the state products' precision (tf32x3 now).
 
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
@@ -78,8 +79,12 @@ IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Software-pipelining stages of the state kernel's chunk loop, by io element size. Its shared memory on sm_90a
 # (dk = dv = 128, 8 warps, compiled on the CPU): 16-bit io BV 64 takes 197 KB at 2 stages, 263 KB at 3 (over the
 # 227 KB an SM has); fp32 io BV 64 takes 115 KB at 1 stage and 262 KB at 2. The WY kernel has no loads in a loop
-# (1 stage: 115 KB with the blocked solve, 99 KB before).
+# (1 stage: 85 KB with the blocked solve and q loaded last, 99 KB before).
 STATE_STAGES = {2: 2, 4: 1}
+# A register cap for the WY kernel (None: ptxas's choice, 255 a thread at 8 warps, so one CTA per SM). On sm_90a
+# (bf16, 8 warps, compiled on the CPU) 168 spills 356 bytes a thread and 128 spills 844 bytes, where two CTAs of
+# 81 KiB of shared memory fit an SM and hide each other's barriers: to be measured (profiles.bench_prefill).
+WY_MAXNREG = None
 # The state kernel's products run as tf32x3 (about fp32 accuracy): with plain tf32 the state carried across the
 # chunks of a 4097-token sequence left the H200 test's 1e-3 tolerance against the fp32 recurrence, while the
 # 1000-token varlen case passed. The WY kernel's products stay tf32 (they do not compound across chunks).
@@ -181,7 +186,9 @@ def _chunk_wy_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_p
     t = start + r
     tm = t < end
     h = j // GROUP
-    q, k = _load_qk(q_ptr, k_ptr, t, tm, sq_t, sk_t, h * sq_h, h * sk_h, rk, scale, DK, L2NORM)  # (BT, BK)
+    k = _load_rows(k_ptr + h * sk_h, t, tm, sk_t, 0, rk, DK)  # (BT, BK)
+    if L2NORM:
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2NORM_EPS)[:, None]
     g = tl.load(g_ptr + t * HV + j, mask=tm, other=0.0)  # (BT,)
     beta = tl.load(beta_ptr + t * HV + j, mask=tm, other=0.0)
     G = tl.cumsum(g, 0)
@@ -205,7 +212,10 @@ def _chunk_wy_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_p
     zero = tl.zeros((SUB, SUB), dtype=tl.float32)
     t_inv = _unblocks(T00, zero, zero, zero, T10, T11, zero, zero, T20, T21, T22, zero, T30, T31, T32, T33)
     row_off = t[:, None].to(tl.int64) * HV + j
-    p = decay * tl.dot(q, tl.trans(k), input_precision=PREC)  # (BT, BT), zero above the diagonal
+    q = _load_rows(q_ptr + h * sq_h, t, tm, sq_t, 0, rk, DK)  # (BT, BK), loaded late: fewer live registers
+    if L2NORM:
+        q = q * tl.rsqrt(tl.sum(q * q, axis=1) + L2NORM_EPS)[:, None]
+    p = decay * tl.dot(q * scale, tl.trans(k), input_precision=PREC)  # (BT, BT), zero above the diagonal
     tl.store(p_ptr + row_off * BT + r[None, :], p, mask=tm[:, None] & (r[None, :] < BT))
     w = tl.dot(t_inv, k * (beta * tl.exp(G))[:, None], input_precision=PREC)  # (BT, BK)
     tl.store(w_ptr + row_off * DK + rk[None, :], w, mask=tm[:, None] & (rk[None, :] < DK))
@@ -330,7 +340,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, c
     if chunks.shape[0]:
         _chunk_wy_kernel[(chunks.shape[0], hv)](
             q, k, v, g, beta, chunks, w, u, p, gcum, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), scale, BV=bv_full, **common, num_warps=warps, num_stages=1)
+            v.stride(0), v.stride(1), scale, BV=bv_full, **common, num_warps=warps, num_stages=1,
+            **({"maxnreg": WY_MAXNREG} if WY_MAXNREG else {}))
     bv = min(64, bv_full)
     while bv > 16 and n * hv * triton.cdiv(dv, bv) < FEW_PROGRAMS:
         bv //= 2
