@@ -46,9 +46,9 @@ kernel 1's solve, a latency chain with nothing to hide it: 255 registers a threa
 8192 (chunk, head) programs in 62 waves of 132, each a chain of 63 steps x 8 barrier-separated phases (two
 cross-warp reductions of the (64, 64) tile, 16 values a thread, and a layout change) = 504 bar.sync, plus ~20 for
 the rest. Expected now (not yet measured; counted in the sm_90a PTX compiled on the CPU, straight-line code, so every
-bar.sync runs once): 104 bar.sync a program instead of ~525 (8 x 63 in the loop + 21), of which the substitution
+bar.sync runs once): 106 bar.sync a program instead of ~525 (8 x 63 in the loop + 21), of which the substitution
 takes 30 (2 x 15, against 504), A's block extraction 32, the block products and T's reassembly ~25, the rest
-~17; each moves 4 values a thread instead of 16. The solve's CUDA-core work falls from ~0.5 M to ~0.1 M FMA a
+~19; each moves 4 values a thread instead of 16. The solve's CUDA-core work falls from ~0.5 M to ~0.1 M FMA a
 program; the tensor-core work is unchanged (64 wgmma: 4.2 MFLOP a program, ~1.4 us at an SM's share of the tf32 rate).
 At ~100-150 cycles a barrier phase: ~40 us -> ~8 us a program, kernel 1 from ~2.5 ms to ~0.5 ms at B1 T16k H32
 (8192 programs, 62 waves of 132), i.e. ~5x on kernel 1; where the whole 8.4 ms goes (kernel 2's share) is for the
@@ -113,7 +113,7 @@ def _load_qk(q_ptr, k_ptr, t, t_mask, sq_t, sk_t, head_off_q, head_off_k, rk, sc
 @triton.jit
 def _inv_unit_lower4(a0, a1, a2, a3):
     """(I + a)^-1 of four strictly lower triangular (SUB, SUB) fp32 tiles by forward substitution in exact fp32:
-    row i of T is x_i - sum_{l<i} x_il T_l with x_i = -a_i (and T_l the rows done). The four are held in one
+    row i of T is x_i + sum_{l<i} x_il T_l with x_i = -a_i (and T_l the rows done). The four are held in one
     (2, 2, SUB, SUB) tensor of T^T, u[y, x, c, l] = T[l, c] of tile 2 y + x, so that both reductions of a step run
     along the last axis (within a warp) for all four tiles; the step's row goes in as column i of u."""
     r = tl.arange(0, SUB)[None, None, :, None]
