@@ -2,11 +2,16 @@
 
 CPU: padded decode batches on the Triton ops (interpreter) follow the reference ops; graphs are refused where the
 ops or the model would sync with the host.
+CPU: padding rows change nothing in the real rows: padded and unpadded decode batches on the Triton ops agree to
+fp32 rounding (a padding row writing into real KV pages or GDN slots, or leaking through a shared workspace,
+would show here exactly).
 GPU (bf16, triton ops): at batch 1 the engine's greedy output with graphs equals it without graphs and equals
 model.generate.greedy token for token (same kernels on the same shapes: the engine's page tables have the width
 of a SequenceCache of max_model_len tokens, and a page-aligned prompt is prefilled in one chunk); with the prefix
-cache, graphs and eager agree exactly. Batched (padded to the ladder), logits along the common path agree within
-BATCHED_TOL relative error, since padding changes the GEMM shapes.
+cache, graphs and eager agree exactly. Batched, graphs equal eager decoding padded to the same ladder sizes
+exactly (the same kernels on the same shapes). Against unpadded eager decoding (other GEMM shapes, and mixed
+steps whose decode rows run the prefill kernels) only BATCHED_TOL holds: this random bf16 model amplifies any
+difference to its own rounding noise (see BATCHED_TOL).
 """
 import gc
 from collections import defaultdict
@@ -32,7 +37,12 @@ KERNEL_SMALL = Qwen35Config(vocab_size=300, hidden_size=64, num_hidden_layers=4,
 # real head shapes, 8 layers (2 full attention), the real vocabulary
 GPU_CFG = Qwen35Config(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                        linear_num_value_heads=32, intermediate_size=2048)
-BATCHED_TOL = 3e-2  # bf16, 8 layers: relative logit error between padded-graph and eager batches
+# bf16, 8 layers: relative logit error between padded-graph and unpadded eager batches along the common path.
+# Measured on the CPU (reference ops, bf16, GPU_CFG): flipping one bf16 ulp in 0.001% of the decode steps' GEMM
+# outputs (a few elements a step) already gives 1.4e-2 at the first decode step and 2.3e-2 after six, about the
+# same as flipping 10% (2.5e-2, 4.3e-2): any difference grows to the model's rounding noise, so 3e-2 over 24
+# tokens was within that noise.
+BATCHED_TOL = 1e-1
 
 
 def record_logits(engine: LLMEngine) -> dict[int, list[torch.Tensor]]:
@@ -110,6 +120,29 @@ def test_padded_decode_on_triton_ops_follows_the_reference_cpu():
     assert common >= 3
 
 
+def test_padded_decode_equals_unpadded_cpu():
+    """Five sequences decode on the Triton kernels (interpreter, fp32) padded to batch 8 (three dummy rows) and
+    unpadded: the real rows agree to fp32 rounding. dv = 32 gives the GDN decode kernel two dv splits (its shared
+    workspace and arrival counters) and the paged attention two KV splits at both batch sizes, as on the GPU; the
+    20-token prompt is prefilled in two chunks, so one step mixes decodes with a prefill chunk."""
+    model = Qwen35ForCausalLM.random(replace(KERNEL_SMALL, linear_value_head_dim=32), seed=3)
+    prompts = prompts_of((5, 16, 11, 20, 3), KERNEL_SMALL.vocab_size, seed=1)
+    cfg = EngineConfig(num_pages=64, page_size=16, max_num_seqs=8, snapshot_slots=4, max_model_len=128)
+    results, engines = {}, {}
+    for pad in (True, False):
+        engine = engines[pad] = LLMEngine(model, cfg, pad_decode=pad)
+        logits = record_logits(engine)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
+        engine.step()  # the prefills (the 20-token one up to its page boundary), on the reference ops
+        with ops.use_backend("triton"):
+            while engine.has_unfinished:
+                engine.step()
+        results[pad] = [engine.pop_output(i).output_ids for i in ids], [logits[i] for i in sorted(logits)]
+    assert engines[True].runner.graph_sizes == (1, 2, 4, 8) and not engines[False].runner.graph_sizes
+    common = assert_logits_close_until_divergence(*results[True], *results[False], tol=1e-5)
+    assert common == 4 * len(prompts)
+
+
 @pytest.fixture(scope="module")
 def gpu_model():
     return Qwen35ForCausalLM.random(GPU_CFG, device="cuda", dtype=torch.bfloat16, seed=1)
@@ -144,18 +177,30 @@ def test_batch1_greedy_graphs_equal_eager_and_model_greedy(gpu_model):
 
 
 @pytest.mark.gpu
-def test_batched_graphs_follow_eager_within_tolerance(gpu_model):
+def test_batched_graphs_equal_padded_eager_and_follow_unpadded(gpu_model):
+    """Batch 5 replays the batch-8 graph (three padded rows). Eager decoding padded to the same sizes runs the same
+    kernels on the same shapes: the same tokens and bit-identical logits. Unpadded eager decoding: within
+    BATCHED_TOL along the common path (a padding row leaking into real rows would be O(1))."""
     with ops.use_backend("triton"):
-        prompts = prompts_of((30, 77, 128, 200, 9), GPU_CFG.vocab_size, seed=3)  # batch 5 replays the 8 graph
-        results = []
-        for cfg in (GPU_ENGINE, replace(GPU_ENGINE, cuda_graphs=False)):
-            engine = LLMEngine(gpu_model, cfg)
+        prompts = prompts_of((30, 77, 128, 200, 9), GPU_CFG.vocab_size, seed=3)
+        eager_cfg = replace(GPU_ENGINE, cuda_graphs=False)
+        results, engines = [], []
+        for cfg, pad in ((GPU_ENGINE, False), (eager_cfg, True), (eager_cfg, False)):
+            engine = LLMEngine(gpu_model, cfg, pad_decode=pad)
             logits = record_logits(engine)
             out = run(engine, prompts, 24)
             results.append((out, [logits[i] for i in sorted(logits)]))
+            engines.append(engine)
             assert all(torch.isfinite(x).all() for rows in logits.values() for x in rows)
-        assert engine.runner.num_graph_steps == 0
-        common = assert_logits_close_until_divergence(*results[0], *results[1], tol=BATCHED_TOL)
+        graphs, padded, unpadded = engines
+        assert graphs.runner.graphs and graphs.runner.num_graph_steps >= 23
+        assert padded.runner.num_graph_steps == unpadded.runner.num_graph_steps == 0
+        assert padded.runner.num_eager_decode_steps == graphs.runner.num_graph_steps
+        (out_g, log_g), (out_p, log_p), (out_u, log_u) = results
+        assert out_g == out_p
+        for seq, (a, b) in enumerate(zip(log_g, log_p)):
+            assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), f"sequence {seq}"
+        common = assert_logits_close_until_divergence(out_g, log_g, out_u, log_u, tol=BATCHED_TOL)
         assert common >= len(prompts)  # at least the prefill tokens
 
 
