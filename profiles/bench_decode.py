@@ -11,14 +11,13 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from profiles.common import (
     RESULTS,
     bandwidth_ceilings,
     bench_us,
     environment,
+    peer_attention,
     plot_series,
     print_table,
     progress,
@@ -55,20 +54,6 @@ def contiguous_kv(pages, table, ctx):
     return pages[table.long()].flatten(1, 2)[:, :ctx].contiguous()
 
 
-def peer_attention(name, q, k, v):
-    """One decode step of a peer library over contiguous K/V (B, ctx, KV, D); None when it cannot run."""
-    if name in ("cudnn", "fa2"):
-        backend = SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-        def run():
-            with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=q.shape[2] != k.shape[2])
-        return run
-    from flash_attn.cute import flash_attn_func
-    return lambda: flash_attn_func(q, k, v, causal=False)
-
-
 def bench_attention_case(batch, ctx, h, kv, d, peers=("cudnn", "fa2", "fa4")):
     from kernels.paged_decode_attention import alloc_workspace, choose_num_splits, paged_decode_attention
     q, kp, vp, table, seqused = make_paged(batch, ctx, h, kv, d)
@@ -82,7 +67,7 @@ def bench_attention_case(batch, ctx, h, kv, d, peers=("cudnn", "fa2", "fa4")):
     k, v = contiguous_kv(kp, table, ctx), contiguous_kv(vp, table, ctx)
     for name in peers:
         try:
-            row[f"{name}_us"] = bench_us(peer_attention(name, q, k, v))
+            row[f"{name}_us"] = bench_us(peer_attention(name, q, k, v, causal=False))
         except Exception as err:  # a peer that does not support the case is reported, not fatal
             row[f"{name}_us"], row[f"{name}_error"] = None, f"{type(err).__name__}: {err}"[:200]
     for key in [c for c in row if c.endswith("_us")]:

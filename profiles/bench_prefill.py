@@ -15,10 +15,8 @@ import argparse
 import functools
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from profiles.common import RESULTS, bench_us, environment, print_table, progress, write_result
+from profiles.common import RESULTS, bench_us, environment, peer_attention, print_table, progress, write_result
 
 BF16 = torch.bfloat16
 ATTN_CASES = [  # (batch, seqlen, q heads, kv heads, head_dim, causal)
@@ -36,19 +34,6 @@ GDN_CASES = [(1, 16384, 32), (1, 32768, 16), (8, 4096, 32)]  # (batch, T, heads)
 
 def attention_flops(batch, seqlen, heads, dim, causal):
     return 4 * batch * seqlen * seqlen * heads * dim / (2 if causal else 1)
-
-
-def peer_attention(name, q, k, v, causal):
-    if name in ("cudnn", "fa2"):
-        backend = SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-        def run():
-            with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
-        return run
-    from flash_attn.cute import flash_attn_func
-    return lambda: flash_attn_func(q, k, v, causal=causal)
 
 
 def bench_attention_case(batch, seqlen, h, kv, d, causal, variants, peers=("fa4", "cudnn", "fa2"), cute=True):

@@ -19,6 +19,24 @@ def bench_us(fn: Callable[[], object], *, graph: bool = False, rep_ms: int = 200
     return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
+def peer_attention(name: str, q, k, v, causal: bool) -> Callable[[], object]:
+    """A call of a peer library's attention over dense (B, S, H, D) / (B, S_k, KV, D) tensors: "cudnn" or "fa2"
+    (torch SDPA with that backend; its causal mask is top-left, so only right for S == S_k) or "fa4"
+    (flash-attn-4's flash_attn_func)."""
+    if name in ("cudnn", "fa2"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+        def run():
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                                        enable_gqa=q.shape[2] != k.shape[2])
+        return run
+    from flash_attn.cute import flash_attn_func
+    return lambda: flash_attn_func(q, k, v, causal=causal)
+
+
 def bandwidth_ceilings(gib: float = 4.0) -> dict[str, float]:
     """TB/s of a read-only pass (a sum over `gib` GiB) and of a device-to-device copy (read + write)."""
     n = int(gib * 2**30) // 2
