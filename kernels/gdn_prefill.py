@@ -4,59 +4,39 @@ Per value head j (key head h = j // (Hv / Hk)), with q, k l2-normalised (fused) 
     S = exp(g_t) S;  S += k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t          S: (dk, dv) fp32
 is evaluated a chunk of BT tokens at a time (reference/gated_delta.py's `_chunked_one` derives it). In a chunk
 with cumulative log-decay G = cumsum(g) and the strictly lower triangular A_ij = beta_i exp(G_i - G_j) (k_i.k_j):
-    T     = (I + A)^-1                   unit lower triangular, by 16 x 16 blocks (kernel 1, below)
-    w     = T (beta exp(G) k)            (BT, dk)    kernel 1, all chunks and heads in parallel
-    u     = T (beta v)                   (BT, dv)
-    P     = mask_{i>=j}(exp(G_i - G_j) q_i.k_j)  (BT, BT)
-    v_new = u - w S                      = U of (I + A) U = beta (V - exp(G) K S), with S the chunk's start state
-    o     = exp(G) q S + P v_new                                                    kernel 2, chunks in order
-    S     = exp(G_last) S + (k exp(G_last - G))^T v_new
+    T     = (I + A)^-1                     unit lower triangular, by 16 x 16 blocks
+    w     = T (beta exp(G) k),  u = T (beta v),  kd = k exp(G_last - G)                 kernel 1, chunks in parallel
+    h     = S;  v_new = u - w S;  S = exp(G_last) S + kd^T v_new                        kernel 2, chunks in order
+    o     = exp(G) q h + mask_{i>=j}(exp(G_i - G_j) q_i.k_j) v_new                      kernel 3, chunks in parallel
 No exp(-G) is ever formed, so long chunks of strong decay cannot overflow.
 
-Kernel 1 `_chunk_wy_kernel`, grid (chunks, Hv): one program per (sequence chunk, value head) writes w, u, P and G to
-fp32 workspaces (total, Hv, dk | dv | BT | 1). Kernel 2 `_chunk_state_kernel`, grid (N, Hv, dv / BV): one program
-per (sequence, value head, dv block) reads its state from recurrent_states[state_slots[i]], carries S (dk, BV) in
-registers through its chunks, writes o and finally S back in place, i.e. straight into the decode step's
-(kernels/gdn_decode.py) slot layout. Every product is a tl.dot; fp32 operands with tf32 tensor cores on the GPU
-("ieee" under the interpreter, whose tf32 is not emulated).
+Kernel 1 `_chunk_wy_kernel`, grid (chunks, Hv), writes w, u, kd (total, Hv, d) in the io dtype and G (total, Hv)
+fp32. Kernel 2 `_chunk_state_kernel`, grid (N, Hv, dv / BV), is the only sequential part: a program carries its
+(dk, BV) slice of S in fp32 registers through its sequence's chunks, two products a chunk, storing each chunk's
+start state h (chunks, Hv, dk, dv) and v_new (total, Hv, dv) in the io dtype, and finally S in place into
+recurrent_states[state_slots[i]], i.e. straight into the decode step's (kernels/gdn_decode.py) slot layout.
+Kernel 3 `_chunk_output_kernel`, grid (chunks, Hv, dv / BV), forms o from h, v_new and the chunk's q, k.
+Precision: fp32 io runs every product in exact fp32 ("ieee"; the interpreter always does). 16-bit io runs kernel 1's
+products in tf32 and its solve in exact fp32, and the products after it on 16-bit operands (w, kd, v_new, h and
+S rounded to the io dtype, fp32 accumulation), as fla's chunked kernels do; S itself stays fp32.
 
 The solve (kernel 1). T is block lower triangular in 16 x 16 blocks (SUB): the four diagonal blocks
 T_ii = (I + A_ii)^-1 by forward substitution, the four held transposed in one (2, 2, 16, 16) tensor so that each of
-the 15 steps is two reductions along the last axis (within a warp) for all four and one vector transpose (the only
-shared-memory round trip of a step); then T_ij = -T_ii sum_{l=j}^{i-1} A_il T_lj, three rounds of 16 x 16 x 16
-products. The blocks come out of A (64, 64) and T goes back into one (64, 64) tile by reshape / permute / split /
-join (register shuffles through shared memory), so that kk, w, u and P stay single (64 x 64 x d) tensor-core products
-and every value but T is bit for bit what the former row-by-row solve (63 steps on the whole (64, 64) tile) gave.
-The solve runs in exact fp32: the substitution in fp32 FMAs, the block products as "ieee" dots (64 K FMA a chunk
-and head, against 4 M tf32 FLOP of the four big products), so T differs from the former one by fp32 rounding only
-(w, u within 1e-7 of it under the interpreter, the tests' error against the recurrence unchanged or lower).
+the 15 steps is two reductions along the last axis (within a warp) for all four and one vector transpose; then
+T_ij = -T_ii sum_{l=j}^{i-1} A_il T_lj, three rounds of 16 x 16 x 16 products in exact fp32. The blocks come out
+of A (64, 64) and T goes back into one (64, 64) tile by reshape / permute / split / join, so that w and u stay
+single (64 x 64 x d) tensor-core products.
 
-Bound (H200). The work per token and value head is O(dk dv): kernel 2 does three (BT x dk x BV)-sized products a
-chunk (w S, q S, k^T v_new) and P v_new, kernel 1 four (BT x BT x d) products; about 0.2 MFLOP a token and head,
-6 MFLOP a token at Hv 32, i.e. about 70 Mtok/s at the dense tf32 rate (~400 TFLOP/s). The fp32 workspace,
-4 (dk + dv + BT + 1) bytes a token and head (40 KiB a token at Hv 32), is written once; w and P are read by each
-of a head's dv / BV programs (4 at B1), which walk the chunks in step, so mostly from L2: about 80 Mtok/s at
-4 TB/s if read once, 26 Mtok/s if every read came from DRAM. The limit of one long sequence is kernel 2's chain:
-N Hv dv / BV programs (B1 Hv 32 dv 128: BV 32, 128 programs, about one per SM) each walk T / 64 chunks through
-dependent loads and products; about 2 us a chunk would give 32 Mtok/s. The target: fla's chunked prefill,
-14.9 Mtok/s (B1 T16k H32) and 23.9 Mtok/s (B1 T32k H16).
-Measured on the H200 (profiles.bench_prefill, tf32 state products, before the stage fix, with the former
-row-by-row solve): B1 T16k H32 1.94 Mtok/s against fla's 14.9 in the same run, 0.13x. Likely cause, not profiled:
-kernel 1's solve, a latency chain with nothing to hide it: 255 registers a thread at 8 warps, so one CTA per SM and
-8192 (chunk, head) programs in 62 waves of 132, each a chain of 63 steps x 8 barrier-separated phases (two
-cross-warp reductions of the (64, 64) tile, 16 values a thread, and a layout change) = 504 bar.sync, plus ~20 for
-the rest. Expected now (not yet measured; counted in the sm_90a PTX compiled on the CPU, straight-line code, so every
-bar.sync runs once): 106 bar.sync a program instead of ~525 (8 x 63 in the loop + 21), of which the substitution
-takes 30 (2 x 15, against 504), A's block extraction 32, the block products and T's reassembly ~25, the rest
-~19; each moves 4 values a thread instead of 16. The solve's CUDA-core work falls from ~0.5 M to ~0.1 M FMA a
-program; the tensor-core work is unchanged (64 wgmma: 4.2 MFLOP a program, ~1.4 us at an SM's share of the tf32 rate).
-At ~100-150 cycles a barrier phase: ~40 us -> ~8 us a program, kernel 1 from ~2.5 ms to ~0.5 ms at B1 T16k H32
-(8192 programs, 62 waves of 132), i.e. ~5x on kernel 1; where the whole 8.4 ms goes (kernel 2's share) is for the
-profile to say. Still one CTA per SM: 255 registers (4 bytes spilled) and 81 KiB of shared memory at 8 warps
-(4 warps spill more). The next lever is occupancy, so that two programs per SM hide each other's barriers:
-WY_MAXNREG = 128 (spills 844 bytes) to try first, then fewer live (64, 128) fp32 tiles (w and u by dk / dv
-halves); then kernel 2's chain of 256 chunks.
-Tuning left to the GPU: num_warps (8 at d = 128), num_stages, BV, and the state products' precision (tf32x3 now).
+Bound (H200, B1 T16k Hv 32, dk = dv = 128; fla's chunked prefill: 14.9 Mtok/s, 1.1 ms). Traffic: kernel 1 writes
+w, u, kd (768 B a token and head in bf16), kernel 2 reads them and writes h (32 KiB a chunk and head, 512 B a token
+and head) and v_new (256 B), kernel 3 reads h, v_new, q, k: about 2.6 KB a token and head, 1.4 GB at T16k H32,
+0.33 ms at 4.2 TB/s. Tensor work: about 0.2 MFLOP a token and head, 6 MFLOP a token at Hv 32, 0.1 TFLOP at T16k:
+0.2 ms at ~500 TFLOP/s. The chain: kernel 2 runs N Hv dv / BV
+programs (B1 Hv 32: BV 32, 128 programs) through T / 64 dependent chunks (256 at T16k) of two small products and
+a 16 KiB store each; at ~1 us a chunk, 0.26 ms. Predicted: about 0.6-0.8 ms, 20-27 Mtok/s, if the kernels each
+run near their bound.
+History: the first version (o computed inside the sequential kernel, fp32 workspaces, tf32x3 state products, a
+row-by-row solve) ran B1 T16k H32 at 1.94 Mtok/s, 0.13x fla.
 
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
 distinct and in range (not checked: that would read them on the host).
@@ -76,18 +56,12 @@ SUB = tl.constexpr(16)  # the WY kernel's sub-block: the chunk's T = (I + A)^-1 
 L2NORM_EPS = tl.constexpr(1e-6)
 FEW_PROGRAMS = 132  # the H200's SM count: with fewer kernel-2 programs than this, dv is split finer
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Software-pipelining stages of the state kernel's chunk loop, by io element size. Its shared memory on sm_90a
-# (dk = dv = 128, 8 warps, compiled on the CPU): 16-bit io BV 64 takes 197 KB at 2 stages, 263 KB at 3 (over the
-# 227 KB an SM has); fp32 io BV 64 takes 115 KB at 1 stage and 262 KB at 2. The WY kernel has no loads in a loop
-# (1 stage: 85 KB with the blocked solve and q loaded last, 99 KB before).
-STATE_STAGES = {2: 2, 4: 1}
+STATE_BV, OUTPUT_BV = 64, 128  # dv columns a program of kernel 2 (at most) and of kernel 3
+STATE_STAGES = 2  # software-pipelining stages of kernel 2's chunk loop (its loads do not depend on S)
 # A register cap for the WY kernel (None: ptxas's choice, 255 a thread at 8 warps, so one CTA per SM). On sm_90a
 # (bf16, 8 warps, compiled on the CPU) 168 spills 356 bytes a thread and 128 spills 844 bytes, where two CTAs of
-# 81 KiB of shared memory fit an SM and hide each other's barriers: to be measured (profiles.bench_prefill).
+# 81 KiB of shared memory fit an SM and hide each other's barriers: profiles.bench_prefill times both.
 WY_MAXNREG = None
-# The state kernel's products run as tf32x3 (about fp32 accuracy): with plain tf32 the state carried across the
-# chunks of a 4097-token sequence left the H200 test's 1e-3 tolerance against the fp32 recurrence, while the
-# 1000-token varlen case passed. The WY kernel's products stay tf32 (they do not compound across chunks).
 
 
 @triton.jit
@@ -171,8 +145,8 @@ def _unblocks(x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x
 
 
 @triton.jit
-def _chunk_wy_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_ptr, p_ptr, gcum_ptr,
-                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, scale,
+def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_ptr, kd_ptr, gcum_ptr,
+                     sk_t, sk_h, sv_t, sv_h,
                      HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
     # grid (chunks, Hv): tokens [start, end) of one sequence (end - start <= BT), value head j. x_ij: the (SUB, SUB)
@@ -185,17 +159,15 @@ def _chunk_wy_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_p
     r, rk, rv = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
     t = start + r
     tm = t < end
-    h = j // GROUP
-    k = _load_rows(k_ptr + h * sk_h, t, tm, sk_t, 0, rk, DK)  # (BT, BK)
+    k = _load_rows(k_ptr + (j // GROUP) * sk_h, t, tm, sk_t, 0, rk, DK)  # (BT, BK)
     if L2NORM:
         k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2NORM_EPS)[:, None]
     g = tl.load(g_ptr + t * HV + j, mask=tm, other=0.0)  # (BT,)
     beta = tl.load(beta_ptr + t * HV + j, mask=tm, other=0.0)
     G = tl.cumsum(g, 0)
-    lower = r[:, None] >= r[None, :]
-    decay = tl.exp(tl.where(lower, G[:, None] - G[None, :], float("-inf")))  # (BT, BT) exp(G_i - G_j), i >= j
-    kk = tl.dot(k, tl.trans(k), input_precision=PREC)
-    a = tl.where(r[:, None] > r[None, :], beta[:, None] * decay * kk, 0.0)  # A, strictly lower triangular
+    g_last = tl.sum(tl.where(r == end - start - 1, G, 0.0))
+    decay = tl.exp(tl.where(r[:, None] > r[None, :], G[:, None] - G[None, :], float("-inf")))  # exp(G_i - G_j), i > j
+    a = beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision=PREC)  # A, strictly lower triangular
     a00, _, _, _, a10, a11, _, _, a20, a21, a22, _, a30, a31, a32, a33 = _blocks(a)
     # T = (I + A)^-1, block lower triangular: the diagonal blocks by substitution (independent of each other), the
     # others by block substitution T_ij = -T_ii sum_{l=j}^{i-1} A_il T_lj, all in exact fp32 ("ieee")
@@ -212,56 +184,84 @@ def _chunk_wy_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_p
     zero = tl.zeros((SUB, SUB), dtype=tl.float32)
     t_inv = _unblocks(T00, zero, zero, zero, T10, T11, zero, zero, T20, T21, T22, zero, T30, T31, T32, T33)
     row_off = t[:, None].to(tl.int64) * HV + j
-    q = _load_rows(q_ptr + h * sq_h, t, tm, sq_t, 0, rk, DK)  # (BT, BK), loaded late: fewer live registers
-    if L2NORM:
-        q = q * tl.rsqrt(tl.sum(q * q, axis=1) + L2NORM_EPS)[:, None]
-    p = decay * tl.dot(q * scale, tl.trans(k), input_precision=PREC)  # (BT, BT), zero above the diagonal
-    tl.store(p_ptr + row_off * BT + r[None, :], p, mask=tm[:, None] & (r[None, :] < BT))
+    ws = w_ptr.dtype.element_ty
+    kd = k * tl.where(tm, tl.exp(g_last - G), 0.0)[:, None]  # (BT, BK) k exp(G_last - G)
+    tl.store(kd_ptr + row_off * DK + rk[None, :], kd.to(ws), mask=tm[:, None] & (rk[None, :] < DK))
     w = tl.dot(t_inv, k * (beta * tl.exp(G))[:, None], input_precision=PREC)  # (BT, BK)
-    tl.store(w_ptr + row_off * DK + rk[None, :], w, mask=tm[:, None] & (rk[None, :] < DK))
+    tl.store(w_ptr + row_off * DK + rk[None, :], w.to(ws), mask=tm[:, None] & (rk[None, :] < DK))
     v = _load_rows(v_ptr + j * sv_h, t, tm, sv_t, 0, rv, DV)  # (BT, BV)
     u = tl.dot(t_inv, v * beta[:, None], input_precision=PREC)  # (BT, BV)
-    tl.store(u_ptr + row_off * DV + rv[None, :], u, mask=tm[:, None] & (rv[None, :] < DV))
+    tl.store(u_ptr + row_off * DV + rv[None, :], u.to(ws), mask=tm[:, None] & (rv[None, :] < DV))
     tl.store(gcum_ptr + t * HV + j, G, mask=tm)
 
 
 @triton.jit
-def _chunk_state_kernel(q_ptr, k_ptr, w_ptr, u_ptr, p_ptr, gcum_ptr, cu_ptr, slots_ptr, state_ptr, o_ptr,
-                        sq_t, sq_h, sk_t, sk_h, so_t, so_h, scale,
-                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                        PREC: tl.constexpr):
-    # grid (N, Hv, cdiv(DV, BV)): sequence i, value head j, state columns [vb * BV, vb * BV + BV)
+def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, cu_ptr, first_chunk_ptr, slots_ptr, state_ptr, h_ptr,
+                        vnew_ptr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    # grid (N, Hv, cdiv(DV, BV)): sequence i, value head j, state columns [vb * BV, vb * BV + BV). The chain:
+    # h[c] = S; v_new = u - w S; S = exp(G_last) S + kd^T v_new; two products a chunk, in the workspace dtype.
     i = tl.program_id(0)
     j = tl.program_id(1)
     vb = tl.program_id(2)
     bos = tl.load(cu_ptr + i)
     eos = tl.load(cu_ptr + i + 1)
+    c = tl.load(first_chunk_ptr + i).to(tl.int64)
     slot = tl.load(slots_ptr + i).to(tl.int64)
     r, rk, rv = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
     cols = vb * BV + rv
-    h = j // GROUP
-    s_mask = (rk[:, None] < DK) & (cols[None, :] < DV)
-    s_ptrs = state_ptr + (slot * HV + j) * (DK * DV) + rk[:, None] * DV + cols[None, :]
+    kmask, vmask = rk < DK, cols < DV
+    s_off = rk[:, None] * DV + cols[None, :]
+    s_mask = kmask[:, None] & vmask[None, :]
+    s_ptrs = state_ptr + (slot * HV + j) * (DK * DV) + s_off
     s = tl.load(s_ptrs, mask=s_mask, other=0.0)  # (BK, BV) fp32
+    ws = h_ptr.dtype.element_ty
     for start in range(bos, eos, BT):
         t = start + r
         tm = t < eos
-        row_off = t.to(tl.int64) * HV + j
-        G = tl.load(gcum_ptr + row_off, mask=tm, other=0.0)  # (BT,)
+        row_off = t.to(tl.int64)[:, None] * HV + j
+        tl.store(h_ptr + (c * HV + j) * (DK * DV) + s_off, s.to(ws), mask=s_mask)
+        w = tl.load(w_ptr + row_off * DK + rk[None, :], mask=tm[:, None] & kmask[None, :], other=0.0)  # (BT, BK)
+        u = tl.load(u_ptr + row_off * DV + cols[None, :], mask=tm[:, None] & vmask[None, :], other=0.0)
+        kd = tl.load(kd_ptr + row_off * DK + rk[None, :], mask=tm[:, None] & kmask[None, :], other=0.0)
         g_last = tl.load(gcum_ptr + (tl.minimum(start + BT, eos) - 1).to(tl.int64) * HV + j)
-        q, k = _load_qk(q_ptr, k_ptr, t, tm, sq_t, sk_t, h * sq_h, h * sk_h, rk, scale, DK, L2NORM)  # (BT, BK)
-        w = tl.load(w_ptr + row_off[:, None] * DK + rk[None, :], mask=tm[:, None] & (rk[None, :] < DK), other=0.0)
-        u = tl.load(u_ptr + row_off[:, None] * DV + cols[None, :], mask=tm[:, None] & (cols[None, :] < DV),
-                    other=0.0)  # (BT, BV)
-        p = tl.load(p_ptr + row_off[:, None] * BT + r[None, :], mask=tm[:, None] & (r[None, :] < BT), other=0.0)
-        v_new = u - tl.dot(w, s, input_precision=PREC)  # (BT, BV)
-        o = tl.exp(G)[:, None] * tl.dot(q, s, input_precision=PREC) + tl.dot(p, v_new, input_precision=PREC)
-        o_ptrs = o_ptr + t[:, None].to(tl.int64) * so_t + j * so_h + cols[None, :]
-        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=tm[:, None] & (cols[None, :] < DV))
-        k_end = k * tl.where(tm, tl.exp(g_last - G), 0.0)[:, None]  # (BT, BK) k exp(G_last - G)
-        s = tl.exp(g_last) * s + tl.dot(tl.trans(k_end), v_new, input_precision=PREC)
+        v_new = u.to(tl.float32) - tl.dot(w, s.to(ws), input_precision=PREC)  # (BT, BV)
+        v_new = v_new.to(ws)
+        tl.store(vnew_ptr + row_off * DV + cols[None, :], v_new, mask=tm[:, None] & vmask[None, :])
+        s = tl.exp(g_last) * s + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
+        c += 1
     tl.store(s_ptrs, s, mask=s_mask)
+
+
+@triton.jit
+def _chunk_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, chunk_ptr, o_ptr, sq_t, sq_h, sk_t, sk_h, so_t,
+                         so_h, scale, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+                         PREC: tl.constexpr):
+    # grid (chunks, Hv, cdiv(DV, BV)): o = exp(G) q h[c] + mask_{i>=j}(exp(G_i - G_j) q_i.k_j) v_new
+    c = tl.program_id(0)
+    j = tl.program_id(1)
+    vb = tl.program_id(2)
+    start = tl.load(chunk_ptr + 2 * c)
+    end = tl.load(chunk_ptr + 2 * c + 1)
+    r, rk, rv = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
+    cols = vb * BV + rv
+    t = start + r
+    tm = t < end
+    h = j // GROUP
+    ws = h_ptr.dtype.element_ty
+    q, k = _load_qk(q_ptr, k_ptr, t, tm, sq_t, sk_t, h * sq_h, h * sk_h, rk, scale, DK, L2NORM)  # (BT, BK)
+    q = q.to(ws)
+    G = tl.load(gcum_ptr + t * HV + j, mask=tm, other=0.0)  # (BT,)
+    decay = tl.exp(tl.where((r[:, None] >= r[None, :]) & tm[:, None], G[:, None] - G[None, :], float("-inf")))
+    p = decay * tl.dot(q, tl.trans(k.to(ws)), input_precision=PREC)  # (BT, BT)
+    vmask = tm[:, None] & (cols[None, :] < DV)
+    v_new = tl.load(vnew_ptr + (t.to(tl.int64)[:, None] * HV + j) * DV + cols[None, :], mask=vmask, other=0.0)
+    s = tl.load(h_ptr + (c * HV + j) * (DK * DV) + rk[:, None] * DV + cols[None, :],
+                mask=(rk[:, None] < DK) & (cols[None, :] < DV), other=0.0)  # (BK, BV) the chunk's start state
+    o = tl.exp(G)[:, None] * tl.dot(q, s, input_precision=PREC) + tl.dot(p.to(ws), v_new, input_precision=PREC)
+    tl.store(o_ptr + t[:, None].to(tl.int64) * so_t + j * so_h + cols[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=vmask)
 
 
 def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, out):
@@ -308,10 +308,15 @@ def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, out
     return n, hk, hv, dk, dv
 
 
-def _chunk_table(cu: list[int], device) -> torch.Tensor:
-    """(chunks, 2) int32 [start, end) token ranges: every sequence cut into CHUNK-token pieces."""
-    spans = [(s, min(s + CHUNK, e)) for b, e in zip(cu[:-1], cu[1:]) for s in range(b, e, CHUNK)]
-    return torch.tensor(spans, dtype=torch.int32).reshape(-1, 2).to(device)
+def _chunk_table(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunks, 2) int32 [start, end) token ranges, every sequence cut into CHUNK-token pieces, and (N,) int32 the
+    index of each sequence's first chunk."""
+    spans, first = [], []
+    for b, e in zip(cu[:-1], cu[1:]):
+        first.append(len(spans))
+        spans += [(s, min(s + CHUNK, e)) for s in range(b, e, CHUNK)]
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32).to(device)
+    return as_int(spans).reshape(-1, 2), as_int(first)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlens, scale=None,
@@ -320,38 +325,66 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, c
     all of one io dtype; g (log-decay), beta: (total, Hv) fp32. Sequence i starts from the fp32 state
     recurrent_states[state_slots[i]] (slots, Hv, dk, dv) and its final state is written back there in place.
     Returns o (total, Hv, dv) in v's dtype (into `out` when given)."""
-    n, hk, hv, dk, dv = _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, out)
+    _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, out)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
-    total, dev = q.shape[0], q.device
-    scale = dk ** -0.5 if scale is None else float(scale)
-    g, beta = g.contiguous(), beta.contiguous()
-    cu = cu_seqlens.tolist()
-    chunks = _chunk_table(cu, dev)
-    bk, bv_full = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
-    prec = "tf32" if dev.type == "cuda" else "ieee"
-    state_prec = "tf32x3" if dev.type == "cuda" else "ieee"  # the carried state's error would grow chunk by chunk
-    warps = 8 if max(bk, bv_full) >= 128 else 4  # (64, 128) fp32 tiles: 64 values a thread each at 8 warps
-    common = dict(HV=hv, GROUP=hv // hk, DK=dk, DV=dv, BT=CHUNK, BK=bk, L2NORM=bool(use_qk_l2norm), PREC=prec)
-    w = torch.empty(total, hv, dk, dtype=torch.float32, device=dev)
-    u = torch.empty(total, hv, dv, dtype=torch.float32, device=dev)
-    p = torch.empty(total, hv, CHUNK, dtype=torch.float32, device=dev)
-    gcum = torch.empty(total, hv, dtype=torch.float32, device=dev)
+    scale = q.shape[2] ** -0.5 if scale is None else float(scale)
+    chunks, first_chunk = _chunk_table(cu_seqlens.tolist(), q.device)
+    common = _constexprs(q, v, k.shape[1], use_qk_l2norm)
+    ws = wy_pass(k, v, g.contiguous(), beta.contiguous(), chunks, common)
+    h, v_new = state_pass(ws, cu_seqlens, first_chunk, state_slots, recurrent_states, chunks.shape[0], common)
+    output_pass(q, k, v_new, h, ws[3], chunks, out, scale, common)
+    return out
+
+
+def _constexprs(q, v, hk, use_qk_l2norm) -> dict:
+    """The meta-parameters the kernels share (and num_warps): head counts, dims, tiles, l2norm, the products'
+    precision (fp32 io: exact "ieee"; 16-bit io: tf32 in the WY pass, the workspace's 16-bit type after it)."""
+    hv, dk, dv = v.shape[1], q.shape[2], v.shape[2]
+    bk, bv = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    exact = q.dtype == torch.float32 or q.device.type != "cuda"
+    return dict(HV=hv, GROUP=hv // hk, DK=dk, DV=dv, BT=CHUNK, BK=bk, L2NORM=bool(use_qk_l2norm),
+                PREC="ieee" if exact else "tf32", num_warps=8 if max(bk, bv) >= 128 else 4)
+
+
+def wy_pass(k, v, g, beta, chunks, common):
+    """Kernel 1 over every (chunk, value head): the workspaces w, u, kd (in the io dtype) and G (fp32)."""
+    total, hv, dk, dv, dev = k.shape[0], v.shape[1], k.shape[2], v.shape[2], k.device
+    ws = tuple(torch.empty(total, hv, *d, dtype=dt, device=dev)
+               for d, dt in (((dk,), v.dtype), ((dv,), v.dtype), ((dk,), v.dtype), ((), torch.float32)))
     if chunks.shape[0]:
         _chunk_wy_kernel[(chunks.shape[0], hv)](
-            q, k, v, g, beta, chunks, w, u, p, gcum, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), scale, BV=bv_full, **common, num_warps=warps, num_stages=1,
+            k, v, g, beta, chunks, *ws, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            BV=max(16, triton.next_power_of_2(dv)), **common, num_stages=1,
             **({"maxnreg": WY_MAXNREG} if WY_MAXNREG else {}))
-    bv = min(64, bv_full)
+    return ws
+
+
+def state_pass(ws, cu_seqlens, first_chunk, state_slots, recurrent_states, n_chunks, common):
+    """Kernel 2 over every (sequence, value head, dv block): each chunk's start state h (chunks, Hv, dk, dv) and
+    v_new (total, Hv, dv), both in the io dtype; the final states into their slots."""
+    w, u, kd, gcum = ws
+    n, hv, dk, dv = cu_seqlens.numel() - 1, u.shape[1], w.shape[2], u.shape[2]
+    h = torch.empty(n_chunks, hv, dk, dv, dtype=u.dtype, device=u.device)
+    v_new = torch.empty_like(u)
+    bv = min(STATE_BV, max(16, triton.next_power_of_2(dv)))
     while bv > 16 and n * hv * triton.cdiv(dv, bv) < FEW_PROGRAMS:
         bv //= 2
-    slots = state_slots.to(torch.int64)
-    cu_dev = cu_seqlens.to(torch.int32)
     _chunk_state_kernel[(n, hv, triton.cdiv(dv, bv))](
-        q, k, w, u, p, gcum, cu_dev, slots, recurrent_states, out, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), out.stride(0), out.stride(1), scale, BV=bv, **{**common, "PREC": state_prec}, num_warps=warps,
-        num_stages=STATE_STAGES[q.element_size()])
-    return out
+        w, u, kd, gcum, cu_seqlens.to(torch.int32), first_chunk, state_slots.to(torch.int64), recurrent_states, h,
+        v_new, **{k: common[k] for k in ("HV", "DK", "DV", "BT", "BK", "PREC", "num_warps")}, BV=bv,
+        num_stages=STATE_STAGES)
+    return h, v_new
+
+
+def output_pass(q, k, v_new, h, gcum, chunks, out, scale, common):
+    """Kernel 3 over every (chunk, value head, dv block): o into out."""
+    dv = out.shape[2]
+    bv = min(OUTPUT_BV, max(16, triton.next_power_of_2(dv)))
+    if chunks.shape[0]:
+        _chunk_output_kernel[(chunks.shape[0], out.shape[1], triton.cdiv(dv, bv))](
+            q, k, v_new, h, gcum, chunks, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0),
+            out.stride(1), scale, **common, BV=bv, num_stages=1)
 
 
 def gated_deltanet_prefill_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,

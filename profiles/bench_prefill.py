@@ -13,10 +13,21 @@ about 6 MFLOP a token at H32 (kernels/gdn_prefill.py's docstring), ~70 Mtok/s at
 """
 import argparse
 import functools
+import json
+from pathlib import Path
 
 import torch
 
-from profiles.common import RESULTS, bench_us, environment, peer_attention, print_table, progress, write_result
+from profiles.common import (
+    RESULTS,
+    bench_us,
+    environment,
+    peer_attention,
+    plot_series,
+    print_table,
+    progress,
+    write_result,
+)
 
 BF16 = torch.bfloat16
 ATTN_CASES = [  # (batch, seqlen, q heads, kv heads, head_dim, causal)
@@ -30,6 +41,11 @@ FLAG_VARIANTS = [("rescale8", 8.0, 0.0), ("rescale8+poly1/8", 8.0, 0.125), ("alw
 MAIN_VARIANTS = FLAG_VARIANTS[:2]
 ABLATION_CASES = (1, 2)
 GDN_CASES = [(1, 16384, 32), (1, 32768, 16), (8, 4096, 32)]  # (batch, T, heads); dk = dv = 128
+WY_CAPS = (168, 128)  # register caps tried on the GDN WY pass (kernels/gdn_prefill.py WY_MAXNREG)
+CURVE = (32768, 32, 128)  # TFLOP/s against seqlen: batch * seqlen = 32k tokens, H32 d128, causal
+CURVE_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+AGENT_CASE = ("800 new / 50k", 1, 800, 50000)  # H16/KV4 d256 over a paged prefix (profiles/bench_agent_turn.py)
+PARTS = ("gdn", "attention", "agent", "curve")
 
 
 def attention_flops(batch, seqlen, heads, dim, causal):
@@ -83,6 +99,24 @@ def bench_gdn_case(batch, seqlen, heads, dk=128, dv=128):
     ours = lambda: chunk_gated_delta_rule(q, k, v, g, beta, recurrent_states=states, state_slots=slots,
                                           cu_seqlens=cu, out=out)
     row = {"B": batch, "T": seqlen, "H": heads, "ours_Mtok_s": n / bench_us(ours)}
+    # where the time goes: each of the three passes alone, and the WY pass under register caps
+    from kernels import gdn_prefill as G
+    chunks, first = G._chunk_table(cu.tolist(), q.device)
+    common = G._constexprs(q, v, heads, True)
+    wy = functools.partial(G.wy_pass, k, v, g, beta, chunks, common)
+    ws = wy()
+    state = functools.partial(G.state_pass, ws, cu, first, slots, states, chunks.shape[0], common)
+    h, v_new = state()
+    output = functools.partial(G.output_pass, q, k, v_new, h, ws[3], chunks, out, dk ** -0.5, common)
+    row.update(total_us=n / row["ours_Mtok_s"], wy_us=bench_us(wy), state_us=bench_us(state),
+               output_us=bench_us(output))
+    default_cap = G.WY_MAXNREG
+    for cap in WY_CAPS:
+        G.WY_MAXNREG = cap
+        try:
+            row[f"wy_maxnreg{cap}_us"] = bench_us(wy)
+        finally:
+            G.WY_MAXNREG = default_cap
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
         fq, fk, fv = (t.view(batch, seqlen, heads, -1) for t in (q, k, v))
@@ -96,26 +130,75 @@ def bench_gdn_case(batch, seqlen, heads, dk=128, dv=128):
     return row
 
 
+def bench_curve_point(seqlen, flags=MAIN_VARIANTS[1]):
+    """One point of the TFLOP/s-against-seqlen curve: ours (both flags), flash-attn-4 and cuDNN."""
+    tokens, h, d = CURVE
+    row = bench_attention_case(tokens // seqlen, seqlen, h, h, d, True, [flags], peers=("fa4", "cudnn"), cute=False)
+    return {"S": seqlen, "B": row["B"], "ours_TFLOPs": row[f"{flags[0]}_TFLOPs"],
+            **{k: row[k] for k in ("fa4_TFLOPs", "cudnn_TFLOPs", "vs_fa4")}}
+
+
+def bench_agent_row():
+    """The agent-turn prefill row: a chunk over a paged prefix, ours (fa4.flash_attention's route) and flash-attn-4
+    varlen with page_table, in TFLOP/s of visible pairs."""
+    from profiles import bench_agent_turn as A
+    row = A.bench_case(*AGENT_CASE)
+    t_fa4 = A.best(row, "fa4")
+    row["fa4_TFLOPs"] = row["GFLOP"] * 1e3 / t_fa4 if t_fa4 else None
+    row["vs_fa4"] = 1 / row["fa4_over_ours"] if row.get("fa4_over_ours") else None
+    return row
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(RESULTS), help="folder for prefill.json")
     ap.add_argument("--quick", action="store_true", help="one attention case, both flags on, no peers")
+    ap.add_argument("--only", action="append", choices=PARTS,
+                    help="run these parts only (repeatable); their keys are merged into an existing prefill.json")
     args = ap.parse_args(argv)
     if args.quick:
         row = bench_attention_case(*ATTN_CASES[2], variants=FLAG_VARIANTS[1:2], peers=(), cute=False)
         print_table([row], ["B", "S", "H/KV", "D", "causal", "ours_best_TFLOPs"])
         return
-    gdn = [progress(bench_gdn_case(*c)) for c in GDN_CASES]
-    attn = [progress(bench_attention_case(*c, variants=FLAG_VARIANTS if i in ABLATION_CASES else MAIN_VARIANTS))
-            for i, c in enumerate(ATTN_CASES)]
-    print("\nprefill attention, bf16, TFLOP/s (ours: fa4.flash_attention(backend='triton') with each flag set)")
-    print_table(attn, ["B", "S", "H/KV", "D", "causal", *[f"{v[0]}_TFLOPs" for v in FLAG_VARIANTS], "cute_TFLOPs",
-                       "fa4_TFLOPs", "cudnn_TFLOPs", "fa2_TFLOPs", "vs_fa4", "cute_vs_fa4"])
-    print("\nGated DeltaNet chunked prefill, dk = dv = 128 (Mtok/s)")
-    print_table(gdn, ["B", "T", "H", "ours_Mtok_s", "fla_Mtok_s", "vs_fla"])
-    out = write_result("prefill", {"env": environment(), "flag_variants": FLAG_VARIANTS, "attention": attn,
-                                   "gdn_prefill": gdn}, args.out)
+    parts = args.only or PARTS
+    result = {}
+    if "gdn" in parts:
+        result["gdn_prefill"] = [progress(bench_gdn_case(*c)) for c in GDN_CASES]
+        print("\nGated DeltaNet chunked prefill, dk = dv = 128 (Mtok/s; each pass alone in us)")
+        print_table(result["gdn_prefill"], ["B", "T", "H", "ours_Mtok_s", "fla_Mtok_s", "vs_fla", "total_us", "wy_us",
+                                            "state_us", "output_us", *[f"wy_maxnreg{c}_us" for c in WY_CAPS]])
+    if "attention" in parts:
+        result["attention"] = [progress(bench_attention_case(
+            *c, variants=FLAG_VARIANTS if i in ABLATION_CASES else MAIN_VARIANTS)) for i, c in enumerate(ATTN_CASES)]
+        print("\nprefill attention, bf16, TFLOP/s (ours: fa4.flash_attention(backend='triton') with each flag set)")
+        print_table(result["attention"], ["B", "S", "H/KV", "D", "causal", *[f"{v[0]}_TFLOPs" for v in FLAG_VARIANTS],
+                                          "cute_TFLOPs", "fa4_TFLOPs", "cudnn_TFLOPs", "fa2_TFLOPs", "vs_fa4",
+                                          "cute_vs_fa4"])
+    if "agent" in parts:
+        result["agent_turn"] = [progress(bench_agent_row())]
+        print("\nagent turn: a chunk over a paged prefix, H16/KV4 d256 (TFLOP/s of visible pairs)")
+        print_table(result["agent_turn"], ["case", "route", "ours_best_us", "TFLOPs", "fa4_TFLOPs", "vs_fa4"])
+    if "curve" in parts:
+        result["curve"] = [progress(bench_curve_point(s)) for s in CURVE_SEQLENS]
+        print(f"\ncausal H32 d128, {CURVE[0]} tokens a call, TFLOP/s against seqlen")
+        print_table(result["curve"], ["S", "B", "ours_TFLOPs", "fa4_TFLOPs", "cudnn_TFLOPs", "vs_fa4"])
+    path = Path(args.out) / "prefill.json"
+    merged = json.loads(path.read_text()) if args.only and path.exists() else {}
+    merged.pop("command", None)
+    out = write_result("prefill", {**merged, "env": environment(), "flag_variants": FLAG_VARIANTS, **result}, args.out)
     print(f"\nwrote {out}")
+    if "curve" in merged or "curve" in result:
+        plot_curve((merged | result)["curve"], Path(args.out) / "prefill_tflops.png")
+
+
+def plot_curve(curve, path):
+    try:
+        plot_series(path, curve, "S", [("ours_TFLOPs", "ours (Triton, both FA4 flags)"),
+                                       ("fa4_TFLOPs", "flash-attn-4"), ("cudnn_TFLOPs", "cuDNN SDPA")],
+                    "sequence length", "TFLOP/s")
+        print(f"wrote {path}")
+    except ImportError:  # no matplotlib on the GPU machine: plot from the JSON later
+        print("no matplotlib: plot later with profiles.bench_prefill --plot")
 
 
 if __name__ == "__main__":

@@ -80,7 +80,8 @@ def test_gqa2_wider_heads_and_empty_sequence_fp32():
 
 
 def test_fp16_io():
-    check_against_oracle([70, 3], 1, 1, 16, 32, torch.float16, 2e-3, 1e-4, seed=2)
+    # 16-bit io: the products after the WY pass take 16-bit operands (S, w, kd, v_new rounded), as fla's do
+    check_against_oracle([70, 3], 1, 1, 16, 32, torch.float16, 2e-3, 2e-3, seed=2)
 
 
 def test_no_l2norm_custom_scale():
@@ -106,9 +107,9 @@ def test_correlated_keys_weak_decay_fp32():
     q, k, v, g, beta, cu, states = (t.to(DEVICE) for t in (q, k, v, g, beta, cu, pool))
     o = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_states=states, state_slots=torch.arange(len(lens),
                                device=DEVICE), cu_seqlens=cu)
-    tol = 1e-5 if DEVICE == "cpu" else 1e-3  # tf32 products on the GPU
-    assert_close(o.double().cpu(), ref_o, tol, "correlated keys output")
-    assert_close(states.double().cpu(), ref_s, tol, "correlated keys final states")
+    # fp32 io: exact fp32 products on the GPU too
+    assert_close(o.double().cpu(), ref_o, 1e-5, "correlated keys output")
+    assert_close(states.double().cpu(), ref_s, 1e-5, "correlated keys final states")
 
 
 def prefill_step(lens, slots) -> StepInput:
@@ -219,21 +220,22 @@ def test_rejects_mixed_devices():
 
 QWEN9B = (16, 32, 128, 128)  # Hk, Hv, dk, dv
 REAL_LENS = [1, 65, 1000, 4097]
+BF16_TOL = 1e-2  # the issue's bar for bf16 against fp32: S is carried in fp32, its products take bf16 operands
 
 
 @pytest.mark.gpu
 def test_gpu_bf16_real_shapes_varlen():
-    check_against_oracle(REAL_LENS, *QWEN9B, torch.bfloat16, 1e-2, 1e-3, seed=5)
+    check_against_oracle(REAL_LENS, *QWEN9B, torch.bfloat16, BF16_TOL, BF16_TOL, seed=5)
 
 
 @pytest.mark.gpu
 def test_gpu_bf16_single_long_sequence():
-    check_against_oracle([4097], *QWEN9B, torch.bfloat16, 1e-2, 1e-3, seed=6)
+    check_against_oracle([4097], *QWEN9B, torch.bfloat16, BF16_TOL, BF16_TOL, seed=6)
 
 
 @pytest.mark.gpu
 def test_gpu_bf16_op_real_shapes():
-    check_op([65, 1, 1000], *QWEN9B, torch.bfloat16, 1e-2, 1e-3, seed=7)
+    check_op([65, 1, 1000], *QWEN9B, torch.bfloat16, BF16_TOL, BF16_TOL, seed=7)
 
 
 SM90_COMPILE = """
@@ -242,13 +244,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from kernels import gdn_prefill as G
 common = dict(HV=32, GROUP=2, DK=128, DV=128, BT=64, BK=128, L2NORM=True)
-for io, size in (("*bf16", 2), ("*fp32", 4)):
-    for kern, bv, stages, prec in ((G._chunk_wy_kernel, 128, 1, "tf32"),
-                                   (G._chunk_state_kernel, 64, G.STATE_STAGES[size], "tf32x3")):
-        const = dict(common, BV=bv, PREC=prec)
-        sig = {n: "constexpr" if n in const else io if n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr") else
-               "*i32" if n in ("chunk_ptr", "cu_ptr") else "*i64" if n == "slots_ptr" else
-               "*fp32" if n.endswith("_ptr") else "fp32" if n == "scale" else "i32" for n in kern.arg_names}
+for io, prec in (("bf16", "tf32"), ("fp32", "ieee")):
+    for kern, bv, stages in ((G._chunk_wy_kernel, 128, 1), (G._chunk_state_kernel, G.STATE_BV, G.STATE_STAGES),
+                             (G._chunk_output_kernel, G.OUTPUT_BV, 1)):
+        const = {n: v for n, v in dict(common, BV=bv, PREC=prec).items() if n in kern.arg_names}
+        sig = {n: "constexpr" if n in const else "*i32" if n in ("chunk_ptr", "cu_ptr", "first_chunk_ptr") else
+               "*i64" if n == "slots_ptr" else "*fp32" if n in ("g_ptr", "beta_ptr", "gcum_ptr", "state_ptr") else
+               f"*{io}" if n.endswith("_ptr") else "fp32" if n == "scale" else "i32" for n in kern.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kern.arg_names) if n.endswith("_ptr")}
         k = triton.compile(ASTSource(kern, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 8, "num_stages": stages})
@@ -257,7 +259,7 @@ for io, size in (("*bf16", 2), ("*fp32", 4)):
 
 
 def test_kernels_fit_sm90_shared_memory():
-    """The interpreter skips Triton's compiler: compile both kernels for sm_90a at Qwen3.5's shapes (dk = dv = 128)
+    """The interpreter skips Triton's compiler: compile the three kernels for sm_90a at Qwen3.5's shapes (dk = dv = 128)
     with the stages the launcher uses, and check each fits the 227 KB of shared memory an SM gives one CTA."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -265,6 +267,6 @@ def test_kernels_fit_sm90_shared_memory():
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.split()
-    assert len(lines) == 12, run.stdout
+    assert len(lines) == 18, run.stdout
     for name, io, smem in zip(lines[::3], lines[1::3], map(int, lines[2::3])):
         assert smem <= 227 * 1024, f"{name} {io}: {smem} bytes of shared memory"
