@@ -41,7 +41,6 @@ FLAG_VARIANTS = [("rescale8", 8.0, 0.0), ("rescale8+poly1/8", 8.0, 0.125), ("alw
 MAIN_VARIANTS = FLAG_VARIANTS[:2]
 ABLATION_CASES = (1, 2)
 GDN_CASES = [(1, 16384, 32), (1, 32768, 16), (8, 4096, 32)]  # (batch, T, heads); dk = dv = 128
-WY_CAPS = (168, 128)  # register caps tried on the GDN WY pass (kernels/gdn_prefill.py WY_MAXNREG)
 CURVE = (32768, 32, 128)  # TFLOP/s against seqlen: batch * seqlen = 32k tokens, H32 d128, causal
 CURVE_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 AGENT_CASE = ("800 new / 50k", 1, 800, 50000)  # H16/KV4 d256 over a paged prefix (profiles/bench_agent_turn.py)
@@ -99,7 +98,7 @@ def bench_gdn_case(batch, seqlen, heads, dk=128, dv=128):
     ours = lambda: chunk_gated_delta_rule(q, k, v, g, beta, recurrent_states=states, state_slots=slots,
                                           cu_seqlens=cu, out=out)
     row = {"B": batch, "T": seqlen, "H": heads, "ours_Mtok_s": n / bench_us(ours)}
-    # where the time goes: each of the three passes alone, and the WY pass under register caps
+    # where the time goes: each of the three passes alone
     from kernels import gdn_prefill as G
     chunks, first = G._chunk_table(cu.tolist(), q.device)
     common = G._constexprs(q, v, heads, True)
@@ -110,13 +109,6 @@ def bench_gdn_case(batch, seqlen, heads, dk=128, dv=128):
     output = functools.partial(G.output_pass, q, k, v_new, h, ws[3], chunks, out, dk ** -0.5, common)
     row.update(total_us=n / row["ours_Mtok_s"], wy_us=bench_us(wy), state_us=bench_us(state),
                output_us=bench_us(output))
-    default_cap = G.WY_MAXNREG
-    for cap in WY_CAPS:
-        G.WY_MAXNREG = cap
-        try:
-            row[f"wy_maxnreg{cap}_us"] = bench_us(wy)
-        finally:
-            G.WY_MAXNREG = default_cap
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
         fq, fk, fv = (t.view(batch, seqlen, heads, -1) for t in (q, k, v))
@@ -166,7 +158,7 @@ def main(argv=None):
         result["gdn_prefill"] = [progress(bench_gdn_case(*c)) for c in GDN_CASES]
         print("\nGated DeltaNet chunked prefill, dk = dv = 128 (Mtok/s; each pass alone in us)")
         print_table(result["gdn_prefill"], ["B", "T", "H", "ours_Mtok_s", "fla_Mtok_s", "vs_fla", "total_us", "wy_us",
-                                            "state_us", "output_us", *[f"wy_maxnreg{c}_us" for c in WY_CAPS]])
+                                            "state_us", "output_us"])
     if "attention" in parts:
         result["attention"] = [progress(bench_attention_case(
             *c, variants=FLAG_VARIANTS if i in ABLATION_CASES else MAIN_VARIANTS)) for i, c in enumerate(ATTN_CASES)]
