@@ -1,17 +1,16 @@
 """FA4-style attention forward in Triton: dense, varlen (cu_seqlens) and over a paged KV prefix.
 
-Grid (H, M tiles, B). One program owns BLOCK_M query rows of one query head of one sequence and streams
+Grid (KV, M tiles, B). One program owns BLOCK_M packed query rows of one KV head of one sequence and streams
 that sequence's keys in BLOCK_N tiles: S = Q K^T (fp32 accumulation, log2(e) folded into the scale), online
 softmax with FA4's conditional rescaling (fa4/softmax.py), P = 2^(S - m) partly by a software exp2 on the FMA
 units, O += P V in fp32, and O / l at the end with the true row sum, so both FA4 flags leave results exact.
 
-GQA: query head h reads KV head h // (H / KV). Prefill tiles already have BLOCK_M = 64-128 query rows, enough
-to fill the MMA's M, so the heads of a group are not packed into M (packing pays in decode, see
-kernels/paged_decode_attention.py); instead heads are the grid's fastest axis, so the programs of a group
-run side by side and read each K/V tile from L2 rather than HBM.
+GQA packing: the G = H / KV query heads of a KV head share each K/V tile. Packed row r is query position r // G
+of query head kvh G + r % G, so a tile holds BLOCK_M / G positions of all G heads (contiguous in q's
+(tokens, H, D) layout) and each K/V tile is loaded once for the group.
 
 Causal masks are aligned at the end (query i of q_len sees keys j <= i + k_len - q_len). A tile's loop
-stops at its last row's limit, so fully masked tiles are never visited; the keys below its first row's
+stops at its last position's limit, so fully masked tiles are never visited; the keys below its first row's
 limit run unmasked, and only the diagonal (and the k_len tail) tiles apply the mask. M tiles are visited
 longest first. Rows that see no key keep l = 0 and write 0 (the running max starts at -1e30, not -inf,
 so no inf - inf arises).
@@ -130,34 +129,37 @@ def _fwd_kernel(
     VARLEN_K: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
     POLY_LEVEL: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # q, o: (total_q, H, D); k, v: (total_k, KV, D) or pools (num_pages, PAGE_SIZE, KV, D)
-    head = tl.program_id(0)
+    # q, o: (total_q, H, D); k, v: (total_k, KV, D) or pools (num_pages, PAGE_SIZE, KV, D). GQA packing: a program
+    # owns one KV head and BLOCK_M packed rows, row r = (query position r // GROUP, query head kvh GROUP + r % GROUP),
+    # so the GROUP query heads of the KV head share every K/V tile (and their rows are contiguous in q).
+    kvh = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (causal) tiles first
     b = tl.program_id(2)
     q_start, q_len = sequence_span(cu_q_ptr, b, seqlen_q, VARLEN_Q)
     m0 = m_block * BLOCK_M
-    if m0 < q_len:
+    if m0 < q_len * GROUP:
         if PAGED:
             k_start = b * 0  # positions index pages through the page table
             k_len = tl.load(seqused_ptr + b)
         else:
             k_start, k_len = sequence_span(cu_k_ptr, b, seqlen_k, VARLEN_K)
-        kvh = head // GROUP
-        rows = m0 + tl.arange(0, BLOCK_M)  # (M,) query positions in the sequence
-        row_ok = rows < q_len
+        rows = m0 + tl.arange(0, BLOCK_M)  # (M,) packed rows
+        pos = rows // GROUP  # (M,) query positions in the sequence
+        row_ok = pos < q_len
         d = tl.arange(0, HEAD_DIM)
-        q_off = (q_start + rows).to(tl.int64) * stride_qt + head * stride_qh  # (M,)
+        q_off = (q_start + pos).to(tl.int64) * stride_qt + (kvh * GROUP + rows % GROUP) * stride_qh  # (M,)
         q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)  # (M, D)
         k_base = k_ptr + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
         v_base = v_ptr + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
         pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
 
         if CAUSAL:
-            last_key = rows + (k_len - q_len)  # (M,) each row's last visible key
-            hi = tl.minimum(k_len, m0 + BLOCK_M + k_len - q_len)  # past the tile's last row: never visited
-            full = tl.maximum(tl.minimum(m0 + k_len - q_len + 1, hi), 0)  # keys every row of the tile sees
+            last_key = pos + (k_len - q_len)  # (M,) each row's last visible key
+            # past the tile's last position: never visited; below its first: seen by every row
+            hi = tl.minimum(k_len, (m0 + BLOCK_M - 1) // GROUP + 1 + k_len - q_len)
+            full = tl.maximum(tl.minimum(m0 // GROUP + k_len - q_len + 1, hi), 0)
         else:
-            last_key = rows + k_len
+            last_key = pos + k_len
             hi = k_len
             full = k_len
         hi = tl.maximum(hi, 0)
@@ -176,7 +178,7 @@ def _fwd_kernel(
             RESCALE_THRESHOLD, POLY_LEVEL, DOT_PRECISION)
 
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # (M, D); rows that see no key stay 0
-        o_off = (q_start + rows).to(tl.int64) * stride_ot + head * stride_oh
+        o_off = (q_start + pos).to(tl.int64) * stride_ot + (kvh * GROUP + rows % GROUP) * stride_oh
         tl.store(o_ptr + o_off[:, None] + d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -210,7 +212,7 @@ def triton_forward(q, k, v, *, causal: bool, scale: float, cu_seqlens_q=None, cu
     dummy = seqused_k if paged else (cu_seqlens_q if cu_seqlens_q is not None else q)
     stride_kp, stride_vp = (k.stride(0), v.stride(0)) if paged else (0, 0)
     stride_kt, stride_vt = (k.stride(1), v.stride(1)) if paged else (k.stride(0), v.stride(0))
-    grid = lambda meta: (num_heads, triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), batch)
+    grid = lambda meta: (kv_heads, triton.cdiv(max_seqlen_q * (num_heads // kv_heads), meta["BLOCK_M"]), batch)
     _fwd_kernel[grid](
         q, k, v, o,
         cu_seqlens_q if cu_seqlens_q is not None else dummy, cu_seqlens_k if cu_seqlens_k is not None else dummy,
