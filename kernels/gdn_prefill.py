@@ -247,7 +247,7 @@ def _chunk_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, chunk_ptr, o_p
                          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
                          PREC: tl.constexpr):
     # grid (chunks, Hv, cdiv(DV, BV)): o = exp(G) q h[c] + mask_{i>=j}(exp(G_i - G_j) q_i.k_j) v_new
-    c = tl.program_id(0)
+    c = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     vb = tl.program_id(2)
     start = tl.load(chunk_ptr + 2 * c)
