@@ -1,4 +1,4 @@
-"""Prefill benchmark on the GPU: `python -m profiles.bench_prefill [--out DIR] [--quick]`.
+"""Prefill benchmark on the GPU: `python -m profiles.bench_prefill [--out DIR] [--only PART] [--quick [ours|fa4|gdn]]`.
 
 1. Attention, bf16: `fa4.flash_attention(backend="triton")` (and "cute" at d128/d256) in TFLOP/s against
    flash-attn-4, cuDNN SDPA and FA2 SDPA on DESIGN.md's shapes, with each FA4 flag on its own (the rescale
@@ -74,15 +74,16 @@ def bench_attention_case(batch, seqlen, h, kv, d, causal, variants, peers=("fa4"
         except Exception as err:  # a peer that cannot run the case is reported, not fatal
             row[f"{name}_TFLOPs"], row[f"{name}_error"] = None, f"{type(err).__name__}: {err}"[:200]
     ours = [row[f"{label}_TFLOPs"] for label, _, _ in variants]
-    row["ours_best_TFLOPs"] = max(ours)
-    row["ours_best_flags"] = variants[ours.index(max(ours))][0]
-    row["vs_fa4"] = row["ours_best_TFLOPs"] / row["fa4_TFLOPs"] if row.get("fa4_TFLOPs") else None
+    if ours:
+        row["ours_best_TFLOPs"] = max(ours)
+        row["ours_best_flags"] = variants[ours.index(max(ours))][0]
+    row["vs_fa4"] = row["ours_best_TFLOPs"] / row["fa4_TFLOPs"] if ours and row.get("fa4_TFLOPs") else None
     row["cute_vs_fa4"] = row["cute_TFLOPs"] / row["fa4_TFLOPs"] if row.get("cute_TFLOPs") and row.get("fa4_TFLOPs") \
         else None
     return row
 
 
-def bench_gdn_case(batch, seqlen, heads, dk=128, dv=128):
+def bench_gdn_case(batch, seqlen, heads, dk=128, dv=128, fla=True):
     from kernels.gdn_prefill import chunk_gated_delta_rule
     gen = torch.Generator(device="cuda").manual_seed(0)
     n = batch * seqlen
@@ -109,6 +110,8 @@ def bench_gdn_case(batch, seqlen, heads, dk=128, dv=128):
     output = functools.partial(G.output_pass, q, k, v_new, h, ws[3], chunks, out, dk ** -0.5, common)
     row.update(total_us=n / row["ours_Mtok_s"], wy_us=bench_us(wy), state_us=bench_us(state),
                output_us=bench_us(output))
+    if not fla:
+        return row
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
         fq, fk, fv = (t.view(batch, seqlen, heads, -1) for t in (q, k, v))
@@ -142,16 +145,28 @@ def bench_agent_row():
     return row
 
 
+def quick(what):
+    """A short run of one case (for ncu): few timed calls, no peers beside it."""
+    if what == "gdn":
+        progress(bench_gdn_case(*GDN_CASES[0], fla=False))
+        return
+    fa4 = what == "fa4"
+    row = bench_attention_case(*ATTN_CASES[2], variants=[] if fa4 else MAIN_VARIANTS[:1], peers=("fa4",) if fa4 else (),
+                               cute=False)
+    progress(row)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(RESULTS), help="folder for prefill.json")
-    ap.add_argument("--quick", action="store_true", help="one attention case, both flags on, no peers")
+    ap.add_argument("--quick", nargs="?", const="ours", choices=("ours", "fa4", "gdn"),
+                    help="one case for a profiler: the B1 S16k H16/KV4 d256 causal attention (ours or flash-attn-4), "
+                         "or the GDN prefill at B1 T16k H32")
     ap.add_argument("--only", action="append", choices=PARTS,
                     help="run these parts only (repeatable); their keys are merged into an existing prefill.json")
     args = ap.parse_args(argv)
     if args.quick:
-        row = bench_attention_case(*ATTN_CASES[2], variants=FLAG_VARIANTS[1:2], peers=(), cute=False)
-        print_table([row], ["B", "S", "H/KV", "D", "causal", "ours_best_TFLOPs"])
+        quick(args.quick)
         return
     parts = args.only or PARTS
     result = {}

@@ -1,9 +1,11 @@
-"""Profile one named kernel with Nsight Compute and record its DRAM throughput.
+"""Profile one named kernel with Nsight Compute and record its metrics.
 
-    python -m profiles.ncu --kernel _split_kernel [--out DIR] [-- python -m profiles.bench_decode --quick]
+    python -m profiles.ncu --kernel _split_kernel [--out DIR] [--sections S ...] [--name NAME] [-- COMMAND]
 
 Runs `ncu --clock-control none` on the command (by default the quick decode benchmark), keeps one launch of
-the kernel after a warm-up, and writes ncu_<kernel>.json with the metrics as ncu reports them.
+the kernel after a warm-up, and writes ncu_<name or kernel>.json with the metrics as ncu reports them: DRAM
+throughput by default; with --sections (e.g. SpeedOfLight ComputeWorkloadAnalysis WarpStateStats) every metric
+of those sections: tensor-pipe and issue-slot utilisation, and the warp stall reasons.
 """
 import argparse
 import csv
@@ -18,9 +20,10 @@ METRICS = ["gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained
            "sm__throughput.avg.pct_of_peak_sustained_elapsed"]
 
 
-def run_ncu(kernel: str, command: list[str], skip: int) -> list[dict]:
+def run_ncu(kernel: str, command: list[str], skip: int, sections: list[str] | None = None) -> list[dict]:
+    what = [a for s in sections for a in ("--section", s)] if sections else ["--metrics", ",".join(METRICS)]
     cmd = ["ncu", "--clock-control", "none", "--kernel-name", f"regex:{kernel}", "--launch-skip", str(skip),
-           "--launch-count", "1", "--metrics", ",".join(METRICS), "--csv", *command]
+           "--launch-count", "1", *what, "--csv", *command]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"ncu failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -36,12 +39,15 @@ def main(argv=None):
     ap.add_argument("--kernel", default="_split_kernel", help="regex of the kernel name")
     ap.add_argument("--skip", type=int, default=20, help="launches of the kernel to skip (warm-up)")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--sections", nargs="+", help="ncu sections to collect instead of the DRAM metrics")
+    ap.add_argument("--name", help="result name (ncu_<name>.json); default: the kernel regex")
     args = ap.parse_args(own)
     command = command or [sys.executable, "-m", "profiles.bench_decode", "--quick"]
-    rows = run_ncu(args.kernel, command, args.skip)
+    rows = run_ncu(args.kernel, command, args.skip, args.sections)
     print_table(rows, ["kernel", "metric", "unit", "value"])
-    path = write_result(f"ncu_{args.kernel.strip('_')}", {"env": environment(), "profiled_command": " ".join(command),
-                                                          "metrics": rows}, args.out)
+    name = args.name or args.kernel.strip("_")
+    path = write_result(f"ncu_{name}", {"env": environment(), "profiled_command": " ".join(command), "metrics": rows},
+                        args.out)
     print(f"wrote {path}")
 
 
