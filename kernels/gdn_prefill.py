@@ -55,19 +55,12 @@ CHUNK = 64
 SUB = tl.constexpr(16)  # the WY kernel's sub-block: the chunk's T = (I + A)^-1 by 16 x 16 blocks
 L2NORM_EPS = tl.constexpr(1e-6)
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _tuning(configs):
-    """(BV, num_warps, num_stages) rows as triton Configs; the interpreter gets the first only (no benchmarking)."""
-    return [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv, w, s in configs[:1 if INTERPRET else None]]
-
-
-# Kernel 2 (sequential) and kernel 3 (parallel), autotuned on the H200 per (Hv, dk, dv) and, for kernel 2, per
-# batch-size bucket: its program count is N Hv dv / BV, and a long single sequence wants narrow BV (more chains).
-# Shared memory on sm_90a at dk = dv = 128 (compiled on the CPU): kernel 2 BV 64 bf16 106 KB at 2 stages.
-STATE_CONFIGS = _tuning([(32, 4, 2), (16, 4, 2), (32, 8, 2), (64, 8, 2), (32, 4, 3), (64, 4, 3)])
-OUTPUT_CONFIGS = _tuning([(128, 8, 1), (64, 4, 2), (64, 8, 2), (128, 8, 2), (32, 4, 2)])
+FEW_PROGRAMS = 132  # the H200's SM count: with fewer kernel-2 programs than this, dv is split finer
+STATE_BV, OUTPUT_BV = 64, 128  # dv columns a program of kernel 2 (at most) and of kernel 3
+STATE_STAGES = 2  # software-pipelining stages of kernel 2's chunk loop (its loads do not depend on S)
+# Autotuning kernels 2 and 3 over (BV, warps, stages) ran B1 T16k H32 at 7.67 Mtok/s instead of 6.26 (state pass
+# 560 -> 402 us, output 434 -> 309 us) but hit an illegal memory access on the H200 in the varlen GPU tests and
+# under ncu, not reproduced under the interpreter with any single config: fixed configs until that is found.
 
 
 @triton.jit
@@ -201,11 +194,10 @@ def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_ptr, kd_
     tl.store(gcum_ptr + t * HV + j, G, mask=tm)
 
 
-@triton.autotune(configs=STATE_CONFIGS, key=["HV", "DK", "DV", "n_bucket"], restore_value=["state_ptr"])
 @triton.jit
 def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, cu_ptr, first_chunk_ptr, slots_ptr, state_ptr, h_ptr,
-                        vnew_ptr, n_bucket, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                        vnew_ptr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     # grid (N, Hv, cdiv(DV, BV)): sequence i, value head j, state columns [vb * BV, vb * BV + BV). The chain:
     # h[c] = S; v_new = u - w S; S = exp(G_last) S + kd^T v_new; two products a chunk, in the workspace dtype.
     i = tl.program_id(0)
@@ -240,7 +232,6 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, cu_ptr, first_chunk_ptr,
     tl.store(s_ptrs, s, mask=s_mask)
 
 
-@triton.autotune(configs=OUTPUT_CONFIGS, key=["HV", "DK", "DV"])
 @triton.jit
 def _chunk_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, chunk_ptr, o_ptr, sq_t, sq_h, sk_t, sk_h, so_t,
                          so_h, scale, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -318,15 +309,13 @@ def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, out
 
 def _chunk_table(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(chunks, 2) int32 [start, end) token ranges, every sequence cut into CHUNK-token pieces, and (N,) int32 the
-    index of each sequence's first chunk; built with vectorised CPU ops (a Python loop costs ~1 us a chunk)."""
-    cu_t = torch.tensor(cu, dtype=torch.int64)
-    n_chunks = (cu_t[1:] - cu_t[:-1] + CHUNK - 1) // CHUNK  # (N,)
-    first = torch.cumsum(n_chunks, 0) - n_chunks
-    seq = torch.repeat_interleave(torch.arange(len(cu) - 1), n_chunks)  # (chunks,) the sequence of each chunk
-    start = cu_t[seq] + (torch.arange(seq.numel()) - first[seq]) * CHUNK
-    table = torch.stack([start, torch.minimum(start + CHUNK, cu_t[seq + 1])], 1).to(torch.int32)
-    both = torch.cat([table.flatten(), first.to(torch.int32)]).to(device, non_blocking=True)
-    return both[:table.numel()].view(-1, 2), both[table.numel():]
+    index of each sequence's first chunk."""
+    spans, first = [], []
+    for b, e in zip(cu[:-1], cu[1:]):
+        first.append(len(spans))
+        spans += [(s, min(s + CHUNK, e)) for s in range(b, e, CHUNK)]
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32).to(device)
+    return as_int(spans).reshape(-1, 2), as_int(first)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlens, scale=None,
@@ -376,18 +365,24 @@ def state_pass(ws, cu_seqlens, first_chunk, state_slots, recurrent_states, n_chu
     n, hv, dk, dv = cu_seqlens.numel() - 1, u.shape[1], w.shape[2], u.shape[2]
     h = torch.empty(n_chunks, hv, dk, dv, dtype=u.dtype, device=u.device)
     v_new = torch.empty_like(u)
-    _chunk_state_kernel[lambda meta: (n, hv, triton.cdiv(dv, meta["BV"]))](
+    bv = min(STATE_BV, max(16, triton.next_power_of_2(dv)))
+    while bv > 16 and n * hv * triton.cdiv(dv, bv) < FEW_PROGRAMS:
+        bv //= 2
+    _chunk_state_kernel[(n, hv, triton.cdiv(dv, bv))](
         w, u, kd, gcum, cu_seqlens.to(torch.int32), first_chunk, state_slots.to(torch.int64), recurrent_states, h,
-        v_new, min(triton.next_power_of_2(n), 64), **{k: common[k] for k in ("HV", "DK", "DV", "BT", "BK", "PREC")})
+        v_new, **{k: common[k] for k in ("HV", "DK", "DV", "BT", "BK", "PREC", "num_warps")}, BV=bv,
+        num_stages=STATE_STAGES)
     return h, v_new
 
 
 def output_pass(q, k, v_new, h, gcum, chunks, out, scale, common):
     """Kernel 3 over every (chunk, value head, dv block): o into out."""
+    dv = out.shape[2]
+    bv = min(OUTPUT_BV, max(16, triton.next_power_of_2(dv)))
     if chunks.shape[0]:
-        _chunk_output_kernel[lambda meta: (chunks.shape[0], out.shape[1], triton.cdiv(out.shape[2], meta["BV"]))](
+        _chunk_output_kernel[(chunks.shape[0], out.shape[1], triton.cdiv(dv, bv))](
             q, k, v_new, h, gcum, chunks, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0),
-            out.stride(1), scale, **{k: v for k, v in common.items() if k != "num_warps"})
+            out.stride(1), scale, **common, BV=bv, num_stages=1)
 
 
 def gated_deltanet_prefill_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,
