@@ -33,10 +33,14 @@ and head) and v_new (256 B), kernel 3 reads h, v_new, q, k: about 2.6 KB a token
 0.33 ms at 4.2 TB/s. Tensor work: about 0.2 MFLOP a token and head, 6 MFLOP a token at Hv 32, 0.1 TFLOP at T16k:
 0.2 ms at ~500 TFLOP/s. The chain: kernel 2 runs N Hv dv / BV
 programs (B1 Hv 32: BV 32, 128 programs) through T / 64 dependent chunks (256 at T16k) of two small products and
-a 16 KiB store each; at ~1 us a chunk, 0.26 ms. Predicted: about 0.6-0.8 ms, 20-27 Mtok/s, if the kernels each
-run near their bound.
-History: the first version (o computed inside the sequential kernel, fp32 workspaces, tf32x3 state products, a
-row-by-row solve) ran B1 T16k H32 at 1.94 Mtok/s, 0.13x fla.
+a 16 KiB store each; at ~1 us a chunk, 0.26 ms. Predicted before measuring: about 0.6-0.8 ms, 20-27 Mtok/s, if the
+kernels each ran near their bound.
+Measured on the H200 (profiles.bench_prefill, B1 T16k H32): 6.26 Mtok/s against fla's 14.9 in the same run, 0.42x:
+kernel 1 1114 us, kernel 2 560 us, kernel 3 434 us, 2617 us a call (the rest is the host: cu_seqlens is read for
+its checks and the chunk table, which stalls the queue). Kernel 1 is the limit: 8192 programs at one CTA an SM
+(236 registers a thread at 8 warps, 64 KB of shared memory), ~18 us each; register caps of 168 and 128 changed
+nothing (1149, 1117 us). The first version (o inside the sequential kernel, fp32 workspaces, tf32x3 state
+products, a row-by-row solve) ran 1.94 Mtok/s, 0.13x.
 
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
 distinct and in range (not checked: that would read them on the host).
