@@ -36,8 +36,8 @@ programs (B1 Hv 32: BV 32, 128 programs) through T / 64 dependent chunks (256 at
 a 16 KiB store each; at ~1 us a chunk, 0.26 ms. Predicted before measuring: about 0.6-0.8 ms, 20-27 Mtok/s, if the
 kernels each ran near their bound.
 Measured on the H200 (profiles.bench_prefill, B1 T16k H32): 6.26 Mtok/s against fla's 14.9 in the same run, 0.42x:
-kernel 1 1114 us, kernel 2 560 us, kernel 3 434 us, 2617 us a call (the rest is the host: cu_seqlens is read for
-its checks and the chunk table, which stalls the queue). Kernel 1 is the limit: 8192 programs at one CTA an SM
+kernel 1 1114 us, kernel 2 560 us, kernel 3 434 us, 2617 us a call (the rest is the host: cu_seqlens was read twice, for
+its checks and the chunk table, each a sync that drains the queue; now once). Kernel 1 is the limit: 8192 programs at one CTA an SM
 (236 registers a thread at 8 warps, 64 KB of shared memory), ~18 us each; register caps of 168 and 128 changed
 nothing (1149, 1117 us). The first version (o inside the sequential kernel, fp32 workspaces, tf32x3 state
 products, a row-by-row solve) ran 1.94 Mtok/s, 0.13x.
@@ -268,7 +268,7 @@ def _chunk_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, chunk_ptr, o_p
 
 
 def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, out):
-    """Raise ValueError naming the first bad argument; returns (N, Hk, Hv, dk, dv)."""
+    """Raise ValueError naming the first bad argument; returns cu_seqlens' values (read once, on the host)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndim=3, dtype=IO_DTYPES)
         if t.stride(-1) != 1:
@@ -291,8 +291,8 @@ def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, out
     if not recurrent_states.is_contiguous() or recurrent_states.shape[1:] != (hv, dk, dv):
         raise ValueError(f"recurrent_states must be a contiguous (slots, {hv}, {dk}, {dv}) tensor, "
                          f"got {tuple(recurrent_states.shape)}")
-    check_cu_seqlens("cu_seqlens", cu_seqlens, total)
-    n = cu_seqlens.numel() - 1
+    cu = check_cu_seqlens("cu_seqlens", cu_seqlens, total)
+    n = len(cu) - 1
     if state_slots.numel() != n:
         raise ValueError(f"state_slots must have one slot per sequence ({n}), got {state_slots.numel()}")
     if min(dk, dv) < 16:
@@ -308,7 +308,7 @@ def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, out
                          f"{ {n: str(t.device) for n, t in tensors.items() if t is not None} }")
     if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"q must be on a CUDA device (or run with TRITON_INTERPRET=1), got {dev}")
-    return n, hk, hv, dk, dv
+    return cu
 
 
 def _chunk_table(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,11 +328,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, c
     all of one io dtype; g (log-decay), beta: (total, Hv) fp32. Sequence i starts from the fp32 state
     recurrent_states[state_slots[i]] (slots, Hv, dk, dv) and its final state is written back there in place.
     Returns o (total, Hv, dv) in v's dtype (into `out` when given)."""
-    _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, out)
+    cu = _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, out)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
-    chunks, first_chunk = _chunk_table(cu_seqlens.tolist(), q.device)
+    chunks, first_chunk = _chunk_table(cu, q.device)
     common = _constexprs(q, v, k.shape[1], use_qk_l2norm)
     ws = wy_pass(k, v, g.contiguous(), beta.contiguous(), chunks, common)
     h, v_new = state_pass(ws, cu_seqlens, first_chunk, state_slots, recurrent_states, chunks.shape[0], common)
