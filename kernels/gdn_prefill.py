@@ -36,11 +36,11 @@ programs (B1 Hv 32: BV 32, 128 programs) through T / 64 dependent chunks (256 at
 a 16 KiB store each; at ~1 us a chunk, 0.26 ms. Predicted before measuring: about 0.6-0.8 ms, 20-27 Mtok/s, if the
 kernels each ran near their bound.
 Measured on the H200 (profiles.bench_prefill, B1 T16k H32): 6.26 Mtok/s against fla's 14.9 in the same run, 0.42x:
-kernel 1 1114 us, kernel 2 560 us, kernel 3 434 us, 2617 us a call (the rest is the host: cu_seqlens was read twice, for
-its checks and the chunk table, each a sync that drains the queue; now once). Kernel 1 is the limit: 8192 programs at one CTA an SM
-(236 registers a thread at 8 warps, 64 KB of shared memory), ~18 us each; register caps of 168 and 128 changed
-nothing (1149, 1117 us). The first version (o inside the sequential kernel, fp32 workspaces, tf32x3 state
-products, a row-by-row solve) ran 1.94 Mtok/s, 0.13x.
+kernel 1 1114 us, kernel 2 560 us, kernel 3 434 us, 2617 us a call (the rest is the host: cu_seqlens was read twice,
+for its checks and the chunk table, each a sync that drains the queue; now once). Kernel 1 is the limit: 8192
+programs at one CTA an SM (236 registers a thread at 8 warps, 64 KB of shared memory), ~18 us each; register caps of
+168 and 128 changed nothing (1149, 1117 us). The first version (o inside the sequential kernel, fp32 workspaces,
+tf32x3 state products, a row-by-row solve) ran 1.94 Mtok/s, 0.13x.
 
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
 distinct and in range (not checked: that would read them on the host).
