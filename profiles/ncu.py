@@ -20,8 +20,11 @@ METRICS = ["gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained
            "sm__throughput.avg.pct_of_peak_sustained_elapsed"]
 
 
-def run_ncu(kernel: str, command: list[str], skip: int, sections: list[str] | None = None) -> list[dict]:
-    what = [a for s in sections for a in ("--section", s)] if sections else ["--metrics", ",".join(METRICS)]
+def run_ncu(kernel: str, command: list[str], skip: int, sections: list[str] | None = None,
+            metrics: list[str] | None = None) -> list[dict]:
+    what = [a for s in sections for a in ("--section", s)] if sections else []
+    if metrics or not sections:
+        what += ["--metrics", ",".join(metrics or METRICS)]
     cmd = ["ncu", "--clock-control", "none", "--kernel-name", f"regex:{kernel}", "--launch-skip", str(skip),
            "--launch-count", "1", *what, "--csv", *command]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -40,10 +43,13 @@ def main(argv=None):
     ap.add_argument("--skip", type=int, default=20, help="launches of the kernel to skip (warm-up)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--sections", nargs="+", help="ncu sections to collect instead of the DRAM metrics")
+    ap.add_argument("--metrics", type=lambda s: s.split(","),
+                    help="comma-separated metrics (with --sections: in addition), e.g. the warp stall ratios "
+                         "smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio")
     ap.add_argument("--name", help="result name (ncu_<name>.json); default: the kernel regex")
     args = ap.parse_args(own)
     command = command or [sys.executable, "-m", "profiles.bench_decode", "--quick"]
-    rows = run_ncu(args.kernel, command, args.skip, args.sections)
+    rows = run_ncu(args.kernel, command, args.skip, args.sections, args.metrics)
     print_table(rows, ["kernel", "metric", "unit", "value"])
     name = args.name or args.kernel.strip("_")
     path = write_result(f"ncu_{name}", {"env": environment(), "profiled_command": " ".join(command), "metrics": rows},
