@@ -41,6 +41,18 @@ for its checks and the chunk table, each a sync that drains the queue; now once)
 programs at one CTA an SM (236 registers a thread at 8 warps, 64 KB of shared memory), ~18 us each; register caps of
 168 and 128 changed nothing (1149, 1117 us). The first version (o inside the sequential kernel, fp32 workspaces,
 tf32x3 state products, a row-by-row solve) ran 1.94 Mtok/s, 0.13x.
+Where kernel 1's barriers come from (sm_90a PTX compiled on the CPU, straight-line code, so static counts are
+executed counts): 103 bar.sync and 33 layout conversions a program, of which the solve takes 83 (_blocks 32, the
+15-step substitution 31 (two a step: one vector transpose), the 16 block products 20); the loads, kk and w/u/kd take
+the other 20. The next step, prototyped on the CPU but not yet run on the H200: A^T written once to a per-program
+fp32 scratch (16 KiB, 128 MiB at B1 T16k H32; its strict upper triangle, T filled into the lower one), one barrier,
+then the diagonal inverses by substitution from row loads in a (4, 16, 16) layout whose reduction axis stays inside
+a warp (15 steps, no barrier), then the off-diagonal blocks by two levels of block doubling (T = [[T_lo, 0], [-T_hi
+A_21 T_lo, T_hi]]: batched (2, 16, 16) then (32, 32) ieee products, four instead of sixteen): 32 bar.sync and 166
+registers a thread (from 236), no spills, same shared memory; max |dT| / max |T| against float64 7.9e-7 on
+correlated keys (4.2e-7 now). Its fp32-io build needs maxnreg=255 (ptxas otherwise picks 32 registers and spills 22
+KB). A Neumann/doubling product on the 16 x 16 diagonal blocks loses too much (3.1e-4: N^8 reaches 1.6e3 and
+cancels).
 
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
 distinct and in range (not checked: that would read them on the host).
