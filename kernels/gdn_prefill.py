@@ -4,7 +4,7 @@ Per value head j (key head h = j // (Hv / Hk)), with q, k l2-normalised (fused) 
     S = exp(g_t) S;  S += k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t          S: (dk, dv) fp32
 is evaluated a chunk of BT tokens at a time (reference/gated_delta.py's `_chunked_one` derives it). In a chunk
 with cumulative log-decay G = cumsum(g) and the strictly lower triangular A_ij = beta_i exp(G_i - G_j) (k_i.k_j):
-    T     = (I + A)^-1                     unit lower triangular, by 16 x 16 blocks
+    T     = (I + A)^-1                     unit lower triangular, by 16 x 16 blocks and block doubling
     w     = T (beta exp(G) k),  u = T (beta v),  kd = k exp(G_last - G)                 kernel 1, chunks in parallel
     h     = S;  v_new = u - w S;  S = exp(G_last) S + kd^T v_new                        kernel 2, chunks in order
     o     = exp(G) q h + mask_{i>=j}(exp(G_i - G_j) q_i.k_j) v_new                      kernel 3, chunks in parallel
@@ -20,12 +20,14 @@ Precision: fp32 io runs every product in exact fp32 ("ieee"; the interpreter alw
 products in tf32 and its solve in exact fp32, and the products after it on 16-bit operands (w, kd, v_new, h and
 S rounded to the io dtype, fp32 accumulation), as fla's chunked kernels do; S itself stays fp32.
 
-The solve (kernel 1). T is block lower triangular in 16 x 16 blocks (SUB): the four diagonal blocks
-T_ii = (I + A_ii)^-1 by forward substitution, the four held transposed in one (2, 2, 16, 16) tensor so that each of
-the 15 steps is two reductions along the last axis (within a warp) for all four and one vector transpose; then
-T_ij = -T_ii sum_{l=j}^{i-1} A_il T_lj, three rounds of 16 x 16 x 16 products in exact fp32. The blocks come out
-of A (64, 64) and T goes back into one (64, 64) tile by reshape / permute / split / join, so that w and u stay
-single (64 x 64 x d) tensor-core products.
+The solve (kernel 1), through a per-program (64, 64) fp32 scratch in global memory (16 KiB; 128 MiB at B1 T16k
+Hv 32): A^T goes into its strict upper triangle, then a barrier; the four 16 x 16 diagonal blocks T_ii by forward
+substitution, reading A's rows back with plain loads in a (4, 16, 16) layout whose reduction axis stays inside a
+warp (15 steps, no barrier); then the off-diagonal blocks by two levels of block doubling,
+T = [[T_lo, 0], [-T_hi A_21 T_lo, T_hi]] (the two 32 x 32 diagonal blocks at once by batched 16 x 16 products, then
+the 32 x 32 lower-left block), in exact fp32; T fills the lower triangle and is read back as one (64, 64) tile, so
+w and u stay single (64 x 64 x d) tensor-core products. A block's own global writes are visible to it after
+bar.sync (plain ld.global, not the read-only path). Max |dT| / max |T| against float64: 7.9e-7 on correlated keys.
 
 Bound (H200, B1 T16k Hv 32, dk = dv = 128; fla's chunked prefill: 14.9 Mtok/s, 1.1 ms). Traffic: kernel 1 writes
 w, u, kd (768 B a token and head in bf16), kernel 2 reads them and writes h (32 KiB a chunk and head, 512 B a token
@@ -41,18 +43,14 @@ for its checks and the chunk table, each a sync that drains the queue; now once)
 programs at one CTA an SM (236 registers a thread at 8 warps, 64 KB of shared memory), ~18 us each; register caps of
 168 and 128 changed nothing (1149, 1117 us). The first version (o inside the sequential kernel, fp32 workspaces,
 tf32x3 state products, a row-by-row solve) ran 1.94 Mtok/s, 0.13x.
-Where kernel 1's barriers come from (sm_90a PTX compiled on the CPU, straight-line code, so static counts are
-executed counts): 103 bar.sync and 33 layout conversions a program, of which the solve takes 83 (_blocks 32, the
-15-step substitution 31 (two a step: one vector transpose), the 16 block products 20); the loads, kk and w/u/kd take
-the other 20. The next step, prototyped on the CPU but not yet run on the H200: A^T written once to a per-program
-fp32 scratch (16 KiB, 128 MiB at B1 T16k H32; its strict upper triangle, T filled into the lower one), one barrier,
-then the diagonal inverses by substitution from row loads in a (4, 16, 16) layout whose reduction axis stays inside
-a warp (15 steps, no barrier), then the off-diagonal blocks by two levels of block doubling (T = [[T_lo, 0], [-T_hi
-A_21 T_lo, T_hi]]: batched (2, 16, 16) then (32, 32) ieee products, four instead of sixteen): 32 bar.sync and 166
-registers a thread (from 236), no spills, same shared memory; max |dT| / max |T| against float64 7.9e-7 on
-correlated keys (4.2e-7 now). Its fp32-io build needs maxnreg=255 (ptxas otherwise picks 32 registers and spills 22
-KB). A Neumann/doubling product on the 16 x 16 diagonal blocks loses too much (3.1e-4: N^8 reaches 1.6e3 and
-cancels).
+The measurement above is of the former solve (A's 16 x 16 blocks extracted by reshape / permute / split / join, a
+substitution on a (2, 2, 16, 16) tensor with one vector transpose a step, 16 block products). Its sm_90a PTX
+(compiled on the CPU; straight-line code, so static counts are executed counts) has 103 bar.sync and 33 layout
+conversions a program, 83 of them in the solve (block extraction 32, substitution 31, block products 20). The
+scratch-based solve has 32 bar.sync and 166 registers a thread (from 236), no spills, the same 64 KB of shared
+memory. Not yet measured on the H200: predicted ~2x on kernel 1 if its ~18 us a program is barrier latency (one CTA
+an SM, nothing to hide it), i.e. about 1.6 ms a call, ~10 Mtok/s. A Neumann / doubling product on the diagonal
+blocks was rejected: 3.1e-4 on correlated keys (N^8 reaches 1.6e3 and cancels).
 
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
 distinct and in range (not checked: that would read them on the host).
@@ -74,6 +72,10 @@ IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FEW_PROGRAMS = 132  # the H200's SM count: with fewer kernel-2 programs than this, dv is split finer
 STATE_BV, OUTPUT_BV = 64, 128  # dv columns a program of kernel 2 (at most) and of kernel 3
 STATE_STAGES = 2  # software-pipelining stages of kernel 2's chunk loop (its loads do not depend on S)
+# Kernel 1's register cap by io dtype (sm_90a, 8 warps, compiled on the CPU). fp32 io: without a cap ptxas picks 32
+# registers and spills 22 KB a thread; at 255 it spills 3 KB. 16-bit io: 166 registers uncapped (one CTA an SM);
+# a cap of 128 (two CTAs an SM, 76 bytes spilled) is for profiles.bench_prefill to try.
+WY_MAXNREG = {torch.float32: 255}
 # Autotuning kernels 2 and 3 over (BV, warps, stages) ran B1 T16k H32 at 7.67 Mtok/s instead of 6.26 (state pass
 # 560 -> 402 us, output 434 -> 309 us) but hit an illegal memory access on the H200 in the varlen GPU tests and
 # under ncu, not reproduced under the interpreter with any single config: fixed configs until that is found.
@@ -100,72 +102,67 @@ def _load_qk(q_ptr, k_ptr, t, t_mask, sq_t, sk_t, head_off_q, head_off_k, rk, sc
 
 
 @triton.jit
-def _inv_unit_lower4(a0, a1, a2, a3):
-    """(I + a)^-1 of four strictly lower triangular (SUB, SUB) fp32 tiles by forward substitution in exact fp32:
-    row i of T is x_i + sum_{l<i} x_il T_l with x_i = -a_i (and T_l the rows done). The four are held in one
-    (2, 2, SUB, SUB) tensor of T^T, u[y, x, c, l] = T[l, c] of tile 2 y + x, so that both reductions of a step run
-    along the last axis (within a warp) for all four tiles; the step's row goes in as column i of u."""
-    r = tl.arange(0, SUB)[None, None, :, None]
-    c = tl.arange(0, SUB)[None, None, None, :]
-    r3 = tl.arange(0, SUB)[None, None, :]
-    u = -tl.join(tl.join(tl.trans(a0), tl.trans(a1)), tl.join(tl.trans(a2), tl.trans(a3)))  # [c, l, x, y]
-    u = tl.permute(u, (3, 2, 0, 1))
+def _invert_diagonal_blocks(sp):
+    """The four diagonal (SUB, SUB) blocks of T = (I + A)^-1 by forward substitution, written into the lower triangle
+    (with the diagonal) of the program's (BT, BT) fp32 scratch sp, whose strict upper triangle holds A^T
+    (sp[p, q] = A[q, p], written and barriered by the caller). u[b, c, l] = T[16 b + l, 16 b + c] (each block's T^T)
+    is loaded contiguous along l, so each step's reduction over l stays inside a warp and its result is column l = i
+    of u: no transposes, no barriers. Step i's row x_l = -A[16 b + i, 16 b + l] (l < i) is a load off the chain."""
+    b3 = tl.arange(0, 4)[:, None, None]
+    c3 = tl.arange(0, SUB)[None, :, None]
+    l3 = tl.arange(0, SUB)[None, None, :]
+    u = -tl.load(sp + (SUB * b3 + c3) * (4 * SUB) + SUB * b3 + l3)  # u[b, c, l] = -A[16 b + l, 16 b + c]
     for i in tl.static_range(1, SUB):
-        x = tl.sum(tl.where(c == i, u, 0.0), axis=3)  # (2, 2, SUB): x[l] = -a_il, zero from l = i on
-        x = tl.where(r3 == i, 1.0, x)  # + e_i: column i of u is x itself
-        col = tl.sum(x[:, :, None, :] * u, axis=3)  # sum_l x_l u[:, l] = row i of T
-        u = tl.where(c == i, col[:, :, :, None], u)
-    u += tl.where(r == c, 1.0, 0.0)
-    u01, u23 = tl.split(tl.permute(u, (2, 3, 1, 0)))
-    u0, u1 = tl.split(u01)
-    u2, u3 = tl.split(u23)
-    return tl.trans(u0), tl.trans(u1), tl.trans(u2), tl.trans(u3)
+        x = -tl.load(sp + (SUB * b3 + l3) * (4 * SUB) + SUB * b3 + i, mask=l3 < i, other=0.0)  # (4, 1, SUB)
+        x = tl.where(l3 == i, 1.0, x)  # + e_i picks column i of u (-A's row i, not yet overwritten)
+        col = tl.sum(x * u, axis=2)  # (4, SUB): row i of T, strictly below the diagonal
+        u = tl.where(l3 == i, col[:, :, None], u)
+    u += tl.where(c3 == l3, 1.0, 0.0)
+    tl.store(sp + (SUB * b3 + l3) * (4 * SUB) + SUB * b3 + c3, u, mask=l3 >= c3)
 
 
 @triton.jit
-def _join4(z0, z1, z2, z3):
-    """Four tensors of one shape joined on two new last axes (..., 2, 2): z_n at [..., n % 2, n // 2]."""
-    return tl.join(tl.join(z0, z1), tl.join(z2, z3))
+def _invert_unit_lower(a, sp):
+    """T = (I + a)^-1 of a strictly lower triangular (4 SUB, 4 SUB) fp32 tile, in exact fp32, through the program's
+    (4 SUB)^2 fp32 scratch sp: a^T goes into its strict upper triangle, T fills its lower one. The diagonal blocks by
+    substitution (_invert_diagonal_blocks), then the rest by two levels of block doubling,
+    T = [[T_lo, 0], [-T_hi a_21 T_lo, T_hi]]: the two 32 x 32 diagonal blocks at once (batched 16 x 16 products),
+    then the 32 x 32 lower-left block. Four barriers in all."""
+    BT: tl.constexpr = 4 * SUB
+    H: tl.constexpr = 2 * SUB
+    r = tl.arange(0, BT)
+    tl.store(sp + r[None, :] * BT + r[:, None], a)  # sp[p, q] = a[q, p]
+    tl.debug_barrier()
+    _invert_diagonal_blocks(sp)
+    tl.debug_barrier()
+    p3 = tl.arange(0, 2)[:, None, None]  # level 1: diagonal 32 x 32 block p, its 16 x 16 blocks
+    i3 = tl.arange(0, SUB)[None, :, None]
+    j3 = tl.arange(0, SUB)[None, None, :]
+    t_lo = tl.load(sp + (H * p3 + i3) * BT + H * p3 + j3, mask=i3 >= j3, other=0.0)
+    t_hi = tl.load(sp + (H * p3 + SUB + i3) * BT + H * p3 + SUB + j3, mask=i3 >= j3, other=0.0)
+    a_21 = tl.load(sp + (H * p3 + j3) * BT + H * p3 + SUB + i3)  # from a^T
+    t_21 = -tl.dot(t_hi, tl.dot(a_21, t_lo, input_precision="ieee"), input_precision="ieee")
+    tl.store(sp + (H * p3 + SUB + i3) * BT + H * p3 + j3, t_21)
+    tl.debug_barrier()
+    h = tl.arange(0, H)  # level 2: the 32 x 32 lower-left block
+    tri = h[:, None] >= h[None, :]
+    t_lo = tl.load(sp + h[:, None] * BT + h[None, :], mask=tri, other=0.0)
+    t_hi = tl.load(sp + (H + h[:, None]) * BT + H + h[None, :], mask=tri, other=0.0)
+    a_21 = tl.load(sp + h[None, :] * BT + H + h[:, None])  # a[32 + i, j] from a^T
+    t_21 = -tl.dot(t_hi, tl.dot(a_21, t_lo, input_precision="ieee"), input_precision="ieee")
+    tl.store(sp + (H + h[:, None]) * BT + h[None, :], t_21)
+    tl.debug_barrier()
+    lower = ((r // SUB)[:, None] >= (r // SUB)[None, :]) & (r[:, None] >= r[None, :])
+    return tl.load(sp + r[:, None] * BT + r[None, :], mask=lower, other=0.0)
 
 
 @triton.jit
-def _split4(z):
-    """The inverse of _join4."""
-    lo, hi = tl.split(z)
-    z0, z1 = tl.split(lo)
-    z2, z3 = tl.split(hi)
-    return z0, z1, z2, z3
-
-
-@triton.jit
-def _blocks(x):
-    """The (SUB, SUB) blocks x_IJ of a (4 SUB, 4 SUB) tile, I row block, J column block; returns the four column
-    blocks of each block row in turn (x_00, x_01, ..., x_33). x[16 (2 I1 + I0) + r, 16 (2 J1 + J0) + c] is
-    y[r, c, I0, I1, J0, J1]; each _split4 peels two axes."""
-    y = tl.permute(tl.reshape(x, (2, 2, SUB, 2, 2, SUB)), (2, 5, 1, 0, 4, 3))
-    c0, c1, c2, c3 = _split4(y)  # column blocks J: (SUB, SUB, 2, 2)
-    x00, x10, x20, x30 = _split4(c0)
-    x01, x11, x21, x31 = _split4(c1)
-    x02, x12, x22, x32 = _split4(c2)
-    x03, x13, x23, x33 = _split4(c3)
-    return x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33
-
-
-@triton.jit
-def _unblocks(x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33):
-    """The inverse of _blocks: one (4 SUB, 4 SUB) tile."""
-    y = _join4(_join4(x00, x10, x20, x30), _join4(x01, x11, x21, x31), _join4(x02, x12, x22, x32),
-               _join4(x03, x13, x23, x33))  # y[r, c, I0, I1, J0, J1]
-    return tl.reshape(tl.permute(y, (3, 2, 0, 5, 4, 1)), (4 * SUB, 4 * SUB))
-
-
-@triton.jit
-def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_ptr, kd_ptr, gcum_ptr,
+def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_ptr, kd_ptr, gcum_ptr, scratch_ptr,
                      sk_t, sk_h, sv_t, sv_h,
                      HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
-    # grid (chunks, Hv): tokens [start, end) of one sequence (end - start <= BT), value head j. x_ij: the (SUB, SUB)
-    # block of a (BT, BT) tile x at row block i and column block j.
+    # grid (chunks, Hv): tokens [start, end) of one sequence (end - start <= BT), value head j; scratch: (BT, BT) fp32
+    # a program, for the solve.
     tl.static_assert(BT == 4 * SUB)
     c = tl.program_id(0)
     j = tl.program_id(1)
@@ -183,21 +180,7 @@ def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_ptr, kd_
     g_last = tl.sum(tl.where(r == end - start - 1, G, 0.0))
     decay = tl.exp(tl.where(r[:, None] > r[None, :], G[:, None] - G[None, :], float("-inf")))  # exp(G_i - G_j), i > j
     a = beta[:, None] * decay * tl.dot(k, tl.trans(k), input_precision=PREC)  # A, strictly lower triangular
-    a00, _, _, _, a10, a11, _, _, a20, a21, a22, _, a30, a31, a32, a33 = _blocks(a)
-    # T = (I + A)^-1, block lower triangular: the diagonal blocks by substitution (independent of each other), the
-    # others by block substitution T_ij = -T_ii sum_{l=j}^{i-1} A_il T_lj, all in exact fp32 ("ieee")
-    T00, T11, T22, T33 = _inv_unit_lower4(a00, a11, a22, a33)
-    T10 = -tl.dot(T11, tl.dot(a10, T00, input_precision="ieee"), input_precision="ieee")
-    T21 = -tl.dot(T22, tl.dot(a21, T11, input_precision="ieee"), input_precision="ieee")
-    T32 = -tl.dot(T33, tl.dot(a32, T22, input_precision="ieee"), input_precision="ieee")
-    T20 = tl.dot(a20, T00, input_precision="ieee")
-    T20 = -tl.dot(T22, tl.dot(a21, T10, T20, input_precision="ieee"), input_precision="ieee")
-    T31 = tl.dot(a31, T11, input_precision="ieee")
-    T31 = -tl.dot(T33, tl.dot(a32, T21, T31, input_precision="ieee"), input_precision="ieee")
-    T30 = tl.dot(a31, T10, tl.dot(a30, T00, input_precision="ieee"), input_precision="ieee")
-    T30 = -tl.dot(T33, tl.dot(a32, T20, T30, input_precision="ieee"), input_precision="ieee")
-    zero = tl.zeros((SUB, SUB), dtype=tl.float32)
-    t_inv = _unblocks(T00, zero, zero, zero, T10, T11, zero, zero, T20, T21, T22, zero, T30, T31, T32, T33)
+    t_inv = _invert_unit_lower(a, scratch_ptr + (c * HV + j).to(tl.int64) * (BT * BT))  # T = (I + A)^-1
     row_off = t[:, None].to(tl.int64) * HV + j
     ws = w_ptr.dtype.element_ty
     kd = k * tl.where(tm, tl.exp(g_last - G), 0.0)[:, None]  # (BT, BK) k exp(G_last - G)
@@ -368,9 +351,11 @@ def wy_pass(k, v, g, beta, chunks, common):
     ws = tuple(torch.empty(total, hv, *d, dtype=dt, device=dev)
                for d, dt in (((dk,), v.dtype), ((dv,), v.dtype), ((dk,), v.dtype), ((), torch.float32)))
     if chunks.shape[0]:
+        scratch = torch.empty(chunks.shape[0], hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)  # the solve's
         _chunk_wy_kernel[(chunks.shape[0], hv)](
-            k, v, g, beta, chunks, *ws, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            BV=max(16, triton.next_power_of_2(dv)), **common, num_stages=1)
+            k, v, g, beta, chunks, *ws, scratch, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            BV=max(16, triton.next_power_of_2(dv)), **common, num_stages=1,
+            **({"maxnreg": WY_MAXNREG[k.dtype]} if k.dtype in WY_MAXNREG else {}))
     return ws
 
 

@@ -110,6 +110,13 @@ def bench_gdn_case(batch, seqlen, heads, dk=128, dv=128, fla=True):
     output = functools.partial(G.output_pass, q, k, v_new, h, ws[3], chunks, out, dk ** -0.5, common)
     row.update(total_us=n / row["ours_Mtok_s"], wy_us=bench_us(wy), state_us=bench_us(state),
                output_us=bench_us(output))
+    default_caps = dict(G.WY_MAXNREG)
+    try:  # the WY pass at two CTAs an SM
+        G.WY_MAXNREG[BF16] = 128
+        row["wy_maxnreg128_us"] = bench_us(wy)
+    finally:
+        G.WY_MAXNREG.clear()
+        G.WY_MAXNREG.update(default_caps)
     if not fla:
         return row
     try:
@@ -174,7 +181,7 @@ def main(argv=None):
         result["gdn_prefill"] = [progress(bench_gdn_case(*c)) for c in GDN_CASES]
         print("\nGated DeltaNet chunked prefill, dk = dv = 128 (Mtok/s; each pass alone in us)")
         print_table(result["gdn_prefill"], ["B", "T", "H", "ours_Mtok_s", "fla_Mtok_s", "vs_fla", "total_us", "wy_us",
-                                            "state_us", "output_us"])
+                                            "state_us", "output_us", "wy_maxnreg128_us"])
     if "attention" in parts:
         result["attention"] = [progress(bench_attention_case(
             *c, variants=FLAG_VARIANTS if i in ABLATION_CASES else MAIN_VARIANTS)) for i, c in enumerate(ATTN_CASES)]

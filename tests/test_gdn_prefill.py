@@ -244,6 +244,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from kernels import gdn_prefill as G
 common = dict(HV=32, GROUP=2, DK=128, DV=128, BT=64, BK=128, L2NORM=True)
+fp32 = ("g_ptr", "beta_ptr", "gcum_ptr", "state_ptr", "scratch_ptr")
 one = lambda bv, stages: [triton.Config({"BV": bv}, num_warps=8, num_stages=stages)]
 for io, prec in (("bf16", "tf32"), ("fp32", "ieee")):
     for kern, configs in ((G._chunk_wy_kernel, one(128, 1)), (G._chunk_state_kernel, one(G.STATE_BV, G.STATE_STAGES)),
@@ -252,7 +253,7 @@ for io, prec in (("bf16", "tf32"), ("fp32", "ieee")):
         for cfg in configs:
             const = {n: v for n, v in dict(common, PREC=prec, **cfg.kwargs).items() if n in fn.arg_names}
             sig = {n: "constexpr" if n in const else "*i32" if n in ("chunk_ptr", "cu_ptr", "first_chunk_ptr") else
-                   "*i64" if n == "slots_ptr" else "*fp32" if n in ("g_ptr", "beta_ptr", "gcum_ptr", "state_ptr") else
+                   "*i64" if n == "slots_ptr" else "*fp32" if n in fp32 else
                    f"*{io}" if n.endswith("_ptr") else "fp32" if n == "scale" else "i32" for n in fn.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
             k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
