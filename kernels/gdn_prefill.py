@@ -38,8 +38,9 @@ programs (B1 Hv 32: BV 32, 128 programs) through T / 64 dependent chunks (256 at
 a 16 KiB store each; at ~1 us a chunk, 0.26 ms. Predicted before measuring: about 0.6-0.8 ms, 20-27 Mtok/s, if the
 kernels each ran near their bound.
 Measured on the H200 (profiles.bench_prefill, B1 T16k H32): 6.26 Mtok/s against fla's 14.9 in the same run, 0.42x:
-kernel 1 1114 us, kernel 2 560 us, kernel 3 434 us, 2617 us a call (the rest is the host: cu_seqlens was read twice,
-for its checks and the chunk table, each a sync that drains the queue; now once). Kernel 1 is the limit: 8192
+kernel 1 1114 us, kernel 2 560 us, kernel 3 434 us, 2617 us a call (the rest, 509 us, is the host: cu_seqlens was
+read twice, each a sync that drains the queue, and the chunk table built by a Python loop; now one read and a
+vectorised table, which cut the gap to 315 us in a run of the reverted autotuned build). Kernel 1 is the limit: 8192
 programs at one CTA an SM (236 registers a thread at 8 warps, 64 KB of shared memory), ~18 us each; register caps of
 168 and 128 changed nothing (1149, 1117 us). The first version (o inside the sequential kernel, fp32 workspaces,
 tf32x3 state products, a row-by-row solve) ran 1.94 Mtok/s, 0.13x.
@@ -308,13 +309,15 @@ def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, out
 
 def _chunk_table(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(chunks, 2) int32 [start, end) token ranges, every sequence cut into CHUNK-token pieces, and (N,) int32 the
-    index of each sequence's first chunk."""
-    spans, first = [], []
-    for b, e in zip(cu[:-1], cu[1:]):
-        first.append(len(spans))
-        spans += [(s, min(s + CHUNK, e)) for s in range(b, e, CHUNK)]
-    as_int = lambda x: torch.tensor(x, dtype=torch.int32).to(device)
-    return as_int(spans).reshape(-1, 2), as_int(first)
+    index of each sequence's first chunk; vectorised on the CPU (a Python loop and torch.tensor of a list of pairs
+    cost about 1 us a chunk, ~0.25 ms at T16k, while the GPU waits)."""
+    cu_t = torch.tensor(cu, dtype=torch.int64)
+    n_chunks = (cu_t[1:] - cu_t[:-1] + CHUNK - 1) // CHUNK  # (N,)
+    first = torch.cumsum(n_chunks, 0) - n_chunks
+    seq = torch.repeat_interleave(torch.arange(len(cu) - 1), n_chunks)  # (chunks,) the sequence of each chunk
+    start = cu_t[seq] + (torch.arange(seq.numel()) - first[seq]) * CHUNK
+    table = torch.stack([start, torch.minimum(start + CHUNK, cu_t[seq + 1])], 1)
+    return table.to(device, torch.int32), first.to(device, torch.int32)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlens, scale=None,

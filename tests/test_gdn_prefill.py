@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 from conftest import rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import reference as R
 from kernels import gdn_prefill
@@ -110,6 +112,21 @@ def test_correlated_keys_weak_decay_fp32():
     # fp32 io: exact fp32 products on the GPU too
     assert_close(o.double().cpu(), ref_o, 1e-5, "correlated keys output")
     assert_close(states.double().cpu(), ref_s, 1e-5, "correlated keys final states")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=8))
+def test_chunk_table_cuts_every_sequence(lens):
+    """The vectorised chunk table against the plain loop: CHUNK-token spans of each sequence, in order, and each
+    sequence's first chunk (empty sequences have none)."""
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    spans, first = [], []
+    for b, e in zip(cu[:-1], cu[1:]):
+        first.append(len(spans))
+        spans += [[s, min(s + gdn_prefill.CHUNK, e)] for s in range(b, e, gdn_prefill.CHUNK)]
+    table, first_chunk = gdn_prefill._chunk_table(cu, "cpu")
+    assert table.dtype == first_chunk.dtype == torch.int32 and table.shape == (len(spans), 2)
+    assert table.tolist() == spans and first_chunk.tolist() == first
 
 
 def prefill_step(lens, slots) -> StepInput:
