@@ -40,7 +40,7 @@ kernels each ran near their bound.
 Measured on the H200 (profiles.bench_prefill, B1 T16k H32): 6.26 Mtok/s against fla's 14.9 in the same run, 0.42x:
 kernel 1 1114 us, kernel 2 560 us, kernel 3 434 us, 2617 us a call (the rest, 509 us, is the host: cu_seqlens was
 read twice, each a sync that drains the queue, and the chunk table built by a Python loop; now one read and a
-vectorised table, which cut the gap to 315 us in a run of the reverted autotuned build). Kernel 1 is the limit: 8192
+vectorised table; a run with the vectorised table and still two reads had a 315 us gap). Kernel 1 is the limit: 8192
 programs at one CTA an SM (236 registers a thread at 8 warps, 64 KB of shared memory), ~18 us each; register caps of
 168 and 128 changed nothing (1149, 1117 us). The first version (o inside the sequential kernel, fp32 workspaces,
 tf32x3 state products, a row-by-row solve) ran 1.94 Mtok/s, 0.13x.
