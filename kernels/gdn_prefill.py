@@ -29,14 +29,14 @@ the 32 x 32 lower-left block), in exact fp32; T fills the lower triangle and is 
 w and u stay single (64 x 64 x d) tensor-core products. A block's own global writes are visible to it after
 bar.sync (plain ld.global, not the read-only path). Max |dT| / max |T| against float64: 7.9e-7 on correlated keys.
 
-Bound (H200, B1 T16k Hv 32, dk = dv = 128; fla's chunked prefill: 14.9 Mtok/s, 1.1 ms). Traffic: kernel 1 writes
-w, u, kd (768 B a token and head in bf16), kernel 2 reads them and writes h (32 KiB a chunk and head, 512 B a token
-and head) and v_new (256 B), kernel 3 reads h, v_new, q, k: about 2.6 KB a token and head, 1.4 GB at T16k H32,
-0.33 ms at 4.2 TB/s. Tensor work: about 0.2 MFLOP a token and head, 6 MFLOP a token at Hv 32, 0.1 TFLOP at T16k:
-0.2 ms at ~500 TFLOP/s. The chain: kernel 2 runs N Hv dv / BV
-programs (B1 Hv 32: BV 32, 128 programs) through T / 64 dependent chunks (256 at T16k) of two small products and
-a 16 KiB store each; at ~1 us a chunk, 0.26 ms. Predicted before measuring: about 0.6-0.8 ms, 20-27 Mtok/s, if the
-kernels each ran near their bound.
+Bound (H200, B1 T16k Hv 32, dk = dv = 128; fla's chunked prefill: 14.9 Mtok/s, 1.1 ms). Traffic: kernel 1 writes w,
+u, kd (768 B a token and head in bf16), kernel 2 reads them and writes h (32 KiB a chunk and head, 512 B a token and
+head) and v_new (256 B), kernel 3 reads h, v_new, q, k: about 2.6 KB a token and head, 1.4 GB at T16k H32, 0.33 ms
+at 4.2 TB/s. Tensor work: about 0.2 MFLOP a token and head, 6 MFLOP a token at Hv 32, 0.1 TFLOP at T16k: 0.2 ms at
+~500 TFLOP/s. The chain: kernel 2 runs N Hv dv / BV programs (B1 Hv 32: BV 16, 256 programs: the launcher halves BV
+while fewer than 132) through T / 64 dependent chunks (256 at T16k) of two small products and a 16 KiB store each;
+at ~1 us a chunk, 0.26 ms. Predicted before measuring: about 0.6-0.8 ms, 20-27 Mtok/s, if the kernels each ran near
+their bound.
 Measured on the H200 (profiles.bench_prefill, B1 T16k H32): 6.26 Mtok/s against fla's 14.9 in the same run, 0.42x:
 kernel 1 1114 us, kernel 2 560 us, kernel 3 434 us, 2617 us a call (the rest, 509 us, is the host: cu_seqlens was
 read twice, each a sync that drains the queue, and the chunk table built by a Python loop; now one read and a
@@ -73,6 +73,9 @@ IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FEW_PROGRAMS = 132  # the H200's SM count: with fewer kernel-2 programs than this, dv is split finer
 STATE_BV, OUTPUT_BV = 64, 128  # dv columns a program of kernel 2 (at most) and of kernel 3
 STATE_STAGES = 2  # software-pipelining stages of kernel 2's chunk loop (its loads do not depend on S)
+# Next to measure (sm_90a compile counts only): at 2 stages the next chunk's loads are waited on at the top of the
+# following iteration, so their latency stays on the chain; 3 stages at BV 32 and 4 warps (148 registers) overlap a
+# whole iteration. Kernel 3 at 4 warps and BV 128 (240 registers, no spills) fits two CTAs an SM.
 # Kernel 1's register cap by io dtype (sm_90a, 8 warps, compiled on the CPU). fp32 io: without a cap ptxas picks 32
 # registers and spills 22 KB a thread; at 255 it spills 3 KB. 16-bit io: 166 registers uncapped (one CTA an SM);
 # a cap of 128 (two CTAs an SM, 76 bytes spilled) is for profiles.bench_prefill to try.
