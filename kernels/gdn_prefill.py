@@ -329,16 +329,37 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, c
     all of one io dtype; g (log-decay), beta: (total, Hv) fp32. Sequence i starts from the fp32 state
     recurrent_states[state_slots[i]] (slots, Hv, dk, dv) and its final state is written back there in place.
     Returns o (total, Hv, dv) in v's dtype (into `out` when given)."""
+    out, passes = prefill_passes(q, k, v, g, beta, recurrent_states=recurrent_states, state_slots=state_slots,
+                                 cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out)
+    for run_pass in passes:
+        run_pass()
+    return out
+
+
+def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlens, scale=None, use_qk_l2norm=True,
+                   out=None):
+    """chunk_gated_delta_rule's arguments checked and planned: (out, (wy, state, output)), the three passes as
+    zero-argument callables to run in that order, each reading what the one before wrote (profiles time each)."""
     cu = _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, out)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     chunks, first_chunk = _chunk_table(cu, q.device)
     common = _constexprs(q, v, k.shape[1], use_qk_l2norm)
-    ws = wy_pass(k, v, g.contiguous(), beta.contiguous(), chunks, common)
-    h, v_new = state_pass(ws, cu_seqlens, first_chunk, state_slots, recurrent_states, chunks.shape[0], common)
-    output_pass(q, k, v_new, h, ws[3], chunks, out, scale, common)
-    return out
+    g, beta = g.contiguous(), beta.contiguous()
+    done = {}
+
+    def wy():
+        done["ws"] = wy_pass(k, v, g, beta, chunks, common)
+
+    def state():
+        done["h, v_new"] = state_pass(done["ws"], cu_seqlens, first_chunk, state_slots, recurrent_states,
+                                      chunks.shape[0], common)
+
+    def output():
+        h, v_new = done["h, v_new"]
+        output_pass(q, k, v_new, h, done["ws"][3], chunks, out, scale, common)
+    return out, (wy, state, output)
 
 
 def _constexprs(q, v, hk, use_qk_l2norm) -> dict:

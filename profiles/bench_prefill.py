@@ -15,6 +15,7 @@ import argparse
 import functools
 import json
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -99,33 +100,24 @@ def bench_gdn_case(batch, seqlen, heads, dk=128, dv=128, fla=True):
     ours = lambda: chunk_gated_delta_rule(q, k, v, g, beta, recurrent_states=states, state_slots=slots,
                                           cu_seqlens=cu, out=out)
     row = {"B": batch, "T": seqlen, "H": heads, "ours_Mtok_s": n / bench_us(ours)}
-    # where the time goes: each of the three passes alone
+    # where the time goes: each of the three passes alone (each run once first, for its inputs)
     from kernels import gdn_prefill as G
-    chunks, first = G._chunk_table(cu.tolist(), q.device)
-    common = G._constexprs(q, v, heads, True)
-    wy = functools.partial(G.wy_pass, k, v, g, beta, chunks, common)
-    ws = wy()
-    state = functools.partial(G.state_pass, ws, cu, first, slots, states, chunks.shape[0], common)
-    h, v_new = state()
-    output = functools.partial(G.output_pass, q, k, v_new, h, ws[3], chunks, out, dk ** -0.5, common)
-    row.update(total_us=n / row["ours_Mtok_s"], wy_us=bench_us(wy), state_us=bench_us(state),
-               output_us=bench_us(output))
-    default_caps = dict(G.WY_MAXNREG)
-    try:  # the WY pass at two CTAs an SM
-        G.WY_MAXNREG[BF16] = 128
-        row["wy_maxnreg128_us"] = bench_us(wy)
-    finally:
-        G.WY_MAXNREG.clear()
-        G.WY_MAXNREG.update(default_caps)
+    _, passes = G.prefill_passes(q, k, v, g, beta, recurrent_states=states, state_slots=slots, cu_seqlens=cu, out=out)
+    for run_pass in passes:
+        run_pass()
+    row["total_us"] = n / row["ours_Mtok_s"]
+    row.update({f"{p.__name__}_us": bench_us(p) for p in passes})  # wy_us, state_us, output_us
+    with mock.patch.dict(G.WY_MAXNREG, {BF16: 128}):  # the WY pass at two CTAs an SM
+        row["wy_maxnreg128_us"] = bench_us(passes[0])
     if not fla:
         return row
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
         fq, fk, fv = (t.view(batch, seqlen, heads, -1) for t in (q, k, v))
         fg, fb = g.view(batch, seqlen, heads), beta.to(BF16).view(batch, seqlen, heads)
-        fla = lambda: fla_chunk(fq, fk, fv, g=fg, beta=fb, initial_state=states, output_final_state=True,
-                                use_qk_l2norm_in_kernel=True)
-        row["fla_Mtok_s"] = n / bench_us(fla)
+        peer = lambda: fla_chunk(fq, fk, fv, g=fg, beta=fb, initial_state=states, output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True)
+        row["fla_Mtok_s"] = n / bench_us(peer)
         row["vs_fla"] = row["ours_Mtok_s"] / row["fla_Mtok_s"]
     except Exception as err:
         row["fla_Mtok_s"], row["fla_error"] = None, f"{type(err).__name__}: {err}"[:200]
