@@ -10,7 +10,7 @@ of query head kvh G + r % G, so a tile holds BLOCK_M / G positions of all G head
 (tokens, H, D) layout) and each K/V tile is loaded once for the group.
 
 Causal masks are aligned at the end (query i of q_len sees keys j <= i + k_len - q_len). A tile's loop
-stops at its last position's limit, so fully masked tiles are never visited; the keys below its first row's
+stops at its last position's limit, so fully masked tiles are never visited; the keys below its first position's
 limit run unmasked, and only the diagonal (and the k_len tail) tiles apply the mask. M tiles are visited
 longest first. Rows that see no key keep l = 0 and write 0 (the running max starts at -1e30, not -inf,
 so no inf - inf arises).
@@ -145,9 +145,10 @@ def _fwd_kernel(
             k_start, k_len = sequence_span(cu_k_ptr, b, seqlen_k, VARLEN_K)
         rows = m0 + tl.arange(0, BLOCK_M)  # (M,) packed rows
         pos = rows // GROUP  # (M,) query positions in the sequence
+        head = kvh * GROUP + rows % GROUP  # (M,) query heads
         row_ok = pos < q_len
         d = tl.arange(0, HEAD_DIM)
-        q_off = (q_start + pos).to(tl.int64) * stride_qt + (kvh * GROUP + rows % GROUP) * stride_qh  # (M,)
+        q_off = (q_start + pos).to(tl.int64) * stride_qt + head * stride_qh  # (M,)
         q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)  # (M, D)
         k_base = k_ptr + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
         v_base = v_ptr + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
@@ -178,7 +179,7 @@ def _fwd_kernel(
             RESCALE_THRESHOLD, POLY_LEVEL, DOT_PRECISION)
 
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # (M, D); rows that see no key stay 0
-        o_off = (q_start + pos).to(tl.int64) * stride_ot + (kvh * GROUP + rows % GROUP) * stride_oh
+        o_off = (q_start + pos).to(tl.int64) * stride_ot + head * stride_oh
         tl.store(o_ptr + o_off[:, None] + d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 

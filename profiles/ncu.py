@@ -4,8 +4,9 @@
 
 Runs `ncu --clock-control none` on the command (by default the quick decode benchmark), keeps one launch of
 the kernel after a warm-up, and writes ncu_<name or kernel>.json with the metrics as ncu reports them: DRAM
-throughput by default; with --sections (e.g. SpeedOfLight ComputeWorkloadAnalysis WarpStateStats) every metric
-of those sections: tensor-pipe and issue-slot utilisation, and the warp stall reasons.
+throughput by default; with --sections (e.g. SpeedOfLight ComputeWorkloadAnalysis WarpStateStats) the summary
+metrics of those sections (SM busy, issue slots, warp cycles per instruction; not the stall breakdown, which
+--metrics names one by one).
 """
 import argparse
 import csv
