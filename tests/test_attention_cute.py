@@ -306,9 +306,14 @@ def test_cute_gpu_softmax_scale_and_cache():
                                          (128, dict(tile_n=64)), (256, dict(pingpong=False)),
                                          (256, dict(tile_n=32, kv_stages=3))])
 def test_cute_gpu_config_variants(d, overrides):
+    check_cute_config(d, overrides, ((1, 1), (65, 65), (1000, 1000), (300, 1000), (1000, 300)))
+
+
+def check_cute_config(d, overrides, lengths):
+    """The kernel entry with config overrides, dense B2 H16/KV2, causal and not, at each (sq, sk)."""
     from fa4.cute.entry import cute_attention
     for causal in (True, False):
-        for sq, sk in ((1, 1), (65, 65), (1000, 1000), (300, 1000), (1000, 300)):
+        for sq, sk in lengths:
             q, k, v = qkv(2, sq, sk, 16, 2, d, BF16)
             out = cute_attention(q, k, v, causal=causal, softmax_scale=d ** -0.5, **overrides)
             ref = R.attention(q.float(), k.float(), v.float(), causal=causal)
@@ -427,12 +432,7 @@ def test_cute_gpu_paged_agent_turn(d, page):
 @pytest.mark.parametrize("overrides", [dict(persistent=True), dict(persistent=True, intra_wg_overlap=True)])
 def test_cute_gpu_persistent(d, overrides):
     from fa4.cute.entry import cute_attention
-    for causal in (True, False):
-        for sq, sk in ((1, 1), (1000, 1000), (300, 1000), (1000, 300), (4097, 4097)):
-            q, k, v = qkv(2, sq, sk, 16, 2, d, BF16)
-            out = cute_attention(q, k, v, causal=causal, softmax_scale=d ** -0.5, **overrides)
-            ref = R.attention(q.float(), k.float(), v.float(), causal=causal)
-            assert_rel(out.float(), ref, TOL[BF16], f"d{d} {overrides} sq{sq} sk{sk} causal={causal}")
+    check_cute_config(d, overrides, ((1, 1), (1000, 1000), (300, 1000), (1000, 300), (4097, 4097)))
     q, k, v, cu, _ = _varlen_qkv(VARLEN_LENS, VARLEN_LENS, 16, 2, d, seed=8)
     out = cute_attention(q, k, v, causal=True, softmax_scale=d ** -0.5, cu_seqlens_q=cu, cu_seqlens_k=cu,
                          **overrides)
