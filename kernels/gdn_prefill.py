@@ -76,10 +76,11 @@ STATE_STAGES = 2  # software-pipelining stages of kernel 2's chunk loop (its loa
 # Next to measure (sm_90a compile counts only): at 2 stages the next chunk's loads are waited on at the top of the
 # following iteration, so their latency stays on the chain; 3 stages at BV 32 and 4 warps (148 registers) overlap a
 # whole iteration. Kernel 3 at 4 warps and BV 128 (240 registers, no spills) fits two CTAs an SM.
-# Kernel 1's register cap by io dtype (sm_90a, 8 warps, compiled on the CPU). fp32 io: without a cap ptxas picks 32
-# registers and spills 22 KB a thread; at 255 it spills 3 KB. 16-bit io: 166 registers uncapped (one CTA an SM);
-# a cap of 128 (two CTAs an SM, 76 bytes spilled) is for profiles.bench_prefill to try.
-WY_MAXNREG = {torch.float32: 255}
+# Kernel 1's register cap by io dtype (sm_90a, 8 warps). fp32 io: without a cap ptxas picks 32 registers and spills
+# 22 KB a thread; at 255 it spills 3 KB. 16-bit io: 166 registers uncapped (one CTA an SM); capped at 128 (two CTAs
+# an SM, 76 bytes spilled) the pass ran 13% faster on the H200 (B1 T16k H32: 901 against 1031 us; B8 T4k: 1796
+# against 2092; profiles.bench_prefill times the uncapped pass beside it as wy_maxnreg255_us).
+WY_MAXNREG = {torch.float32: 255, torch.bfloat16: 128, torch.float16: 128}
 # Autotuning kernels 2 and 3 over (BV, warps, stages) ran B1 T16k H32 at 7.67 Mtok/s instead of 6.26 (state pass
 # 560 -> 402 us, output 434 -> 309 us) but hit an illegal memory access on the H200 in the varlen GPU tests and
 # under ncu, not reproduced under the interpreter with any single config: fixed configs until that is found.
