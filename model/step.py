@@ -15,6 +15,8 @@ class StepInput:
     slot_mapping: (N,) int64     flat KV slot (page * page_size + offset) where each new token is written
     state_slots: (B,) int64      GDN state slot (conv window and recurrent state) of each sequence
     cos, sin: (N, rotary_dim/2) fp32, the RoPE of each position, shared by every attention layer
+    cu_seqlens_host: cu_seqlens as host ints, when the builder has them: kernels that plan on the host read these
+    instead of the device tensor (no sync)
     """
     token_ids: torch.Tensor
     positions: torch.Tensor
@@ -26,6 +28,7 @@ class StepInput:
     state_slots: torch.Tensor
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    cu_seqlens_host: tuple[int, ...] | None = None
 
     @property
     def num_seqs(self) -> int:

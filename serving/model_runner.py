@@ -273,6 +273,7 @@ def profile_step_peak(model: Qwen35ForCausalLM, page_size: int, max_model_len: i
     positions = torch.arange(max_model_len - n, max_model_len, device=dev)
     step = StepInput(token_ids=torch.zeros(n, dtype=torch.int64, device=dev), positions=positions,
                      cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=dev), max_seqlen_q=n,
+                     cu_seqlens_host=(0, n),
                      seqused_k=torch.tensor([max_model_len], dtype=torch.int32, device=dev),
                      page_table=torch.arange(pages, dtype=torch.int32, device=dev)[None],
                      slot_mapping=positions.clone(), state_slots=torch.zeros(1, dtype=torch.int64, device=dev))

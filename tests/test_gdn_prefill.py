@@ -44,9 +44,9 @@ def assert_close(out, ref, tol, what):
 
 
 def check_against_oracle(lens, hk, hv, dk, dv, dtype, tol_out, tol_state, seed=0, scale=None, use_qk_l2norm=True,
-                         with_out=False):
+                         with_out=False, host_cu=False):
     """Run the kernel on a pool copy and the oracle on the gathered slots; compare o, the written-back states,
-    and that slots outside state_slots kept their bytes."""
+    and that slots outside state_slots kept their bytes. host_cu: pass cu_seqlens' host copy too."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v, g, beta, cu, pool, slots = make_inputs(gen, lens, hk, hv, dk, dv, dtype, len(lens) + 3)
     if not use_qk_l2norm:  # unnormalised keys would make the recurrence blow up
@@ -56,7 +56,8 @@ def check_against_oracle(lens, hk, hv, dk, dv, dtype, tol_out, tol_state, seed=0
     states = pool.clone()
     out = torch.full_like(v, float("nan")) if with_out else None
     o = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_states=states, state_slots=slots, cu_seqlens=cu,
-                               scale=scale, use_qk_l2norm=use_qk_l2norm, out=out)
+                               cu_seqlens_host=tuple(cu.tolist()) if host_cu else None, scale=scale,
+                               use_qk_l2norm=use_qk_l2norm, out=out)
     what = f"lens={lens} Hk={hk} Hv={hv} dk={dk} dv={dv} {dtype}"
     if with_out:
         assert o is out, f"{what}: out= not returned"
@@ -79,6 +80,11 @@ def test_mixed_lengths_gqa2_fp32():
 def test_gqa2_wider_heads_and_empty_sequence_fp32():
     # an empty sequence keeps its state; dk != dv
     check_against_oracle([130, 0, 1, 65], 2, 4, 32, 16, torch.float32, 1e-5, 1e-5, seed=1)
+
+
+def test_host_copy_of_cu_seqlens():
+    # the chunk table planned from the caller's host copy (no device read) gives the same result
+    check_against_oracle([130, 0, 1, 65], 2, 4, 32, 16, torch.float32, 1e-5, 1e-5, seed=1, host_cu=True)
 
 
 def test_fp16_io():
@@ -136,7 +142,7 @@ def prefill_step(lens, slots) -> StepInput:
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     return StepInput(token_ids=zeros, positions=zeros, cu_seqlens=cu, max_seqlen_q=max(lens),
                      seqused_k=cu[1:] - cu[:-1], page_table=torch.zeros(len(lens), 1, dtype=torch.int32, device=dev),
-                     slot_mapping=zeros, state_slots=slots)
+                     slot_mapping=zeros, state_slots=slots, cu_seqlens_host=tuple(cu.tolist()))
 
 
 def make_layer_inputs(gen, lens, hk, hv, dk, dv, dtype, n_slots, device=DEVICE):
@@ -207,6 +213,9 @@ BAD_ARGS = [  # (the argument the error must name, a function of the valid argum
     ("cu_seqlens", lambda d: torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)),
     ("cu_seqlens", lambda d: torch.tensor([0, 3, 2, 5], dtype=torch.int32, device=DEVICE)),
     ("out", lambda d: torch.empty(5, 4, 8, device=DEVICE)),
+    ("cu_seqlens_host", lambda d: [0, 5]),
+    ("cu_seqlens_host", lambda d: [0, 3.0, 5]),
+    ("cu_seqlens_host", lambda d: [0, 6, 5]),
 ]
 
 
