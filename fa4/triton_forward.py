@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fa4.softmax import exp2_mixed, poly_level, rescale_decision
+from fa4.softmax import exp2_mixed, needs_rescale, poly_level
 from kernels.varlen import sequence_span
 
 HEAD_DIMS = (64, 128, 256)
@@ -81,6 +81,13 @@ def _kv_tile_offsets(pt_row, start, n, n_ok, stride_t, stride_p, PAGED: tl.const
 
 
 @triton.jit
+def _rescale(acc, l_i, m_i, m_new):
+    """The running output and row sums moved from max m_i to m_new (M,)."""
+    alpha = tl.exp2(m_i - m_new)  # (M,)
+    return acc * alpha[:, None], l_i * alpha, m_new
+
+
+@triton.jit
 def _attend_tiles(acc, l_i, m_i, q, k_base, v_base, pt_row, lo, hi, k_len, last_key, d, qk_scale,
                   stride_kt, stride_kp, stride_vt, stride_vp,
                   MASK: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -99,12 +106,11 @@ def _attend_tiles(acc, l_i, m_i, q, k_base, v_base, pt_row, lo, hi, k_len, last_
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N), log2 units
         if MASK:
             s = tl.where(n_ok[None, :] & (n[None, :] <= last_key[:, None]), s, float("-inf"))
-        m_cand, rescale = rescale_decision(m_i, s, RESCALE_THRESHOLD)
-        if rescale:
-            alpha = tl.exp2(m_i - m_cand)  # (M,)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_cand
+        m_cand = tl.maximum(m_i, tl.max(s, 1))  # (M,)
+        if RESCALE_THRESHOLD == 0:  # the classic online softmax: each row follows its max, no tile-wide decision
+            acc, l_i, m_i = _rescale(acc, l_i, m_i, m_cand)
+        elif needs_rescale(m_i, m_cand, RESCALE_THRESHOLD):
+            acc, l_i, m_i = _rescale(acc, l_i, m_i, m_cand)
         p = exp2_mixed(s - m_i[:, None], BLOCK_M, BLOCK_N, POLY_LEVEL)  # (M, N), each <= 2^threshold
         l_i += tl.sum(p, 1)
         if MASK:
