@@ -49,8 +49,13 @@ substitution on a (2, 2, 16, 16) tensor with one vector transpose a step, 16 blo
 (compiled on the CPU; straight-line code, so static counts are executed counts) has 103 bar.sync and 33 layout
 conversions a program, 83 of them in the solve (block extraction 32, substitution 31, block products 20). The
 scratch-based solve has 32 bar.sync and 166 registers a thread (from 236), no spills, the same 64 KB of shared
-memory. Not yet measured on the H200: predicted ~2x on kernel 1 if its ~18 us a program is barrier latency (one CTA
-an SM, nothing to hide it), i.e. about 1.6 ms a call, ~10 Mtok/s. A Neumann / doubling product on the diagonal
+memory. Predicted ~2x on kernel 1 if its ~18 us a program were barrier latency; measured 1031 us (from 1114), so it
+was not. Now (B1 T16k H32, cu_seqlens_host given, WY capped at 128 registers): 8.65 Mtok/s against fla's 13.8,
+0.63x; WY 902 us, state 557, output 435, and the call equals their sum (reading cu_seqlens on the host instead:
+2211 us). ncu of the WY pass: issue slots 18.7%, tensor pipe 1%, stalls mio_throttle 6.4, long_scoreboard 4.6,
+short_scoreboard 3.7, barrier 2.0 (cycles an issued instruction): shared-memory traffic and the scratch round
+trips, not math. Next: a kkt kernel, a register-resident 16 x 16 block solve, and a plain w/u product kernel.
+A Neumann / doubling product on the diagonal
 blocks was rejected: 3.1e-4 on correlated keys (N^8 reaches 1.6e3 and cancels).
 
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
