@@ -55,8 +55,8 @@ was not. Now (B1 T16k H32, cu_seqlens_host given, WY capped at 128 registers): 8
 2211 us). ncu of the WY pass: issue slots 18.7%, tensor pipe 1%, stalls mio_throttle 6.4, long_scoreboard 4.6,
 short_scoreboard 3.7, barrier 2.0 (cycles an issued instruction): shared-memory traffic and the scratch round
 trips, not math. Next: a kkt kernel, a register-resident 16 x 16 block solve, and a plain w/u product kernel.
-A Neumann / doubling product on the diagonal
-blocks was rejected: 3.1e-4 on correlated keys (N^8 reaches 1.6e3 and cancels).
+A Neumann / doubling product on the diagonal blocks was rejected: 3.1e-4 on correlated keys
+(N^8 reaches 1.6e3 and cancels).
 
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
 distinct and in range (not checked: that would read them on the host).
