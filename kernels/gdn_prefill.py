@@ -61,6 +61,7 @@ A Neumann / doubling product on the diagonal blocks was rejected: 3.1e-4 on corr
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
 distinct and in range (not checked: that would read them on the host).
 """
+import functools
 import os
 
 import torch
@@ -316,10 +317,12 @@ def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_
     return cu
 
 
-def _chunk_table(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=8)
+def _chunk_table(cu: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(chunks, 2) int32 [start, end) token ranges, every sequence cut into CHUNK-token pieces, and (N,) int32 the
     index of each sequence's first chunk; vectorised on the CPU (a Python loop and torch.tensor of a list of pairs
-    cost about 1 us a chunk, ~0.25 ms at T16k, while the GPU waits)."""
+    cost about 1 us a chunk, ~0.25 ms at T16k, while the GPU waits). Cached: every GDN layer of a model step plans
+    the same cu_seqlens (the kernels only read the tables)."""
     cu_t = torch.tensor(cu, dtype=torch.int64)
     n_chunks = (cu_t[1:] - cu_t[:-1] + CHUNK - 1) // CHUNK  # (N,)
     first = torch.cumsum(n_chunks, 0) - n_chunks
@@ -356,7 +359,7 @@ def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlen
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
-    chunks, first_chunk = _chunk_table(cu, q.device)
+    chunks, first_chunk = _chunk_table(tuple(cu), q.device)
     common = _constexprs(q, v, k.shape[1], use_qk_l2norm)
     g, beta = g.contiguous(), beta.contiguous()
     done = {}

@@ -130,7 +130,7 @@ def test_chunk_table_cuts_every_sequence(lens):
     for b, e in zip(cu[:-1], cu[1:]):
         first.append(len(spans))
         spans += [[s, min(s + gdn_prefill.CHUNK, e)] for s in range(b, e, gdn_prefill.CHUNK)]
-    table, first_chunk = gdn_prefill._chunk_table(cu, "cpu")
+    table, first_chunk = gdn_prefill._chunk_table(tuple(cu), "cpu")
     assert table.dtype == first_chunk.dtype == torch.int32 and table.shape == (len(spans), 2)
     assert table.tolist() == spans and first_chunk.tolist() == first
 
