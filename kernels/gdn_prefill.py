@@ -61,7 +61,6 @@ A Neumann / doubling product on the diagonal blocks was rejected: 3.1e-4 on corr
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
 distinct and in range (not checked: that would read them on the host).
 """
-import functools
 import os
 
 import torch
@@ -70,9 +69,10 @@ import triton.language as tl
 
 import reference as R
 from kernels import gdn_decode
+from kernels.causal_conv1d import causal_conv1d_varlen
+from kernels.varlen import CHUNK, chunk_span, token_chunks
 from reference._checks import check_cu_seqlens, check_tensor
 
-CHUNK = 64
 SUB = tl.constexpr(16)  # the WY kernel's sub-block: the chunk's T = (I + A)^-1 by 16 x 16 blocks
 L2NORM_EPS = tl.constexpr(1e-6)
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -177,8 +177,7 @@ def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_ptr, kd_
     tl.static_assert(BT == 4 * SUB)
     c = tl.program_id(0)
     j = tl.program_id(1)
-    start = tl.load(chunk_ptr + 2 * c)
-    end = tl.load(chunk_ptr + 2 * c + 1)
+    start, end, _ = chunk_span(chunk_ptr, c)
     r, rk, rv = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
     t = start + r
     tm = t < end
@@ -251,8 +250,7 @@ def _chunk_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, chunk_ptr, o_p
     c = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     vb = tl.program_id(2)
-    start = tl.load(chunk_ptr + 2 * c)
-    end = tl.load(chunk_ptr + 2 * c + 1)
+    start, end, _ = chunk_span(chunk_ptr, c)
     r, rk, rv = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
     cols = vb * BV + rv
     t = start + r
@@ -317,24 +315,6 @@ def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_
     return cu
 
 
-@functools.lru_cache(maxsize=8)
-def _chunk_table(cu: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chunks, 2) int32 [start, end) token ranges, every sequence cut into CHUNK-token pieces, and (N,) int32 the
-    index of each sequence's first chunk; vectorised on the CPU (a Python loop and torch.tensor of a list of pairs
-    cost about 1 us a chunk, ~0.25 ms at T16k, while the GPU waits). Cached: every GDN layer of a model step plans
-    the same cu_seqlens (the kernels only read the tables)."""
-    cu_t = torch.tensor(cu, dtype=torch.int64)
-    n_chunks = (cu_t[1:] - cu_t[:-1] + CHUNK - 1) // CHUNK  # (N,)
-    first = torch.cumsum(n_chunks, 0) - n_chunks
-    seq = torch.repeat_interleave(torch.arange(len(cu) - 1), n_chunks)  # (chunks,) the sequence of each chunk
-    start = cu_t[seq] + (torch.arange(seq.numel()) - first[seq]) * CHUNK
-    both = torch.cat([torch.stack([start, torch.minimum(start + CHUNK, cu_t[seq + 1])], 1).flatten(), first])
-    both = both.to(torch.int32)
-    if torch.device(device).type == "cuda":  # pinned and non-blocking: no wait for the work queued before it
-        both = both.pin_memory().to(device, non_blocking=True)
-    return both[:2 * seq.numel()].view(-1, 2), both[2 * seq.numel():]
-
-
 def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host=None,
                            scale=None, use_qk_l2norm=True, out=None):
     """The gated delta rule over N sequences packed by cu_seqlens (N+1,). q, k: (total, Hk, dk); v: (total, Hv, dv),
@@ -359,7 +339,7 @@ def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlen
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
-    chunks, first_chunk = _chunk_table(tuple(cu), q.device)
+    chunks, first_chunk = token_chunks(tuple(cu), q.device)
     common = _constexprs(q, v, k.shape[1], use_qk_l2norm)
     g, beta = g.contiguous(), beta.contiguous()
     done = {}
@@ -436,9 +416,7 @@ def gated_deltanet_prefill_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv
     slots = step.state_slots
     n, hv, dv = z.shape
     dk = (qkv.shape[1] - hv * dv) // (2 * num_k_heads)
-    mixed, conv_final = R.causal_conv1d(qkv, conv_w, initial_state=conv_states[slots], cu_seqlens=step.cu_seqlens,
-                                        activation="silu")
-    conv_states[slots] = conv_final.to(conv_states.dtype)
+    mixed = causal_conv1d_varlen(qkv, conv_w, conv_states, slots, step.cu_seqlens, cu_seqlens_host=step.cu_seqlens_host)
     q, k, v = mixed.split([num_k_heads * dk, num_k_heads * dk, hv * dv], dim=-1)
     g, beta = R.gdn_gates(a, b, A_log, dt_bias)
     o = chunk_gated_delta_rule(q.view(n, num_k_heads, dk), k.view(n, num_k_heads, dk), v.view(n, hv, dv), g, beta,

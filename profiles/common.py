@@ -113,6 +113,39 @@ def plot_series(path: Path, rows: list[dict], x: str, series: list[tuple[str, st
     plt.close(fig)
 
 
+class TritonCompileLog:
+    """Records each Triton kernel compiled while active (name and the wall time it took): a timed run that
+    compiles is timing the compiler. Use as a context manager; `names` lists what compiled, in order."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.seconds = 0.0
+        self._start = None
+
+    def _before(self, *, fn, **_):
+        import time
+        self._start = (fn.name, time.perf_counter())
+        return None  # None: compile as usual
+
+    def _after(self, *, fn, **_):
+        import time
+        if self._start is not None and self._start[0] == fn.name:
+            self.seconds += time.perf_counter() - self._start[1]
+        self.names.append(fn.name)
+        return None
+
+    def __enter__(self):
+        from triton import knobs
+        self._saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
+        return self
+
+    def __exit__(self, *exc):
+        from triton import knobs
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+        return False
+
+
 def progress(row: dict) -> dict:
     """Print one finished row as a JSON line at once (a run cut short by a time limit still shows it); returns it."""
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)

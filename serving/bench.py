@@ -25,7 +25,15 @@ import torch
 
 from model import ops
 from model.config import Qwen35Config
-from profiles.common import RESULTS, bandwidth_ceilings, command_line, environment, print_table, write_result
+from profiles.common import (
+    RESULTS,
+    TritonCompileLog,
+    bandwidth_ceilings,
+    command_line,
+    environment,
+    print_table,
+    write_result,
+)
 from serving.config import EngineConfig
 from serving.demo import load_model, pick_device
 from serving.engine import LLMEngine
@@ -128,6 +136,12 @@ def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: b
                 bar.update(1)
     bar.close()
     return done, users, time.perf_counter() - start
+
+
+def request_row(r: Request) -> dict:
+    return dict(user=r.user, turn=r.turn, prompt=r.prompt_tokens, cached=r.cached_tokens,
+                new=r.prompt_tokens - r.cached_tokens, ttft_ms=round(r.ttft_ms, 3),
+                tpot_ms=None if r.tpot_ms is None else round(r.tpot_ms, 4), generated=r.generated)
 
 
 def summarize(requests: list[Request], users: list[User], wall_s: float) -> tuple[list[dict], dict]:
@@ -272,6 +286,7 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--write-trace", default=None, help="also write the replayed traces to this JSONL file")
     ap.add_argument("--out-dir", default=None, help="where serving.json goes (default profiles/results)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--per-request", action="store_true", help="also print a row per request")
     args = ap.parse_args(argv)
     out = sys.stdout
     device = pick_device(args.device)
@@ -293,8 +308,12 @@ def main(argv=None, model=None) -> dict:
     warm_up(engine, traces)
     runner = engine.runner
     steps_before = (runner.num_graph_steps, runner.num_eager_decode_steps, runner.num_eager_steps)
-    requests, users, wall = replay(engine, traces, args.concurrency, progress=not args.no_progress)
+    with TritonCompileLog() as compiles:
+        requests, users, wall = replay(engine, traces, args.concurrency, progress=not args.no_progress)
     rows, overall = summarize(requests, users, wall)
+    if args.per_request:
+        print_table([request_row(r) for r in requests], ["user", "turn", "prompt", "cached", "new", "ttft_ms",
+                                                          "tpot_ms", "generated"], out)
     columns = ["user", "requests", "ttft_p50_ms", "ttft_p99_ms", "ttft_return_p50_ms", "final_answer_s",
                "decode_tok_s", "hit_rate", "eligible_hit_rate", "generated"]
     print_table(rows + [overall], columns, out)
@@ -303,13 +322,19 @@ def main(argv=None, model=None) -> dict:
               f"{runner.num_graph_steps - steps_before[0]} graph decode, "
               f"{runner.num_eager_decode_steps - steps_before[1]} eager decode, "
               f"{runner.num_eager_steps - steps_before[2]} eager (prefill or mixed)\n")
+    if compiles.names:
+        out.write(f"WARNING: {len(compiles.names)} Triton compiles during the timed replay "
+                  f"({compiles.seconds:.2f} s): {sorted(set(compiles.names))}\n")
     run = dict(model=args.model, weights=what, trace=args.trace, concurrency=args.concurrency, turns=args.turns,
                max_new=args.max_new, scale=args.scale, device=str(device), dtype=str(model.lm_head.weight.dtype),
                ops=ops.get_backend(), engine=engine.pool_summary, cuda_graphs=not args.eager,
                command=command_line(), overall=overall, users=rows,
                steps=dict(graph_decode=runner.num_graph_steps - steps_before[0],
                           eager_decode=runner.num_eager_decode_steps - steps_before[1],
-                          eager=runner.num_eager_steps - steps_before[2]))
+                          eager=runner.num_eager_steps - steps_before[2]),
+               triton_compiles=dict(count=len(compiles.names), seconds=compiles.seconds,
+                                    kernels=sorted(set(compiles.names))),
+               requests=[request_row(r) for r in requests])
     if device.type == "cuda":
         run["ceilings"] = bandwidth_ceilings(2.0)
     if args.hf_baseline:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import reference as R
 from kernels import gdn_prefill
 from kernels.gdn_prefill import OPS, chunk_gated_delta_rule
+from kernels.varlen import CHUNK, token_chunks
 from model.ops import _ref_gated_deltanet
 from model.step import StepInput
 
@@ -122,16 +123,16 @@ def test_correlated_keys_weak_decay_fp32():
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 300), min_size=1, max_size=8))
-def test_chunk_table_cuts_every_sequence(lens):
-    """The vectorised chunk table against the plain loop: CHUNK-token spans of each sequence, in order, and each
-    sequence's first chunk (empty sequences have none)."""
+def test_token_chunks_cut_every_sequence(lens):
+    """The vectorised chunk table against the plain loop: CHUNK-token spans of each sequence, in order, with their
+    sequence, and each sequence's first chunk (empty sequences have none)."""
     cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
     spans, first = [], []
-    for b, e in zip(cu[:-1], cu[1:]):
+    for i, (b, e) in enumerate(zip(cu[:-1], cu[1:])):
         first.append(len(spans))
-        spans += [[s, min(s + gdn_prefill.CHUNK, e)] for s in range(b, e, gdn_prefill.CHUNK)]
-    table, first_chunk = gdn_prefill._chunk_table(tuple(cu), "cpu")
-    assert table.dtype == first_chunk.dtype == torch.int32 and table.shape == (len(spans), 2)
+        spans += [[s, min(s + CHUNK, e), i] for s in range(b, e, CHUNK)]
+    table, first_chunk = token_chunks(tuple(cu), "cpu")
+    assert table.dtype == first_chunk.dtype == torch.int32 and table.shape == (len(spans), 3)
     assert table.tolist() == spans and first_chunk.tolist() == first
 
 
