@@ -116,16 +116,20 @@ def _max_seqlen_q(q, cu_seqlens_q) -> int:
     return q.shape[1]
 
 
-def split_kv_unsupported(q, causal, max_seqlen_q, page_table, triton_reason) -> str | None:
+def split_kv_unsupported(q, k, causal, max_seqlen_q, page_table, triton_reason) -> str | None:
     """Why auto does not send this (checked) call to the split-KV paged kernel, or None when it does."""
     if page_table is None:
         return "no page_table"
     if not causal:
         return "not causal"
-    if not 1 <= max_seqlen_q <= PD.MAX_Q_LEN:
-        return f"max q_len {max_seqlen_q} is not in 1..{PD.MAX_Q_LEN}"
     if q.shape[-1] not in PD.HEAD_DIMS:
         return f"head_dim {q.shape[-1]} is not one of {PD.HEAD_DIMS}"
+    if not 1 <= max_seqlen_q <= PD.MAX_Q_LEN:
+        return f"max q_len {max_seqlen_q} is not in 1..{PD.MAX_Q_LEN}"
+    kv_heads, page_size = k.shape[2], k.shape[1]
+    if not PD.split_kv_pays(page_table.shape[0], max_seqlen_q, q.shape[-2] // kv_heads, kv_heads, q.shape[-1],
+                            q.element_size(), page_table.shape[1] * page_size, PD._num_sms(q.device)):
+        return f"max q_len {max_seqlen_q} fills the GPU without KV splits (the forward is faster there)"
     return triton_reason  # device, the interpreter's bf16 and strides: the same limits as the triton forward
 
 
@@ -160,7 +164,7 @@ def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=N
                                 seqused_k=seqused_k)
     if backend == "auto" and page_table is not None:
         max_seqlen_q = _max_seqlen_q(q, cu_seqlens_q)
-        if split_kv_unsupported(q, causal, max_seqlen_q, page_table, reason) is None:
+        if split_kv_unsupported(q, k, causal, max_seqlen_q, page_table, reason) is None:
             return PD.paged_decode_attention(q, k, v, _int32(page_table), _int32(seqused_k), softmax_scale=scale,
                                              cu_seqlens_q=_int32(cu_seqlens_q),
                                              max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else None,

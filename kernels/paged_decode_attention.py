@@ -1,7 +1,8 @@
 """Paged attention of short query chunks over long cached prefixes: split-KV, GQA-packed, in Triton.
 
-Each sequence b brings q_len_b new query tokens, 1 <= q_len_b <= 512 (1 for decode, 2..8 for speculative
-verification, tens to hundreds for an agent turn: a tool result appended to a long cached conversation), and
+Each sequence b brings q_len_b new query tokens, 1 <= q_len_b <= 2048 (1 for decode, 2..8 for speculative
+verification, tens to hundreds for an agent turn: a tool result appended to a long cached conversation; longer
+chunks only where a forward with one program per M-block would leave SMs idle: `split_kv_pays`), and
 attends over its seqused_k[b] cached tokens (the new ones included, already written), read through its page
 table, causal aligned at the end: query i sees keys j <= seqused_k[b] - q_len_b + i. One varlen batch may mix
 decode rows with chunks.
@@ -96,7 +97,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kernels.varlen import sequence_span
 from reference._checks import check_same_device, check_tensor
 
-MAX_Q_LEN = 512  # query tokens per sequence; longer chunks are prefill (fa4's forward)
+MAX_Q_LEN = 2048  # query tokens per sequence the kernel takes (a whole prefill chunk of the engine's default budget)
+ALWAYS_Q_LEN = 512  # chunks up to this always run here; longer ones only where the split pays (`split_kv_pays`)
 DECODE_MAX_Q_LEN = 8  # the decode variant's limits: q_len and packed rows (q_len * group)
 DECODE_MAX_ROWS = 128
 CHUNK_BLOCK_M = 128  # packed rows per M-block of the chunk variant (16-bit dtypes)
@@ -632,17 +634,39 @@ def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, pdl: b
     )
 
 
+def split_kv_pays(batch: int, max_q_len: int, group: int, kv_heads: int, head_dim: int, elt_size: int,
+                  max_seqlen_k: int, num_sms: int = H200_SMS) -> bool:
+    """Whether a causal paged call goes to this kernel rather than a prefill forward: always for chunks of up to
+    ALWAYS_Q_LEN tokens; for longer ones (up to MAX_Q_LEN) when the forward's one program per (sequence, 128-row
+    M-block, KV head) would leave SMs idle and choose_num_splits asks for more than one split. Example:
+    800 new tokens over 50k on Qwen3.5-2B (H8/KV2, group 4) gives the forward 25 x 2 = 50 programs on 132 SMs."""
+    if max_q_len <= ALWAYS_Q_LEN:
+        return True
+    if max_q_len > MAX_Q_LEN:
+        return False
+    tile = plan(max_q_len, group, head_dim, elt_size)
+    if batch * tile.m_blocks * kv_heads >= num_sms:  # the forward fills the SMs (waves aside)
+        return False
+    return choose_num_splits(batch, kv_heads, max_seqlen_k, num_sms, m_blocks=tile.m_blocks,
+                             programs_per_sm=tile.programs_per_sm) > 1
+
+
 def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
-    """model.ops' paged_attention: this kernel for steps whose chunks have <= MAX_Q_LEN tokens (decode, mixed
-    steps, agent turns), `long_chunk_attention` for longer ones."""
-    if step.max_seqlen_q > MAX_Q_LEN:  # the one branch point for long prefill chunks
+    """model.ops' paged_attention: this kernel for decode, mixed steps and agent turns (`split_kv_pays`, with the
+    step's host bound max_seqlen_k, else the page table's capacity), `long_chunk_attention` for long prefill
+    chunks."""
+    kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
+    max_seqlen_k = step.max_seqlen_k or step.page_table.shape[1] * k_pages.shape[1]
+    if not split_kv_pays(step.num_seqs, step.max_seqlen_q, q.shape[-2] // kv_heads, kv_heads, head_dim,
+                         q.element_size(), max_seqlen_k, _num_sms(q.device)):  # the one branch point
         return long_chunk_attention(q, k_pages, v_pages, step, scale, gate)
     return paged_decode_attention(q, k_pages, v_pages, step.page_table, step.seqused_k, softmax_scale=scale,
-                                  cu_seqlens_q=step.cu_seqlens, max_seqlen_q=step.max_seqlen_q, gate=gate)
+                                  cu_seqlens_q=step.cu_seqlens, max_seqlen_q=step.max_seqlen_q, gate=gate,
+                                  max_seqlen_k=step.max_seqlen_k)
 
 
 def long_chunk_attention(q, k_pages, v_pages, step, scale, gate):
-    """Steps with a chunk longer than MAX_Q_LEN (long prefills): fa4's Triton forward over the paged prefix, one
+    """Long prefill chunks (see split_kv_pays): fa4's Triton forward over the paged prefix, one
     program per (query head, 128-row tile), then the output gate. Not graph-captured (prefill runs eagerly)."""
     from fa4.interface import triton_unsupported
     from fa4.triton_forward import triton_forward

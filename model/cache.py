@@ -96,6 +96,7 @@ class SequenceCache:
             cu_seqlens=torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=self.device),
             max_seqlen_q=t,
             cu_seqlens_host=tuple(range(0, (b + 1) * t, t)),
+            max_seqlen_k=max(self.lengths) + t,
             seqused_k=(start + t).to(torch.int32),
             page_table=self.page_table,
             slot_mapping=(pages * ps + positions % ps).reshape(-1),

@@ -17,6 +17,8 @@ class StepInput:
     cos, sin: (N, rotary_dim/2) fp32, the RoPE of each position, shared by every attention layer
     cu_seqlens_host: cu_seqlens as host ints, when the builder has them: kernels that plan on the host read these
     instead of the device tensor (no sync)
+    max_seqlen_k: a host bound of seqused_k when the builder knows one (None: the page table's capacity bounds it);
+    attention sizes its KV splits by it
     """
     token_ids: torch.Tensor
     positions: torch.Tensor
@@ -29,6 +31,7 @@ class StepInput:
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     cu_seqlens_host: tuple[int, ...] | None = None
+    max_seqlen_k: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -75,6 +75,7 @@ def step_from_lists(lists: StepLists, device, slot_page_table: torch.Tensor | No
         cu_seqlens=as_tensor(lists.cu_seqlens, torch.int32),
         max_seqlen_q=lists.max_seqlen_q,
         cu_seqlens_host=tuple(lists.cu_seqlens),
+        max_seqlen_k=max(lists.seqused_k),
         seqused_k=as_tensor(lists.seqused_k, torch.int32),
         page_table=page_table,
         slot_mapping=as_tensor(lists.slot_mapping, torch.int64),

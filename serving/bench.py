@@ -242,8 +242,10 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
 
 
 def warm_up(engine: LLMEngine, traces: list[Trace]) -> None:
-    """Compile the kernels of every step shape the replay meets and cache the shared system prefix: a first turn
-    of the prefix plus a few tokens, then a returning turn as long as trace 0's second turn (other tokens)."""
+    """Compile the kernels of every step shape the replay meets (LLMEngine.warm_up) and cache the shared system
+    prefix: a first turn of the prefix plus a few tokens, then a returning turn as long as trace 0's second turn
+    (other tokens)."""
+    engine.warm_up()
     t = traces[0]
     prefix = t.turns[0].new_ids[:max(t.shared_prefix, 1)]
     first = prefix + [prefix[-1]] * 8

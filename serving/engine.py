@@ -163,6 +163,32 @@ class LLMEngine:
         return RequestOutput(seq.id, seq.prompt_ids, seq.output_ids, seq.num_prompt_tokens,
                              seq.num_cached_tokens or 0, seq.finish_reason)
 
+    def warm_up(self, on_cpu: bool = False) -> None:
+        """Run one request of each step shape whose kernels compile separately, so that no live request pays for a
+        compile (seconds each): prefill chunks of 1..16 tokens (the tails after a page boundary: the decode variant
+        of the attention kernel takes q_len as a constant, the chunk variant its M-block from q_len x group),
+        a few longer chunks (one past ALWAYS_Q_LEN, one of the full token budget), and a mixed step (a chunk beside
+        a decode row). Random tokens; their pages stay in the prefix cache as evictable entries. On CUDA only
+        unless on_cpu (Triton's interpreter on the CPU compiles nothing; tests)."""
+        if self.device.type != "cuda" and not on_cpu:
+            return
+        gen = torch.Generator().manual_seed(12345)
+        vocab = self.model.config.vocab_size
+        lens = [*range(1, 17), 40, 100, 600, self.cfg.max_num_batched_tokens + 20]
+        lens = [n for n in lens if n + 2 <= self.cfg.max_model_len]
+        prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in lens]
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        for p in prompts:
+            self.generate([p], params)
+        if self.cfg.max_num_seqs > 1:  # a mixed step: the second prompt's prefill beside the first's decodes
+            first = self.add_request(prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))
+            self.step()
+            second = self.add_request(prompts[-3], params)
+            while self.has_unfinished:
+                self.step()
+            for seq_id in (first, second):
+                self.pop_output(seq_id)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run the prompts to completion, batched together; outputs in prompt order."""
         ids = [self.add_request(p, params) for p in prompts]

@@ -438,6 +438,8 @@ def main(argv=None) -> None:
         device = tp_worker.rank_device(device.type, 0)
     model, what = load_model(args.model, device, tp=tp)
     engine = LLMEngine(model, cfg)
+    log.info("compiling the kernels of every step shape (LLMEngine.warm_up)")
+    engine.warm_up()
     max_len = args.max_model_len or model.config.max_position_embeddings
     name = args.served_model_name or Path(args.model).name
     limits = Limits(args.api_key, args.max_body_bytes, args.max_queued)

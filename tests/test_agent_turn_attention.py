@@ -61,6 +61,11 @@ CASES = [  # (dtype, head_dim, heads, kv_heads, page, cached ctx, q_lens, kwargs
 ]
 
 
+def test_chunk_longer_than_always_q_len():
+    """A 600-token chunk (fp32's 64-row M-blocks: 10 of them) beside a decode row, over a short prefix, 2 splits."""
+    run_case(torch.float32, 64, 1, 1, 16, [37, 5], [600, 1], seed=21, num_splits=2)
+
+
 @pytest.mark.parametrize("dtype,d,h,kv,page,ctx,q_lens,kw", CASES)
 def test_chunk_matches_reference(dtype, d, h, kv, page, ctx, q_lens, kw):
     run_case(dtype, d, h, kv, page, ctx, q_lens, gated=dtype == torch.float16, **kw)
@@ -174,10 +179,12 @@ def test_fa4_auto_routes_short_paged_chunks_here():
     ours = paged_decode_attention(q, k_pages, v_pages, table, seqused, cu_seqlens_q=cu, max_seqlen_q=7,
                                   softmax_scale=0.2)
     assert torch.equal(auto, ours), "auto must run the split-KV kernel for a causal paged chunk of <= 512 tokens"
-    assert split_kv_unsupported(q, True, MAX_Q_LEN + 1, table, None) == "max q_len 513 is not in 1..512"
-    assert split_kv_unsupported(q, False, 7, table, None) == "not causal"
-    assert split_kv_unsupported(q, True, 7, None, None) == "no page_table"
-    assert split_kv_unsupported(q, True, 7, table, "why not") == "why not"
+    # 2048 tokens x GQA 2 in fp32's 64-row M-blocks: 2 sequences x 64 M-blocks x 2 KV heads fill the SMs
+    assert split_kv_unsupported(q, k_pages, True, MAX_Q_LEN + 1, table, None) == "max q_len 2049 is not in 1..2048"
+    assert split_kv_unsupported(q, k_pages, True, 2048, table, None).startswith("max q_len 2048 fills the GPU")
+    assert split_kv_unsupported(q, k_pages, False, 7, table, None) == "not causal"
+    assert split_kv_unsupported(q, k_pages, True, 7, None, None) == "no page_table"
+    assert split_kv_unsupported(q, k_pages, True, 7, table, "why not") == "why not"
 
 
 SM90_COMPILE = """
@@ -260,6 +267,13 @@ def test_gpu_other_dtypes_and_head_dims(dtype, d):
 def test_gpu_tile_and_rescale_variants(block_m, threshold):
     run_case(torch.bfloat16, 256, 16, 4, 64, [50000, 300], [64, 200], seed=block_m, block_m=block_m,
              rescale_threshold=threshold)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [800, 2048])
+def test_gpu_long_chunks_over_a_long_prefix(q_len):
+    """Chunks past ALWAYS_Q_LEN, which the engine sends here when the forward would leave SMs idle (2B's 8 heads)."""
+    run_case(torch.bfloat16, 256, 8, 2, 16, [50000], [q_len], seed=q_len, gated=True)
 
 
 @pytest.mark.gpu

@@ -122,27 +122,44 @@ def test_gate_fused_equals_unfused():
 
 
 def test_model_op_adapter(monkeypatch):
-    """paged_attention_op runs the kernel for chunks of <= MAX_Q_LEN tokens and long_chunk_attention beyond."""
+    """paged_attention_op runs the kernel where split_kv_pays and long_chunk_attention elsewhere, with the step's
+    max_seqlen_k (else the page table's capacity) as the context bound."""
     import kernels.paged_decode_attention as P
     dtype, d, h, kv, page = torch.float32, 64, 2, 1, 16
     k_pages, v_pages, table, seqused = make_cache([3, 40], kv, d, page, dtype, seed=11)
     long_calls, long_chunk = [], P.long_chunk_attention
     monkeypatch.setattr(P, "long_chunk_attention", lambda *a: long_calls.append(1) or long_chunk(*a))
-    for q_lens, max_q_len in (([1, 3], 512), ([1, 12], 512), ([1, 12], 8)):
-        monkeypatch.setattr(P, "MAX_Q_LEN", max_q_len)  # 8: the 12-token chunk goes to long_chunk_attention
+    bounds = []
+    pays = P.split_kv_pays
+    monkeypatch.setattr(P, "split_kv_pays", lambda *a: bounds.append(a[6]) or pays(*a))
+    for q_lens, always, max_k in (([1, 3], 512, None), ([1, 12], 512, 40), ([1, 12], 8, 40)):
+        monkeypatch.setattr(P, "ALWAYS_Q_LEN", always)  # 8: the 12-token chunk needs splits to run here
         long_calls.clear()
         cu = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEV)
         n = sum(q_lens)
         step = StepInput(token_ids=torch.zeros(n, dtype=torch.long), positions=torch.zeros(n, dtype=torch.long),
                          cu_seqlens=cu, max_seqlen_q=max(q_lens), seqused_k=seqused, page_table=table,
-                         slot_mapping=torch.zeros(n, dtype=torch.long), state_slots=torch.arange(2))
+                         slot_mapping=torch.zeros(n, dtype=torch.long), state_slots=torch.arange(2),
+                         max_seqlen_k=max_k)
         q = randn(n, h, d, dtype=dtype, seed=12)
         gate = randn(n, h, d, dtype=dtype, seed=13)
         out = paged_attention_op(q, k_pages, v_pages, step, 0.3, gate)
         ref = _BACKENDS["reference"]["paged_attention"](q, k_pages, v_pages, step, 0.3, gate)
         assert rel_err(out, ref) <= TOL[dtype], f"q_lens {q_lens}: {rel_err(out, ref):.2e}"
-        assert bool(long_calls) == (max(q_lens) > max_q_len), f"q_lens {q_lens}, limit {max_q_len}"
+        # 2 sequences x 1 M-block x 1 KV head over 40 keys: the one 64-key tile cannot split, so no split pays
+        assert bool(long_calls) == (max(q_lens) > always), f"q_lens {q_lens}, always up to {always}"
+        assert bounds[-1] == (max_k or table.shape[1] * page)
     assert OPS == {"paged_attention": paged_attention_op}
+
+
+def test_split_kv_pays_for_long_chunks_only_when_the_forward_underfills():
+    from kernels.paged_decode_attention import MAX_Q_LEN, split_kv_pays
+    assert split_kv_pays(1, 512, 4, 4, 256, 2, 100)  # up to 512: always
+    # 800 new over 50k: 2B (H8/KV2) gives the forward 50 programs, 9B-like H16/KV4 100: both split
+    assert split_kv_pays(1, 800, 4, 2, 256, 2, 50800) and split_kv_pays(1, 800, 4, 4, 256, 2, 50800)
+    assert not split_kv_pays(1, 2048, 4, 2, 256, 2, 12000)  # 64 M-blocks x 2 heads nearly fill 132 SMs
+    assert not split_kv_pays(8, 800, 4, 4, 256, 2, 50800)  # 800 programs: no split
+    assert not split_kv_pays(1, MAX_Q_LEN + 1, 4, 2, 256, 2, 50800)
 
 
 def test_choose_num_splits():

@@ -215,3 +215,22 @@ def test_pool_summary_reports_the_sizes(model):
     assert "KV pool 64 pages x 8 = 512 tokens" in engine.pool_summary
     assert "GDN state 13 slots" in engine.pool_summary  # 4 running + 8 snapshots + 1 for padding
     assert engine.pools.num_pages == 65  # the last page is the decode padding's
+
+
+def test_warm_up_runs_every_step_shape_and_leaves_nothing_behind(model):
+    """LLMEngine.warm_up (a no-op on the CPU unless asked): chunks of 1..16 tokens, longer ones, a mixed step; then
+    no request, page or slot is held and later requests still equal greedy."""
+    engine = small_engine(model, num_pages=200, page_size=16, max_num_batched_tokens=64)
+    calls = []
+    run = engine.runner.execute
+    engine.runner.execute = lambda chunks: calls.append(sorted(c.num_tokens for c in chunks)) or run(chunks)
+    engine.warm_up()
+    assert not calls, "warm_up compiles nothing on the CPU by default"
+    engine.warm_up(on_cpu=True)
+    sizes = {n for step in calls for n in step}
+    assert set(range(1, 17)) <= sizes and 64 in sizes, sorted(sizes)
+    assert any(len(step) == 2 and step[0] == 1 and step[1] > 1 for step in calls), "no mixed step"
+    assert_nothing_leaks(engine)
+    assert not engine.sequences
+    prompt = random_prompt(30, seed=8)
+    assert engine.generate([prompt], SamplingParams(max_tokens=5))[0].output_ids == expected(model, prompt, 5)
