@@ -42,11 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gdn_pointwise import gate_values, gated_norm
 from model.ops import _BACKENDS
 from reference._checks import check_tensor
 
 L2NORM_EPS = tl.constexpr(1e-6)
-SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch.nn.functional.softplus returns x above it
 STATE_PER_PROGRAM = 2 * 128 * 128  # fp32 state values one program holds (128 KiB): 8 warps x 128 a thread
 STATE_PER_THREAD = 128
 FEW_PROGRAMS = 132  # the H200's SM count: below it, programs take several value heads at once
@@ -86,10 +86,9 @@ def _l2norm(x):
 @triton.jit
 def _gates(a_row, b_row, a_log_ptr, dt_bias_ptr, heads):
     """decay exp(g) and beta, fp32 (G,), of value heads `heads` (G,) of one sequence (a_row, b_row: a[b], b[b])."""
-    x = tl.load(a_row + heads).to(tl.float32) + tl.load(dt_bias_ptr + heads).to(tl.float32)
-    softplus = tl.where(x > SOFTPLUS_THRESHOLD, x, tl.log(1.0 + tl.exp(tl.minimum(x, SOFTPLUS_THRESHOLD))))
-    g = -tl.exp(tl.load(a_log_ptr + heads).to(tl.float32)) * softplus
-    return tl.exp(g), tl.sigmoid(tl.load(b_row + heads).to(tl.float32))
+    g, beta = gate_values(tl.load(a_row + heads), tl.load(b_row + heads), tl.load(a_log_ptr + heads),
+                          tl.load(dt_bias_ptr + heads))
+    return tl.exp(g), beta
 
 
 @triton.jit
@@ -99,16 +98,6 @@ def _delta_rule(s, q, k, v, decay, beta):
     u = beta[:, None] * (v - tl.sum(s * k[None, :, None], axis=1))  # (G, BV)
     s += k[None, :, None] * u[:, None, :]
     return s, tl.sum(s * q[None, :, None], axis=1)
-
-
-@triton.jit
-def _gated_norm(o, z, w, eps, DV: tl.constexpr, io: tl.constexpr):
-    """w * rmsnorm(o) * silu(z) per row: o (G, BV) fp32 and z (G, BV), zero past DV; w (BV,). Returns fp32."""
-    o = o.to(io).to(tl.float32)
-    y = (o * tl.rsqrt(tl.sum(o * o, axis=1) / DV + eps)[:, None]).to(io)
-    wy = (w[None, :].to(tl.float32) * y.to(tl.float32)).to(w.dtype)  # torch's w * y: rounded to promote(w, io)
-    z = z.to(tl.float32)
-    return wy.to(tl.float32) * (z * tl.sigmoid(z))
 
 
 @triton.jit
@@ -152,7 +141,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         s, o = _delta_rule(s, q, k, v, decay, beta)
         if NS == 1:
             z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
-            out = _gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
+            out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
             tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
         else:  # the norm needs whole rows: park this slice of o for the key head's last split
             tl.store(ws_o_ptr + rows[:, None] * DV + rv[None, :], o, mask=v_mask)
@@ -183,7 +172,7 @@ def _norm_rows(ws_o_ptr, z_row, norm_w_ptr, out_ptr, row0, head0, eps, GROUP: tl
     o = tl.load(ws_o_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")  # written by other programs: not L1
     z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=mask, other=0.0)
     w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
-    out = _gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
+    out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -67,9 +67,9 @@ import torch
 import triton
 import triton.language as tl
 
-import reference as R
 from kernels import gdn_decode
 from kernels.causal_conv1d import causal_conv1d_varlen
+from kernels.gdn_pointwise import gated_rms_norm, gdn_gates
 from kernels.varlen import CHUNK, chunk_span, token_chunks
 from reference._checks import check_cu_seqlens, check_tensor
 
@@ -410,19 +410,20 @@ def output_pass(q, k, v_new, h, gcum, chunks, out, scale, common):
 
 def gated_deltanet_prefill_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,
                               num_k_heads, eps):
-    """model.ops.gated_deltanet with the delta rule on this kernel: the reference conv (conv_states updated at
-    step.state_slots) and gates, chunk_gated_delta_rule (recurrent_states updated in place), the reference gated
-    norm. qkv: (N, C); z: (N, Hv, dv); b, a: (N, Hv). Returns (N, Hv, dv) in qkv's dtype."""
+    """model.ops.gated_deltanet with the delta rule on this kernel, every piece in Triton and free of host syncs
+    given step.cu_seqlens_host: the conv (kernels.causal_conv1d; conv_states updated at step.state_slots), the
+    gates, chunk_gated_delta_rule (recurrent_states updated in place), the gated norm (kernels.gdn_pointwise).
+    qkv: (N, C); z: (N, Hv, dv); b, a: (N, Hv). Returns (N, Hv, dv) in qkv's dtype."""
     slots = step.state_slots
     n, hv, dv = z.shape
     dk = (qkv.shape[1] - hv * dv) // (2 * num_k_heads)
     mixed = causal_conv1d_varlen(qkv, conv_w, conv_states, slots, step.cu_seqlens, cu_seqlens_host=step.cu_seqlens_host)
     q, k, v = mixed.split([num_k_heads * dk, num_k_heads * dk, hv * dv], dim=-1)
-    g, beta = R.gdn_gates(a, b, A_log, dt_bias)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
     o = chunk_gated_delta_rule(q.view(n, num_k_heads, dk), k.view(n, num_k_heads, dk), v.view(n, hv, dv), g, beta,
                                recurrent_states=recurrent_states, state_slots=slots, cu_seqlens=step.cu_seqlens,
                                cu_seqlens_host=step.cu_seqlens_host)
-    return R.gated_rms_norm(o, z, norm_w, eps)
+    return gated_rms_norm(o, z, norm_w, eps)
 
 
 def gated_deltanet_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,
