@@ -3,8 +3,9 @@
 A chunk of q_len new tokens per sequence over a cached prefix of ctx tokens (seqused_k = ctx + q_len), causal
 at the end, paged (page 128, shuffled), H16/KV4 d256 bf16 unless said: ours (kernels/paged_decode_attention.py,
 the split-KV chunk variant, timed in a CUDA graph and eagerly) beside flash-attn-4's flash_attn_varlen_func with
-page_table/seqused_k in the same run; for chunks over 512 tokens (not ours) the rows report where
-fa4.flash_attention's auto goes (its Triton forward) and time that forward. Also one serving mixed step (32 decode
+page_table/seqused_k in the same run; chunks over 512 tokens go to the split-KV kernel only where the forward
+would leave SMs idle (kernels.paged_decode_attention.split_kv_pays: 800 over 50k does), and every row also times
+fa4.flash_attention's Triton forward. Also one serving mixed step (32 decode
 rows beside a 256-token chunk over 32k prefixes). Writes agent_turn.json and agent_turn.png (time against q_len
 at a 50k context) to --out.
 
@@ -139,13 +140,15 @@ def best(row, key):
 
 
 def bench_case(name, batch, q_len, ctx, target_us=None, peers=True, check=True):
-    from kernels.paged_decode_attention import MAX_Q_LEN
+    from kernels.paged_decode_attention import split_kv_pays
     q, kp, vp, table, seqused, cu = make_turn(batch, q_len, ctx)
+    ours_route = split_kv_pays(batch, q_len, H // KV, KV, D, 2, ctx + q_len, torch.cuda.get_device_properties(0)
+                               .multi_processor_count)
     flops, kv_bytes = work(batch, q_len, ctx)
     bound_us = max(flops / PEAK_TFLOPS / 1e6, kv_bytes / READ_TBPS / 1e6)
     row = {"case": name, "B": batch, "q_len": q_len, "ctx": ctx, "GFLOP": flops / 1e9, "KV_MB": kv_bytes / 1e6,
            "bound_us": bound_us, "target_us": target_us}
-    if q_len <= MAX_Q_LEN:
+    if ours_route:
         row["route"] = "ours (split-KV chunk)"
         holder = {}
 
@@ -158,9 +161,9 @@ def bench_case(name, batch, q_len, ctx, target_us=None, peers=True, check=True):
             row["tile"] = f"{'chunk' if tile.chunk else 'decode'} M{tile.block_m}x{tile.m_blocks} w{tile.num_warps}"
     else:
         fn = None
-        row["route"] = "fa4 triton forward (auto: q_len > 512)"
+        row["route"] = "fa4 triton forward (auto: the forward fills the GPU)"
     timed(row, "triton_fwd", lambda: triton_forward_fn(q, kp, vp, table, seqused, cu, q_len),
-          graph_too=q_len > MAX_Q_LEN)  # a graph only where it is auto's route (saves the lead's GPU time)
+          graph_too=not ours_route)  # a graph only where it is auto's route (saves the lead's GPU time)
     if peers:
         peer = timed(row, "fa4", lambda: fa4_fn(q, kp, vp, table, seqused, cu, q_len))
         if check and peer is not None and fn is not None:  # a sanity check: both are bf16

@@ -177,8 +177,10 @@ def test_attention_auto_and_reference_backends():
 
 def test_model_long_chunks_run_on_the_triton_forward(monkeypatch):
     """model.ops' paged attention sends a step with a chunk over 512 tokens (beside a decode row) to the Triton
-    forward over the paged prefix, gated; it equals the reference op."""
+    forward over the paged prefix where the forward fills the GPU (here a pretend 8-SM one), gated; it equals the
+    reference op."""
     from kernels import paged_decode_attention as P
+    monkeypatch.setattr(P, "_num_sms", lambda device: 8)  # 17 M-blocks x 2 sequences fill 8 SMs
     from model.ops import _ref_paged_attention
     from model.step import StepInput
     lens, q_lens, h, kv, d = [600, 40], [520, 1], 2, 1, 64
