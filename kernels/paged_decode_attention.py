@@ -238,7 +238,7 @@ def _finish(acc, l_i, m_i, token, head, row_ok, d, split, num_splits, num_heads,
         tl.store(ws_o_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], o, mask=(row_ok & seen)[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "capacity"])
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, pt_ptr, seqused_ptr, cu_q_ptr, gate_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
     stride_qn, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ptb,
@@ -344,7 +344,7 @@ def _chunk_tiles(acc, l_i, m_i, q, k_base, v_base, pt_row, lo, hi, last_key, d, 
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "m_blocks"])
+@triton.jit(do_not_specialize=["num_splits", "capacity", "seqlen_q", "m_blocks"])
 def _chunk_kernel(
     q_ptr, k_ptr, v_ptr, pt_ptr, seqused_ptr, cu_q_ptr, gate_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
     stride_qn, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ptb,
@@ -406,7 +406,7 @@ def _chunk_kernel(
                 ws_lse_ptr, stride_gn, stride_gh, stride_on, stride_oh, HEAD_DIM, DIRECT, HAS_GATE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
     ws_o_ptr, ws_lse_ptr, gate_ptr, out_ptr, stride_gn, stride_gh, stride_on, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
@@ -430,7 +430,7 @@ def _combine_kernel(
     tl.store(out_ptr + token * stride_on + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_heads", "num_splits"])
 def _combine_rows_kernel(
     ws_o_ptr, ws_lse_ptr, gate_ptr, out_ptr, stride_gn, stride_gh, stride_on, stride_oh, num_rows, num_heads,
     num_splits, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -632,6 +632,44 @@ def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, pdl: b
         n_tokens * num_heads, num_heads, num_splits, HEAD_DIM=head_dim, ROWS=rows, BLOCK_S=block_s, BLOCK_D=block_d,
         HAS_GATE=gate is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
+
+
+def compile_variants(num_heads: int, k_pages: torch.Tensor, v_pages: torch.Tensor, width: int,
+                     gated: bool = True) -> int:
+    """Compile every launch variant a server meets, before requests pay for it (seconds each): the decode variant
+    (q_len 1..8 is a constant of it) and the chunk variant's M-blocks, each with one split (DIRECT) and several,
+    a mixed step's two launches, and both combines at every power-of-two split tile (BLOCK_S 2..MAX_SPLITS).
+    Runs on a pool's first page with no keys (k_pages, v_pages: a real layer's pools, so strides and alignment
+    match; width: the page tables' width). Returns the number of calls made."""
+    dev, dtype, head_dim = k_pages.device, k_pages.dtype, k_pages.shape[3]
+    group = num_heads // k_pages.shape[2]
+    calls = 0
+
+    def run(q_lens, splits):
+        nonlocal calls
+        n = sum(q_lens)
+        q = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=dev)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        table = torch.zeros(len(q_lens), width, dtype=torch.int32, device=dev)
+        seqused = torch.zeros(len(q_lens), dtype=torch.int32, device=dev)
+        paged_decode_attention(q, k_pages, v_pages, table, seqused, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                               gate=q if gated else None, num_splits=splits)
+        calls += 1
+
+    firsts = {}  # one q_len per compiled variant: the decode variant's q_len, the chunk variant's M-block
+    for q_len in range(1, MAX_Q_LEN + 1):
+        tile = plan(q_len, group, head_dim, k_pages.element_size())
+        firsts.setdefault((tile.chunk, tile.block_m, None if tile.chunk else q_len), q_len)
+        if tile.chunk and tile.block_m == plan(MAX_Q_LEN, group, head_dim, k_pages.element_size()).block_m:
+            break
+    for splits in (1, 2):
+        for q_len in firsts.values():
+            run([q_len], splits)
+        run([1, max(firsts.values())], splits)  # a mixed step: decode rows in small tiles, then the chunk
+    for block_s in range(1, int(math.log2(MAX_SPLITS)) + 1):
+        run([1], 2 ** block_s)
+        run([max(firsts.values())], 2 ** block_s)
+    return calls
 
 
 def split_kv_pays(batch: int, max_q_len: int, group: int, kv_heads: int, head_dim: int, elt_size: int,

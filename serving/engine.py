@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from model import ops
 from model.cache import CachePools
 from model.model import Qwen35ForCausalLM
 from serving.block_manager import KVBlockManager
@@ -165,13 +166,19 @@ class LLMEngine:
 
     def warm_up(self, on_cpu: bool = False) -> None:
         """Run one request of each step shape whose kernels compile separately, so that no live request pays for a
-        compile (seconds each): prefill chunks of 1..16 tokens (the tails after a page boundary: the decode variant
-        of the attention kernel takes q_len as a constant, the chunk variant its M-block from q_len x group),
-        a few longer chunks (one past ALWAYS_Q_LEN, one of the full token budget), and a mixed step (a chunk beside
-        a decode row). Random tokens; their pages stay in the prefix cache as evictable entries. On CUDA only
-        unless on_cpu (Triton's interpreter on the CPU compiles nothing; tests)."""
+        compile (seconds each): the attention kernels' variants for every split count class, which short prompts
+        never reach (kernels.paged_decode_attention.compile_variants); prefill chunks of 1..16 tokens (the tails
+        after a page boundary), a few longer chunks (one past ALWAYS_Q_LEN, one of the full token budget) and a
+        mixed step (a chunk beside a decode row), for every other kernel. Random tokens; their pages stay in the
+        prefix cache as evictable entries. On CUDA only unless on_cpu (Triton's interpreter on the CPU compiles
+        nothing; tests)."""
         if self.device.type != "cuda" and not on_cpu:
             return
+        if ops.backend_table()["paged_attention"] == "triton" and self.device.type == "cuda":
+            # the split counts real contexts pick, which short warm-up prompts never reach
+            from kernels.paged_decode_attention import compile_variants
+            compile_variants(self.model.cache_config.num_attention_heads, self.pools.k_pages[0],
+                             self.pools.v_pages[0], self.runner.width)
         gen = torch.Generator().manual_seed(12345)
         vocab = self.model.config.vocab_size
         lens = [*range(1, 17), 40, 100, 600, self.cfg.max_num_batched_tokens + 20]

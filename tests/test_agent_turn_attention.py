@@ -335,3 +335,18 @@ def test_gpu_fa4_auto_matches_reference():
     assert torch.equal(out, ours)
     assert_close(out, reference(q, k_pages, v_pages, table, seqused, cu_seqlens_q=cu), dtype, "auto")
 
+
+
+def test_compile_variants_runs_every_launch_variant(monkeypatch):
+    """compile_variants (LLMEngine.warm_up on the GPU) calls the kernel once per decode q_len, chunk M-block, with
+    one and two splits, a mixed step, and every power-of-two split count up to MAX_SPLITS; each call runs."""
+    from kernels import paged_decode_attention as P
+    calls, kernel = [], P.paged_decode_attention
+    monkeypatch.setattr(P, "paged_decode_attention",
+                        lambda q, *a, **kw: calls.append((kw["max_seqlen_q"], kw["num_splits"])) or kernel(q, *a, **kw))
+    pool = torch.zeros(2, 16, 2, 64, dtype=torch.float16, device=DEV)
+    n = P.compile_variants(8, pool, pool.clone(), width=5)
+    assert n == len(calls)
+    assert {(q, s) for q, s in calls if q <= 8} >= {(q, s) for q in range(1, 9) for s in (1, 2)}
+    assert {s for _, s in calls} == {1, 2, 4, 8, 16, 32, 64, 128}
+    assert {P.plan(q, 4, 64, 2).block_m for q, _ in calls if q > 8} == {64, 128}
