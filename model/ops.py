@@ -7,9 +7,12 @@ the reference. `set_backend` / `use_backend` choose; `backend_table()` says whic
 Shapes: N tokens in a flat varlen batch (see model.step.StepInput), H query heads, KV key/value heads,
 D head dim; GDN with Hk key heads, Hv value heads, dk/dv head dims, C = 2*Hk*dk + Hv*dv conv channels.
 """
+import functools
 import importlib
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+
+import torch
 
 import reference as R
 from model.step import StepInput
@@ -119,8 +122,56 @@ def gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, re
     """The GDN mixer between its projections. qkv: (N, C); z: (N, Hv, dv); b, a: (N, Hv); conv_w: (C, K);
     conv_states: (slots, C, K-1) and recurrent_states: (slots, Hv, dk, dv) fp32, read and updated in place at
     step.state_slots. Returns gated_rms_norm(o, z): (N, Hv, dv)."""
-    return _run("gated_deltanet", qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
-                                   recurrent_states, step, num_k_heads, eps)
+    args = (qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states)
+    if step.snapshot_offsets is not None and any(step.snapshot_offsets):
+        return _gated_deltanet_with_snapshots(args, step, num_k_heads, eps)
+    return _run("gated_deltanet", *args, step, num_k_heads, eps)
+
+
+def _gated_deltanet_with_snapshots(args, step: StepInput, num_k_heads, eps):
+    """gated_deltanet for a step with snapshot points, on any backend: the sequences' tokens before their points
+    run first, their slots are copied into the snapshot slots, then everything after the points runs (the GDN
+    layer is a function of (state, tokens), so two passes give the one-pass result). Only the GDN layers pay:
+    the step's other layers run once."""
+    qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states = args
+    cu = step.cu_seqlens_host if step.cu_seqlens_host is not None else tuple(step.cu_seqlens.tolist())
+    out = torch.empty_like(z)
+    first, rest = _snapshot_passes(tuple(cu), tuple(step.snapshot_offsets), qkv.device)
+    for rows, sub_cu, sub_cu_host, seqs in (first, rest):
+        slots = step.state_slots[seqs]
+        longest = max(x - y for x, y in zip(sub_cu_host[1:], sub_cu_host))
+        sub = StepInput(token_ids=step.token_ids[rows], positions=step.positions[rows], cu_seqlens=sub_cu,
+                        cu_seqlens_host=sub_cu_host, max_seqlen_q=longest, seqused_k=step.seqused_k,
+                        page_table=step.page_table, slot_mapping=step.slot_mapping[rows], state_slots=slots)
+        out[rows] = _run("gated_deltanet", qkv[rows], z[rows], b[rows], a[rows], conv_w, A_log, dt_bias, norm_w,
+                         conv_states, recurrent_states, sub, num_k_heads, eps)
+        if rows is first[0]:  # the states at the points: into the snapshot slots
+            dst = step.snapshot_slots[seqs]
+            conv_states[dst] = conv_states[slots]
+            recurrent_states[dst] = recurrent_states[slots]
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _snapshot_passes(cu: tuple[int, ...], offsets: tuple[int, ...], device):
+    """The two passes of _gated_deltanet_with_snapshots, each (token rows, cu_seqlens, its host copy, the sequences'
+    indices), as device tensors moved once per step (every GDN layer of the step reuses them)."""
+    for i, o in enumerate(offsets):
+        if not 0 <= o < cu[i + 1] - cu[i]:
+            raise ValueError(f"snapshot_offsets[{i}] = {o} must lie in [0, {cu[i + 1] - cu[i]}) (the chunk's tokens)")
+    snap = [i for i, o in enumerate(offsets) if o]
+    before = [range(cu[i], cu[i] + offsets[i]) for i in snap]
+    after = [range(cu[i] + offsets[i], cu[i + 1]) for i in range(len(offsets))]
+    pin = torch.device(device).type == "cuda"
+    move = lambda values, dtype: torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+    passes = []
+    for pieces, seqs in ((before, snap), (after, range(len(offsets)))):
+        sub_cu = [0]
+        for piece in pieces:
+            sub_cu.append(sub_cu[-1] + len(piece))
+        passes.append((move([r for piece in pieces for r in piece], torch.int64), move(sub_cu, torch.int32),
+                       tuple(sub_cu), move(list(seqs), torch.int64)))
+    return passes
 
 
 def moe(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=None):

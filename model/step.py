@@ -19,6 +19,9 @@ class StepInput:
     instead of the device tensor (no sync)
     max_seqlen_k: a host bound of seqused_k when the builder knows one (None: the page table's capacity bounds it);
     attention sizes its KV splits by it
+    snapshot_offsets: host ints, one per sequence, or None: sequence b's GDN state (conv window and recurrent
+    state) after its first snapshot_offsets[b] new tokens (0 < offset < q_len_b; 0: none) is also written to
+    slot snapshot_slots[b] ((B,) int64), for the prefix cache: a snapshot inside a chunk costs no extra step
     """
     token_ids: torch.Tensor
     positions: torch.Tensor
@@ -32,6 +35,8 @@ class StepInput:
     sin: torch.Tensor | None = None
     cu_seqlens_host: tuple[int, ...] | None = None
     max_seqlen_k: int | None = None
+    snapshot_offsets: tuple[int, ...] | None = None
+    snapshot_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

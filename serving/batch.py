@@ -42,11 +42,17 @@ class StepLists:
     seqused_k: list[int]
     state_slots: list[int]
     max_seqlen_q: int
+    snapshot_offsets: list[int]  # per chunk: its tokens before a snapshot point (0: none), and the point's slot
+    snapshot_slots: list[int]
 
 
 def flatten_chunks(chunks: list[ScheduledChunk], page_size: int) -> StepLists:
     tokens, positions, slot_mapping, cu_seqlens = [], [], [], [0]
+    offsets, snap_slots = [], []
     for c in chunks:
+        pending = c.seq.pending_snapshot_slot
+        offsets.append(c.seq.pending_snapshot_tokens - c.start if pending is not None else 0)
+        snap_slots.append(pending if pending is not None else c.seq.state_slot)
         prompt, n_prompt = c.seq.prompt_ids, c.seq.num_prompt_tokens
         tokens += prompt[c.start:c.end] if c.end <= n_prompt else c.seq.token_ids[c.start:c.end]
         span = range(c.start, c.end)
@@ -54,7 +60,7 @@ def flatten_chunks(chunks: list[ScheduledChunk], page_size: int) -> StepLists:
         slot_mapping += [c.seq.pages[p // page_size] * page_size + p % page_size for p in span]
         cu_seqlens.append(cu_seqlens[-1] + c.num_tokens)
     return StepLists(tokens, positions, slot_mapping, cu_seqlens, [c.end for c in chunks],
-                     [c.seq.state_slot for c in chunks], max(c.num_tokens for c in chunks))
+                     [c.seq.state_slot for c in chunks], max(c.num_tokens for c in chunks), offsets, snap_slots)
 
 
 def step_from_lists(lists: StepLists, device, slot_page_table: torch.Tensor | None = None,
@@ -76,6 +82,8 @@ def step_from_lists(lists: StepLists, device, slot_page_table: torch.Tensor | No
         max_seqlen_q=lists.max_seqlen_q,
         cu_seqlens_host=tuple(lists.cu_seqlens),
         max_seqlen_k=max(lists.seqused_k),
+        snapshot_offsets=tuple(lists.snapshot_offsets) if any(lists.snapshot_offsets) else None,
+        snapshot_slots=as_tensor(lists.snapshot_slots, torch.int64) if any(lists.snapshot_offsets) else None,
         seqused_k=as_tensor(lists.seqused_k, torch.int32),
         page_table=page_table,
         slot_mapping=as_tensor(lists.slot_mapping, torch.int64),

@@ -2,8 +2,10 @@
 
 Each step: running decodes first; then the fast lane (waiting requests that hit the prefix cache and have
 at most fast_lane_tokens left to compute, i.e. returning agent sessions); then running chunked prefills;
-then cold waiting requests, in arrival order. Prefill chunks end on page boundaries (and at the prompt's
-last page boundary), where the GDN state is snapshotted for the prefix cache. When a running sequence
+then cold waiting requests, in arrival order. Prefill chunks end on page boundaries, where the GDN state is
+snapshotted for the prefix cache; the snapshots a chunk passes (the prompt's last page boundary, a branch point)
+are written by the step itself into reserved slots (model.step snapshot_offsets), so that a returning turn is
+one step. When a running sequence
 cannot get a page, the newest running sequence is preempted: its pages go back (computed full pages stay
 cached), and it waits to be recomputed, mostly from the prefix cache.
 """
@@ -92,25 +94,38 @@ class Scheduler:
         """Schedule the next chunk of a running chunked prefill as far as budget and free pages allow."""
         bm = self.block_manager
         room = (len(seq.pages) + bm.num_available_pages) * self.page_size - seq.num_computed_tokens
-        n = self.chunk_size(seq, seq.num_computed_tokens, min(budget, room))
+        n, point = self.plan_chunk(seq, seq.num_computed_tokens, min(budget, room))
         if n and bm.allocate(seq, seq.num_computed_tokens + n):
+            n = self._reserve_snapshot(seq, seq.num_computed_tokens, n, point)
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return budget
 
-    def chunk_size(self, seq: Sequence, start: int, budget: int) -> int:
-        """Tokens to compute from start: up to budget, ending at a snapshot point if one lies inside (the end
-        of the cached pages beyond the hit, where sessions branch; the prompt's last page boundary), else at
-        a page boundary unless the chunk reaches the sequence's end."""
+    def plan_chunk(self, seq: Sequence, start: int, budget: int) -> tuple[int, int | None]:
+        """(tokens to compute from start, a snapshot point inside them or None). Up to budget, ending at a page
+        boundary unless the chunk reaches the sequence's end. The snapshot points (the end of the cached pages
+        beyond the hit, where sessions branch; the prompt's last page boundary) need the GDN state there: the
+        chunk takes the first one inside it in the step (model.step snapshot_offsets) and ends at the second."""
         end = min(seq.num_tokens, start + max(budget, 0))
-        prompt_boundary = seq.num_prompt_tokens // self.page_size * self.page_size
-        snapshot_points = [b for b in (seq.cached_pages_end, prompt_boundary) if start < b < end]
         aligned = end // self.page_size * self.page_size
-        if snapshot_points:
-            end = min(snapshot_points)
-        elif end < seq.num_tokens and aligned > start:
+        if end < seq.num_tokens and aligned > start:
             end = aligned
-        return end - start
+        prompt_boundary = seq.num_prompt_tokens // self.page_size * self.page_size
+        points = sorted({b for b in (seq.cached_pages_end, prompt_boundary) if start < b < end})
+        if len(points) > 1:
+            end = points[1]
+        return end - start, (points[0] if points else None)
+
+    def _reserve_snapshot(self, seq: Sequence, start: int, n: int, point: int | None) -> int:
+        """A snapshot slot for the point inside seq's chunk of n tokens from start; without a slot the chunk ends
+        at the point instead (its commit snapshots there). Returns the chunk's tokens."""
+        if point is None:
+            return n
+        slot = self.state_cache.reserve()
+        if slot is None:
+            return point - start
+        seq.pending_snapshot_slot, seq.pending_snapshot_tokens = slot, point
+        return n
 
     # ---- admission and the hybrid prefix cache -----------------------------------------------------------
 
@@ -135,8 +150,10 @@ class Scheduler:
         if not self.free_state_slots or budget <= 0:
             return budget
         hit_pages, key = hit
+        if key is not None and key not in self.state_cache:  # evicted by a reservation earlier in this step
+            hit_pages, key = self._prefix_hit(seq)
         start = len(hit_pages) * self.page_size
-        n = self.chunk_size(seq, start, budget)
+        n, point = self.plan_chunk(seq, start, budget)
         self.block_manager.share_prefix(seq, hit_pages)
         if not self.block_manager.allocate(seq, start + n):
             self.block_manager.free(seq)
@@ -147,6 +164,7 @@ class Scheduler:
         else:
             self.state_cache.restore(key, seq.state_slot)
         seq.num_computed_tokens = start
+        n = self._reserve_snapshot(seq, start, n, point)
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = start
         seq.status = SequenceStatus.RUNNING
@@ -163,6 +181,10 @@ class Scheduler:
             seq = c.seq
             seq.num_computed_tokens = c.end
             self.block_manager.publish_computed_pages(seq)
+            if seq.pending_snapshot_slot is not None:  # the step wrote the state at the point inside the chunk
+                key = seq.page_hashes(seq.pending_snapshot_tokens // self.page_size, self.page_size)[-1]
+                self.state_cache.publish_private(seq.pending_snapshot_slot, key)
+                seq.pending_snapshot_slot = None
             if seq.num_computed_tokens % self.page_size == 0:
                 self._snapshot(seq)
 
@@ -183,6 +205,9 @@ class Scheduler:
             key = seq.page_hashes(seq.rolling_snapshot_tokens // self.page_size, self.page_size)[-1]
             self.state_cache.publish_private(seq.rolling_snapshot_slot, key)
             seq.rolling_snapshot_slot = None
+        if seq.pending_snapshot_slot is not None:  # scheduled but never committed (a failed step, a preemption)
+            self.state_cache.release(seq.pending_snapshot_slot)
+            seq.pending_snapshot_slot = None
         self.block_manager.free(seq)
         self.free_state_slots.append(seq.state_slot)
         seq.state_slot = None

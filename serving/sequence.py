@@ -63,6 +63,8 @@ class Sequence:
         self.state_slot: int | None = None
         self.rolling_snapshot_slot: int | None = None  # a private copy of the state at rolling_snapshot_tokens
         self.rolling_snapshot_tokens = 0
+        self.pending_snapshot_slot: int | None = None  # reserved for the state at pending_snapshot_tokens, which
+        self.pending_snapshot_tokens = 0  # the scheduled chunk passes; published when the step commits
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
         self.cached_pages_end = 0  # tokens that cached KV pages covered at the last lookup (hit or not)

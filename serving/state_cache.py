@@ -57,6 +57,15 @@ class StateSnapshotCache:
 
     # ---- private (rolling) snapshots ---------------------------------------------------------------------
 
+    def reserve(self) -> int | None:
+        """A private slot for a snapshot that a step will write (model.step snapshot_slots); None when none can be
+        had. publish_private or release it after the step."""
+        return self._take_slot()
+
+    def release(self, slot: int) -> None:
+        """Give back a private slot unpublished."""
+        self.free_slots.append(slot)
+
     def save_private(self, src_slot: int, slot: int | None) -> int | None:
         """Copy src_slot into the private snapshot `slot` (a new one when None); None when none can be had."""
         slot = self._take_slot() if slot is None else slot

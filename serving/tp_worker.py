@@ -114,7 +114,8 @@ _EDITS = ("table", "reset", "copy")
 def encode(kind: str, edits: list[tuple], payload) -> list[int]:
     """[kind, #edits, edits..., payload...]: table = [0, k, rows, cols, vals], reset = [1, k, slots],
     copy = [2, src, dst]; decode = [bs, n, values (3 * bs)]; eager = [max_seqlen_q, N, B, tokens, positions,
-    slot_mapping (N each), cu_seqlens (B + 1), seqused_k, state_slots (B each)]; stop = []."""
+    slot_mapping (N each), cu_seqlens (B + 1), seqused_k, state_slots, snapshot_offsets, snapshot_slots (B each)];
+    stop = []."""
     out = [_KINDS.index(kind), len(edits)]
     for edit in edits:
         out.append(_EDITS.index(edit[0]))
@@ -130,7 +131,7 @@ def encode(kind: str, edits: list[tuple], payload) -> list[int]:
     elif kind == "eager":
         s = payload
         out += [s.max_seqlen_q, len(s.tokens), len(s.state_slots), *s.tokens, *s.positions, *s.slot_mapping,
-                *s.cu_seqlens, *s.seqused_k, *s.state_slots]
+                *s.cu_seqlens, *s.seqused_k, *s.state_slots, *s.snapshot_offsets, *s.snapshot_slots]
     return out
 
 
@@ -158,13 +159,14 @@ def decode(message: list[int]) -> tuple[str, list[tuple], object]:
     elif kind == "eager":
         q, n, b = message[i:i + 3]
         i += 3
-        cuts = [n, n, n, b + 1, b, b]
+        cuts = [n, n, n, b + 1, b, b, b, b]
         parts = []
         for c in cuts:
             parts.append(message[i:i + c])
             i += c
-        tokens, positions, slot_mapping, cu_seqlens, seqused_k, state_slots = parts
-        payload = StepLists(tokens, positions, slot_mapping, cu_seqlens, seqused_k, state_slots, q)
+        tokens, positions, slot_mapping, cu_seqlens, seqused_k, state_slots, offsets, snap_slots = parts
+        payload = StepLists(tokens, positions, slot_mapping, cu_seqlens, seqused_k, state_slots, q, offsets,
+                            snap_slots)
     return kind, edits, payload
 
 

@@ -29,14 +29,16 @@ def test_decodes_then_fast_lane_then_cold_prefill(model):
     engine = engine_with_budget(model, budget=16)
     earlier = engine.generate([prompt(12)], SamplingParams(max_tokens=4))[0]
     decoding = engine.add_request(prompt(5, first=3), SamplingParams(max_tokens=10))
-    engine.step()  # its prefill up to the prompt's last page boundary (4): one token left, like a decode
+    engine.step()  # its whole prefill (the snapshot at the last page boundary, 4, inside the step): it decodes
     cold = engine.add_request(prompt(40, first=5))
     returning = engine.add_request(earlier.prompt_ids + earlier.output_ids + [1, 2])  # 18 tokens, hit at 12
     chunks = engine.scheduler.schedule()
-    # the returning session computes up to its prompt's last page boundary (16) and overtakes the cold
-    # prefill, which gets the rest of the budget (11) rounded down to a page
+    # the returning session computes its 6 new tokens in one chunk (snapshot at its prompt's last page boundary,
+    # 16, inside it) and overtakes the cold prefill, which gets the rest of the budget (9) rounded down to a page
     assert [(c.seq.id, c.start, c.num_tokens) for c in chunks] == [
-        (decoding, 4, 1), (returning, 12, 4), (cold, 0, 8)]
+        (decoding, 5, 1), (returning, 12, 6), (cold, 0, 8)]
+    seq = engine.sequences[returning]
+    assert seq.pending_snapshot_tokens == 16 and seq.pending_snapshot_slot is not None
 
 
 def test_a_tiny_budget_goes_to_decodes(model):
@@ -50,15 +52,31 @@ def test_a_tiny_budget_goes_to_decodes(model):
     assert [(c.seq.id, c.num_tokens) for c in chunks] == [(ids[0], 1), (ids[1], 1)]
 
 
-@pytest.mark.parametrize("start, budget, cached_pages_end, size", [
-    (0, 100, 0, 20),   # reaches the sequence's end, past the prompt's last page boundary (20)
-    (0, 10, 0, 8),     # budget-limited: ends on a page boundary
-    (0, 3, 0, 3),      # less than a page of budget: a partial chunk rather than none
-    (3, 6, 0, 5),      # realigns a partial start
-    (0, 100, 12, 12),  # stops where cached pages end (a branch point), to snapshot there
+@pytest.mark.parametrize("start, budget, cached_pages_end, size, point", [
+    (0, 100, 0, 21, 20),   # reaches the sequence's end, passing the prompt's last page boundary (20): snapshot
+    (0, 20, 0, 20, None),  # ends on that boundary: the commit snapshots there
+    (0, 10, 0, 8, None),   # budget-limited: ends on a page boundary
+    (0, 3, 0, 3, None),    # less than a page of budget: a partial chunk rather than none
+    (3, 6, 0, 5, None),    # realigns a partial start
+    (0, 100, 12, 20, 12),  # two points: the branch point (12) in the step, the chunk stops at the second (20)
 ])
-def test_chunk_size(model, start, budget, cached_pages_end, size):
+def test_plan_chunk(model, start, budget, cached_pages_end, size, point):
     engine = engine_with_budget(model, budget=64)
     seq = Sequence(0, prompt(21), SamplingParams(), torch.Generator())
     seq.cached_pages_end = cached_pages_end
-    assert engine.scheduler.chunk_size(seq, start, budget) == size
+    assert engine.scheduler.plan_chunk(seq, start, budget) == (size, point)
+
+
+def test_snapshot_inside_a_chunk_falls_back_without_a_free_slot(model):
+    """With every snapshot slot private (rolling snapshots of running decodes), a chunk stops at its snapshot point
+    instead, and commit snapshots there; a scheduled snapshot that never commits (preemption) gives its slot back."""
+    engine = LLMEngine(model, EngineConfig(num_pages=64, page_size=PAGE, max_num_seqs=4, snapshot_slots=1,
+                                           max_num_batched_tokens=64))
+    seq = engine.sequences[engine.add_request(prompt(10))]
+    chunks = engine.scheduler.schedule()
+    assert [(c.start, c.num_tokens) for c in chunks] == [(0, 10)] and seq.pending_snapshot_tokens == 8
+    engine.scheduler.preempt(seq)  # the step never ran
+    assert seq.pending_snapshot_slot is None and len(engine.state_cache.free_slots) == 1
+    engine.state_cache.reserve()  # now no slot can be had
+    chunks = engine.scheduler.schedule()
+    assert [(c.start, c.num_tokens) for c in chunks] == [(0, 8)] and seq.pending_snapshot_slot is None

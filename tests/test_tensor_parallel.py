@@ -192,7 +192,8 @@ def test_step_messages_round_trip():
     from serving.tp_worker import decode, encode
     edits = [("table", [1, 2], [0, 1], [5, 6]), ("reset", [3]), ("copy", 4, 9), ("table", [7], [3], [8])]
     for kind, payload in [("decode", (4, 3, list(range(12)))), ("stop", None),
-                          ("eager", StepLists([1, 2, 3], [0, 1, 2], [8, 9, 10], [0, 2, 3], [2, 1], [5, 6], 2))]:
+                          ("eager", StepLists([1, 2, 3], [0, 1, 2], [8, 9, 10], [0, 2, 3], [2, 1], [5, 6], 2,
+                                                 [1, 0], [11, 6]))]:
         for e in (edits, []):
             assert decode(encode(kind, e, payload)) == (kind, e, payload)
 
