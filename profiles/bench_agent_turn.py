@@ -284,6 +284,10 @@ def main(argv=None):
         print_table(curve, ["q_len", "tile", "splits", "ours_graph_us", "fa4_us", "fa4_graph_us", "triton_fwd_us",
                             "bound_us", "TFLOPs", "fa4_over_ours"])
     payload = {"env": environment(), "ceilings": ceil, "cases": rows, "mixed_step": mixed, "curve": curve}
+    earlier = Path(args.out) / "agent_turn.json"
+    if not curve and earlier.exists():  # --no-curve keeps the curve of the file it replaces
+        payload["curve"] = json.loads(earlier.read_text()).get("curve", [])
+        payload["curve_note"] = "kept from the earlier agent_turn.json (this run had --no-curve)"
     if args.sweep:
         payload["sweep"] = sweep([c for c in CASES if c[2] <= 512])
     out = write_result("agent_turn", payload, args.out)

@@ -168,8 +168,8 @@ class LLMEngine:
         """Run one request of each step shape whose kernels compile separately, so that no live request pays for a
         compile (seconds each): the attention kernels' variants for every split count class, which short prompts
         never reach (kernels.paged_decode_attention.compile_variants); prefill chunks of 1..16 tokens (the tails
-        after a page boundary), a few longer chunks (one past ALWAYS_Q_LEN, one of the full token budget) and a
-        mixed step (a chunk beside a decode row), for every other kernel. Random tokens; their pages stay in the
+        after a page boundary), a few longer chunks (one past ALWAYS_Q_LEN, one of the full token budget), prefills
+        of several sequences at once and a mixed step (a chunk beside a decode row), for every other kernel. Random tokens; their pages stay in the
         prefix cache as evictable entries. On CUDA only unless on_cpu (Triton's interpreter on the CPU compiles
         nothing; tests)."""
         if self.device.type != "cuda" and not on_cpu:
@@ -187,6 +187,9 @@ class LLMEngine:
         params = SamplingParams(max_tokens=2, ignore_eos=True)
         for p in prompts:
             self.generate([p], params)
+        for k in (2, 3, 5, 9, 17, 33):  # prefills of k sequences in one step (the GDN state pass tiles by k)
+            if k <= self.cfg.max_num_seqs:
+                self.generate([torch.randint(vocab, (40,), generator=gen).tolist() for _ in range(k)], params)
         if self.cfg.max_num_seqs > 1:  # a mixed step: the second prompt's prefill beside the first's decodes
             first = self.add_request(prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))
             self.step()
