@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from fa4.softmax import exp2_mixed, needs_rescale, poly_level
+from kernels.host_math import cdiv
 from kernels.varlen import sequence_span
 
 HEAD_DIMS = (64, 128, 256)
@@ -219,7 +220,7 @@ def triton_forward(q, k, v, *, causal: bool, scale: float, cu_seqlens_q=None, cu
     dummy = seqused_k if paged else (cu_seqlens_q if cu_seqlens_q is not None else q)
     stride_kp, stride_vp = (k.stride(0), v.stride(0)) if paged else (0, 0)
     stride_kt, stride_vt = (k.stride(1), v.stride(1)) if paged else (k.stride(0), v.stride(0))
-    grid = lambda meta: (kv_heads, triton.cdiv(max_seqlen_q * (num_heads // kv_heads), meta["BLOCK_M"]), batch)
+    grid = lambda meta: (kv_heads, cdiv(max_seqlen_q * (num_heads // kv_heads), meta["BLOCK_M"]), batch)
     _fwd_kernel[grid](
         q, k, v, o,
         cu_seqlens_q if cu_seqlens_q is not None else dummy, cu_seqlens_k if cu_seqlens_k is not None else dummy,

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_math import cdiv
 from kernels.norms import FLOATS, check_devices, rows_view
 from reference._checks import check_tensor
 
@@ -57,7 +58,7 @@ def silu_and_mul(gate_up, out=None):
     check_devices(gate_up=gate_up, out=out)
     gu2, o2 = rows_view("gate_up", gate_up), rows_view("out", out)
     if gu2.shape[0] and inter:
-        grid = (gu2.shape[0], triton.cdiv(inter, BLOCK))
+        grid = (gu2.shape[0], cdiv(inter, BLOCK))
         _silu_and_mul_kernel[grid](gu2, o2, inter, gu2.stride(0), o2.stride(0), BLOCK=BLOCK, num_warps=4)
     return out
 
@@ -72,7 +73,7 @@ def sigmoid_gate_mul(x, gate, out=None):
     check_devices(x=x, gate=gate, out=out)
     x2, g2, o2 = rows_view("x", x), rows_view("gate", gate), rows_view("out", out)
     if x2.shape[0] and x2.shape[1]:
-        grid = (x2.shape[0], triton.cdiv(x2.shape[1], BLOCK))
+        grid = (x2.shape[0], cdiv(x2.shape[1], BLOCK))
         _sigmoid_gate_mul_kernel[grid](x2, g2, o2, x2.shape[1], x2.stride(0), g2.stride(0), o2.stride(0),
                                        BLOCK=BLOCK, num_warps=4)
     return out

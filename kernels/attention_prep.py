@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, check_devices
 from reference._checks import check_tensor
 
@@ -133,9 +134,9 @@ def attention_prep(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot
     kv = k.shape[1]
     if n == 0:
         return out
-    block_d = triton.next_power_of_2(d)
-    heads = min(triton.next_power_of_2(h + kv), max(1, 2048 // block_d))
-    _attention_prep_kernel[(n, triton.cdiv(h + kv, heads))](
+    block_d = next_power_of_2(d)
+    heads = min(next_power_of_2(h + kv), max(1, 2048 // block_d))
+    _attention_prep_kernel[(n, cdiv(h + kv, heads))](
         q, k, v, q_norm_w, k_norm_w, cos, sin, slot_mapping, out, k_pages, v_pages,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), sin.stride(0), float(eps),

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_math import cdiv, next_power_of_2
 from kernels.varlen import CHUNK, chunk_span, token_chunks
 from reference._checks import check_cu_seqlens, check_tensor
 
@@ -116,7 +117,7 @@ def causal_conv1d_varlen(x, weight, conv_states, state_slots, cu_seqlens, *, cu_
         raise ValueError(f"out must be a {tuple(x.shape)} {x.dtype} tensor with contiguous rows, "
                          f"got {tuple(out.shape)} {out.dtype}")
     chunks, _ = token_chunks(tuple(cu), x.device)
-    blocks = triton.cdiv(c, BLOCK_C)
+    blocks = cdiv(c, BLOCK_C)
     if chunks.shape[0]:
         _conv_kernel[(chunks.shape[0], blocks)](
             x, weight, conv_states, state_slots, cu_seqlens, chunks, out, c, x.stride(0), out.stride(0),
@@ -125,5 +126,5 @@ def causal_conv1d_varlen(x, weight, conv_states, state_slots, cu_seqlens, *, cu_
     if k > 1 and len(cu) > 1:
         _window_kernel[(len(cu) - 1, blocks)](
             x, conv_states, state_slots, cu_seqlens, c, x.stride(0), conv_states.stride(0), conv_states.stride(1),
-            K=k, KP=triton.next_power_of_2(k - 1), BLOCK_C=BLOCK_C, num_warps=4)
+            K=k, KP=next_power_of_2(k - 1), BLOCK_C=BLOCK_C, num_warps=4)
     return out

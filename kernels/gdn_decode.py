@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from kernels.gdn_pointwise import gate_values, gated_norm
+from kernels.host_math import next_power_of_2
 from model.ops import _BACKENDS
 from reference._checks import check_tensor
 
@@ -262,14 +263,14 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     if bsz == 0:
         return out
     conv_w, A_log, dt_bias, norm_w = (t.contiguous() for t in (conv_w, A_log, dt_bias, norm_w))  # no-ops: weights
-    bk, bv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    bk, bv = next_power_of_2(dk), next_power_of_2(dv)
     ns = _dv_splits(hk * bsz, bv)
     g = _heads_at_once(hv // hk, bk * bv // ns, hk * bsz * ns)
     ws_o, arrivals = _split_workspace(qkv.device, bsz, hk, hv, dv) if ns > 1 else (out, state_slots)
     _gdn_decode_kernel[(hk, bsz, ns)](
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, ws_o, arrivals,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, float(eps), HK=hk, HV=hv, DK=dk, DV=dv,
-        K=kw, G=g, BK=bk, BV=bv, BT=triton.next_power_of_2(kw), NS=ns, GP=triton.next_power_of_2(hv // hk),
+        K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), NS=ns, GP=next_power_of_2(hv // hk),
         num_warps=max(MIN_WARPS, min(8, g * bk * bv // ns // STATE_PER_THREAD // 32)))
     return out
 

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_math import cdiv, next_power_of_2
 from reference._checks import check_same_device, check_tensor
 
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch.nn.functional.softplus returns x above it
@@ -86,10 +87,10 @@ def gdn_gates(a, b, A_log, dt_bias):
             raise ValueError(f"{name} must be contiguous along its last dim, got strides {t.stride()}")
     g = torch.empty(n, h, dtype=torch.float32, device=a.device)
     beta = torch.empty_like(g)
-    hp = triton.next_power_of_2(h)
+    hp = next_power_of_2(h)
     bt = max(1, TILE // hp)
     if n:
-        _gates_kernel[(triton.cdiv(n, bt),)](a, b, A_log, dt_bias, g, beta, n, a.stride(0), b.stride(0), H=h, HP=hp,
+        _gates_kernel[(cdiv(n, bt),)](a, b, A_log, dt_bias, g, beta, n, a.stride(0), b.stride(0), H=h, HP=hp,
                                              BT=bt, num_warps=4)
     return g, beta
 
@@ -108,10 +109,10 @@ def gated_rms_norm(x, z, weight, eps):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along its last dim, got strides {t.stride()}")
     out = torch.empty(n, h, dv, dtype=x.dtype, device=x.device)
-    bv = triton.next_power_of_2(dv)
+    bv = next_power_of_2(dv)
     rows = max(1, TILE // bv)
     if n:
-        _gated_norm_kernel[(triton.cdiv(n * h, rows),)](
+        _gated_norm_kernel[(cdiv(n * h, rows),)](
             x, z, weight, out, float(eps), n * h, x.stride(0), x.stride(1), z.stride(0), z.stride(1),
             out.stride(0), out.stride(1), H=h, DV=dv, BV=bv, ROWS=rows, num_warps=4)
     return out

@@ -70,6 +70,7 @@ import triton.language as tl
 from kernels import gdn_decode
 from kernels.causal_conv1d import causal_conv1d_varlen
 from kernels.gdn_pointwise import gated_rms_norm, gdn_gates
+from kernels.host_math import cdiv, next_power_of_2
 from kernels.varlen import CHUNK, chunk_span, token_chunks
 from reference._checks import check_cu_seqlens, check_tensor
 
@@ -361,7 +362,7 @@ def _constexprs(q, v, hk, use_qk_l2norm) -> dict:
     """The meta-parameters the kernels share (and num_warps): head counts, dims, tiles, l2norm, the products'
     precision (fp32 io: exact "ieee"; 16-bit io: tf32 in the WY pass, the workspace's 16-bit type after it)."""
     hv, dk, dv = v.shape[1], q.shape[2], v.shape[2]
-    bk, bv = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    bk, bv = max(16, next_power_of_2(dk)), max(16, next_power_of_2(dv))
     exact = q.dtype == torch.float32 or q.device.type != "cuda"
     return dict(HV=hv, GROUP=hv // hk, DK=dk, DV=dv, BT=CHUNK, BK=bk, L2NORM=bool(use_qk_l2norm),
                 PREC="ieee" if exact else "tf32", num_warps=8 if max(bk, bv) >= 128 else 4)  # (64, 128) fp32 tiles
@@ -376,7 +377,7 @@ def wy_pass(k, v, g, beta, chunks, common):
         scratch = torch.empty(chunks.shape[0], hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)  # the solve's
         _chunk_wy_kernel[(chunks.shape[0], hv)](
             k, v, g, beta, chunks, *ws, scratch, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            BV=max(16, triton.next_power_of_2(dv)), **common, num_stages=1,
+            BV=max(16, next_power_of_2(dv)), **common, num_stages=1,
             **({"maxnreg": WY_MAXNREG[k.dtype]} if k.dtype in WY_MAXNREG else {}))
     return ws
 
@@ -388,10 +389,10 @@ def state_pass(ws, cu_seqlens, first_chunk, state_slots, recurrent_states, n_chu
     n, hv, dk, dv = cu_seqlens.numel() - 1, u.shape[1], w.shape[2], u.shape[2]
     h = torch.empty(n_chunks, hv, dk, dv, dtype=u.dtype, device=u.device)
     v_new = torch.empty_like(u)
-    bv = min(STATE_BV, max(16, triton.next_power_of_2(dv)))
-    while bv > 16 and n * hv * triton.cdiv(dv, bv) < FEW_PROGRAMS:
+    bv = min(STATE_BV, max(16, next_power_of_2(dv)))
+    while bv > 16 and n * hv * cdiv(dv, bv) < FEW_PROGRAMS:
         bv //= 2
-    _chunk_state_kernel[(n, hv, triton.cdiv(dv, bv))](
+    _chunk_state_kernel[(n, hv, cdiv(dv, bv))](
         w, u, kd, gcum, cu_seqlens.to(torch.int32), first_chunk, state_slots.to(torch.int64), recurrent_states, h,
         v_new, **{k: common[k] for k in ("HV", "DK", "DV", "BT", "BK", "PREC", "num_warps")}, BV=bv,
         num_stages=STATE_STAGES)
@@ -401,9 +402,9 @@ def state_pass(ws, cu_seqlens, first_chunk, state_slots, recurrent_states, n_chu
 def output_pass(q, k, v_new, h, gcum, chunks, out, scale, common):
     """Kernel 3 over every (chunk, value head, dv block): o into out."""
     dv = out.shape[2]
-    bv = min(OUTPUT_BV, max(16, triton.next_power_of_2(dv)))
+    bv = min(OUTPUT_BV, max(16, next_power_of_2(dv)))
     if chunks.shape[0]:
-        _chunk_output_kernel[(chunks.shape[0], out.shape[1], triton.cdiv(dv, bv))](
+        _chunk_output_kernel[(chunks.shape[0], out.shape[1], cdiv(dv, bv))](
             q, k, v_new, h, gcum, chunks, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0),
             out.stride(1), scale, **common, BV=bv, num_stages=1)
 

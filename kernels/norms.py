@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host_math import cdiv, next_power_of_2
 from reference._checks import check_same_device, check_tensor
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -44,7 +45,7 @@ def _check_out(out, like: torch.Tensor) -> None:
 
 def _launch_shape(n: int) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS per program, num_warps) for rows of width n."""
-    block_n = triton.next_power_of_2(n)
+    block_n = next_power_of_2(n)
     rows = max(1, 1024 // block_n)
     return block_n, rows, min(16, max(1, rows * block_n // 256))
 
@@ -89,7 +90,7 @@ def _norm(x, residual, weight, eps, out):
     if n_rows == 0 or n == 0:
         return out
     block_n, rows, warps = _launch_shape(n)
-    _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+    _rms_norm_kernel[(cdiv(n_rows, rows),)](
         x2, r2, weight, o2, n_rows, n, x2.stride(0), r2.stride(0), o2.stride(0), float(eps),
         HAS_RES=residual is not None, BLOCK_N=block_n, ROWS=rows, num_warps=warps)
     return out

@@ -94,6 +94,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels.host_math import cdiv, next_power_of_2
 from kernels.varlen import sequence_span
 from reference._checks import check_same_device, check_tensor
 
@@ -152,15 +153,16 @@ def _has_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_num_splits(batch: int, kv_heads: int, max_seqlen_k: int, num_sms: int = H200_SMS, *, m_blocks: int = 1,
                       programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Splits per (sequence, M-block, KV head): the fewest whose programs fill programs_per_sm per SM in waves
     within 5% of the best wave efficiency, counting only the splits that tile rounding leaves non-empty."""
-    n_blocks = max(1, triton.cdiv(max_seqlen_k, BLOCK_N))
+    n_blocks = max(1, cdiv(max_seqlen_k, BLOCK_N))
     max_splits = min(MAX_SPLITS, n_blocks)
     effs = []
     for s in range(1, max_splits + 1):
-        used = triton.cdiv(n_blocks, triton.cdiv(n_blocks, s))  # splits left non-empty by tile rounding
+        used = cdiv(n_blocks, cdiv(n_blocks, s))  # splits left non-empty by tile rounding
         waves = batch * m_blocks * kv_heads * used / (num_sms * programs_per_sm)
         effs.append(waves / math.ceil(waves))
     return next(s for s, eff in enumerate(effs, 1) if eff >= 0.95 * max(effs))
@@ -173,6 +175,7 @@ def _config(block_m: int, head_dim: int, elt_size: int) -> tuple[int, int]:
     return num_warps, (4 if row_bytes <= 256 else 3 if row_bytes <= 512 else 2)
 
 
+@functools.lru_cache(maxsize=1024)
 def plan(max_q_len: int, group: int, head_dim: int, elt_size: int, block_m: int | None = None) -> Plan:
     """The variant and tile for a call whose sequences have at most max_q_len query tokens.
     block_m (a power of two in 16..128) forces the chunk variant with that M-block (tests, tuning).
@@ -184,17 +187,17 @@ def plan(max_q_len: int, group: int, head_dim: int, elt_size: int, block_m: int 
     one program per SM; four-warp tiles (M-block <= 32, or 64 at d <= 128) leave room for two."""
     rows = max_q_len * group
     if block_m is None and max_q_len <= DECODE_MAX_Q_LEN and rows <= DECODE_MAX_ROWS:
-        bm = max(16, triton.next_power_of_2(rows))
+        bm = max(16, next_power_of_2(rows))
         return Plan(False, bm, 1, *_config(bm, head_dim, elt_size), PROGRAMS_PER_SM)
     if block_m is None:
         big = CHUNK_BLOCK_M if elt_size <= 2 else CHUNK_BLOCK_M // 2  # fp32: a 128 x 256 Q tile alone is 128 KB
-        block_m = max(16, triton.next_power_of_2(rows)) if rows <= 64 else big
+        block_m = max(16, next_power_of_2(rows)) if rows <= 64 else big
     if block_m <= 32:
         num_warps, num_stages = _config(block_m, head_dim, elt_size)
     else:
         num_warps = 4 if block_m * head_dim * elt_size <= 16384 else 8
         num_stages = 4 if head_dim * elt_size <= 128 else 3 if head_dim * elt_size <= 512 else 2
-    return Plan(True, block_m, triton.cdiv(rows, block_m), num_warps, num_stages, 2 if num_warps == 4 else 1)
+    return Plan(True, block_m, cdiv(rows, block_m), num_warps, num_stages, 2 if num_warps == 4 else 1)
 
 
 def _short_rows_plan(tile: Plan, group: int, head_dim: int, elt_size: int) -> tuple[int, Plan] | None:
@@ -203,7 +206,7 @@ def _short_rows_plan(tile: Plan, group: int, head_dim: int, elt_size: int) -> tu
     q_max = SHORT_ROWS // group
     if q_max < 1 or tile.block_m <= SHORT_ROWS:
         return None
-    return q_max, plan(q_max, group, head_dim, elt_size, block_m=max(16, triton.next_power_of_2(q_max * group)))
+    return q_max, plan(q_max, group, head_dim, elt_size, block_m=max(16, next_power_of_2(q_max * group)))
 
 
 @triton.jit
@@ -610,7 +613,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
 def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, pdl: bool) -> None:
     # workspace: (N, H, S, D) / (N, H, S) flat; gate (or None), out: (N, H, D)
     n_tokens, num_heads, head_dim = out.shape
-    block_s = triton.next_power_of_2(num_splits)
+    block_s = next_power_of_2(num_splits)
     block_d = min(head_dim, max(16, COMBINE_TILE // block_s))
     g = gate if gate is not None else out
     _combine_kernel[(n_tokens, num_heads, head_dim // block_d)](
@@ -623,11 +626,11 @@ def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, pdl: bool) 
 def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, pdl: bool) -> None:
     # the chunk variant's combine; workspace: (N, H, S, D) / (N, H, S) flat; gate (or None), out: (N, H, D)
     n_tokens, num_heads, head_dim = out.shape
-    block_s = triton.next_power_of_2(num_splits)
+    block_s = next_power_of_2(num_splits)
     block_d = min(head_dim, max(16, COMBINE_ROWS_TILE // block_s))
     rows = max(1, COMBINE_ROWS_TILE // (block_s * block_d))
     g = gate if gate is not None else out
-    _combine_rows_kernel[(triton.cdiv(n_tokens * num_heads, rows), head_dim // block_d)](
+    _combine_rows_kernel[(cdiv(n_tokens * num_heads, rows), head_dim // block_d)](
         workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
         n_tokens * num_heads, num_heads, num_splits, HEAD_DIM=head_dim, ROWS=rows, BLOCK_S=block_s, BLOCK_D=block_d,
         HAS_GATE=gate is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,

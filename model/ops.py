@@ -155,11 +155,18 @@ def _gated_deltanet_with_snapshots(args, step: StepInput, num_k_heads, eps):
 @functools.lru_cache(maxsize=8)
 def _snapshot_passes(cu: tuple[int, ...], offsets: tuple[int, ...], device):
     """The two passes of _gated_deltanet_with_snapshots, each (token rows, cu_seqlens, its host copy, the sequences'
-    indices), as device tensors moved once per step (every GDN layer of the step reuses them)."""
+    indices), as device tensors moved once per step (every GDN layer of the step reuses them); for one sequence
+    (a returning turn) the rows and the sequence are slices, so the passes take views and add no gathers."""
     for i, o in enumerate(offsets):
         if not 0 <= o < cu[i + 1] - cu[i]:
             raise ValueError(f"snapshot_offsets[{i}] = {o} must lie in [0, {cu[i + 1] - cu[i]}) (the chunk's tokens)")
     snap = [i for i, o in enumerate(offsets) if o]
+    if len(offsets) == 1:
+        o, n = offsets[0], cu[1]
+        cu_first, cu_rest = (0, o), (0, n - o)
+        move = lambda values: torch.tensor(values, dtype=torch.int32).to(device)
+        return [(slice(0, o), move(cu_first), cu_first, slice(0, 1)),
+                (slice(o, n), move(cu_rest), cu_rest, slice(0, 1))]
     before = [range(cu[i], cu[i] + offsets[i]) for i in snap]
     after = [range(cu[i] + offsets[i], cu[i + 1]) for i in range(len(offsets))]
     pin = torch.device(device).type == "cuda"

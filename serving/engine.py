@@ -169,9 +169,9 @@ class LLMEngine:
         compile (seconds each): the attention kernels' variants for every split count class, which short prompts
         never reach (kernels.paged_decode_attention.compile_variants); prefill chunks of 1..16 tokens (the tails
         after a page boundary), a few longer chunks (one past ALWAYS_Q_LEN, one of the full token budget), prefills
-        of several sequences at once and a mixed step (a chunk beside a decode row), for every other kernel. Random tokens; their pages stay in the
-        prefix cache as evictable entries. On CUDA only unless on_cpu (Triton's interpreter on the CPU compiles
-        nothing; tests)."""
+        of several sequences at once and a mixed step (a chunk beside a decode row), for every other kernel.
+        Random tokens; their pages stay in the prefix cache as evictable entries. On CUDA only unless on_cpu
+        (Triton's interpreter on the CPU compiles nothing; tests)."""
         if self.device.type != "cuda" and not on_cpu:
             return
         if ops.backend_table()["paged_attention"] == "triton" and self.device.type == "cuda":

@@ -305,33 +305,33 @@ def test_kernels_fit_sm90_shared_memory():
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_snapshot_inside_a_chunk(backend):
+@pytest.mark.parametrize("lens, offsets, slots, snap_slots", [
+    ([70, 5, 33], (64, 0, 16), [5, 0, 2], [7, 1, 3]),  # slot 1 is sequence 1's dummy: it must stay untouched
+    ([70], (17,), [4], [6]),  # one sequence (a returning turn): the passes take views
+])
+def test_snapshot_inside_a_chunk(backend, lens, offsets, slots, snap_slots):
     """model.ops.gated_deltanet with snapshot_offsets: the output and final states equal the plain step's, and each
     snapshot slot holds the state after the sequence's first `offset` tokens (a step of only those tokens)."""
     from model import ops
-    lens, offsets, hk, hv, d = [70, 5, 33], (64, 0, 16), 1, 2, 16
-    gen = torch.Generator().manual_seed(21)
-    n_slots = 8
-    args = make_layer_inputs(gen, lens, hk, hv, d, d, torch.float32, n_slots)
-    slots = torch.tensor([5, 0, 2], device=DEVICE)
-    snap_slots = torch.tensor([7, 1, 3], device=DEVICE)  # slot 1 is sequence 1's dummy: it must stay untouched
-    plain = [t.clone() for t in args]
+    hk, hv, d, n_slots = 1, 2, 16, 8
+    layer = lambda: make_layer_inputs(torch.Generator().manual_seed(21), lens, hk, hv, d, d, torch.float32, n_slots)
+    args, plain, start = layer(), layer(), layer()
+    slots, snap_slots = torch.tensor(slots, device=DEVICE), torch.tensor(snap_slots, device=DEVICE)
+    first = [i for i, o in enumerate(offsets) if o]
     with ops.use_backend(backend):
         ref = ops.gated_deltanet(*plain, prefill_step(lens, slots), hk, EPS)
         step = prefill_step(lens, slots)
         step.snapshot_offsets, step.snapshot_slots = offsets, snap_slots
         out = ops.gated_deltanet(*args, step, hk, EPS)
-        first = [0, 2]
         rows = torch.cat([torch.arange(sum(lens[:i]), sum(lens[:i]) + offsets[i]) for i in first]).to(DEVICE)
-        pre = [t[rows] for t in args[:4]] + args[4:8]
-        start = [t.clone() for t in make_layer_inputs(torch.Generator().manual_seed(21), lens, hk, hv, d, d,
-                                                      torch.float32, n_slots)[8:]]
-        ops.gated_deltanet(*pre, *start, prefill_step([offsets[i] for i in first], slots[first]), hk, EPS)
+        ops.gated_deltanet(*[t[rows] for t in start[:4]], *start[4:], prefill_step([offsets[i] for i in first],
+                           slots[first]), hk, EPS)
     assert_close(out, ref, 1e-5, f"{backend}: output with snapshots")
     assert torch.equal(args[8][slots], plain[8][slots]), "final conv windows differ"
     assert_close(args[9][slots], plain[9][slots], 1e-5, f"{backend}: final states")
     for i in first:
-        assert torch.equal(args[8][snap_slots[i]], start[0][slots[i]]), f"sequence {i}: snapshot window"
-        assert_close(args[9][snap_slots[i]], start[1][slots[i]], 1e-5, f"{backend}: sequence {i} snapshot state")
-    untouched = [s for s in range(n_slots) if s not in (5, 0, 2, 7, 3)]
+        assert torch.equal(args[8][snap_slots[i]], start[8][slots[i]]), f"sequence {i}: snapshot window"
+        assert_close(args[9][snap_slots[i]], start[9][slots[i]], 1e-5, f"{backend}: sequence {i} snapshot state")
+    touched = set(slots.tolist()) | {int(snap_slots[i]) for i in first}
+    untouched = [s for s in range(n_slots) if s not in touched]
     assert torch.equal(args[9][untouched], plain[9][untouched]), "slots outside the step changed"
