@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.host_math import cdiv, next_power_of_2
-from kernels.varlen import CHUNK, chunk_span, token_chunks
+from kernels.varlen import CHUNK, chunk_span, host_ints, snapshot_cuts, token_chunks
 from reference._checks import check_cu_seqlens, check_tensor
 
 BLOCK_C = 128
@@ -57,13 +57,22 @@ def _conv_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, cu_ptr, chunk_ptr, y_ptr, C
 
 
 @triton.jit
-def _window_kernel(x_ptr, state_ptr, slots_ptr, cu_ptr, C, stride_x, stride_slot, stride_ch, K: tl.constexpr,
-                   KP: tl.constexpr, BLOCK_C: tl.constexpr):
-    # grid (N, cdiv(C, BLOCK_C)): window[slot, c, i] = x'[T + i] for i < K-1, x' = old window then the T tokens
+def _window_kernel(x_ptr, state_ptr, slots_ptr, dst_slots_ptr, cu_ptr, lens_ptr, C, stride_x, stride_slot,
+                   stride_ch, K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr, PREFIX: tl.constexpr):
+    # grid (N, cdiv(C, BLOCK_C)): the window after n tokens of sequence seq, x' = its old window (slot slots[seq])
+    # then its tokens: window[dst, c, i] = x'[n + i] for i < K-1. n = all its tokens, into its own slot; PREFIX: n =
+    # lens[seq] (0: skip), into dst_slots[seq] (snapshots, written before the final windows overwrite the old ones)
     seq = tl.program_id(0)
     seq_start = tl.load(cu_ptr + seq)
-    n = tl.load(cu_ptr + seq + 1) - seq_start
     slot = tl.load(slots_ptr + seq).to(tl.int64)
+    if PREFIX:
+        n = tl.load(lens_ptr + seq)
+        dst = tl.load(dst_slots_ptr + seq).to(tl.int64)
+    else:
+        n = tl.load(cu_ptr + seq + 1) - seq_start
+        dst = slot
+    if PREFIX and n == 0:
+        return
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # (BLOCK_C,)
     i = tl.arange(0, KP)  # (KP,) window entries
     src = n - (K - 1) + i  # position in the sequence; < 0: entry K-1 + src of the old window
@@ -74,7 +83,7 @@ def _window_kernel(x_ptr, state_ptr, slots_ptr, cu_ptr, C, stride_x, stride_slot
     old = tl.load(state_ptr + offs, mask=ok & ~in_x, other=0.0)
     new = tl.where(in_x, xv.to(state_ptr.dtype.element_ty), old)
     tl.debug_barrier()  # entry i moves to i - n: every thread's read of the old window precedes any write
-    tl.store(state_ptr + slot * stride_slot + ch[:, None] * stride_ch + i[None, :], new, mask=ok)
+    tl.store(state_ptr + dst * stride_slot + ch[:, None] * stride_ch + i[None, :], new, mask=ok)
 
 
 def _check(x, weight, conv_states, state_slots, cu_seqlens, cu_seqlens_host):
@@ -101,11 +110,13 @@ def _check(x, weight, conv_states, state_slots, cu_seqlens, cu_seqlens_host):
 
 
 def causal_conv1d_varlen(x, weight, conv_states, state_slots, cu_seqlens, *, cu_seqlens_host=None,
-                         activation: str | None = "silu", out=None):
+                         activation: str | None = "silu", out=None, snapshot_offsets=None, snapshot_slots=None):
     """x: (N, C) tokens of the sequences packed by cu_seqlens (B+1,); weight: (C, K); conv_states: (slots, C, K-1),
     sequence i's window at conv_states[state_slots[i]], updated in place. Returns y (N, C) in x's dtype (into
     `out` when given). cu_seqlens_host, the caller's host copy of cu_seqlens, spares the one device read (a sync).
-    Slots must be distinct (not checked: that would read them on the host)."""
+    snapshot_offsets (host ints; 0: none) and snapshot_slots ((B,) ints): the window after sequence i's first
+    snapshot_offsets[i] tokens also goes to conv_states[snapshot_slots[i]]. Slots must be distinct (not checked:
+    that would read them on the host)."""
     if activation not in (None, "silu"):
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
     cu = _check(x, weight, conv_states, state_slots, cu_seqlens, cu_seqlens_host)
@@ -116,7 +127,8 @@ def causal_conv1d_varlen(x, weight, conv_states, state_slots, cu_seqlens, *, cu_
     elif out.shape != x.shape or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be a {tuple(x.shape)} {x.dtype} tensor with contiguous rows, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    chunks, _ = token_chunks(tuple(cu), x.device)
+    snapshots = snapshot_cuts(cu, snapshot_offsets, snapshot_slots, state_slots) is not None
+    chunks, _, _ = token_chunks(tuple(cu), x.device)
     blocks = cdiv(c, BLOCK_C)
     if chunks.shape[0]:
         _conv_kernel[(chunks.shape[0], blocks)](
@@ -124,7 +136,12 @@ def causal_conv1d_varlen(x, weight, conv_states, state_slots, cu_seqlens, *, cu_
             conv_states.stride(0), conv_states.stride(1), K=k, BT=CHUNK, BLOCK_C=BLOCK_C,
             SILU=activation == "silu", num_warps=4)
     if k > 1 and len(cu) > 1:
-        _window_kernel[(len(cu) - 1, blocks)](
-            x, conv_states, state_slots, cu_seqlens, c, x.stride(0), conv_states.stride(0), conv_states.stride(1),
-            K=k, KP=next_power_of_2(k - 1), BLOCK_C=BLOCK_C, num_warps=4)
+        windows = dict(K=k, KP=next_power_of_2(k - 1), BLOCK_C=BLOCK_C, num_warps=4)
+        strides = (c, x.stride(0), conv_states.stride(0), conv_states.stride(1))
+        if snapshots:  # before the final windows replace the old ones they may read
+            lens = host_ints(tuple(snapshot_offsets), x.device)
+            _window_kernel[(len(cu) - 1, blocks)](x, conv_states, state_slots, snapshot_slots, cu_seqlens, lens,
+                                                  *strides, PREFIX=True, **windows)
+        _window_kernel[(len(cu) - 1, blocks)](x, conv_states, state_slots, state_slots, cu_seqlens, cu_seqlens,
+                                              *strides, PREFIX=False, **windows)
     return out

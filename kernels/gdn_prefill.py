@@ -71,7 +71,7 @@ from kernels import gdn_decode
 from kernels.causal_conv1d import causal_conv1d_varlen
 from kernels.gdn_pointwise import gated_rms_norm, gdn_gates
 from kernels.host_math import cdiv, next_power_of_2
-from kernels.varlen import CHUNK, chunk_span, token_chunks
+from kernels.varlen import CHUNK, chunk_span, snapshot_cuts, token_chunks
 from reference._checks import check_cu_seqlens, check_tensor
 
 SUB = tl.constexpr(16)  # the WY kernel's sub-block: the chunk's T = (I + A)^-1 by 16 x 16 blocks
@@ -205,17 +205,19 @@ def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_ptr, kd_
 
 
 @triton.jit
-def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, cu_ptr, first_chunk_ptr, slots_ptr, state_ptr, h_ptr,
-                        vnew_ptr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    # grid (N, Hv, cdiv(DV, BV)): sequence i, value head j, state columns [vb * BV, vb * BV + BV). The chain:
-    # h[c] = S; v_new = u - w S; S = exp(G_last) S + kd^T v_new; two products a chunk, in the workspace dtype.
+def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, chunk_ptr, first_chunk_ptr, cut_chunk_ptr, slots_ptr,
+                        snap_slots_ptr, state_ptr, h_ptr, vnew_ptr, HV: tl.constexpr, DK: tl.constexpr,
+                        DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                        SNAPSHOT: tl.constexpr):
+    # grid (N, Hv, cdiv(DV, BV)): sequence i, value head j, state columns [vb * BV, vb * BV + BV). The chain over
+    # the sequence's pieces c (token_chunks): h[c] = S; v_new = u - w S; S = exp(G_last) S + kd^T v_new; two
+    # products a piece, in the workspace dtype. SNAPSHOT: S (fp32) as it enters the piece that starts at the
+    # sequence's cut is also stored into slot snap_slots[i].
     i = tl.program_id(0)
     j = tl.program_id(1)
     vb = tl.program_id(2)
-    bos = tl.load(cu_ptr + i)
-    eos = tl.load(cu_ptr + i + 1)
-    c = tl.load(first_chunk_ptr + i).to(tl.int64)
+    c0 = tl.load(first_chunk_ptr + i).to(tl.int64)  # int64: the h offsets below pass 2^31 at long T
+    c1 = tl.load(first_chunk_ptr + i + 1).to(tl.int64)
     slot = tl.load(slots_ptr + i).to(tl.int64)
     r, rk, rv = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
     cols = vb * BV + rv
@@ -224,21 +226,27 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, cu_ptr, first_chunk_ptr,
     s_mask = kmask[:, None] & vmask[None, :]
     s_ptrs = state_ptr + (slot * HV + j) * (DK * DV) + s_off
     s = tl.load(s_ptrs, mask=s_mask, other=0.0)  # (BK, BV) fp32
+    if SNAPSHOT:
+        cut = tl.load(cut_chunk_ptr + i)
+        snap_ptrs = state_ptr + (tl.load(snap_slots_ptr + i).to(tl.int64) * HV + j) * (DK * DV) + s_off
     ws = h_ptr.dtype.element_ty
-    for start in range(bos, eos, BT):
+    for c in range(c0, c1):
+        start, end, _ = chunk_span(chunk_ptr, c)
+        if SNAPSHOT:
+            if c == cut:
+                tl.store(snap_ptrs, s, mask=s_mask)
         t = start + r
-        tm = t < eos
+        tm = t < end
         row_off = t.to(tl.int64)[:, None] * HV + j
         tl.store(h_ptr + (c * HV + j) * (DK * DV) + s_off, s.to(ws), mask=s_mask)
         w = tl.load(w_ptr + row_off * DK + rk[None, :], mask=tm[:, None] & kmask[None, :], other=0.0)  # (BT, BK)
         u = tl.load(u_ptr + row_off * DV + cols[None, :], mask=tm[:, None] & vmask[None, :], other=0.0)
         kd = tl.load(kd_ptr + row_off * DK + rk[None, :], mask=tm[:, None] & kmask[None, :], other=0.0)
-        g_last = tl.load(gcum_ptr + (tl.minimum(start + BT, eos) - 1).to(tl.int64) * HV + j)
+        g_last = tl.load(gcum_ptr + (end - 1).to(tl.int64) * HV + j)
         v_new = u.to(tl.float32) - tl.dot(w, s.to(ws), input_precision=PREC)  # (BT, BV)
         v_new = v_new.to(ws)
         tl.store(vnew_ptr + row_off * DV + cols[None, :], v_new, mask=tm[:, None] & vmask[None, :])
         s = tl.exp(g_last) * s + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
-        c += 1
     tl.store(s_ptrs, s, mask=s_mask)
 
 
@@ -317,30 +325,35 @@ def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host=None,
-                           scale=None, use_qk_l2norm=True, out=None):
+                           scale=None, use_qk_l2norm=True, out=None, snapshot_offsets=None, snapshot_slots=None):
     """The gated delta rule over N sequences packed by cu_seqlens (N+1,). q, k: (total, Hk, dk); v: (total, Hv, dv),
     all of one io dtype; g (log-decay), beta: (total, Hv) fp32. Sequence i starts from the fp32 state
     recurrent_states[state_slots[i]] (slots, Hv, dk, dv) and its final state is written back there in place.
     Returns o (total, Hv, dv) in v's dtype (into `out` when given). cu_seqlens_host, the caller's host copy of
     cu_seqlens (a list or tuple of ints), spares the call its one device read, a sync that leaves the GPU idle while
-    the host plans the passes (measured on the H200: total - the passes' sum, ~360 us at B1 T16k H32)."""
+    the host plans the passes (measured on the H200: total - the passes' sum, ~360 us at B1 T16k H32).
+    snapshot_offsets (host ints, one per sequence; 0: none) and snapshot_slots ((N,) ints): sequence i's state after
+    its first snapshot_offsets[i] tokens is also written to recurrent_states[snapshot_slots[i]] (its pieces restart
+    at that token; the prefix cache's snapshot inside a chunk)."""
     out, passes = prefill_passes(q, k, v, g, beta, recurrent_states=recurrent_states, state_slots=state_slots,
                                  cu_seqlens=cu_seqlens, cu_seqlens_host=cu_seqlens_host, scale=scale,
-                                 use_qk_l2norm=use_qk_l2norm, out=out)
+                                 use_qk_l2norm=use_qk_l2norm, out=out, snapshot_offsets=snapshot_offsets,
+                                 snapshot_slots=snapshot_slots)
     for run_pass in passes:
         run_pass()
     return out
 
 
 def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host=None, scale=None,
-                   use_qk_l2norm=True, out=None):
+                   use_qk_l2norm=True, out=None, snapshot_offsets=None, snapshot_slots=None):
     """chunk_gated_delta_rule's arguments checked and planned: (out, (wy, state, output)), the three passes as
     zero-argument callables to run in that order, each reading what the one before wrote (profiles time each)."""
     cu = _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host, out)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
-    chunks, first_chunk = token_chunks(tuple(cu), q.device)
+    cuts = snapshot_cuts(cu, snapshot_offsets, snapshot_slots, state_slots)
+    chunks, first_chunk, cut_chunk = token_chunks(tuple(cu), q.device, cuts)
     common = _constexprs(q, v, k.shape[1], use_qk_l2norm)
     g, beta = g.contiguous(), beta.contiguous()
     done = {}
@@ -349,8 +362,8 @@ def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlen
         done["ws"] = wy_pass(k, v, g, beta, chunks, common)
 
     def state():
-        done["h, v_new"] = state_pass(done["ws"], cu_seqlens, first_chunk, state_slots, recurrent_states,
-                                      chunks.shape[0], common)
+        done["h, v_new"] = state_pass(done["ws"], chunks, first_chunk, cut_chunk, state_slots,
+                                      snapshot_slots if cuts else None, recurrent_states, common)
 
     def output():
         h, v_new = done["h, v_new"]
@@ -382,20 +395,23 @@ def wy_pass(k, v, g, beta, chunks, common):
     return ws
 
 
-def state_pass(ws, cu_seqlens, first_chunk, state_slots, recurrent_states, n_chunks, common):
-    """Kernel 2 over every (sequence, value head, dv block): each chunk's start state h (chunks, Hv, dk, dv) and
-    v_new (total, Hv, dv), both in the io dtype; the final states into their slots."""
+def state_pass(ws, chunks, first_chunk, cut_chunk, state_slots, snapshot_slots, recurrent_states, common):
+    """Kernel 2 over every (sequence, value head, dv block): each piece's start state h (pieces, Hv, dk, dv) and
+    v_new (total, Hv, dv), both in the io dtype; the final states into their slots, and with snapshot_slots the
+    states at the cuts into those."""
     w, u, kd, gcum = ws
-    n, hv, dk, dv = cu_seqlens.numel() - 1, u.shape[1], w.shape[2], u.shape[2]
-    h = torch.empty(n_chunks, hv, dk, dv, dtype=u.dtype, device=u.device)
+    n, hv, dk, dv = first_chunk.numel() - 1, u.shape[1], w.shape[2], u.shape[2]
+    h = torch.empty(chunks.shape[0], hv, dk, dv, dtype=u.dtype, device=u.device)
     v_new = torch.empty_like(u)
     bv = min(STATE_BV, max(16, next_power_of_2(dv)))
     while bv > 16 and n * hv * cdiv(dv, bv) < FEW_PROGRAMS:
         bv //= 2
+    slots = state_slots.to(torch.int64)
     _chunk_state_kernel[(n, hv, cdiv(dv, bv))](
-        w, u, kd, gcum, cu_seqlens.to(torch.int32), first_chunk, state_slots.to(torch.int64), recurrent_states, h,
-        v_new, **{k: common[k] for k in ("HV", "DK", "DV", "BT", "BK", "PREC", "num_warps")}, BV=bv,
-        num_stages=STATE_STAGES)
+        w, u, kd, gcum, chunks, first_chunk, cut_chunk, slots,
+        snapshot_slots.to(torch.int64) if snapshot_slots is not None else slots, recurrent_states, h, v_new,
+        **{k: common[k] for k in ("HV", "DK", "DV", "BT", "BK", "PREC", "num_warps")}, BV=bv,
+        SNAPSHOT=snapshot_slots is not None, num_stages=STATE_STAGES)
     return h, v_new
 
 
@@ -418,12 +434,14 @@ def gated_deltanet_prefill_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv
     slots = step.state_slots
     n, hv, dv = z.shape
     dk = (qkv.shape[1] - hv * dv) // (2 * num_k_heads)
-    mixed = causal_conv1d_varlen(qkv, conv_w, conv_states, slots, step.cu_seqlens, cu_seqlens_host=step.cu_seqlens_host)
+    snapshots = dict(snapshot_offsets=step.snapshot_offsets, snapshot_slots=step.snapshot_slots)
+    mixed = causal_conv1d_varlen(qkv, conv_w, conv_states, slots, step.cu_seqlens, cu_seqlens_host=step.cu_seqlens_host,
+                                 **snapshots)
     q, k, v = mixed.split([num_k_heads * dk, num_k_heads * dk, hv * dv], dim=-1)
     g, beta = gdn_gates(a, b, A_log, dt_bias)
     o = chunk_gated_delta_rule(q.view(n, num_k_heads, dk), k.view(n, num_k_heads, dk), v.view(n, hv, dv), g, beta,
                                recurrent_states=recurrent_states, state_slots=slots, cu_seqlens=step.cu_seqlens,
-                               cu_seqlens_host=step.cu_seqlens_host)
+                               cu_seqlens_host=step.cu_seqlens_host, **snapshots)
     return gated_rms_norm(o, z, norm_w, eps)
 
 

@@ -1,8 +1,9 @@
 """Where sequences lie in a flat varlen batch: shared by every varlen kernel.
 
 - `sequence_span` (in a kernel): sequence b's (start, length) from cu_seqlens.
-- `token_chunks` (on the host): the batch cut into CHUNK-token pieces that never cross a sequence, for kernels
-  whose programs each take one piece; `chunk_span` reads a piece back in a kernel.
+- `token_chunks` (on the host): the batch cut into CHUNK-token pieces that never cross a sequence (and restart at
+  a snapshot cut), for kernels whose programs each take one piece; `chunk_span` reads a piece back in a kernel.
+- `snapshot_cuts`, `host_ints`: the checked snapshot points of a step, and small host int tables moved once.
 """
 import functools
 
@@ -32,19 +33,62 @@ def chunk_span(chunk_ptr, c):
 
 
 @functools.lru_cache(maxsize=8)
-def token_chunks(cu: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pieces, 3) int32 rows [start, end, sequence]: every sequence cut into CHUNK-token pieces, in order; and
-    (N,) int32 the index of each sequence's first piece. Built from the host copy of cu_seqlens, vectorised on
-    the CPU (a Python loop costs about 1 us a piece, ~0.25 ms at 16k tokens, while the GPU waits) and moved by
-    one pinned non-blocking copy. Cached: the layers of a model step plan the same cu_seqlens (kernels only
-    read the tables)."""
-    cu_t = torch.tensor(cu, dtype=torch.int64)
-    n_chunks = (cu_t[1:] - cu_t[:-1] + CHUNK - 1) // CHUNK  # (N,)
-    first = torch.cumsum(n_chunks, 0) - n_chunks
-    seq = torch.repeat_interleave(torch.arange(len(cu) - 1), n_chunks)  # (pieces,) the sequence of each piece
-    start = cu_t[seq] + (torch.arange(seq.numel()) - first[seq]) * CHUNK
-    table = torch.stack([start, torch.minimum(start + CHUNK, cu_t[seq + 1]), seq], 1).flatten()
-    both = torch.cat([table, first]).to(torch.int32)
+def token_chunks(cu: tuple[int, ...], device, cuts: tuple[int, ...] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pieces, 3) int32 rows [start, end, sequence]: every sequence cut into CHUNK-token pieces, in order; (N+1,)
+    int32 the index of each sequence's first piece, then the piece count; (N,) int32 the index of the piece that
+    starts at sequence i's cut (cuts[i], an absolute token position strictly inside the sequence, where pieces
+    restart so that a kernel can stop there; 0: no cut), else -1. Built from the host copy of cu_seqlens,
+    vectorised on the CPU (a Python loop costs about 1 us a piece, ~0.25 ms at 16k tokens, while the GPU waits)
+    and moved by one pinned non-blocking copy. Cached: the layers of a model step plan the same cu_seqlens
+    (kernels only read the tables)."""
+    n = len(cu) - 1
+    cuts = cuts or (0,) * n
+    seg_lo, seg_hi, seg_seq = [], [], []  # segments: a sequence, or its two halves around its cut
+    for i in range(n):
+        bounds = [cu[i], cuts[i], cu[i + 1]] if cuts[i] else [cu[i], cu[i + 1]]
+        for lo, hi in zip(bounds, bounds[1:]):
+            seg_lo.append(lo), seg_hi.append(hi), seg_seq.append(i)
+    lo, hi, owner = (torch.tensor(v, dtype=torch.int64) for v in (seg_lo, seg_hi, seg_seq))
+    n_pieces = (hi - lo + CHUNK - 1) // CHUNK  # (segments,)
+    seg_first = torch.cumsum(n_pieces, 0) - n_pieces
+    seg = torch.repeat_interleave(torch.arange(len(seg_lo)), n_pieces)  # (pieces,) the segment of each piece
+    start = lo[seg] + (torch.arange(seg.numel()) - seg_first[seg]) * CHUNK
+    table = torch.stack([start, torch.minimum(start + CHUNK, hi[seg]), owner[seg]], 1).flatten()
+    first = torch.full((n + 1,), seg.numel(), dtype=torch.int64)
+    cut_piece = torch.full((n,), -1, dtype=torch.int64)
+    for s_idx in range(len(seg_lo) - 1, -1, -1):  # the first segment of a sequence sets its first piece
+        i = seg_seq[s_idx]
+        if s_idx > 0 and seg_seq[s_idx - 1] == i:
+            cut_piece[i] = seg_first[s_idx]
+        first[i] = seg_first[s_idx]
+    both = torch.cat([table, first, cut_piece]).to(torch.int32)
     if torch.device(device).type == "cuda":  # pinned and non-blocking: no wait for the work queued before it
         both = both.pin_memory().to(device, non_blocking=True)
-    return both[:3 * seq.numel()].view(-1, 3), both[3 * seq.numel():]
+    m = 3 * seg.numel()
+    return both[:m].view(-1, 3), both[m:m + n + 1], both[m + n + 1:]
+
+
+@functools.lru_cache(maxsize=8)
+def host_ints(values: tuple[int, ...], device) -> torch.Tensor:
+    """(len,) int32 on device from host ints, one pinned non-blocking copy, cached (a step's layers share it)."""
+    t = torch.tensor(values, dtype=torch.int32)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
+
+
+def snapshot_cuts(cu, snapshot_offsets, snapshot_slots, state_slots) -> tuple[int, ...] | None:
+    """Checked snapshot arguments of a varlen call (model.step snapshot_offsets): the absolute token position of
+    each sequence's snapshot (0: none), or None when there is none."""
+    if snapshot_offsets is None or not any(snapshot_offsets):
+        return None
+    n = len(cu) - 1
+    if len(snapshot_offsets) != n or not all(isinstance(o, int) for o in snapshot_offsets):
+        raise ValueError(f"snapshot_offsets must be {n} host ints, one per sequence, got {snapshot_offsets!r}"[:300])
+    for i, o in enumerate(snapshot_offsets):
+        if not 0 <= o < cu[i + 1] - cu[i]:
+            raise ValueError(f"snapshot_offsets[{i}] = {o} must lie in [0, {cu[i + 1] - cu[i]}) (its tokens)")
+    if not isinstance(snapshot_slots, torch.Tensor) or snapshot_slots.ndim != 1 or snapshot_slots.numel() != n \
+            or snapshot_slots.dtype not in (torch.int32, torch.int64) or snapshot_slots.device != state_slots.device:
+        raise ValueError(f"snapshot_slots must be a ({n},) int32/int64 tensor on {state_slots.device}, got "
+                         f"{snapshot_slots if not isinstance(snapshot_slots, torch.Tensor) else snapshot_slots.shape}")
+    return tuple(cu[i] + o if o else 0 for i, o in enumerate(snapshot_offsets))

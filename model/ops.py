@@ -122,17 +122,15 @@ def gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, re
     """The GDN mixer between its projections. qkv: (N, C); z: (N, Hv, dv); b, a: (N, Hv); conv_w: (C, K);
     conv_states: (slots, C, K-1) and recurrent_states: (slots, Hv, dk, dv) fp32, read and updated in place at
     step.state_slots. Returns gated_rms_norm(o, z): (N, Hv, dv)."""
-    args = (qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states)
-    if step.snapshot_offsets is not None and any(step.snapshot_offsets):
-        return _gated_deltanet_with_snapshots(args, step, num_k_heads, eps)
-    return _run("gated_deltanet", *args, step, num_k_heads, eps)
+    return _run("gated_deltanet", qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
+                step, num_k_heads, eps)
 
 
-def _gated_deltanet_with_snapshots(args, step: StepInput, num_k_heads, eps):
-    """gated_deltanet for a step with snapshot points, on any backend: the sequences' tokens before their points
-    run first, their slots are copied into the snapshot slots, then everything after the points runs (the GDN
-    layer is a function of (state, tokens), so two passes give the one-pass result). Only the GDN layers pay:
-    the step's other layers run once."""
+def gated_deltanet_in_two_passes(op, args, step: StepInput, num_k_heads, eps):
+    """A gated_deltanet op (`op`, which ignores snapshots) for a step with snapshot points: the sequences' tokens
+    before their points run first, their slots are copied into the snapshot slots, then everything after the
+    points runs (the GDN layer is a function of (state, tokens), so two passes give the one-pass result). The
+    reference backend's way; the Triton one writes the snapshots inside its kernels."""
     qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states = args
     cu = step.cu_seqlens_host if step.cu_seqlens_host is not None else tuple(step.cu_seqlens.tolist())
     out = torch.empty_like(z)
@@ -143,8 +141,8 @@ def _gated_deltanet_with_snapshots(args, step: StepInput, num_k_heads, eps):
         sub = StepInput(token_ids=step.token_ids[rows], positions=step.positions[rows], cu_seqlens=sub_cu,
                         cu_seqlens_host=sub_cu_host, max_seqlen_q=longest, seqused_k=step.seqused_k,
                         page_table=step.page_table, slot_mapping=step.slot_mapping[rows], state_slots=slots)
-        out[rows] = _run("gated_deltanet", qkv[rows], z[rows], b[rows], a[rows], conv_w, A_log, dt_bias, norm_w,
-                         conv_states, recurrent_states, sub, num_k_heads, eps)
+        out[rows] = op(qkv[rows], z[rows], b[rows], a[rows], conv_w, A_log, dt_bias, norm_w, conv_states,
+                       recurrent_states, sub, num_k_heads, eps)
         if rows is first[0]:  # the states at the points: into the snapshot slots
             dst = step.snapshot_slots[seqs]
             conv_states[dst] = conv_states[slots]
@@ -154,7 +152,7 @@ def _gated_deltanet_with_snapshots(args, step: StepInput, num_k_heads, eps):
 
 @functools.lru_cache(maxsize=8)
 def _snapshot_passes(cu: tuple[int, ...], offsets: tuple[int, ...], device):
-    """The two passes of _gated_deltanet_with_snapshots, each (token rows, cu_seqlens, its host copy, the sequences'
+    """The two passes of gated_deltanet_in_two_passes, each (token rows, cu_seqlens, its host copy, the sequences'
     indices), as device tensors moved once per step (every GDN layer of the step reuses them); for one sequence
     (a returning turn) the rows and the sequence are slices, so the passes take views and add no gathers."""
     for i, o in enumerate(offsets):
@@ -206,6 +204,9 @@ def _ref_paged_attention(q, k_pages, v_pages, step, scale, gate):
 
 def _ref_gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
                         step, num_k_heads, eps):
+    args = (qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states)
+    if step.snapshot_offsets is not None and any(step.snapshot_offsets):
+        return gated_deltanet_in_two_passes(_ref_gated_deltanet, args, step, num_k_heads, eps)
     slots = step.state_slots
     n, hv, dv = z.shape
     dk = (qkv.shape[1] - hv * dv) // (2 * num_k_heads)

@@ -100,3 +100,23 @@ def test_gpu_qwen_widths(dtype):
     """Qwen3.5-2B's GDN conv (6144 channels) and 9B's (8192), over a varlen batch with a decode-like row."""
     check([800, 1, 3, 2048], channels=6144, dtype=dtype, seed=11)
     check([4097, 65], channels=8192, dtype=dtype, seed=12)
+
+
+@pytest.mark.parametrize("lens, offsets", [([70, 5, 3], (64, 0, 1)), ([9], (2,)), ([2, 66], (1, 65))])
+def test_snapshot_windows(lens, offsets):
+    """snapshot_offsets: the window after each sequence's first offset tokens goes to its snapshot slot (offsets
+    below K-1 keep part of the old window), the outputs and final windows are unchanged, other slots untouched."""
+    x, w, pool, slots, cu = make(lens, 24, 4, torch.float32, seed=sum(lens), n_slots=2 * len(lens) + 1)
+    snap = torch.tensor([s for s in range(pool.shape[0]) if s not in slots.tolist()][:len(lens)], device=DEVICE)
+    plain, states = pool.clone(), pool.clone()
+    y_plain = causal_conv1d_varlen(x, w, plain, slots, cu)
+    y = causal_conv1d_varlen(x, w, states, slots, cu, snapshot_offsets=offsets, snapshot_slots=snap)
+    assert torch.equal(y, y_plain) and torch.equal(states[slots], plain[slots])
+    for i, o in enumerate(offsets):
+        if o:
+            start = int(cu[i])
+            _, window = R.causal_conv1d(x[None, start:start + o], w, initial_state=pool[slots[i]][None])
+            assert torch.equal(states[snap[i]], window[0]), f"sequence {i}: snapshot window after {o} tokens"
+    kept = [s for s in range(pool.shape[0]) if s not in slots.tolist() and s not in snap[[i for i, o in
+            enumerate(offsets) if o]].tolist()]
+    assert torch.equal(states[kept], pool[kept])
