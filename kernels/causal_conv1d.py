@@ -128,7 +128,7 @@ def causal_conv1d_varlen(x, weight, conv_states, state_slots, cu_seqlens, *, cu_
         raise ValueError(f"out must be a {tuple(x.shape)} {x.dtype} tensor with contiguous rows, "
                          f"got {tuple(out.shape)} {out.dtype}")
     snapshots = snapshot_cuts(cu, snapshot_offsets, snapshot_slots, state_slots) is not None
-    chunks, _, _ = token_chunks(tuple(cu), x.device)
+    chunks, _ = token_chunks(tuple(cu), x.device)
     blocks = cdiv(c, BLOCK_C)
     if chunks.shape[0]:
         _conv_kernel[(chunks.shape[0], blocks)](

@@ -71,7 +71,7 @@ from kernels import gdn_decode
 from kernels.causal_conv1d import causal_conv1d_varlen
 from kernels.gdn_pointwise import gated_rms_norm, gdn_gates
 from kernels.host_math import cdiv, next_power_of_2
-from kernels.varlen import CHUNK, chunk_span, snapshot_cuts, token_chunks
+from kernels.varlen import CHUNK, chunk_span, host_ints, snapshot_cuts, token_chunks
 from reference._checks import check_cu_seqlens, check_tensor
 
 SUB = tl.constexpr(16)  # the WY kernel's sub-block: the chunk's T = (I + A)^-1 by 16 x 16 blocks
@@ -205,19 +205,42 @@ def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_ptr, kd_
 
 
 @triton.jit
-def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, chunk_ptr, first_chunk_ptr, cut_chunk_ptr, slots_ptr,
-                        snap_slots_ptr, state_ptr, h_ptr, vnew_ptr, HV: tl.constexpr, DK: tl.constexpr,
-                        DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+def _state_chain(s, lo, hi, c, j, w_ptr, u_ptr, kd_ptr, gcum_ptr, h_ptr, vnew_ptr, r, rk, cols, kmask, vmask, s_off,
+                 s_mask, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+    """The chain over tokens [lo, hi) in BT-token pieces, c the first piece's index: h[c] = S; v_new = u - w S;
+    S = exp(G_last) S + kd^T v_new (two products a piece, in the workspace dtype). Returns (S, next piece)."""
+    ws = h_ptr.dtype.element_ty
+    for start in range(lo, hi, BT):
+        t = start + r
+        tm = t < hi
+        row_off = t.to(tl.int64)[:, None] * HV + j
+        tl.store(h_ptr + (c * HV + j) * (DK * DV) + s_off, s.to(ws), mask=s_mask)
+        w = tl.load(w_ptr + row_off * DK + rk[None, :], mask=tm[:, None] & kmask[None, :], other=0.0)  # (BT, BK)
+        u = tl.load(u_ptr + row_off * DV + cols[None, :], mask=tm[:, None] & vmask[None, :], other=0.0)
+        kd = tl.load(kd_ptr + row_off * DK + rk[None, :], mask=tm[:, None] & kmask[None, :], other=0.0)
+        g_last = tl.load(gcum_ptr + (tl.minimum(start + BT, hi) - 1).to(tl.int64) * HV + j)
+        v_new = u.to(tl.float32) - tl.dot(w, s.to(ws), input_precision=PREC)  # (BT, BV)
+        v_new = v_new.to(ws)
+        tl.store(vnew_ptr + row_off * DV + cols[None, :], v_new, mask=tm[:, None] & vmask[None, :])
+        s = tl.exp(g_last) * s + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
+        c += 1
+    return s, c
+
+
+@triton.jit
+def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, cu_ptr, first_chunk_ptr, cuts_ptr, slots_ptr, snap_slots_ptr,
+                        state_ptr, h_ptr, vnew_ptr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
                         SNAPSHOT: tl.constexpr):
-    # grid (N, Hv, cdiv(DV, BV)): sequence i, value head j, state columns [vb * BV, vb * BV + BV). The chain over
-    # the sequence's pieces c (token_chunks): h[c] = S; v_new = u - w S; S = exp(G_last) S + kd^T v_new; two
-    # products a piece, in the workspace dtype. SNAPSHOT: S (fp32) as it enters the piece that starts at the
-    # sequence's cut is also stored into slot snap_slots[i].
+    # grid (N, Hv, cdiv(DV, BV)): sequence i, value head j, state columns [vb * BV, vb * BV + BV): the chain through
+    # its pieces (token_chunks' order). SNAPSHOT: the pieces restart at the sequence's cut (cuts[i]; 0: none),
+    # where S (fp32) is also stored into slot snap_slots[i].
     i = tl.program_id(0)
     j = tl.program_id(1)
     vb = tl.program_id(2)
-    c0 = tl.load(first_chunk_ptr + i).to(tl.int64)  # int64: the h offsets below pass 2^31 at long T
-    c1 = tl.load(first_chunk_ptr + i + 1).to(tl.int64)
+    bos = tl.load(cu_ptr + i)
+    eos = tl.load(cu_ptr + i + 1)
+    c = tl.load(first_chunk_ptr + i).to(tl.int64)  # int64: the h offsets pass 2^31 at long T
     slot = tl.load(slots_ptr + i).to(tl.int64)
     r, rk, rv = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
     cols = vb * BV + rv
@@ -227,26 +250,15 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, chunk_ptr, first_chunk_p
     s_ptrs = state_ptr + (slot * HV + j) * (DK * DV) + s_off
     s = tl.load(s_ptrs, mask=s_mask, other=0.0)  # (BK, BV) fp32
     if SNAPSHOT:
-        cut = tl.load(cut_chunk_ptr + i)
-        snap_ptrs = state_ptr + (tl.load(snap_slots_ptr + i).to(tl.int64) * HV + j) * (DK * DV) + s_off
-    ws = h_ptr.dtype.element_ty
-    for c in range(c0, c1):
-        start, end, _ = chunk_span(chunk_ptr, c)
-        if SNAPSHOT:
-            if c == cut:
-                tl.store(snap_ptrs, s, mask=s_mask)
-        t = start + r
-        tm = t < end
-        row_off = t.to(tl.int64)[:, None] * HV + j
-        tl.store(h_ptr + (c * HV + j) * (DK * DV) + s_off, s.to(ws), mask=s_mask)
-        w = tl.load(w_ptr + row_off * DK + rk[None, :], mask=tm[:, None] & kmask[None, :], other=0.0)  # (BT, BK)
-        u = tl.load(u_ptr + row_off * DV + cols[None, :], mask=tm[:, None] & vmask[None, :], other=0.0)
-        kd = tl.load(kd_ptr + row_off * DK + rk[None, :], mask=tm[:, None] & kmask[None, :], other=0.0)
-        g_last = tl.load(gcum_ptr + (end - 1).to(tl.int64) * HV + j)
-        v_new = u.to(tl.float32) - tl.dot(w, s.to(ws), input_precision=PREC)  # (BT, BV)
-        v_new = v_new.to(ws)
-        tl.store(vnew_ptr + row_off * DV + cols[None, :], v_new, mask=tm[:, None] & vmask[None, :])
-        s = tl.exp(g_last) * s + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
+        cut = tl.load(cuts_ptr + i)
+        if cut > 0:
+            s, c = _state_chain(s, bos, cut, c, j, w_ptr, u_ptr, kd_ptr, gcum_ptr, h_ptr, vnew_ptr, r, rk, cols,
+                                kmask, vmask, s_off, s_mask, HV, DK, DV, BT, PREC)
+            snap = tl.load(snap_slots_ptr + i).to(tl.int64)
+            tl.store(state_ptr + (snap * HV + j) * (DK * DV) + s_off, s, mask=s_mask)
+            bos = cut
+    s, c = _state_chain(s, bos, eos, c, j, w_ptr, u_ptr, kd_ptr, gcum_ptr, h_ptr, vnew_ptr, r, rk, cols, kmask, vmask,
+                        s_off, s_mask, HV, DK, DV, BT, PREC)
     tl.store(s_ptrs, s, mask=s_mask)
 
 
@@ -353,7 +365,8 @@ def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlen
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     cuts = snapshot_cuts(cu, snapshot_offsets, snapshot_slots, state_slots)
-    chunks, first_chunk, cut_chunk = token_chunks(tuple(cu), q.device, cuts)
+    chunks, first_chunk = token_chunks(tuple(cu), q.device, cuts)
+    cuts_dev = host_ints(cuts, q.device) if cuts else None
     common = _constexprs(q, v, k.shape[1], use_qk_l2norm)
     g, beta = g.contiguous(), beta.contiguous()
     done = {}
@@ -362,8 +375,8 @@ def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlen
         done["ws"] = wy_pass(k, v, g, beta, chunks, common)
 
     def state():
-        done["h, v_new"] = state_pass(done["ws"], chunks, first_chunk, cut_chunk, state_slots,
-                                      snapshot_slots if cuts else None, recurrent_states, common)
+        done["h, v_new"] = state_pass(done["ws"], cu_seqlens, first_chunk, cuts_dev, state_slots,
+                                      snapshot_slots if cuts else None, recurrent_states, chunks.shape[0], common)
 
     def output():
         h, v_new = done["h, v_new"]
@@ -395,23 +408,23 @@ def wy_pass(k, v, g, beta, chunks, common):
     return ws
 
 
-def state_pass(ws, chunks, first_chunk, cut_chunk, state_slots, snapshot_slots, recurrent_states, common):
+def state_pass(ws, cu_seqlens, first_chunk, cuts, state_slots, snapshot_slots, recurrent_states, n_chunks, common):
     """Kernel 2 over every (sequence, value head, dv block): each piece's start state h (pieces, Hv, dk, dv) and
-    v_new (total, Hv, dv), both in the io dtype; the final states into their slots, and with snapshot_slots the
-    states at the cuts into those."""
+    v_new (total, Hv, dv), both in the io dtype; the final states into their slots, and with cuts ((N,) int32
+    absolute token positions, 0: none) the states there into snapshot_slots."""
     w, u, kd, gcum = ws
-    n, hv, dk, dv = first_chunk.numel() - 1, u.shape[1], w.shape[2], u.shape[2]
-    h = torch.empty(chunks.shape[0], hv, dk, dv, dtype=u.dtype, device=u.device)
+    n, hv, dk, dv = cu_seqlens.numel() - 1, u.shape[1], w.shape[2], u.shape[2]
+    h = torch.empty(n_chunks, hv, dk, dv, dtype=u.dtype, device=u.device)
     v_new = torch.empty_like(u)
     bv = min(STATE_BV, max(16, next_power_of_2(dv)))
     while bv > 16 and n * hv * cdiv(dv, bv) < FEW_PROGRAMS:
         bv //= 2
     slots = state_slots.to(torch.int64)
     _chunk_state_kernel[(n, hv, cdiv(dv, bv))](
-        w, u, kd, gcum, chunks, first_chunk, cut_chunk, slots,
+        w, u, kd, gcum, cu_seqlens.to(torch.int32), first_chunk, cuts if cuts is not None else first_chunk, slots,
         snapshot_slots.to(torch.int64) if snapshot_slots is not None else slots, recurrent_states, h, v_new,
         **{k: common[k] for k in ("HV", "DK", "DV", "BT", "BK", "PREC", "num_warps")}, BV=bv,
-        SNAPSHOT=snapshot_slots is not None, num_stages=STATE_STAGES)
+        SNAPSHOT=cuts is not None, num_stages=STATE_STAGES)
     return h, v_new
 
 

@@ -33,15 +33,13 @@ def chunk_span(chunk_ptr, c):
 
 
 @functools.lru_cache(maxsize=8)
-def token_chunks(cu: tuple[int, ...], device, cuts: tuple[int, ...] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pieces, 3) int32 rows [start, end, sequence]: every sequence cut into CHUNK-token pieces, in order; (N+1,)
-    int32 the index of each sequence's first piece, then the piece count; (N,) int32 the index of the piece that
-    starts at sequence i's cut (cuts[i], an absolute token position strictly inside the sequence, where pieces
-    restart so that a kernel can stop there; 0: no cut), else -1. Built from the host copy of cu_seqlens,
-    vectorised on the CPU (a Python loop costs about 1 us a piece, ~0.25 ms at 16k tokens, while the GPU waits)
-    and moved by one pinned non-blocking copy. Cached: the layers of a model step plan the same cu_seqlens
-    (kernels only read the tables)."""
+def token_chunks(cu: tuple[int, ...], device, cuts: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pieces, 3) int32 rows [start, end, sequence]: every sequence cut into CHUNK-token pieces, in order, restarting
+    at its cut (cuts[i]: an absolute token position strictly inside sequence i where a kernel stops for a
+    snapshot; 0: none); and (N,) int32 the index of each sequence's first piece. Built from the host copy of
+    cu_seqlens, vectorised on the CPU (a Python loop costs about 1 us a piece, ~0.25 ms at 16k tokens, while the
+    GPU waits) and moved by one pinned non-blocking copy. Cached: the layers of a model step plan the same
+    cu_seqlens (kernels only read the tables)."""
     n = len(cu) - 1
     cuts = cuts or (0,) * n
     seg_lo, seg_hi, seg_seq = [], [], []  # segments: a sequence, or its two halves around its cut
@@ -55,18 +53,11 @@ def token_chunks(cu: tuple[int, ...], device, cuts: tuple[int, ...] | None = Non
     seg = torch.repeat_interleave(torch.arange(len(seg_lo)), n_pieces)  # (pieces,) the segment of each piece
     start = lo[seg] + (torch.arange(seg.numel()) - seg_first[seg]) * CHUNK
     table = torch.stack([start, torch.minimum(start + CHUNK, hi[seg]), owner[seg]], 1).flatten()
-    first = torch.full((n + 1,), seg.numel(), dtype=torch.int64)
-    cut_piece = torch.full((n,), -1, dtype=torch.int64)
-    for s_idx in range(len(seg_lo) - 1, -1, -1):  # the first segment of a sequence sets its first piece
-        i = seg_seq[s_idx]
-        if s_idx > 0 and seg_seq[s_idx - 1] == i:
-            cut_piece[i] = seg_first[s_idx]
-        first[i] = seg_first[s_idx]
-    both = torch.cat([table, first, cut_piece]).to(torch.int32)
+    first = seg_first[torch.searchsorted(owner, torch.arange(n))]  # each sequence's first segment's first piece
+    both = torch.cat([table, first]).to(torch.int32)
     if torch.device(device).type == "cuda":  # pinned and non-blocking: no wait for the work queued before it
         both = both.pin_memory().to(device, non_blocking=True)
-    m = 3 * seg.numel()
-    return both[:m].view(-1, 3), both[m:m + n + 1], both[m + n + 1:]
+    return both[:3 * seg.numel()].view(-1, 3), both[3 * seg.numel():]
 
 
 @functools.lru_cache(maxsize=8)

@@ -125,24 +125,21 @@ def test_correlated_keys_weak_decay_fp32():
 @given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 299)), min_size=1, max_size=8))
 def test_token_chunks_cut_every_sequence(lens_and_cuts):
     """The vectorised chunk table against the plain loop: CHUNK-token spans of each sequence, in order, with their
-    sequence, restarting at the sequence's cut (a snapshot point strictly inside it, when it has one); each
-    sequence's first chunk and the count; the chunk that starts at each cut."""
+    sequence, restarting at the sequence's cut (a snapshot point strictly inside it, when it has one), and each
+    sequence's first chunk (empty sequences have none: the next one's)."""
     lens = [n for n, _ in lens_and_cuts]
     cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
     offsets = [o if 0 < o < n else 0 for n, o in lens_and_cuts]
     cuts = tuple(cu[i] + o if o else 0 for i, o in enumerate(offsets))
-    spans, first, at_cut = [], [], []
+    spans, first = [], []
     for i, (b, e) in enumerate(zip(cu[:-1], cu[1:])):
         first.append(len(spans))
         bounds = [b, cuts[i], e] if cuts[i] else [b, e]
-        at_cut.append(-1)
-        for j, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-            if j == 1:
-                at_cut[-1] = len(spans)
+        for lo, hi in zip(bounds, bounds[1:]):
             spans += [[s, min(s + CHUNK, hi), i] for s in range(lo, hi, CHUNK)]
-    table, first_chunk, cut_chunk = token_chunks(tuple(cu), "cpu", cuts if any(cuts) else None)
-    assert table.dtype == first_chunk.dtype == cut_chunk.dtype == torch.int32 and table.shape == (len(spans), 3)
-    assert table.tolist() == spans and first_chunk.tolist() == first + [len(spans)] and cut_chunk.tolist() == at_cut
+    table, first_chunk = token_chunks(tuple(cu), "cpu", cuts if any(cuts) else None)
+    assert table.dtype == first_chunk.dtype == torch.int32 and table.shape == (len(spans), 3)
+    assert table.tolist() == spans and first_chunk.tolist() == first
 
 
 def prefill_step(lens, slots) -> StepInput:
@@ -288,7 +285,7 @@ for io, prec in (("bf16", "tf32"), ("fp32", "ieee")):
         fn = kern.fn if isinstance(kern, triton.runtime.Autotuner) else kern  # the JITFunction
         for cfg in configs:
             const = {n: v for n, v in dict(common, PREC=prec, **cfg.kwargs).items() if n in fn.arg_names}
-            i32 = ("chunk_ptr", "first_chunk_ptr", "cut_chunk_ptr")
+            i32 = ("chunk_ptr", "cu_ptr", "first_chunk_ptr", "cuts_ptr")
             sig = {n: "constexpr" if n in const else "*i32" if n in i32 else
                    "*i64" if n in ("slots_ptr", "snap_slots_ptr") else "*fp32" if n in fp32 else
                    f"*{io}" if n.endswith("_ptr") else "fp32" if n == "scale" else "i32" for n in fn.arg_names}
