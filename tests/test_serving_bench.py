@@ -57,3 +57,10 @@ def test_bench_smoke_on_the_cpu(model, tmp_path, capsys):
     assert all(u["final_answer_s"] > 0 for u in run["users"])
     saved = json.loads((tmp_path / "serving.json").read_text())
     assert "custom|short|c2|cpu|graphs" in saved["runs"] and "command" in saved and "environment" in saved
+
+
+def test_host_time_profiles_a_returning_step_on_the_cpu(capsys):
+    from profiles import host_time
+    result = host_time.main(["--ctx", "40", "--new", "9", "--device", "cpu", "--top", "3"])
+    assert result["wall_ms"] > 0 and len(result["ops"]) == 3 and result["ops"][0]["calls"] >= 1
+    assert "one step of 9 new tokens over 40 cached" in capsys.readouterr().out

@@ -1,0 +1,81 @@
+"""Where an eager engine step's time goes: `python -m profiles.host_time --model qwen3.5-2b --ctx 50000 --new 800`.
+
+A returning agent turn (ctx cached tokens, then `new` more) is one eager prefill step. This builds the engine
+(random weights), warms it up (LLMEngine.warm_up), caches the context, then times the returning turn's step
+with torch.profiler: the step's wall time, the GPU's busy time, and the host time by operator (self CPU), with
+the kernel launches counted by name. A step whose wall time is far above its GPU time is host-bound: its
+launches and the Python around them are the cost (on the H200 a 2B step of 800 tokens runs ~12 ms of kernels).
+"""
+import argparse
+import time
+from collections import Counter
+
+import torch
+
+from model import ops
+from profiles.common import print_table
+from serving.config import EngineConfig
+from serving.demo import load_model, pick_device
+from serving.engine import LLMEngine
+from serving.sequence import SamplingParams
+
+
+def returning_step(engine: LLMEngine, ctx: int, new: int, seed: int = 0) -> int:
+    """Cache a ctx-token conversation, queue its returning turn (new tokens), and schedule it; returns the queued
+    request's id after the context is cached (the caller runs engine.step())."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+    history = torch.randint(vocab, (ctx,), generator=gen).tolist()
+    out = engine.generate([history], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    turn = history + out.output_ids + torch.randint(vocab, (new,), generator=gen).tolist()
+    return engine.add_request(turn, SamplingParams(max_tokens=1, ignore_eos=True))
+
+
+def profile_step(engine: LLMEngine) -> tuple[float, list[dict], Counter]:
+    """One engine step under torch.profiler: (wall ms, the top operators by self CPU time, kernels by name)."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = 1e3 * (time.perf_counter() - start)
+    events = prof.key_averages()
+    rows = sorted(({"op": e.key[:60], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                    "gpu_ms": getattr(e, "self_device_time_total", 0) / 1e3} for e in events),
+                  key=lambda r: -r["self_cpu_ms"])
+    kernels = Counter({e.key[:60]: e.count for e in events if getattr(e, "self_device_time_total", 0) > 0})
+    return wall, rows, kernels
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="preset (random weights); default qwen3.5-2b on the GPU, tiny on "
+                                                  "the CPU")
+    ap.add_argument("--ctx", type=int, default=8192, help="cached tokens before the turn")
+    ap.add_argument("--new", type=int, default=800, help="new tokens of the returning turn")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--top", type=int, default=20, help="operators to list")
+    args = ap.parse_args(argv)
+    device = pick_device(args.device)
+    ops.set_backend("triton" if device.type == "cuda" else "reference")
+    model, what = load_model(args.model or ("qwen3.5-2b" if device.type == "cuda" else "tiny"), device)
+    max_len = args.ctx + args.new + 64
+    common = dict(max_num_seqs=1, max_model_len=max_len, snapshot_slots=4)
+    cfg = (EngineConfig.for_gpu_memory(0.8, **common) if device.type == "cuda"
+           else EngineConfig.for_token_budget(2 * max_len, **common))
+    engine = LLMEngine(model, cfg)
+    engine.warm_up()
+    returning_step(engine, args.ctx, args.new)
+    wall, rows, kernels = profile_step(engine)
+    busy = sum(r["gpu_ms"] for r in rows)
+    print(f"{what} on {device}: one step of {args.new} new tokens over {args.ctx} cached: wall {wall:.1f} ms, "
+          f"GPU busy {busy:.1f} ms, {sum(kernels.values())} kernels, {sum(r['calls'] for r in rows)} operator calls")
+    print_table(rows[:args.top], ["op", "calls", "self_cpu_ms", "gpu_ms"])
+    return dict(wall_ms=wall, gpu_busy_ms=busy, kernels=dict(kernels), ops=rows[:args.top])
+
+
+if __name__ == "__main__":
+    main()
