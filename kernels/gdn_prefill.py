@@ -15,6 +15,9 @@ fp32. Kernel 2 `_chunk_state_kernel`, grid (N, Hv, dv / BV), is the only sequent
 (dk, BV) slice of S in fp32 registers through its sequence's chunks, two products a chunk, storing each chunk's
 start state h (chunks, Hv, dk, dv) and v_new (total, Hv, dv) in the io dtype, and finally S in place into
 recurrent_states[state_slots[i]], i.e. straight into the decode step's (kernels/gdn_decode.py) slot layout.
+A snapshot inside a sequence (the prefix cache's, at snapshot_offsets[i]) restarts the chunks there
+(kernels.varlen.token_chunks with cuts), and kernel 2 also stores S as it reaches that token into
+recurrent_states[snapshot_slots[i]]: no second pass.
 Kernel 3 `_chunk_output_kernel`, grid (chunks, Hv, dv / BV), forms o from h, v_new and the chunk's q, k.
 Precision: fp32 io runs every product in exact fp32 ("ieee"; the interpreter always does). 16-bit io runs kernel 1's
 products in tf32 and its solve in exact fp32, and the products after it on 16-bit operands (w, kd, v_new, h and
