@@ -339,9 +339,11 @@ def main(argv=None, model=None) -> dict:
                requests=[request_row(r) for r in requests])
     if device.type == "cuda":
         run["ceilings"] = bandwidth_ceilings(2.0)
+    if args.hf_baseline and device.type != "cuda":
+        raise SystemExit("--hf-baseline needs the GPU")
+    path = save(run, run_key(args), args.out_dir)  # before the baseline: a run cut short during it keeps ours
+    out.write(f"wrote {path}\n")
     if args.hf_baseline:
-        if device.type != "cuda":
-            raise SystemExit("--hf-baseline needs the GPU")
         del engine, runner
         gc.collect()
         torch.cuda.empty_cache()
@@ -353,8 +355,7 @@ def main(argv=None, model=None) -> dict:
         out.write(f"HF transformers {hf['transformers']} (fla {hf['fla']}) greedy generate, batch 1, "
                   f"{args.hf_prompt}-token prompt: {hf['decode_tok_s']:.1f} tok/s; ours per user "
                   f"{overall['decode_tok_s']:.1f} tok/s = {hf['ratio']:.1f}x\n")
-    path = save(run, run_key(args), args.out_dir)
-    out.write(f"wrote {path}\n")
+        out.write(f"wrote {save(run, run_key(args), args.out_dir)}\n")
     return run
 
 
