@@ -292,6 +292,8 @@ def main(argv=None, model=None) -> dict:
     args = ap.parse_args(argv)
     out = sys.stdout
     device = pick_device(args.device)
+    if args.hf_baseline and device.type != "cuda":
+        raise SystemExit("--hf-baseline needs the GPU")
     args.device_name = device.type
     ops.set_backend(args.ops if args.ops != "auto" else ("triton" if device.type == "cuda" else "reference"))
     if model is None:
@@ -339,8 +341,6 @@ def main(argv=None, model=None) -> dict:
                requests=[request_row(r) for r in requests])
     if device.type == "cuda":
         run["ceilings"] = bandwidth_ceilings(2.0)
-    if args.hf_baseline and device.type != "cuda":
-        raise SystemExit("--hf-baseline needs the GPU")
     path = save(run, run_key(args), args.out_dir)  # before the baseline: a run cut short during it keeps ours
     out.write(f"wrote {path}\n")
     if args.hf_baseline:

@@ -64,3 +64,9 @@ def test_host_time_profiles_a_returning_step_on_the_cpu(capsys):
     result = host_time.main(["--ctx", "40", "--new", "9", "--device", "cpu", "--top", "3"])
     assert result["wall_ms"] > 0 and len(result["ops"]) == 3 and result["ops"][0]["calls"] >= 1
     assert "one step of 9 new tokens over 40 cached" in capsys.readouterr().out
+
+
+def test_hf_baseline_needs_the_gpu():
+    from serving import bench
+    with pytest.raises(SystemExit, match="needs the GPU"):
+        bench.main(["--device", "cpu", "--hf-baseline"])
