@@ -15,15 +15,14 @@ Two launches, no host sync (the reference reads cu_seqlens on the host and loops
 Bound: x read about once (K taps hit L1/L2) and y written once: at 800 tokens x 6144 channels in bf16, 20 MB,
 about 5 us at 4 TB/s.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.host_math import cdiv, next_power_of_2
-from kernels.varlen import CHUNK, chunk_span, host_ints, snapshot_cuts, token_chunks
-from reference._checks import check_cu_seqlens, check_tensor
+from kernels.norms import check_devices
+from kernels.varlen import CHUNK, chunk_span, host_ints, token_chunks
+from reference._checks import check_cu_seqlens, check_snapshots, check_tensor
 
 BLOCK_C = 128
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -104,8 +103,7 @@ def _check(x, weight, conv_states, state_slots, cu_seqlens, cu_seqlens_host):
     cu = check_cu_seqlens("cu_seqlens", cu_seqlens, x.shape[0], cu_seqlens_host)
     if state_slots.numel() != len(cu) - 1:
         raise ValueError(f"state_slots must have one slot per sequence ({len(cu) - 1}), got {state_slots.numel()}")
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"x must be on a CUDA device (or run with TRITON_INTERPRET=1), got {x.device}")
+    check_devices(x=x)
     return cu
 
 
@@ -127,7 +125,7 @@ def causal_conv1d_varlen(x, weight, conv_states, state_slots, cu_seqlens, *, cu_
     elif out.shape != x.shape or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be a {tuple(x.shape)} {x.dtype} tensor with contiguous rows, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    snapshots = snapshot_cuts(cu, snapshot_offsets, snapshot_slots, state_slots) is not None
+    snapshots = check_snapshots(cu, snapshot_offsets, snapshot_slots, state_slots) is not None
     chunks, _ = token_chunks(tuple(cu), x.device)
     blocks = cdiv(c, BLOCK_C)
     if chunks.shape[0]:

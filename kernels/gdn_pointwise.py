@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from kernels.host_math import cdiv, next_power_of_2
-from reference._checks import check_same_device, check_tensor
+from kernels.norms import check_devices
+from reference._checks import check_tensor
 
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch.nn.functional.softplus returns x above it
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -77,7 +78,7 @@ def gdn_gates(a, b, A_log, dt_bias):
     check_tensor("b", b, ndim=2, dtype=FLOATS)
     check_tensor("A_log", A_log, ndim=1, dtype=FLOATS)
     check_tensor("dt_bias", dt_bias, ndim=1, dtype=FLOATS)
-    check_same_device(a=a, b=b, A_log=A_log, dt_bias=dt_bias)
+    check_devices(a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     n, h = a.shape
     if b.shape != a.shape or A_log.shape != (h,) or dt_bias.shape != (h,):
         raise ValueError(f"b {tuple(b.shape)}, A_log {tuple(A_log.shape)} and dt_bias {tuple(dt_bias.shape)} must "
@@ -90,8 +91,8 @@ def gdn_gates(a, b, A_log, dt_bias):
     hp = next_power_of_2(h)
     bt = max(1, TILE // hp)
     if n:
-        _gates_kernel[(cdiv(n, bt),)](a, b, A_log, dt_bias, g, beta, n, a.stride(0), b.stride(0), H=h, HP=hp,
-                                             BT=bt, num_warps=4)
+        _gates_kernel[(cdiv(n, bt),)](a, b, A_log, dt_bias, g, beta, n, a.stride(0), b.stride(0), H=h, HP=hp, BT=bt,
+                                      num_warps=4)
     return g, beta
 
 
@@ -101,7 +102,7 @@ def gated_rms_norm(x, z, weight, eps):
     check_tensor("x", x, ndim=3, dtype=FLOATS)
     check_tensor("z", z, ndim=3, dtype=x.dtype)
     check_tensor("weight", weight, ndim=1, dtype=FLOATS)
-    check_same_device(x=x, z=z, weight=weight)
+    check_devices(x=x, z=z, weight=weight)
     n, h, dv = x.shape
     if z.shape != x.shape or weight.shape != (dv,):
         raise ValueError(f"z {tuple(z.shape)} and weight {tuple(weight.shape)} must match x {tuple(x.shape)}")

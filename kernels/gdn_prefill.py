@@ -74,8 +74,8 @@ from kernels import gdn_decode
 from kernels.causal_conv1d import causal_conv1d_varlen
 from kernels.gdn_pointwise import gated_rms_norm, gdn_gates
 from kernels.host_math import cdiv, next_power_of_2
-from kernels.varlen import CHUNK, chunk_span, host_ints, snapshot_cuts, token_chunks
-from reference._checks import check_cu_seqlens, check_tensor
+from kernels.varlen import CHUNK, chunk_span, host_ints, token_chunks
+from reference._checks import check_cu_seqlens, check_snapshots, check_tensor
 
 SUB = tl.constexpr(16)  # the WY kernel's sub-block: the chunk's T = (I + A)^-1 by 16 x 16 blocks
 L2NORM_EPS = tl.constexpr(1e-6)
@@ -367,7 +367,7 @@ def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlen
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
-    cuts = snapshot_cuts(cu, snapshot_offsets, snapshot_slots, state_slots)
+    cuts = check_snapshots(cu, snapshot_offsets, snapshot_slots, state_slots)
     chunks, first_chunk = token_chunks(tuple(cu), q.device, cuts)
     cuts_dev = host_ints(cuts, q.device) if cuts else None
     common = _constexprs(q, v, k.shape[1], use_qk_l2norm)

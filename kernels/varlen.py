@@ -3,7 +3,7 @@
 - `sequence_span` (in a kernel): sequence b's (start, length) from cu_seqlens.
 - `token_chunks` (on the host): the batch cut into CHUNK-token pieces that never cross a sequence (and restart at
   a snapshot cut), for kernels whose programs each take one piece; `chunk_span` reads a piece back in a kernel.
-- `snapshot_cuts`, `host_ints`: the checked snapshot points of a step, and small host int tables moved once.
+- `host_ints`: small host int tables (a step's snapshot offsets) moved once.
 """
 import functools
 
@@ -65,21 +65,3 @@ def host_ints(values: tuple[int, ...], device) -> torch.Tensor:
     """(len,) int32 on device from host ints, one pinned non-blocking copy, cached (a step's layers share it)."""
     t = torch.tensor(values, dtype=torch.int32)
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
-
-
-def snapshot_cuts(cu, snapshot_offsets, snapshot_slots, state_slots) -> tuple[int, ...] | None:
-    """Checked snapshot arguments of a varlen call (model.step snapshot_offsets): the absolute token position of
-    each sequence's snapshot (0: none), or None when there is none."""
-    if snapshot_offsets is None or not any(snapshot_offsets):
-        return None
-    n = len(cu) - 1
-    if len(snapshot_offsets) != n or not all(isinstance(o, int) for o in snapshot_offsets):
-        raise ValueError(f"snapshot_offsets must be {n} host ints, one per sequence, got {snapshot_offsets!r}"[:300])
-    for i, o in enumerate(snapshot_offsets):
-        if not 0 <= o < cu[i + 1] - cu[i]:
-            raise ValueError(f"snapshot_offsets[{i}] = {o} must lie in [0, {cu[i + 1] - cu[i]}) (its tokens)")
-    if not isinstance(snapshot_slots, torch.Tensor) or snapshot_slots.ndim != 1 or snapshot_slots.numel() != n \
-            or snapshot_slots.dtype not in (torch.int32, torch.int64) or snapshot_slots.device != state_slots.device:
-        raise ValueError(f"snapshot_slots must be a ({n},) int32/int64 tensor on {state_slots.device}, got "
-                         f"{snapshot_slots if not isinstance(snapshot_slots, torch.Tensor) else snapshot_slots.shape}")
-    return tuple(cu[i] + o if o else 0 for i, o in enumerate(snapshot_offsets))

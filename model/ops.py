@@ -16,6 +16,7 @@ import torch
 
 import reference as R
 from model.step import StepInput
+from reference._checks import check_snapshots
 
 _BACKENDS: dict[str, dict[str, Callable]] = {}
 _active = "reference"
@@ -133,6 +134,7 @@ def gated_deltanet_in_two_passes(op, args, step: StepInput, num_k_heads, eps):
     reference backend's way; the Triton one writes the snapshots inside its kernels."""
     qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states = args
     cu = step.cu_seqlens_host if step.cu_seqlens_host is not None else tuple(step.cu_seqlens.tolist())
+    check_snapshots(cu, step.snapshot_offsets, step.snapshot_slots, step.state_slots)
     out = torch.empty_like(z)
     first, rest = _snapshot_passes(tuple(cu), tuple(step.snapshot_offsets), qkv.device)
     for rows, sub_cu, sub_cu_host, seqs in (first, rest):
@@ -155,20 +157,15 @@ def _snapshot_passes(cu: tuple[int, ...], offsets: tuple[int, ...], device):
     """The two passes of gated_deltanet_in_two_passes, each (token rows, cu_seqlens, its host copy, the sequences'
     indices), as device tensors moved once per step (every GDN layer of the step reuses them); for one sequence
     (a returning turn) the rows and the sequence are slices, so the passes take views and add no gathers."""
-    for i, o in enumerate(offsets):
-        if not 0 <= o < cu[i + 1] - cu[i]:
-            raise ValueError(f"snapshot_offsets[{i}] = {o} must lie in [0, {cu[i + 1] - cu[i]}) (the chunk's tokens)")
+    pin = torch.device(device).type == "cuda"
+    move = lambda values, dtype: torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
     snap = [i for i, o in enumerate(offsets) if o]
     if len(offsets) == 1:
         o, n = offsets[0], cu[1]
-        cu_first, cu_rest = (0, o), (0, n - o)
-        move = lambda values: torch.tensor(values, dtype=torch.int32).to(device)
-        return [(slice(0, o), move(cu_first), cu_first, slice(0, 1)),
-                (slice(o, n), move(cu_rest), cu_rest, slice(0, 1))]
+        return [(slice(0, o), move((0, o), torch.int32), (0, o), slice(0, 1)),
+                (slice(o, n), move((0, n - o), torch.int32), (0, n - o), slice(0, 1))]
     before = [range(cu[i], cu[i] + offsets[i]) for i in snap]
     after = [range(cu[i] + offsets[i], cu[i + 1]) for i in range(len(offsets))]
-    pin = torch.device(device).type == "cuda"
-    move = lambda values, dtype: torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
     passes = []
     for pieces, seqs in ((before, snap), (after, range(len(offsets)))):
         sub_cu = [0]

@@ -34,3 +34,22 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, host=None) -> list
     if c[0] != 0 or c[-1] != total or any(b < a for a, b in zip(c, c[1:])):
         raise ValueError(f"{name if host is None else name + '_host'} must rise from 0 to {total}, got {c}")
     return c
+
+
+def check_snapshots(cu: list[int], offsets, slots, state_slots) -> tuple[int, ...] | None:
+    """A varlen call's snapshot arguments (model.step snapshot_offsets / snapshot_slots), checked against its
+    cu_seqlens values cu: the absolute token position of each sequence's snapshot (0: none), or None when there
+    is none."""
+    if offsets is None or not any(offsets):
+        return None
+    n = len(cu) - 1
+    if len(offsets) != n or not all(isinstance(o, int) for o in offsets):
+        raise ValueError(f"snapshot_offsets must be {n} host ints, one per sequence, got {offsets!r}"[:300])
+    for i, o in enumerate(offsets):
+        if not 0 <= o < cu[i + 1] - cu[i]:
+            raise ValueError(f"snapshot_offsets[{i}] = {o} must lie in [0, {cu[i + 1] - cu[i]}) (its tokens)")
+    if not isinstance(slots, torch.Tensor) or slots.ndim != 1 or slots.numel() != n \
+            or slots.dtype not in (torch.int32, torch.int64) or slots.device != state_slots.device:
+        raise ValueError(f"snapshot_slots must be a ({n},) int32/int64 tensor on {state_slots.device}, got "
+                         f"{slots.shape if isinstance(slots, torch.Tensor) else slots!r}")
+    return tuple(cu[i] + o if o else 0 for i, o in enumerate(offsets))

@@ -5,9 +5,8 @@ at most fast_lane_tokens left to compute, i.e. returning agent sessions); then r
 then cold waiting requests, in arrival order. Prefill chunks end on page boundaries, where the GDN state is
 snapshotted for the prefix cache; the snapshots a chunk passes (the prompt's last page boundary, a branch point)
 are written by the step itself into reserved slots (model.step snapshot_offsets), so that a returning turn is
-one step. When a running sequence
-cannot get a page, the newest running sequence is preempted: its pages go back (computed full pages stay
-cached), and it waits to be recomputed, mostly from the prefix cache.
+one step. When a running sequence cannot get a page, the newest running sequence is preempted: its pages go back
+(computed full pages stay cached), and it waits to be recomputed, mostly from the prefix cache.
 """
 from collections import deque
 
@@ -182,7 +181,7 @@ class Scheduler:
             seq.num_computed_tokens = c.end
             self.block_manager.publish_computed_pages(seq)
             if seq.pending_snapshot_slot is not None:  # the step wrote the state at the point inside the chunk
-                key = seq.page_hashes(seq.pending_snapshot_tokens // self.page_size, self.page_size)[-1]
+                key = self._key_at(seq, seq.pending_snapshot_tokens)
                 self.state_cache.publish_private(seq.pending_snapshot_slot, key)
                 seq.pending_snapshot_slot = None
             if seq.num_computed_tokens % self.page_size == 0:
@@ -191,7 +190,7 @@ class Scheduler:
     def _snapshot(self, seq: Sequence) -> None:
         """At a page boundary n: a published snapshot inside the prompt, else seq's rolling one."""
         n = seq.num_computed_tokens
-        key = seq.page_hashes(n // self.page_size, self.page_size)[-1]
+        key = self._key_at(seq, n)
         if n <= seq.num_prompt_tokens:
             self.state_cache.save(key, seq.state_slot)
             return
@@ -199,10 +198,14 @@ class Scheduler:
         if slot is not None:
             seq.rolling_snapshot_slot, seq.rolling_snapshot_tokens = slot, n
 
+    def _key_at(self, seq: Sequence, n: int) -> int:
+        """The snapshot key of seq's state after n tokens (page-aligned): the hash of the page that ends there."""
+        return seq.page_hashes(n // self.page_size, self.page_size)[-1]
+
     def _release(self, seq: Sequence) -> None:
         """Give back seq's pages and slot; its rolling snapshot is published for later requests."""
         if seq.rolling_snapshot_slot is not None:
-            key = seq.page_hashes(seq.rolling_snapshot_tokens // self.page_size, self.page_size)[-1]
+            key = self._key_at(seq, seq.rolling_snapshot_tokens)
             self.state_cache.publish_private(seq.rolling_snapshot_slot, key)
             seq.rolling_snapshot_slot = None
         if seq.pending_snapshot_slot is not None:  # scheduled but never committed (a failed step, a preemption)
