@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.host_math import cdiv
 from kernels.norms import FLOATS, check_devices, rows_view
 from reference._checks import check_tensor
@@ -16,8 +17,10 @@ BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(gu_ptr, out_ptr, inter, gu_stride, out_stride, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gu_ptr, out_ptr, inter, gu_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # row r: out[r, c] = silu(gu[r, c]) * gu[r, inter + c] for the BLOCK columns c of this program
+    pdl.wait_for_producer(PDL)
+    pdl.release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -59,7 +62,8 @@ def silu_and_mul(gate_up, out=None):
     gu2, o2 = rows_view("gate_up", gate_up), rows_view("out", out)
     if gu2.shape[0] and inter:
         grid = (gu2.shape[0], cdiv(inter, BLOCK))
-        _silu_and_mul_kernel[grid](gu2, o2, inter, gu2.stride(0), o2.stride(0), BLOCK=BLOCK, num_warps=4)
+        _silu_and_mul_kernel[grid](gu2, o2, inter, gu2.stride(0), o2.stride(0), BLOCK=BLOCK, num_warps=4,
+                                   **pdl.launch_options(gate_up.device))
     return out
 
 

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.gdn_pointwise import gate_values, gated_norm
 from kernels.host_math import next_power_of_2
 from model.ops import _BACKENDS
@@ -107,9 +108,11 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
                        stride_b, stride_a, scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr,
-                       GP: tl.constexpr):
+                       GP: tl.constexpr, PDL: tl.constexpr):
     # grid (Hk, B, NS): key head kh of sequence seq, columns [split * BV / NS, ...) of its HV // HK value heads'
     # states, G heads at a time
+    pdl.wait_for_producer(PDL)
+    pdl.release_dependents(PDL)
     kh = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -271,7 +274,7 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, ws_o, arrivals,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, float(eps), HK=hk, HV=hv, DK=dk, DV=dv,
         K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), NS=ns, GP=next_power_of_2(hv // hk),
-        num_warps=max(MIN_WARPS, min(8, g * bk * bv // ns // STATE_PER_THREAD // 32)))
+        num_warps=max(MIN_WARPS, min(8, g * bk * bv // ns // STATE_PER_THREAD // 32)), **pdl.launch_options(qkv.device))
     return out
 
 

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.host_math import cdiv, next_power_of_2
 from reference._checks import check_same_device, check_tensor
 
@@ -52,8 +53,10 @@ def _launch_shape(n: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_rows, n, x_stride, res_stride, out_stride, eps,
-                     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     # rows [pid*ROWS, pid*ROWS + ROWS) of x (n_rows, n); with HAS_RES, s = x + res is stored into res first
+    pdl.wait_for_producer(PDL)
+    pdl.release_dependents(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)                     # (ROWS,)
     cols = tl.arange(0, BLOCK_N)                                             # (BLOCK_N,)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n)                   # (ROWS, BLOCK_N)
@@ -92,7 +95,8 @@ def _norm(x, residual, weight, eps, out):
     block_n, rows, warps = _launch_shape(n)
     _rms_norm_kernel[(cdiv(n_rows, rows),)](
         x2, r2, weight, o2, n_rows, n, x2.stride(0), r2.stride(0), o2.stride(0), float(eps),
-        HAS_RES=residual is not None, BLOCK_N=block_n, ROWS=rows, num_warps=warps)
+        HAS_RES=residual is not None, BLOCK_N=block_n, ROWS=rows, num_warps=warps,
+        **pdl.launch_options(x.device))
     return out
 
 

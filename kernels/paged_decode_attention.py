@@ -92,8 +92,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels import pdl
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.varlen import sequence_span
 from reference._checks import check_same_device, check_tensor
@@ -145,12 +145,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return H200_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.lru_cache
-def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (sm_90+): the combine kernel launches while the split kernel runs."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.lru_cache(maxsize=1024)
@@ -251,8 +245,8 @@ def _split_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:
-        gdc_launch_dependents()  # let the combine kernel launch now; it waits for this grid to finish
+    pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
+    pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -360,8 +354,8 @@ def _chunk_kernel(
 ):
     # grid (B * m_blocks, KV, S); seqlen_q: every sequence's q_len when not VARLEN; only sequences with
     # Q_MIN <= q_len <= Q_MAX (0: no bound) are done here (a mixed step runs its decode rows in small tiles)
-    if PDL:
-        gdc_launch_dependents()  # let the combine kernel launch now; it waits for this grid to finish
+    pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
+    pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
     b = tl.program_id(0) // m_blocks
     m0 = (tl.program_id(0) % m_blocks) * BLOCK_M  # first packed row of this M-block
     kvh = tl.program_id(1)
@@ -415,8 +409,7 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        gdc_wait()  # launched early (programmatic dependent launch): wait for the split kernel's writes
+    pdl.wait_for_producer(PDL)  # launched early: wait for the split kernel's writes
     token = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -441,8 +434,7 @@ def _combine_rows_kernel(
 ):
     """The chunk variant's combine: grid (cdiv(N * H, ROWS), D / BLOCK_D), ROWS (token, head) rows a program,
     the same sum as `_combine_kernel` (chunks have many rows and few splits, so rows are batched)."""
-    if PDL:
-        gdc_wait()  # launched early (programmatic dependent launch): wait for the split kernel's writes
+    pdl.wait_for_producer(PDL)  # launched early: wait for the split kernel's writes
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,) rows token * H + head
     r_ok = r < num_rows
     sp = tl.arange(0, BLOCK_S)
@@ -577,7 +569,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
             workspace = alloc_workspace(n_tokens, num_heads, num_splits, head_dim, q.device)
         _check_workspace(workspace, n_tokens * num_heads * num_splits, head_dim, q.device)
     ws_o, ws_lse = (workspace.o, workspace.lse) if num_splits > 1 else (out3, out3)  # unused when S == 1
-    pdl = _has_pdl(q.device)
+    use_pdl = pdl.enabled(q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     args = (q3, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q if cu_seqlens_q is not None else seqused_k,
             g3, out3, ws_o, ws_lse,
@@ -586,8 +578,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
             scale * LOG2E, num_splits, capacity)
     common = dict(VARLEN=cu_seqlens_q is not None, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
                   BLOCK_M=tile.block_m, BLOCK_N=BLOCK_N, DIRECT=num_splits == 1, HAS_GATE=gate is not None,
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=tile.num_warps,
-                  num_stages=tile.num_stages)
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl, launch_pdl=use_pdl,
+                  num_warps=tile.num_warps, num_stages=tile.num_stages)
     if tile.chunk:
         # seqlen_q: the fixed q_len without cu_seqlens_q (unused with it)
         q_min = 0
@@ -604,13 +596,13 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     else:
         _split_kernel[(batch, kv_heads, num_splits)](*args, Q_LEN=q_len, **common)
     if num_splits > 1 and tile.chunk:
-        _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, pdl)
+        _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, use_pdl)
     elif num_splits > 1:
-        _combine(workspace, g3 if gate is not None else None, out3, num_splits, pdl)
+        _combine(workspace, g3 if gate is not None else None, out3, num_splits, use_pdl)
     return out
 
 
-def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, pdl: bool) -> None:
+def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, use_pdl: bool) -> None:
     # workspace: (N, H, S, D) / (N, H, S) flat; gate (or None), out: (N, H, D)
     n_tokens, num_heads, head_dim = out.shape
     block_s = next_power_of_2(num_splits)
@@ -618,12 +610,12 @@ def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, pdl: bool) 
     g = gate if gate is not None else out
     _combine_kernel[(n_tokens, num_heads, head_dim // block_d)](
         workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, HAS_GATE=gate is not None, PDL=pdl, num_warps=4,
-        launch_pdl=pdl,
+        HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, HAS_GATE=gate is not None, PDL=use_pdl, num_warps=4,
+        launch_pdl=use_pdl,
     )
 
 
-def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, pdl: bool) -> None:
+def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, use_pdl: bool) -> None:
     # the chunk variant's combine; workspace: (N, H, S, D) / (N, H, S) flat; gate (or None), out: (N, H, D)
     n_tokens, num_heads, head_dim = out.shape
     block_s = next_power_of_2(num_splits)
@@ -633,7 +625,7 @@ def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, pdl: b
     _combine_rows_kernel[(cdiv(n_tokens * num_heads, rows), head_dim // block_d)](
         workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
         n_tokens * num_heads, num_heads, num_splits, HEAD_DIM=head_dim, ROWS=rows, BLOCK_S=block_s, BLOCK_D=block_d,
-        HAS_GATE=gate is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        HAS_GATE=gate is not None, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
 
 

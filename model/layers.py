@@ -43,9 +43,22 @@ class FusedLinear(nn.Linear):
         super().__init__(in_features, sum(parts.values()), bias=False)
         self.parts = dict(parts)
 
+    def forward(self, x):
+        return ops.linear(x, self.weight)
+
     def forward_parts(self, x) -> tuple[torch.Tensor, ...]:
         # x: (N, in) -> one (N, rows) view per part
         return self(x).split(list(self.parts.values()), dim=-1)
+
+
+class Linear(nn.Linear):
+    """A bias-free projection through model.ops.linear (the decode GEMV when the kernels run)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x):
+        return ops.linear(x, self.weight)
 
 
 class GatedAttention(nn.Module):
@@ -58,7 +71,7 @@ class GatedAttention(nn.Module):
         # q_proj gives per head [q | gate]
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q_proj": self.h * self.d * 2, "k_proj": self.kv * self.d,
                                                       "v_proj": self.kv * self.d})
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
@@ -87,7 +100,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.norm = GatedNormWeight(self.dv)
-        self.out_proj = nn.Linear(self.hv * self.dv, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(self.hv * self.dv, cfg.hidden_size)
 
     def forward(self, x, step: StepInput, conv_states, recurrent_states):
         # x: (N, hidden); conv_states: (slots, C, K-1); recurrent_states: (slots, Hv, dk, dv) fp32
@@ -106,7 +119,7 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = FusedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x):
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

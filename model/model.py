@@ -17,7 +17,7 @@ import reference as R
 from model import ops
 from model.cache import CachePools, SequenceCache
 from model.config import Qwen35Config, get_preset
-from model.layers import DecoderLayer, FusedLinear, RMSNorm
+from model.layers import DecoderLayer, FusedLinear, Linear, RMSNorm
 from model.parallel import SINGLE, ParallelContext, ShardPlan, gather_logits, vocab_parallel_embedding
 from model.step import StepInput
 
@@ -41,7 +41,7 @@ class Qwen35ForCausalLM(nn.Module):
         self.plan = ShardPlan.build(cfg, tp or SINGLE)
         self.model = Qwen35Backbone(cfg, self.plan)
         vocab_rows = self.plan.vocab.size if self.plan.sharded else cfg.vocab_size
-        self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, vocab_rows)
         self.tie_weights()
         # layer index -> its ordinal among layers of its kind (the index into the cache pools)
         self._pool_index = {i: cfg.full_attention_layers.index(i) if t == "full_attention"

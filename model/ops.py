@@ -101,6 +101,11 @@ def add_rms_norm(x, residual, weight, eps):
     return _run("add_rms_norm", x, residual, weight, eps)
 
 
+def linear(x, weight):
+    # x: (N, K), weight: (N_out, K) -> (N, N_out); the decode GEMV when the kernels run (few rows)
+    return _run("linear", x, weight)
+
+
 def silu_and_mul(gate_up):
     # gate_up: (N, 2I) -> (N, I)
     return _run("silu_and_mul", gate_up)
@@ -224,6 +229,7 @@ _BACKENDS["reference"] = {
     "rms_norm": R.rms_norm,
     "add_rms_norm": R.add_rms_norm,
     "silu_and_mul": R.silu_and_mul,
+    "linear": R.linear,
     "attention_prep": _ref_attention_prep,
     "paged_attention": _ref_paged_attention,
     "gated_deltanet": _ref_gated_deltanet,

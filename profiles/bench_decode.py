@@ -31,7 +31,15 @@ ATTN_CASES = [  # (batch, context, q heads, kv heads, head_dim)
     (1, 32768, 16, 4, 128), (8, 32768, 16, 4, 128), (64, 8192, 16, 4, 128),
 ]
 CURVE_CONTEXTS = [1024, 4096, 16384, 32768, 65536, 131072]
-SECTIONS = ("attention", "gdn", "small")
+SECTIONS = ("attention", "gdn", "small", "linear")
+LINEAR_SHAPES = {  # a decode step's projections (N, K): GDN in/out, attention qkv/o, MLP gate_up/down, lm_head
+    "qwen3.5-0.8b": [(6176, 1024), (1024, 2048), (5120, 1024), (1024, 2048), (7168, 1024), (1024, 3584),
+                     (248320, 1024)],
+    "qwen3.5-2b": [(8224, 2048), (2048, 2048), (5120, 2048), (2048, 2048), (12288, 2048), (2048, 6144),
+                   (248320, 2048)],
+    "qwen3.5-9b": [(16448, 4096), (4096, 4096), (10240, 4096), (4096, 4096), (24576, 4096), (4096, 12288),
+                   (248320, 4096)],
+}
 
 
 # ---- attention ----------------------------------------------------------------------------------------
@@ -140,6 +148,35 @@ def bench_small_ops_case(n, hidden=4096, inter=12288):
              "GBps": 3 * x.numel() * 2 / us_gate / 1e3}]
 
 
+# ---- decode projections -------------------------------------------------------------------------------
+
+def bench_linear_case(model: str, rows: int) -> list[dict]:
+    """Each projection of a decode step, ours (kernels.linear, PDL on and off) against torch's matmul (cuBLAS),
+    timed in CUDA graphs; the chain row runs a step's projections back to back, where PDL can overlap neighbours
+    (each kernel still waits for the one before it)."""
+    import os
+
+    from kernels.linear import linear
+    shapes = LINEAR_SHAPES[model]
+    calls = [(torch.randn(rows, k, device="cuda", dtype=BF16), torch.randn(n, k, device="cuda", dtype=BF16) / k ** 0.5,
+              torch.empty(rows, n, device="cuda", dtype=BF16)) for n, k in shapes]
+    impls = {"ours": (linear, "1"), "ours_no_pdl": (linear, "0"),
+             "cublas": (lambda x, w, out: torch.matmul(x, w.t(), out=out), "0")}
+    cases = [((n, k), [c]) for (n, k), c in zip(shapes, calls)] + [(("chain", "-"), calls)]
+    found = []
+    for (n, k), group in cases:
+        row = {"model": model, "rows": rows, "N": n, "K": k}
+        for label, (fn, pdl) in impls.items():
+            os.environ["QWEN_PDL"] = pdl
+            row[f"{label}_us"] = bench_us(lambda f=fn, g=group: [f(x, w, out=o) for x, w, o in g], graph=True)
+        os.environ.pop("QWEN_PDL")
+        nbytes = sum(w.numel() * 2 for _, w, _ in group)
+        row.update(ours_TBps=nbytes / row["ours_us"] / 1e6, cublas_TBps=nbytes / row["cublas_us"] / 1e6,
+                   speedup_vs_cublas=row["cublas_us"] / row["ours_us"])
+        found.append(row)
+    return found
+
+
 # ---- plot and main ------------------------------------------------------------------------------------
 
 def plot_curve(curve, path):
@@ -174,6 +211,8 @@ def main(argv=None):
     small = [r for n in (1, 64, 4096) for r in bench_small_ops_case(n)] if "small" in sections else []
     for r in small:
         r["frac_of_copy_ceiling"] = r["GBps"] / 1e3 / ceil["copy_TBps"]
+    lin = ([r for m in LINEAR_SHAPES for rows in (1, 4) for r in progress(bench_linear_case(m, rows))]
+           if "linear" in sections else [])
     print(f"ceilings: read {ceil['read_TBps']:.2f} TB/s, copy {ceil['copy_TBps']:.2f} TB/s")
     print("\npaged decode attention (TB/s of KV read; ours timed in a CUDA graph)")
     print_table(attn, ["B", "ctx", "H/KV", "D", "splits", "ours_us", "ours_graph_TBps", "cudnn_TBps", "fa2_TBps",
@@ -183,9 +222,13 @@ def main(argv=None):
                       "speedup_vs_fla", "graph_speedup_vs_fla"])
     print("\nfused small ops (CUDA graph)")
     print_table(small, ["op", "N", "width", "us", "GBps", "frac_of_copy_ceiling"])
+    print("\ndecode projections (CUDA graph; chain: one step's projections back to back)")
+    print_table(lin, ["model", "rows", "N", "K", "ours_us", "ours_no_pdl_us", "cublas_us", "ours_TBps", "cublas_TBps",
+                      "speedup_vs_cublas"])
     name = "decode" if set(sections) == set(SECTIONS) else "_".join(["decode", *sorted(set(sections))])
     out = write_result(name, {"env": environment(), "ceilings": ceil, "attention": attn, "attention_curve": curve,
-                                  "gdn_decode": gdn, "small_ops": small}, args.out)
+                                  "gdn_decode": gdn, "small_ops": small, "linear": lin},
+                       args.out)
     if not curve:
         print(f"\nwrote {out}")
         return

@@ -1,10 +1,14 @@
-"""Where an eager engine step's time goes: `python -m profiles.host_time --model qwen3.5-2b --ctx 50000 --new 800`.
+"""Where an engine step's time goes: `python -m profiles.host_time --model qwen3.5-2b --ctx 50000 --new 800`.
 
 A returning agent turn (ctx cached tokens, then `new` more) is one eager prefill step. This builds the engine
 (random weights), warms it up (LLMEngine.warm_up), caches the context, then times the returning turn's step
 with torch.profiler: the step's wall time, the GPU's busy time, and the host time by operator (self CPU), with
 the kernel launches counted by name. A step whose wall time is far above its GPU time is host-bound: its
 launches and the Python around them are the cost (on the H200 a 2B step of 800 tokens runs ~12 ms of kernels).
+
+`--decode B` profiles a decode step of B sequences over ctx tokens instead: once eagerly (every kernel's GPU time,
+largest first) and as a CUDA-graph replay (the step's time per token). The gap between the graph's step time and
+the eager kernels' sum is what launches and kernel ramps cost inside the graph.
 """
 import argparse
 import time
@@ -31,6 +35,32 @@ def returning_step(engine: LLMEngine, ctx: int, new: int, seed: int = 0) -> int:
     return engine.add_request(turn, SamplingParams(max_tokens=1, ignore_eos=True))
 
 
+def decoding_batch(engine: LLMEngine, batch: int, ctx: int, seed: int = 0) -> None:
+    """Prefill `batch` ctx-token prompts that then decode 240 tokens, so that the next engine.step() is a decode."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+    for _ in range(batch):
+        engine.add_request(torch.randint(vocab, (ctx,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=240, ignore_eos=True))
+    sched = engine.scheduler
+    while sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running):
+        engine.step()
+    engine.step()  # the first decode (the graphs' page-table rows get synced)
+
+
+def time_steps(engine: LLMEngine, steps: int) -> float:
+    """Mean wall ms of `steps` engine steps (decodes), synchronised."""
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start) / steps
+
+
 def profile_step(engine: LLMEngine) -> tuple[float, list[dict], Counter]:
     """One engine step under torch.profiler: (wall ms, the top operators by self CPU time, kernels by name)."""
     from torch.profiler import ProfilerActivity, profile
@@ -50,6 +80,32 @@ def profile_step(engine: LLMEngine) -> tuple[float, list[dict], Counter]:
     return wall, rows, kernels
 
 
+def make_engine(model, device: torch.device, max_num_seqs: int, max_len: int, **fields) -> LLMEngine:
+    common = dict(max_num_seqs=max_num_seqs, max_model_len=max_len, snapshot_slots=4, **fields)
+    cfg = (EngineConfig.for_gpu_memory(0.8, **common) if device.type == "cuda"
+           else EngineConfig.for_token_budget(2 * max_num_seqs * max_len, **common))
+    return LLMEngine(model, cfg)
+
+
+def profile_decode(model, what: str, device: torch.device, args) -> dict:
+    """A decode step of args.decode sequences: eager (kernels by GPU time) and from its CUDA graph (ms a step)."""
+    found = {}
+    for graphs in (False, True):
+        engine = make_engine(model, device, args.decode, args.ctx + 256, cuda_graphs=graphs)
+        decoding_batch(engine, args.decode, args.ctx)
+        time_steps(engine, 5)
+        found[graphs] = time_steps(engine, 50), profile_step(engine)
+        engine.close()
+    (eager_ms, (_, rows, kernels)), (graph_ms, _) = found[False], found[True]
+    kernel_rows = sorted((r for r in rows if r["op"] in kernels), key=lambda r: -r["gpu_ms"])
+    busy = sum(r["gpu_ms"] for r in kernel_rows)
+    print(f"{what} on {device}: a decode step of {args.decode} over {args.ctx}: eager {eager_ms:.3f} ms, CUDA graph "
+          f"{graph_ms:.3f} ms, eager kernels' GPU sum {busy:.3f} ms over {sum(kernels.values())} kernels")
+    print_table(kernel_rows[:args.top], ["op", "calls", "gpu_ms", "self_cpu_ms"])
+    return dict(eager_ms=eager_ms, graph_ms=graph_ms, kernel_sum_ms=busy, num_kernels=sum(kernels.values()),
+                kernels=kernel_rows)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="preset (random weights); default qwen3.5-2b on the GPU, tiny on "
@@ -57,16 +113,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--ctx", type=int, default=8192, help="cached tokens before the turn")
     ap.add_argument("--new", type=int, default=800, help="new tokens of the returning turn")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--top", type=int, default=20, help="operators to list")
+    ap.add_argument("--top", type=int, default=20, help="operators (kernels with --decode) to list")
+    ap.add_argument("--decode", type=int, default=0, metavar="B", help="profile a decode step of B sequences over "
+                                                                       "ctx tokens instead of a returning turn")
     args = ap.parse_args(argv)
     device = pick_device(args.device)
     ops.set_backend("triton" if device.type == "cuda" else "reference")
     model, what = load_model(args.model or ("qwen3.5-2b" if device.type == "cuda" else "tiny"), device)
-    max_len = args.ctx + args.new + 64
-    common = dict(max_num_seqs=1, max_model_len=max_len, snapshot_slots=4)
-    cfg = (EngineConfig.for_gpu_memory(0.8, **common) if device.type == "cuda"
-           else EngineConfig.for_token_budget(2 * max_len, **common))
-    engine = LLMEngine(model, cfg)
+    if args.decode:
+        return profile_decode(model, what, device, args)
+    engine = make_engine(model, device, 1, args.ctx + args.new + 64)
     engine.warm_up()
     returning_step(engine, args.ctx, args.new)
     wall, rows, kernels = profile_step(engine)

@@ -1,0 +1,108 @@
+"""Triton GEMV for decode: y = x @ weight^T for a few rows (batch-1..4 decode), with programmatic dependent launch.
+
+At decode the projections are weight-streaming GEMVs: a 2B step reads ~3.7 GB of weights in ~170 of them. Each
+program owns BLOCK_N output columns (BLOCK_N rows of the weight) for every row of x and walks K in BLOCK_K steps,
+holding one weight tile in flight while it multiplies the previous one (fp32 accumulation, output in x's dtype).
+With PDL (kernels.pdl) the first weight tile is loaded before waiting for the kernel that produced x, so a
+GEMV's DRAM ramp overlaps its predecessor's tail inside the decode graph.
+
+More than MAX_ROWS rows (prefill, large decode batches) go to torch's matmul (cuBLAS), which is then the faster
+path. No host syncs and no allocation when `out=` is given: CUDA-graph capturable.
+"""
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels import pdl
+from kernels.host_math import cdiv, next_power_of_2
+from kernels.norms import FLOATS, check_devices, rows_view
+from reference._checks import check_tensor
+
+MAX_ROWS = 4
+TILE = 8192  # weight elements per program per K step (16 KB in bf16)
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride,
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # out[m, n] = sum_k x[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS rows m
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                  # (BLOCK_N,)
+    kk = tl.arange(0, BLOCK_K)                                               # (BLOCK_K,)
+    rows = tl.arange(0, ROWS)                                                # (ROWS,)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride                     # (BLOCK_N, 1)
+    n_ok = (n < N)[:, None]
+    w = tl.load(w_rows + kk[None, :], mask=n_ok & (kk[None, :] < K), other=0.0)  # weights: no wait needed
+    pdl.wait_for_producer(PDL)
+    pdl.release_dependents(PDL)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_next = k0 + BLOCK_K + kk
+        w_next = tl.load(w_rows + k_next[None, :], mask=n_ok & (k_next[None, :] < K), other=0.0)
+        k = k0 + kk
+        x = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
+                    other=0.0)                                               # (ROWS, BLOCK_K)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        w = w_next
+    out_mask = (rows[:, None] < M) & (n[None, :] < N)
+    tl.store(out_ptr + rows[:, None] * out_stride + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@functools.cache
+def launch_plan(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int]:
+    """(ROWS, BLOCK_N, BLOCK_K, num_warps): BLOCK_N shrinks until there are two programs per SM to stream with."""
+    rows = next_power_of_2(m)
+    block_n = 8
+    while block_n > 2 and cdiv(n, block_n) < 2 * num_sms:
+        block_n //= 2
+    block_k = max(16, min(next_power_of_2(k), TILE // (8 * rows)))
+    return rows, block_n, block_k, 4
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def linear(x, weight, out=None):
+    """x: (..., K) fp16/bf16/fp32; weight: (N, K), x's dtype, unit stride along K -> (..., N) in x's dtype.
+    Up to MAX_ROWS rows run the Triton GEMV; more run torch's matmul (into `out` when given)."""
+    check_tensor("x", x, dtype=FLOATS)
+    check_tensor("weight", weight, ndim=2, dtype=x.dtype)
+    if x.ndim == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight {tuple(weight.shape)} does not take x of shape {tuple(x.shape)}")
+    if weight.stride(1) != 1 and weight.shape[1] > 1:
+        raise ValueError(f"weight must have unit stride along K, got strides {weight.stride()}")
+    shape = (*x.shape[:-1], weight.shape[0])
+    if out is not None:
+        check_tensor("out", out, dtype=x.dtype, device=x.device)
+        if tuple(out.shape) != shape:
+            raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+    check_devices(x=x, weight=weight, out=out)
+    x2 = rows_view("x", x)
+    m, (n, k) = x2.shape[0], weight.shape
+    if m > MAX_ROWS:
+        return F.linear(x, weight) if out is None else torch.matmul(x, weight.t(), out=out)
+    out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+    o2 = rows_view("out", out)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    rows, block_n, block_k, warps = launch_plan(m, n, k, _sms(x.device))
+    use_pdl = pdl.enabled(x.device)
+    _linear_kernel[(cdiv(n, block_n),)](x2, weight, o2, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0),
+                                        ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, PDL=use_pdl,
+                                        num_warps=warps, launch_pdl=use_pdl)
+    return out
+
+
+OPS = {"linear": linear}

@@ -1,0 +1,50 @@
+"""Programmatic dependent launch (PDL, sm_90+): a kernel may start while the one before it on the stream finishes.
+
+A kernel launched with `launch_pdl=True` can be scheduled once every program of the previous kernel has called
+`release_dependents` (or exited). Until it calls `wait_for_producer` it must read only what no earlier kernel
+writes (weights) and write nothing; after the wait, everything the previous kernel wrote is visible. Inside a
+decode CUDA graph this hides each launch and each kernel's ramp behind its predecessor's tail: a GEMV streams its
+first weight tile while the norm before it still runs.
+
+`enabled(device)` says whether to launch with PDL: a CUDA device of compute capability 9.0 or newer, not the CPU
+interpreter, and not switched off by QWEN_PDL=0. Kernels take it as the constexpr PDL; without it both helpers
+compile to nothing.
+"""
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def enabled(device: torch.device) -> bool:
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("QWEN_PDL") == "0":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(device: torch.device) -> dict:
+    """The keyword arguments a kernel with a PDL constexpr is launched with on `device`."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def wait_for_producer(PDL: tl.constexpr):
+    """Block until the previous kernel on the stream has finished and its writes are visible."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr):
+    """Let the next kernel on the stream be scheduled (it still waits for this one before reading its output)."""
+    if PDL:
+        gdc_launch_dependents()
