@@ -22,13 +22,14 @@ from kernels.norms import FLOATS, check_devices, rows_view
 from reference._checks import check_tensor
 
 MAX_ROWS = 4
-TILE = 8192  # weight elements per program per K step (16 KB in bf16)
+TILE = 8192  # products a program accumulates per K step (fp32: 64 registers a thread at 4 warps)
 
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride,
                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # out[m, n] = sum_k x[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS rows m
+    # out[m, n] = sum_k x[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS rows m.
+    # Products accumulate elementwise over K steps and are summed over K once at the end (no per-step reduction).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                  # (BLOCK_N,)
     kk = tl.arange(0, BLOCK_K)                                               # (BLOCK_K,)
     rows = tl.arange(0, ROWS)                                                # (ROWS,)
@@ -37,28 +38,30 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_strid
     w = tl.load(w_rows + kk[None, :], mask=n_ok & (kk[None, :] < K), other=0.0)  # weights: no wait needed
     pdl.wait_for_producer(PDL)
     pdl.release_dependents(PDL)
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_next = k0 + BLOCK_K + kk
         w_next = tl.load(w_rows + k_next[None, :], mask=n_ok & (k_next[None, :] < K), other=0.0)
         k = k0 + kk
         x = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                     other=0.0)                                               # (ROWS, BLOCK_K)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         w = w_next
+    y = tl.sum(acc, axis=2)                                                  # (ROWS, BLOCK_N)
     out_mask = (rows[:, None] < M) & (n[None, :] < N)
-    tl.store(out_ptr + rows[:, None] * out_stride + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(out_ptr + rows[:, None] * out_stride + n[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @functools.cache
-def launch_plan(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int]:
-    """(ROWS, BLOCK_N, BLOCK_K, num_warps): BLOCK_N shrinks until there are two programs per SM to stream with."""
+def launch_plan(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): ROWS * BLOCK_N * BLOCK_K = TILE products a step; BLOCK_N shrinks until there
+    are two programs per SM to stream with."""
     rows = next_power_of_2(m)
     block_n = 8
     while block_n > 2 and cdiv(n, block_n) < 2 * num_sms:
         block_n //= 2
-    block_k = max(16, min(next_power_of_2(k), TILE // (8 * rows)))
-    return rows, block_n, block_k, 4
+    block_k = max(16, min(next_power_of_2(k), TILE // (block_n * rows)))
+    return block_n, block_k, 4
 
 
 @functools.cache
@@ -72,9 +75,10 @@ def _sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def linear(x, weight, out=None):
+def linear(x, weight, out=None, *, plan: tuple[int, int, int] | None = None):
     """x: (..., K) fp16/bf16/fp32; weight: (N, K), x's dtype, unit stride along K -> (..., N) in x's dtype.
-    Up to MAX_ROWS rows run the Triton GEMV; more run torch's matmul (into `out` when given)."""
+    Up to MAX_ROWS rows run the Triton GEMV; more run torch's matmul (into `out` when given). plan: a
+    (BLOCK_N, BLOCK_K, num_warps) in place of launch_plan's (benchmark sweeps)."""
     check_tensor("x", x, dtype=FLOATS)
     check_tensor("weight", weight, ndim=2, dtype=x.dtype)
     if x.ndim == 0 or x.shape[-1] != weight.shape[1]:
@@ -97,10 +101,10 @@ def linear(x, weight, out=None):
         return out
     if k == 0:
         return out.zero_()
-    rows, block_n, block_k, warps = launch_plan(m, n, k, _sms(x.device))
+    block_n, block_k, warps = plan or launch_plan(m, n, k, _sms(x.device))
     use_pdl = pdl.enabled(x.device)
     _linear_kernel[(cdiv(n, block_n),)](x2, weight, o2, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0),
-                                        ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, PDL=use_pdl,
+                                        ROWS=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, PDL=use_pdl,
                                         num_warps=warps, launch_pdl=use_pdl)
     return out
 

@@ -177,6 +177,23 @@ def bench_linear_case(model: str, rows: int) -> list[dict]:
     return found
 
 
+def sweep_linear_shape(n: int, k: int) -> dict:
+    """One batch-1 projection (N, K) under every (BLOCK_N, BLOCK_K, num_warps) plan of 2K-16K products a step: the
+    best three, the default launch_plan's time, and cuBLAS's, in CUDA graphs."""
+    from kernels.linear import launch_plan, linear
+    x = torch.randn(1, k, device="cuda", dtype=BF16)
+    w = torch.randn(n, k, device="cuda", dtype=BF16) / k ** 0.5
+    o = torch.empty(1, n, device="cuda", dtype=BF16)
+    plans = [(bn, bk, nw) for bn in (2, 4, 8, 16, 32) for bk in (128, 256, 512, 1024, 2048) for nw in (4, 8)
+             if 2048 <= bn * bk <= 16384]
+    times = {p: bench_us(lambda p=p: linear(x, w, out=o, plan=p), graph=True, rep_ms=40) for p in plans}
+    best = sorted(times, key=times.get)[:3]
+    default = launch_plan(1, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    return {"N": n, "K": k, "best": [list(p) for p in best], "best_us": [times[p] for p in best],
+            "default": list(default), "default_us": times.get(default) or bench_us(lambda: linear(x, w, out=o)),
+            "cublas_us": bench_us(lambda: torch.matmul(x, w.t(), out=o), graph=True)}
+
+
 # ---- plot and main ------------------------------------------------------------------------------------
 
 def plot_curve(curve, path):
@@ -191,11 +208,16 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="only the first attention case (for ncu)")
     ap.add_argument("--only", action="append", choices=SECTIONS,
                     help="run only this section (repeatable); the JSON is then decode_<sections>.json")
+    ap.add_argument("--sweep-linear", action="store_true", help="only sweep the decode GEMV's launch plans")
     ap.add_argument("--plot", metavar="JSON", help="only draw decode_bw.png beside an existing decode.json")
     args = ap.parse_args(argv)
     if args.plot:
         path = Path(args.plot)
         plot_curve(json.loads(path.read_text())["attention_curve"], path.with_name("decode_bw.png"))
+        return
+    if args.sweep_linear:
+        sweep = [progress(sweep_linear_shape(n, k)) for n, k in LINEAR_SHAPES["qwen3.5-2b"]]
+        write_result("decode_linear_sweep", {"env": environment(), "model": "qwen3.5-2b", "sweep": sweep}, args.out)
         return
     if args.quick:
         print_table([bench_attention_case(*ATTN_CASES[0], peers=())], ["B", "ctx", "ours_us", "ours_TBps"])
@@ -211,7 +233,7 @@ def main(argv=None):
     small = [r for n in (1, 64, 4096) for r in bench_small_ops_case(n)] if "small" in sections else []
     for r in small:
         r["frac_of_copy_ceiling"] = r["GBps"] / 1e3 / ceil["copy_TBps"]
-    lin = ([r for m in LINEAR_SHAPES for rows in (1, 4) for r in progress(bench_linear_case(m, rows))]
+    lin = ([progress(r) for m in LINEAR_SHAPES for rows in (1, 4) for r in bench_linear_case(m, rows)]
            if "linear" in sections else [])
     print(f"ceilings: read {ceil['read_TBps']:.2f} TB/s, copy {ceil['copy_TBps']:.2f} TB/s")
     print("\npaged decode attention (TB/s of KV read; ours timed in a CUDA graph)")

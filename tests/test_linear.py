@@ -72,12 +72,13 @@ SHAPES_2B = [(8224, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (5120, 204
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("m", [1, 3, 4])
-def test_linear_gpu_decode_shapes(m, pdl, monkeypatch):
+def test_linear_gpu_decode_shapes(m, pdl, dtype, monkeypatch):
     monkeypatch.setenv("QWEN_PDL", "1" if pdl else "0")
     for n, k in SHAPES_2B:
-        _check(*_pair(m, n, k, torch.bfloat16), f"linear bf16 {m}x{k} @ {n}x{k} pdl={pdl}")
+        _check(*_pair(m, n, k, dtype), f"linear {dtype} {m}x{k} @ {n}x{k} pdl={pdl}")
 
 
 @pytest.mark.gpu
