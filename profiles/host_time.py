@@ -61,6 +61,21 @@ def time_steps(engine: LLMEngine, steps: int) -> float:
     return 1e3 * (time.perf_counter() - start) / steps
 
 
+def python_profile(engine: LLMEngine, top: int) -> tuple[float, list[dict]]:
+    """One engine step under cProfile (no CUDA hooks, so launches cost what they cost): (wall ms, the top functions
+    by own time). A large own time in `tolist` is the host waiting for the GPU; in a launch or a torch op, host cost."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.runcall(engine.step)
+    wall = 1e3 * (time.perf_counter() - start)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, prim calls, own s, cumulative s, callers)
+    rows = [{"function": f"{name} ({file.rsplit('/', 1)[-1]}:{line})"[:70], "calls": v[0], "own_ms": 1e3 * v[2],
+             "cumulative_ms": 1e3 * v[3]} for (file, line, name), v in stats.items()]
+    return wall, sorted(rows, key=lambda r: -r["own_ms"])[:top]
+
+
 def profile_step(engine: LLMEngine) -> tuple[float, list[dict], Counter]:
     """One engine step under torch.profiler: (wall ms, the top operators by self CPU time, kernels by name)."""
     from torch.profiler import ProfilerActivity, profile
@@ -124,13 +139,19 @@ def main(argv=None) -> dict:
         return profile_decode(model, what, device, args)
     engine = make_engine(model, device, 1, args.ctx + args.new + 64)
     engine.warm_up()
+    returning_step(engine, args.ctx, args.new, seed=1)
+    py_wall, py_rows = python_profile(engine, args.top)
+    print(f"{what} on {device}: one step of {args.new} new tokens over {args.ctx} cached under cProfile: wall "
+          f"{py_wall:.1f} ms")
+    print_table(py_rows, ["function", "calls", "own_ms", "cumulative_ms"])
     returning_step(engine, args.ctx, args.new)
     wall, rows, kernels = profile_step(engine)
     busy = sum(r["gpu_ms"] for r in rows)
     print(f"{what} on {device}: one step of {args.new} new tokens over {args.ctx} cached: wall {wall:.1f} ms, "
           f"GPU busy {busy:.1f} ms, {sum(kernels.values())} kernels, {sum(r['calls'] for r in rows)} operator calls")
     print_table(rows[:args.top], ["op", "calls", "self_cpu_ms", "gpu_ms"])
-    return dict(wall_ms=wall, gpu_busy_ms=busy, kernels=dict(kernels), ops=rows[:args.top])
+    return dict(wall_ms=wall, gpu_busy_ms=busy, kernels=dict(kernels), ops=rows[:args.top], python_wall_ms=py_wall,
+                python=py_rows)
 
 
 if __name__ == "__main__":
