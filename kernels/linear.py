@@ -35,13 +35,15 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_strid
     rows = tl.arange(0, ROWS)                                                # (ROWS,)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride                     # (BLOCK_N, 1)
     n_ok = (n < N)[:, None]
-    w = tl.load(w_rows + kk[None, :], mask=n_ok & (kk[None, :] < K), other=0.0)  # weights: no wait needed
+    # weights are read once a step (evict first: keep L2 for activations); they need no wait
+    w = tl.load(w_rows + kk[None, :], mask=n_ok & (kk[None, :] < K), other=0.0, eviction_policy="evict_first")
     pdl.wait_for_producer(PDL)
     pdl.release_dependents(PDL)
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_next = k0 + BLOCK_K + kk
-        w_next = tl.load(w_rows + k_next[None, :], mask=n_ok & (k_next[None, :] < K), other=0.0)
+        w_next = tl.load(w_rows + k_next[None, :], mask=n_ok & (k_next[None, :] < K), other=0.0,
+                         eviction_policy="evict_first")
         k = k0 + kk
         x = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
                     other=0.0)                                               # (ROWS, BLOCK_K)
