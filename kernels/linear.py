@@ -1,6 +1,6 @@
 """Triton GEMV for decode: y = x @ weight^T for a few rows (batch-1..4 decode), with programmatic dependent launch.
 
-At decode the projections are weight-streaming GEMVs: a 2B step reads ~3.7 GB of weights in ~170 of them. Each
+At decode the projections are weight-streaming GEMVs: a 2B step reads ~3.7 GB of weights in 97 of them. Each
 program owns BLOCK_N output columns (BLOCK_N rows of the weight) for every row of x and walks K in BLOCK_K steps,
 holding one weight tile in flight while it multiplies the previous one (fp32 accumulation, output in x's dtype).
 With PDL (kernels.pdl) the first weight tile is loaded before waiting for the kernel that produced x, so a
@@ -22,7 +22,6 @@ from kernels.norms import FLOATS, check_devices, rows_view
 from reference._checks import check_tensor
 
 MAX_ROWS = 4
-TILE = 8192  # products a program accumulates per K step (fp32: 64 registers a thread at 4 warps)
 
 
 @triton.jit
@@ -55,26 +54,17 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_strid
 
 
 @functools.cache
-def launch_plan(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): ROWS * BLOCK_N * BLOCK_K = TILE products a step; BLOCK_N shrinks until there
-    are two programs per SM to stream with."""
+def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps), from a sweep of every plan of 2K-16K products a step on the H200 (bf16, one row;
+    `python -m profiles.bench_decode --sweep-linear`): wide outputs (MLP gate_up, lm_head) stream best as 16 rows
+    of 128, the rest as 2-4 rows of 1024 (more programs to keep DRAM busy: a 2048 x 2048 projection in 2.95 us
+    against cuBLAS's 4.96). More rows of x shorten BLOCK_K (the accumulator holds ROWS x BLOCK_N x BLOCK_K)."""
     rows = next_power_of_2(m)
-    block_n = 8
-    while block_n > 2 and cdiv(n, block_n) < 2 * num_sms:
-        block_n //= 2
-    block_k = max(16, min(next_power_of_2(k), TILE // (block_n * rows)))
-    return block_n, block_k, 4
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if n >= 12288:
+        block_n, block_k, warps = 16, 128, 8 if n < 65536 else 4
+    else:
+        block_n, block_k, warps = (2 if n <= 2048 else 4), 1024, 4
+    return block_n, max(16, min(next_power_of_2(k), block_k // rows if block_k > 128 else block_k)), warps
 
 
 def linear(x, weight, out=None, *, plan: tuple[int, int, int] | None = None):
@@ -103,7 +93,7 @@ def linear(x, weight, out=None, *, plan: tuple[int, int, int] | None = None):
         return out
     if k == 0:
         return out.zero_()
-    block_n, block_k, warps = plan or launch_plan(m, n, k, _sms(x.device))
+    block_n, block_k, warps = plan or launch_plan(m, n, k)
     use_pdl = pdl.enabled(x.device)
     _linear_kernel[(cdiv(n, block_n),)](x2, weight, o2, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0),
                                         ROWS=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, PDL=use_pdl,

@@ -14,15 +14,15 @@ SMALL = Qwen35Config(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_at
 
 
 def decode_logits(model, prompt, steps, backend, page_size):
-    """Prefill on the references, then `steps` greedy decode steps on `backend`: logits (steps, B, V)."""
+    """Prefill on the references, then `steps` decode steps on `backend`: logits (steps, B, V). The decoded tokens
+    are fixed (drawn from the prompt's generator state), not each backend's argmax: rounding that flips a near-tied
+    argmax would send the two runs down different sequences and compare unrelated logits."""
     cache = model.new_cache(prompt.shape[0], prompt.shape[1] + steps, page_size=page_size, shuffle_pages=True)
-    logits = model(prompt, cache, all_logits=False)[:, -1]
-    out = []
+    model(prompt, cache, all_logits=False)
+    tokens = torch.randint(0, model.config.vocab_size, (steps, prompt.shape[0], 1),
+                           generator=torch.Generator().manual_seed(int(prompt.sum()))).to(prompt.device)
     with ops.use_backend(backend):
-        for _ in range(steps):
-            logits = model(logits.argmax(-1)[:, None], cache, all_logits=False)[:, -1]
-            out.append(logits.float())
-    return torch.stack(out)
+        return torch.stack([model(tokens[i], cache, all_logits=False)[:, -1].float() for i in range(steps)])
 
 
 def test_triton_backend_covers_decode_ops():
