@@ -60,15 +60,23 @@ def test_model_prefill_triton_equals_reference_cpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("moe", [False, True])
 def test_model_decode_triton_equals_reference_gpu(moe):
+    """bf16: the kernels (GEMV, PDL, fused decode ops) are compared with the reference ops against the same model in
+    fp32 (weights cast exactly): their error must stay within 1.5x the reference ops' own bf16 error (plus 5e-3).
+    Two bf16 runs differ by their rounding (a measured 2.7e-2 between them), so neither is the oracle of the other.
+    MoE runs in fp32 against the reference directly: routing is discrete, and bf16 rounding flips near-tied top-k
+    choices."""
     extra = dict(intermediate_size=0, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
                  shared_expert_intermediate_size=256) if moe else dict(intermediate_size=2048)
     cfg = Qwen35Config(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                        linear_num_value_heads=32, **extra)
-    # MoE routing is discrete: in bf16 the kernels' rounding flips near-tied top-k choices (a measured 3e-2 on the
-    # H200), so the MoE model is compared in fp32, where the kernels' products are exact fp32 too
-    dtype, tol = (torch.float32, 1e-3) if moe else (torch.bfloat16, 2e-2)
-    model = Qwen35ForCausalLM.random(cfg, device="cuda", dtype=dtype, seed=1)
+    model = Qwen35ForCausalLM.random(cfg, device="cuda", dtype=torch.bfloat16, seed=1)
     prompt = torch.randint(0, cfg.vocab_size, (3, 150), device="cuda")
-    ref = decode_logits(model, prompt, 6, "reference", page_size=64)
-    out = decode_logits(model, prompt, 6, "triton", page_size=64)
-    assert rel_err(out, ref) < tol, rel_err(out, ref)
+    exact = decode_logits(model.float(), prompt, 6, "reference", page_size=64)  # the same weights in fp32
+    if moe:  # model is the fp32 model now (.float() converts in place)
+        out = decode_logits(model, prompt, 6, "triton", page_size=64)
+        assert rel_err(out, exact) < 1e-3, rel_err(out, exact)
+        return
+    model.bfloat16()
+    ref = rel_err(decode_logits(model, prompt, 6, "reference", page_size=64), exact)
+    ours = rel_err(decode_logits(model, prompt, 6, "triton", page_size=64), exact)
+    assert ours < 1.5 * ref + 5e-3, f"triton ops' error {ours:.3e} against fp32, reference ops' {ref:.3e}"
