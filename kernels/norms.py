@@ -20,18 +20,21 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_devices(**tensors) -> None:
-    """One device for all; a CUDA one unless Triton runs in its CPU interpreter."""
+    """One device for all; a CUDA one unless Triton runs in its CPU interpreter (one device read a tensor: this runs
+    at every launch of an eager step)."""
     check_same_device(**tensors)
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        for name, t in tensors.items():
-            if t is not None and t.device.type != "cuda":
-                raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+    first = next((t for t in tensors.values() if t is not None), None)
+    if first is not None and first.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        name = next(n for n, t in tensors.items() if t is first)
+        raise ValueError(f"{name} must be on a CUDA device, got {first.device}")
 
 
 def rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
     """t: (..., n) with unit stride in its last dim -> a (rows, n) view of the same memory (one row stride)."""
     if t.ndim == 0 or (t.stride(-1) != 1 and t.shape[-1] > 1):
         raise ValueError(f"{name} must have unit stride in its last dim, got strides {t.stride()}")
+    if t.ndim == 2:
+        return t
     try:
         return t.view(-1, t.shape[-1])
     except RuntimeError:

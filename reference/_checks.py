@@ -16,9 +16,10 @@ def check_tensor(name: str, t, *, ndim=None, dtype=None, device=None) -> None:
 
 def check_same_device(**tensors) -> None:
     """Raise ValueError when the given tensors are not all on one device."""
-    devices = {n: t.device for n, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"tensors must share one device, got {devices}")
+    devices = [t.device for t in tensors.values() if t is not None]
+    if any(d != devices[0] for d in devices[1:]):
+        named = {n: t.device for n, t in tensors.items() if t is not None}
+        raise ValueError(f"tensors must share one device, got {named}")
 
 
 def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, host=None) -> list[int]:
