@@ -64,6 +64,14 @@ def test_host_time_profiles_a_returning_step_on_the_cpu(capsys):
     result = host_time.main(["--ctx", "40", "--new", "9", "--device", "cpu", "--top", "3"])
     assert result["wall_ms"] > 0 and len(result["ops"]) == 3 and result["ops"][0]["calls"] >= 1
     assert "one step of 9 new tokens over 40 cached" in capsys.readouterr().out
+    assert result["python_wall_ms"] > 0 and len(result["python"]) == 3
+
+
+def test_host_time_profiles_a_decode_step_on_the_cpu(capsys):
+    from profiles import host_time
+    result = host_time.main(["--ctx", "30", "--decode", "2", "--device", "cpu", "--top", "3"])
+    assert result["eager_ms"] > 0 and result["graph_ms"] > 0  # no graphs on the CPU: both eager
+    assert "a decode step of 2 over 30" in capsys.readouterr().out
 
 
 def test_hf_baseline_needs_the_gpu():
