@@ -208,7 +208,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="only the first attention case (for ncu)")
     ap.add_argument("--only", action="append", choices=SECTIONS,
                     help="run only this section (repeatable); the JSON is then decode_<sections>.json")
-    ap.add_argument("--sweep-linear", action="store_true", help="only sweep the decode GEMV's launch plans")
+    ap.add_argument("--sweep-linear", metavar="MODEL", nargs="?", const="qwen3.5-2b", choices=sorted(LINEAR_SHAPES),
+                    help="only sweep the decode GEMV's launch plans on MODEL's projections (default qwen3.5-2b)")
     ap.add_argument("--plot", metavar="JSON", help="only draw decode_bw.png beside an existing decode.json")
     args = ap.parse_args(argv)
     if args.plot:
@@ -216,8 +217,9 @@ def main(argv=None):
         plot_curve(json.loads(path.read_text())["attention_curve"], path.with_name("decode_bw.png"))
         return
     if args.sweep_linear:
-        sweep = [progress(sweep_linear_shape(n, k)) for n, k in LINEAR_SHAPES["qwen3.5-2b"]]
-        write_result("decode_linear_sweep", {"env": environment(), "model": "qwen3.5-2b", "sweep": sweep}, args.out)
+        sweep = [progress(sweep_linear_shape(n, k)) for n, k in LINEAR_SHAPES[args.sweep_linear]]
+        name = "decode_linear_sweep" + ("" if args.sweep_linear == "qwen3.5-2b" else "_" + args.sweep_linear)
+        write_result(name, {"env": environment(), "model": args.sweep_linear, "sweep": sweep}, args.out)
         return
     if args.quick:
         print_table([bench_attention_case(*ATTN_CASES[0], peers=())], ["B", "ctx", "ours_us", "ours_TBps"])
