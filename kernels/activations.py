@@ -4,13 +4,12 @@ Both compute in fp32 and store in the input's dtype. Inputs are rows with unit i
 stride (a q_proj slice works as is). No host syncs and no allocation when `out=` is given: CUDA-graph
 capturable. Grid: (rows, column blocks), so any number of tokens fits.
 """
-import torch
 import triton
 import triton.language as tl
 
 from kernels import pdl
 from kernels.host_math import cdiv
-from kernels.norms import FLOATS, check_devices, rows_view
+from kernels.norms import FLOATS, check_devices, output_for, rows_view
 from reference._checks import check_tensor
 
 BLOCK = 1024
@@ -41,23 +40,13 @@ def _sigmoid_gate_mul_kernel(x_ptr, g_ptr, out_ptr, n, x_stride, g_stride, out_s
     tl.store(out_ptr + row * out_stride + cols, (x * tl.sigmoid(g)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _out(out, shape, like: torch.Tensor) -> torch.Tensor:
-    """A fresh contiguous output, or the caller's `out` after checking its shape, dtype and device."""
-    if out is None:
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
-    check_tensor("out", out, dtype=like.dtype, device=like.device)
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    return out
-
-
 def silu_and_mul(gate_up, out=None):
     """gate_up: (..., 2I) = [gate | up] -> silu(gate) * up: (..., I), in gate_up's dtype."""
     check_tensor("gate_up", gate_up, dtype=FLOATS)
     if gate_up.ndim == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up must have an even last dim, got shape {tuple(gate_up.shape)}")
     inter = gate_up.shape[-1] // 2
-    out = _out(out, (*gate_up.shape[:-1], inter), gate_up)
+    out = output_for(out, (*gate_up.shape[:-1], inter), gate_up)
     check_devices(gate_up=gate_up, out=out)
     gu2, o2 = rows_view("gate_up", gate_up), rows_view("out", out)
     if gu2.shape[0] and inter:
@@ -73,7 +62,7 @@ def sigmoid_gate_mul(x, gate, out=None):
     check_tensor("gate", gate, dtype=x.dtype)
     if gate.shape != x.shape:
         raise ValueError(f"gate {tuple(gate.shape)} must match x {tuple(x.shape)}")
-    out = _out(out, x.shape, x)
+    out = output_for(out, x.shape, x)
     check_devices(x=x, gate=gate, out=out)
     x2, g2, o2 = rows_view("x", x), rows_view("gate", gate), rows_view("out", out)
     if x2.shape[0] and x2.shape[1]:

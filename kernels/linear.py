@@ -12,13 +12,12 @@ path. No host syncs and no allocation when `out=` is given: CUDA-graph capturabl
 import functools
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels import pdl
 from kernels.host_math import cdiv, next_power_of_2
-from kernels.norms import FLOATS, check_devices, rows_view
+from kernels.norms import FLOATS, check_devices, output_for, rows_view
 from reference._checks import check_tensor
 
 MAX_ROWS = 4
@@ -64,12 +63,12 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
         block_n, block_k, warps = 16, 128, 8 if n < 65536 else 4
     else:
         block_n, block_k, warps = (2 if n <= 2048 else 4), 1024, 4
-    return block_n, max(16, min(next_power_of_2(k), block_k // rows if block_k > 128 else block_k)), warps
+    return block_n, max(16, min(next_power_of_2(k), max(128, block_k // rows))), warps
 
 
 def linear(x, weight, out=None, *, plan: tuple[int, int, int] | None = None):
     """x: (..., K) fp16/bf16/fp32; weight: (N, K), x's dtype, unit stride along K -> (..., N) in x's dtype.
-    Up to MAX_ROWS rows run the Triton GEMV; more run torch's matmul (into `out` when given). plan: a
+    Up to MAX_ROWS rows run the Triton GEMV, more torch's matmul (cuBLAS); into `out` when given. plan: a
     (BLOCK_N, BLOCK_K, num_warps) in place of launch_plan's (benchmark sweeps)."""
     check_tensor("x", x, dtype=FLOATS)
     check_tensor("weight", weight, ndim=2, dtype=x.dtype)
@@ -77,27 +76,21 @@ def linear(x, weight, out=None, *, plan: tuple[int, int, int] | None = None):
         raise ValueError(f"weight {tuple(weight.shape)} does not take x of shape {tuple(x.shape)}")
     if weight.stride(1) != 1 and weight.shape[1] > 1:
         raise ValueError(f"weight must have unit stride along K, got strides {weight.stride()}")
-    shape = (*x.shape[:-1], weight.shape[0])
-    if out is not None:
-        check_tensor("out", out, dtype=x.dtype, device=x.device)
-        if tuple(out.shape) != shape:
-            raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+    out = output_for(out, (*x.shape[:-1], weight.shape[0]), x)
     check_devices(x=x, weight=weight, out=out)
     x2 = rows_view("x", x)
     m, (n, k) = x2.shape[0], weight.shape
     if m > MAX_ROWS:
-        return F.linear(x, weight) if out is None else torch.matmul(x, weight.t(), out=out)
-    out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+        return torch.matmul(x, weight.t(), out=out)
     o2 = rows_view("out", out)
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
     block_n, block_k, warps = plan or launch_plan(m, n, k)
-    use_pdl = pdl.enabled(x.device)
     _linear_kernel[(cdiv(n, block_n),)](x2, weight, o2, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0),
-                                        ROWS=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, PDL=use_pdl,
-                                        num_warps=warps, launch_pdl=use_pdl)
+                                        ROWS=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                                        **pdl.launch_options(x.device))
     return out
 
 

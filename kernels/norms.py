@@ -41,6 +41,16 @@ def rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{name} {tuple(t.shape)} with strides {t.stride()} does not flatten to rows") from None
 
 
+def output_for(out, shape, like: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous output, or the caller's `out` after checking its shape, dtype and device."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    check_tensor("out", out, dtype=like.dtype, device=like.device)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    return out
+
+
 def _check_out(out, like: torch.Tensor) -> None:
     check_tensor("out", out, dtype=like.dtype, device=like.device)
     if out.shape != like.shape:

@@ -569,7 +569,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
             workspace = alloc_workspace(n_tokens, num_heads, num_splits, head_dim, q.device)
         _check_workspace(workspace, n_tokens * num_heads * num_splits, head_dim, q.device)
     ws_o, ws_lse = (workspace.o, workspace.lse) if num_splits > 1 else (out3, out3)  # unused when S == 1
-    use_pdl = pdl.enabled(q.device)
+    launch = pdl.launch_options(q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     args = (q3, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q if cu_seqlens_q is not None else seqused_k,
             g3, out3, ws_o, ws_lse,
@@ -578,8 +578,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
             scale * LOG2E, num_splits, capacity)
     common = dict(VARLEN=cu_seqlens_q is not None, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
                   BLOCK_M=tile.block_m, BLOCK_N=BLOCK_N, DIRECT=num_splits == 1, HAS_GATE=gate is not None,
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl, launch_pdl=use_pdl,
-                  num_warps=tile.num_warps, num_stages=tile.num_stages)
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tile.num_warps,
+                  num_stages=tile.num_stages, **launch)
     if tile.chunk:
         # seqlen_q: the fixed q_len without cu_seqlens_q (unused with it)
         q_min = 0
@@ -596,13 +596,13 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     else:
         _split_kernel[(batch, kv_heads, num_splits)](*args, Q_LEN=q_len, **common)
     if num_splits > 1 and tile.chunk:
-        _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, use_pdl)
+        _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     elif num_splits > 1:
-        _combine(workspace, g3 if gate is not None else None, out3, num_splits, use_pdl)
+        _combine(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     return out
 
 
-def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, use_pdl: bool) -> None:
+def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, launch: dict) -> None:
     # workspace: (N, H, S, D) / (N, H, S) flat; gate (or None), out: (N, H, D)
     n_tokens, num_heads, head_dim = out.shape
     block_s = next_power_of_2(num_splits)
@@ -610,12 +610,11 @@ def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, use_pdl: bo
     g = gate if gate is not None else out
     _combine_kernel[(n_tokens, num_heads, head_dim // block_d)](
         workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, HAS_GATE=gate is not None, PDL=use_pdl, num_warps=4,
-        launch_pdl=use_pdl,
+        HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, HAS_GATE=gate is not None, num_warps=4, **launch,
     )
 
 
-def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, use_pdl: bool) -> None:
+def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, launch: dict) -> None:
     # the chunk variant's combine; workspace: (N, H, S, D) / (N, H, S) flat; gate (or None), out: (N, H, D)
     n_tokens, num_heads, head_dim = out.shape
     block_s = next_power_of_2(num_splits)
@@ -625,7 +624,7 @@ def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, use_pd
     _combine_rows_kernel[(cdiv(n_tokens * num_heads, rows), head_dim // block_d)](
         workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
         n_tokens * num_heads, num_heads, num_splits, HEAD_DIM=head_dim, ROWS=rows, BLOCK_S=block_s, BLOCK_D=block_d,
-        HAS_GATE=gate is not None, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        HAS_GATE=gate is not None, num_warps=4, **launch,
     )
 
 

@@ -35,22 +35,6 @@ class GatedNormWeight(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
 
-class FusedLinear(nn.Linear):
-    """Several projections of one input in one matmul: the weight stacks `parts` (HF sibling name, rows) in order,
-    so the loader fills `<parent>.<name>.weight` into its rows and forward's output splits back into the parts."""
-
-    def __init__(self, in_features: int, parts: dict[str, int]):
-        super().__init__(in_features, sum(parts.values()), bias=False)
-        self.parts = dict(parts)
-
-    def forward(self, x):
-        return ops.linear(x, self.weight)
-
-    def forward_parts(self, x) -> tuple[torch.Tensor, ...]:
-        # x: (N, in) -> one (N, rows) view per part
-        return self(x).split(list(self.parts.values()), dim=-1)
-
-
 class Linear(nn.Linear):
     """A bias-free projection through model.ops.linear (the decode GEMV when the kernels run)."""
 
@@ -59,6 +43,19 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         return ops.linear(x, self.weight)
+
+
+class FusedLinear(Linear):
+    """Several projections of one input in one matmul: the weight stacks `parts` (HF sibling name, rows) in order,
+    so the loader fills `<parent>.<name>.weight` into its rows and forward's output splits back into the parts."""
+
+    def __init__(self, in_features: int, parts: dict[str, int]):
+        super().__init__(in_features, sum(parts.values()))
+        self.parts = dict(parts)
+
+    def forward_parts(self, x) -> tuple[torch.Tensor, ...]:
+        # x: (N, in) -> one (N, rows) view per part
+        return self(x).split(list(self.parts.values()), dim=-1)
 
 
 class GatedAttention(nn.Module):
