@@ -95,6 +95,32 @@ def profile_step(engine: LLMEngine) -> tuple[float, list[dict], Counter]:
     return wall, rows, kernels
 
 
+def launch_costs(reps: int = 40) -> list[dict]:
+    """On the GPU: host time to enqueue one call (no sync inside the loop) against the call's total, for the Triton
+    rms_norm (our wrapper and Triton's launcher) and cuBLAS projections at decode and prefill row counts."""
+    import torch.nn.functional as F
+
+    from kernels.norms import rms_norm
+    dev, bf16 = "cuda", torch.bfloat16
+    w = torch.randn(8224, 2048, device=dev, dtype=bf16)
+    calls = [("rms_norm (Triton) 800 x 2048", rms_norm,
+              (torch.randn(800, 2048, device=dev, dtype=bf16), torch.randn(2048, device=dev, dtype=bf16), 1e-6))]
+    calls += [(f"F.linear (cuBLAS) {m} x 2048 @ 8224 x 2048", F.linear,
+               (torch.randn(m, 2048, device=dev, dtype=bf16), w)) for m in (16, 800, 2048)]
+    rows = []
+    for name, fn, args in calls:
+        fn(*args)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn(*args)
+        queued = time.perf_counter()
+        torch.cuda.synchronize()
+        done = time.perf_counter()
+        rows.append({"call": name, "host_us": 1e6 * (queued - start) / reps, "total_us": 1e6 * (done - start) / reps})
+    return rows
+
+
 def make_engine(model, device: torch.device, max_num_seqs: int, max_len: int, **fields) -> LLMEngine:
     common = dict(max_num_seqs=max_num_seqs, max_model_len=max_len, snapshot_slots=4, **fields)
     cfg = (EngineConfig.for_gpu_memory(0.8, **common) if device.type == "cuda"
@@ -131,8 +157,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--top", type=int, default=20, help="operators (kernels with --decode) to list")
     ap.add_argument("--decode", type=int, default=0, metavar="B", help="profile a decode step of B sequences over "
                                                                        "ctx tokens instead of a returning turn")
+    ap.add_argument("--launch-costs", action="store_true", help="only the host cost of one Triton launch and of "
+                                                                     "cuBLAS projections")
     args = ap.parse_args(argv)
     device = pick_device(args.device)
+    if args.launch_costs:
+        if device.type != "cuda":
+            raise SystemExit("--launch-costs needs the GPU (it times CUDA launches)")
+        rows = launch_costs()
+        print_table(rows, ["call", "host_us", "total_us"])
+        return {"launch_costs": rows}
     ops.set_backend("triton" if device.type == "cuda" else "reference")
     model, what = load_model(args.model or ("qwen3.5-2b" if device.type == "cuda" else "tiny"), device)
     if args.decode:

@@ -67,6 +67,19 @@ def test_host_time_profiles_a_returning_step_on_the_cpu(capsys):
     assert result["python_wall_ms"] > 0 and len(result["python"]) == 3
 
 
+def test_host_time_launch_costs_need_the_gpu():
+    from profiles import host_time
+    with pytest.raises(SystemExit, match="needs the GPU"):
+        host_time.main(["--launch-costs", "--device", "cpu"])
+
+
+@pytest.mark.gpu
+def test_host_time_launch_costs_on_the_gpu():
+    from profiles import host_time
+    rows = host_time.main(["--launch-costs"])["launch_costs"]
+    assert len(rows) == 4 and all(0 < r["host_us"] <= r["total_us"] for r in rows)
+
+
 def test_host_time_profiles_a_decode_step_on_the_cpu(capsys):
     from profiles import host_time
     result = host_time.main(["--ctx", "30", "--decode", "2", "--device", "cpu", "--top", "3"])
