@@ -44,6 +44,10 @@ class Linear(nn.Linear):
     def forward(self, x):
         return ops.linear(x, self.weight)
 
+    def forward_gated(self, gate_up):
+        # gate_up: (N, 2 * in) = [gate | up] -> the projection of silu(gate) * up: (N, out)
+        return ops.silu_and_mul_linear(gate_up, self.weight)
+
 
 class FusedLinear(Linear):
     """Several projections of one input in one matmul: the weight stacks `parts` (HF sibling name, rows) in order,
@@ -119,7 +123,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward_gated(self.gate_up_proj(x))
 
 
 class Router(nn.Module):

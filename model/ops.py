@@ -111,6 +111,11 @@ def silu_and_mul(gate_up):
     return _run("silu_and_mul", gate_up)
 
 
+def silu_and_mul_linear(gate_up, weight):
+    # gate_up: (N, 2I), weight: (hidden, I) -> linear(silu_and_mul(gate_up), weight): (N, hidden), one GEMV at decode
+    return _run("silu_and_mul_linear", gate_up, weight)
+
+
 def attention_prep(q, k, v, q_norm_w, k_norm_w, step: StepInput, k_pages, v_pages, eps):
     """q: (N, H, D), k, v: (N, KV, D) raw projections. Applies q_norm/k_norm and partial RoPE, writes
     k and v into the layer's pages at step.slot_mapping, and returns the normed, rotated q."""
@@ -230,6 +235,7 @@ _BACKENDS["reference"] = {
     "add_rms_norm": R.add_rms_norm,
     "silu_and_mul": R.silu_and_mul,
     "linear": R.linear,
+    "silu_and_mul_linear": R.silu_and_mul_linear,
     "attention_prep": _ref_attention_prep,
     "paged_attention": _ref_paged_attention,
     "gated_deltanet": _ref_gated_deltanet,

@@ -116,6 +116,13 @@ def triton_forward_fn(q, kp, vp, table, seqused, cu, q_len):
                                      page_table=table, seqused_k=seqused)
 
 
+def cute_fn(q, kp, vp, table, seqused, cu, q_len):
+    """Our CuTe-DSL kernel (fa4/cute) over the same page table."""
+    from fa4.cute.entry import cute_attention
+    return lambda: cute_attention(q, kp, vp, causal=True, softmax_scale=q.shape[-1] ** -0.5, cu_seqlens_q=cu,
+                                  page_table=table, seqused_k=seqused, max_seqlen_q=q_len)
+
+
 def timed(row, key, make, graph_too=True):
     """row[key_us] (eager) and row[key_graph_us] (CUDA graph); a failure is recorded, not raised."""
     try:
@@ -139,7 +146,7 @@ def best(row, key):
     return min([t for t in (row.get(f"{key}_graph_us"), row.get(f"{key}_us")) if t], default=None)
 
 
-def bench_case(name, batch, q_len, ctx, target_us=None, peers=True, check=True):
+def bench_case(name, batch, q_len, ctx, target_us=None, peers=True, check=True, cute=False):
     from kernels.paged_decode_attention import split_kv_pays
     q, kp, vp, table, seqused, cu = make_turn(batch, q_len, ctx)
     ours_route = split_kv_pays(batch, q_len, H // KV, KV, D, 2, ctx + q_len, torch.cuda.get_device_properties(0)
@@ -166,9 +173,16 @@ def bench_case(name, batch, q_len, ctx, target_us=None, peers=True, check=True):
           graph_too=not ours_route)  # a graph only where it is auto's route (saves the lead's GPU time)
     if peers:
         peer = timed(row, "fa4", lambda: fa4_fn(q, kp, vp, table, seqused, cu, q_len))
-        if check and peer is not None and fn is not None:  # a sanity check: both are bf16
-            ref = peer().float()
+        ref = peer().float() if check and peer is not None else None  # a sanity check: both are bf16
+        if ref is not None and fn is not None:
             row["rel_err_vs_fa4"] = float((fn().float() - ref).norm() / ref.norm())
+        if cute:
+            cute_call = timed(row, "cute", lambda: cute_fn(q, kp, vp, table, seqused, cu, q_len))
+            if cute_call is not None:
+                row["cute_TFLOPs"] = flops / best(row, "cute") / 1e6
+                row["fa4_over_cute"] = best(row, "fa4") / best(row, "cute") if row.get("fa4_us") else None
+                if ref is not None:
+                    row["rel_err_cute_vs_fa4"] = float((cute_call().float() - ref).norm() / ref.norm())
     ours_t = best(row, "ours") if row.get("ours_us") else best(row, "triton_fwd")
     if ours_t:
         row["ours_best_us"] = ours_t

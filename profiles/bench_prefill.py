@@ -45,7 +45,12 @@ GDN_CASES = [(1, 16384, 32), (1, 32768, 16), (8, 4096, 32)]  # (batch, T, heads)
 CURVE = (32768, 32, 128)  # TFLOP/s against seqlen: batch * seqlen = 32k tokens, H32 d128, causal
 CURVE_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 AGENT_CASE = ("800 new / 50k", 1, 800, 50000)  # H16/KV4 d256 over a paged prefix (profiles/bench_agent_turn.py)
-PARTS = ("gdn", "attention", "agent", "curve")
+PARTS = ("gdn", "attention", "agent", "curve", "cute")
+# The CuTe kernel (issue 5): each FA4 idea and schedule option on and off, from the default config
+CUTE_VARIANTS = [("default", {}), ("always_rescale", dict(rescale_threshold=0.0)),
+                 ("poly1/8", dict(poly_exp2_fraction=0.125)), ("poly1/4", dict(poly_exp2_fraction=0.25)),
+                 ("overlap", dict(intra_wg_overlap=True)), ("persistent", dict(persistent=True)),
+                 ("overlap+persistent", dict(intra_wg_overlap=True, persistent=True))]
 
 
 def attention_flops(batch, seqlen, heads, dim, causal):
@@ -136,14 +141,41 @@ def bench_curve_point(seqlen, flags=MAIN_VARIANTS[0]):
             **{k: row[k] for k in ("fa4_TFLOPs", "cudnn_TFLOPs", "vs_fa4")}}
 
 
-def bench_agent_row():
-    """The agent-turn prefill row: a chunk over a paged prefix, ours (fa4.flash_attention's route) and flash-attn-4
-    varlen with page_table, in TFLOP/s of visible pairs."""
+def bench_agent_row(cute=False):
+    """The agent-turn prefill row: a chunk over a paged prefix, ours (fa4.flash_attention's route; with cute, also
+    the CuTe kernel) and flash-attn-4 varlen with page_table, in TFLOP/s of visible pairs."""
     from profiles import bench_agent_turn as A
-    row = A.bench_case(*AGENT_CASE)
+    row = A.bench_case(*AGENT_CASE, cute=cute)
     t_fa4 = A.best(row, "fa4")
     row["fa4_TFLOPs"] = row["GFLOP"] * 1e3 / t_fa4 if t_fa4 else None
     row["vs_fa4"] = row.get("fa4_over_ours")  # our speed over the peer's: t_fa4 / t_ours
+    return row
+
+
+def bench_cute_case(batch, seqlen, h, kv, d, causal):
+    """The CuTe kernel with each CUTE_VARIANTS entry against flash-attn-4 and cuDNN, TFLOP/s."""
+    from fa4.cute.entry import cute_attention
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, seqlen, h, d, device="cuda", dtype=BF16, generator=gen)
+    k, v = (torch.randn(batch, seqlen, kv, d, device="cuda", dtype=BF16, generator=gen) for _ in range(2))
+    flops = attention_flops(batch, seqlen, h, d, causal)
+    row = {"B": batch, "S": seqlen, "H/KV": f"{h}/{kv}", "D": d, "causal": causal}
+    for label, knobs in CUTE_VARIANTS:
+        try:
+            fn = functools.partial(cute_attention, q, k, v, causal=causal, softmax_scale=d ** -0.5, **knobs)
+            row[f"cute_{label}_TFLOPs"] = flops / bench_us(fn) / 1e6
+        except Exception as err:  # reported, not fatal
+            row[f"cute_{label}_TFLOPs"], row[f"cute_{label}_error"] = None, f"{type(err).__name__}: {err}"[:200]
+    for name in ("fa4", "cudnn"):
+        try:
+            row[f"{name}_TFLOPs"] = flops / bench_us(peer_attention(name, q, k, v, causal)) / 1e6
+        except Exception as err:
+            row[f"{name}_TFLOPs"], row[f"{name}_error"] = None, f"{type(err).__name__}: {err}"[:200]
+    ours = {label: row[f"cute_{label}_TFLOPs"] for label, _ in CUTE_VARIANTS if row[f"cute_{label}_TFLOPs"]}
+    if ours and row.get("fa4_TFLOPs"):
+        row["cute_best"] = max(ours, key=ours.get)
+        row["cute_best_vs_fa4"] = ours[row["cute_best"]] / row["fa4_TFLOPs"]
+        row["cute_default_vs_fa4"] = ours.get("default", 0.0) / row["fa4_TFLOPs"]
     return row
 
 
@@ -193,6 +225,14 @@ def main(argv=None):
         result["curve"] = [progress(bench_curve_point(s)) for s in CURVE_SEQLENS]
         print(f"\ncausal H32 d128, {CURVE[0]} tokens a call, TFLOP/s against seqlen")
         print_table(result["curve"], ["S", "B", "ours_TFLOPs", "fa4_TFLOPs", "cudnn_TFLOPs", "vs_fa4"])
+    if "cute" in parts:
+        result["cute"] = [progress(bench_cute_case(*c)) for c in ATTN_CASES[:4]]
+        print("\nCuTe-DSL kernel (fa4/cute), bf16, TFLOP/s per variant, against flash-attn-4 and cuDNN")
+        print_table(result["cute"], ["B", "S", "H/KV", "D", "causal", *[f"cute_{v[0]}_TFLOPs" for v in CUTE_VARIANTS],
+                                     "fa4_TFLOPs", "cudnn_TFLOPs", "cute_best", "cute_best_vs_fa4"])
+        result["cute_agent_turn"] = [progress(bench_agent_row(cute=True))]
+        print_table(result["cute_agent_turn"], ["case", "cute_us", "cute_graph_us", "fa4_us", "fa4_graph_us",
+                                                "cute_TFLOPs", "fa4_over_cute", "rel_err_cute_vs_fa4"])
     path = Path(args.out) / "prefill.json"
     merged = json.loads(path.read_text()) if args.only and path.exists() else {}
     merged.pop("command", None)

@@ -23,17 +23,31 @@ def _pair(m, n, k, dtype, seed=0):
     return x, w
 
 
-def _check(x, w, what):
-    exact = R.linear(x.double(), w.double()) if x.dtype == torch.float32 else R.linear(x.float(), w.float())
-    out = L.linear(x, w)
+def _check(x, w, what, gated=False):
+    # gated: x is (m, 2k) = [gate | up], judged against reference.silu_and_mul_linear
+    ref = R.silu_and_mul_linear if gated else R.linear
+    exact = ref(x.double(), w.double()) if x.dtype == torch.float32 else ref(x.float(), w.float())
+    out = L.silu_and_mul_linear(x, w) if gated else L.linear(x, w)
     assert out.dtype == x.dtype
     assert_rel(out.double(), exact.double(), TOL[x.dtype], what)
+
+
+def _gated_pair(m, n, k, dtype, seed=0):
+    gate_up, w = _pair(m, n, 2 * k, dtype, seed)
+    return gate_up, w[:, :k].contiguous()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 65, 33), (2, 300, 1000), (3, 7, 2049), (4, 129, 64)])
 def test_linear_matches_reference(m, n, k, dtype):
     _check(*_pair(m, n, k, dtype), f"linear {m}x{k} @ {n}x{k} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (2, 65, 33), (3, 40, 1025), (4, 7, 300), (6, 9, 50)])
+def test_silu_and_mul_linear_matches_reference(m, n, k, dtype):
+    # one GEMV reading [gate | up] (SwiGLU's down projection); 6 rows take the silu_and_mul + matmul path
+    _check(*_gated_pair(m, n, k, dtype), f"gated {m}x{k} @ {n}x{k} {dtype}", gated=True)
 
 
 @settings(max_examples=12, deadline=None)
@@ -66,6 +80,10 @@ def test_linear_bad_input():
         L.linear(x, w, out=torch.empty(1, 9, device=DEV))
     with pytest.raises(ValueError, match="x"):
         L.linear(x.long(), w)
+    with pytest.raises(ValueError, match="gate_up"):
+        L.silu_and_mul_linear(x, w)                              # [gate | up] must be twice the weight's K
+    with pytest.raises(ValueError, match="gate_up"):
+        R.silu_and_mul_linear(x, w)
 
 
 SHAPES_2B = [(8224, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (5120, 2048), (248320, 2048)]
@@ -79,6 +97,7 @@ def test_linear_gpu_decode_shapes(m, pdl, dtype, monkeypatch):
     monkeypatch.setenv("QWEN_PDL", "1" if pdl else "0")
     for n, k in SHAPES_2B:
         _check(*_pair(m, n, k, dtype), f"linear {dtype} {m}x{k} @ {n}x{k} pdl={pdl}")
+    _check(*_gated_pair(m, 2048, 6144, dtype), f"gated {dtype} {m} rows, down 2048x6144 pdl={pdl}", gated=True)
 
 
 @pytest.mark.gpu
