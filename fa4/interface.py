@@ -5,7 +5,8 @@ Backends: "triton" (fa4/triton_forward.py), "reference" (reference.attention / r
 gcd with the K tile is a multiple of 16; anything else is a ValueError) and
 "auto". "auto" sends causal chunks of at most 512 tokens per sequence
 over a paged prefix (decode steps, agent turns) to the split-KV kernel of kernels/paged_decode_attention.py
-(see `split_kv_unsupported`), takes triton wherever it supports the call (see `triton_unsupported`) and the
+(see `split_kv_unsupported`), takes cute wherever it runs the call (`fa4.cute.entry.cute_unsupported`: the
+faster forward on the H200), then triton wherever it supports the call (see `triton_unsupported`), and the
 reference otherwise. A backend asked for by name never falls back: an
 unsupported call raises ValueError saying why. Inputs are checked on the host (cu_seqlens, seqused_k and the
 page table are read once), so this entry point is not meant for CUDA-graph capture.
@@ -143,8 +144,9 @@ def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=N
     sequence b reads its first seqused_k[b] keys; q is (B, S, H, D) or (total, H, D) with cu_seqlens_q.
     Causal masks align at the end (a chunk attends to its cached prefix and itself); rows with no key give 0.
     backend: "triton", "reference", "auto" (the split-KV paged kernel when `split_kv_unsupported` is None, else
-    triton when `triton_unsupported` is None, else reference) or "cute" (bf16 d128/d256 on sm_90a; auto does
-    not pick it until it is measured faster on the H200).
+    cute when `fa4.cute.entry.cute_unsupported` is None, else triton when `triton_unsupported` is None, else
+    reference) or "cute" (bf16 d128/d256 on sm_90a: 0.91-0.98x flash-attn-4 on the H200 against triton's
+    0.62-0.75x, so auto takes it wherever it runs).
     FA4 flags (both exact; the split-KV kernel takes rescale_threshold and uses the hardware exp2 only):
     rescale_threshold, the log2 growth of the running max that forces an O rescale (0: always);
     poly_exp2_fraction, the share of each tile's columns whose exp2 runs as an FMA polynomial (0: none).
@@ -169,6 +171,11 @@ def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=N
                                              cu_seqlens_q=_int32(cu_seqlens_q),
                                              max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else None,
                                              rescale_threshold=rescale_threshold)
+    if backend == "auto" and CE.cute_unsupported(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                                 page_table=page_table, seqused_k=seqused_k) is None:
+        return CE.cute_attention(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens_q=cu_seqlens_q,
+                                 cu_seqlens_k=cu_seqlens_k, page_table=page_table, seqused_k=seqused_k,
+                                 rescale_threshold=rescale_threshold, poly_exp2_fraction=poly_exp2_fraction)
     if backend == "auto":
         backend = "reference" if reason else "triton"
     if backend == "reference":

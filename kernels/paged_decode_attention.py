@@ -698,16 +698,22 @@ def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
 
 
 def long_chunk_attention(q, k_pages, v_pages, step, scale, gate):
-    """Long prefill chunks (see split_kv_pays): fa4's Triton forward over the paged prefix, one
-    program per (query head, 128-row tile), then the output gate. Not graph-captured (prefill runs eagerly)."""
+    """Long prefill chunks (see split_kv_pays): the CuTe-DSL forward (fa4/cute: bf16 d128/d256 on sm_90a, 0.9-1.0x
+    flash-attn-4) over the paged prefix where it runs, else fa4's Triton forward; one CTA or program per (query
+    head group, 128-row tile), then the output gate. Not graph-captured (prefill runs eagerly)."""
+    from fa4.cute import entry as CE
     from fa4.interface import triton_unsupported
     from fa4.triton_forward import triton_forward
     from model import ops
     from reference import sigmoid_gate_mul
-    if triton_unsupported(q, k_pages, v_pages) is not None:  # e.g. a head dim it has no tile for
+    index = dict(cu_seqlens_q=step.cu_seqlens, page_table=step.page_table, seqused_k=step.seqused_k)
+    if CE.cute_unsupported(q, k_pages, v_pages, **index) is None:
+        o = CE.cute_attention(q, k_pages, v_pages, causal=True, softmax_scale=scale, max_seqlen_q=step.max_seqlen_q,
+                              **index)
+    elif triton_unsupported(q, k_pages, v_pages) is None:
+        o = triton_forward(q, k_pages, v_pages, causal=True, scale=scale, max_seqlen_q=step.max_seqlen_q, **index)
+    else:  # e.g. a head dim neither has a tile for
         return ops._BACKENDS["reference"]["paged_attention"](q, k_pages, v_pages, step, scale, gate)
-    o = triton_forward(q, k_pages, v_pages, causal=True, scale=scale, cu_seqlens_q=step.cu_seqlens,
-                       max_seqlen_q=step.max_seqlen_q, page_table=step.page_table, seqused_k=step.seqused_k)
     return o if gate is None else sigmoid_gate_mul(o, gate)
 
 

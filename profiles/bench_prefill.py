@@ -1,4 +1,4 @@
-"""Prefill benchmark on the GPU: `python -m profiles.bench_prefill [--out DIR] [--only PART] [--quick [ours|fa4|gdn]]`.
+"""Prefill benchmark on the GPU: `python -m profiles.bench_prefill [--out DIR] [--only PART] [--quick [WHAT]]`.
 
 1. Attention, bf16: `fa4.flash_attention(backend="triton")` (and "cute" at d128/d256) in TFLOP/s against
    flash-attn-4, cuDNN SDPA and FA2 SDPA on DESIGN.md's shapes, with each FA4 flag on its own (the rescale
@@ -184,6 +184,14 @@ def quick(what):
     if what == "gdn":
         progress(bench_gdn_case(*GDN_CASES[0], fla=False))
         return
+    if what == "cute":
+        from fa4.cute.entry import cute_attention
+        batch, seqlen, h, kv, d, causal = ATTN_CASES[2]
+        q = torch.randn(batch, seqlen, h, d, device="cuda", dtype=BF16)
+        k, v = (torch.randn(batch, seqlen, kv, d, device="cuda", dtype=BF16) for _ in range(2))
+        us = bench_us(lambda: cute_attention(q, k, v, causal=causal, softmax_scale=d ** -0.5))
+        progress({"cute_TFLOPs": attention_flops(batch, seqlen, h, d, causal) / us / 1e6})
+        return
     fa4 = what == "fa4"
     row = bench_attention_case(*ATTN_CASES[2], variants=[] if fa4 else MAIN_VARIANTS[:1], peers=("fa4",) if fa4 else (),
                                cute=False)
@@ -193,9 +201,9 @@ def quick(what):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(RESULTS), help="folder for prefill.json")
-    ap.add_argument("--quick", nargs="?", const="ours", choices=("ours", "fa4", "gdn"),
-                    help="one case for a profiler: the B1 S16k H16/KV4 d256 causal attention (ours or flash-attn-4), "
-                         "or the GDN prefill at B1 T16k H32")
+    ap.add_argument("--quick", nargs="?", const="ours", choices=("ours", "fa4", "gdn", "cute"),
+                    help="one case for a profiler: the B1 S16k H16/KV4 d256 causal attention (ours, cute or "
+                         "flash-attn-4), or the GDN prefill at B1 T16k H32")
     ap.add_argument("--only", action="append", choices=PARTS,
                     help="run these parts only (repeatable); their keys are merged into an existing prefill.json")
     args = ap.parse_args(argv)
