@@ -70,7 +70,8 @@ def test_model_decode_triton_equals_reference_gpu(moe):
     cfg = Qwen35Config(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                        linear_num_value_heads=32, **extra)
     model = Qwen35ForCausalLM.random(cfg, device="cuda", dtype=torch.bfloat16, seed=1)
-    prompt = torch.randint(0, cfg.vocab_size, (3, 150), device="cuda")
+    # 3 x 700 tokens: the prefill chunk fills the SMs, so it takes the long-chunk path (the CuTe forward in bf16)
+    prompt = torch.randint(0, cfg.vocab_size, (3, 700), device="cuda")
     exact = decode_logits(model.float(), prompt, 6, "reference", page_size=64)  # the same weights in fp32
     if moe:  # model is the fp32 model now (.float() converts in place)
         out = decode_logits(model, prompt, 6, "triton", page_size=64)
