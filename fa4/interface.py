@@ -129,7 +129,8 @@ def split_kv_unsupported(q, k, causal, max_seqlen_q, page_table, triton_reason) 
         return f"max q_len {max_seqlen_q} is not in 1..{PD.MAX_Q_LEN}"
     kv_heads, page_size = k.shape[2], k.shape[1]
     if not PD.split_kv_pays(page_table.shape[0], max_seqlen_q, q.shape[-2] // kv_heads, kv_heads, q.shape[-1],
-                            q.element_size(), page_table.shape[1] * page_size, PD._num_sms(q.device)):
+                            q.element_size(), page_table.shape[1] * page_size, PD._num_sms(q.device),
+                            PD.forward_fill(q, k, page_table, max_seqlen_q)):
         return f"max q_len {max_seqlen_q} fills the GPU without KV splits (the forward is faster there)"
     return triton_reason  # device, the interpreter's bf16 and strides: the same limits as the triton forward
 

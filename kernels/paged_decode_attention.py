@@ -666,21 +666,37 @@ def compile_variants(num_heads: int, k_pages: torch.Tensor, v_pages: torch.Tenso
     return calls
 
 
+# The share of the SMs a long chunk's forward must fill to beat this kernel when the forward is the CuTe one (fa4/cute):
+# 800 new over 50k, d256, bf16 on the H200: at 100 CTAs on 132 SMs (H16/KV4) CuTe 1037 us against this kernel's
+# 1599; at 50 (H8/KV2) 933 against 814 (session 7, .gpu/agent_cute.py; profiles/results/agent_turn.json 'cute').
+CUTE_FORWARD_FILL = 0.5
+
+
 def split_kv_pays(batch: int, max_q_len: int, group: int, kv_heads: int, head_dim: int, elt_size: int,
-                  max_seqlen_k: int, num_sms: int = H200_SMS) -> bool:
+                  max_seqlen_k: int, num_sms: int = H200_SMS, forward_fill: float = 1.0) -> bool:
     """Whether a causal paged call goes to this kernel rather than a prefill forward: always for chunks of up to
     ALWAYS_Q_LEN tokens; for longer ones (up to MAX_Q_LEN) when the forward's one program per (sequence, 128-row
-    M-block, KV head) would leave SMs idle and choose_num_splits asks for more than one split. Example:
-    800 new tokens over 50k on Qwen3.5-2B (H8/KV2, group 4) gives the forward 25 x 2 = 50 programs on 132 SMs."""
+    M-block, KV head) would fill less than forward_fill of the SMs (1: the Triton forward; CUTE_FORWARD_FILL: the
+    faster CuTe one, see `forward_fill`) and choose_num_splits asks for more than one split. Example: 800 new
+    tokens over 50k on Qwen3.5-2B (H8/KV2, group 4) gives the forward 25 x 2 = 50 programs on 132 SMs."""
     if max_q_len <= ALWAYS_Q_LEN:
         return True
     if max_q_len > MAX_Q_LEN:
         return False
     tile = plan(max_q_len, group, head_dim, elt_size)
-    if batch * tile.m_blocks * kv_heads >= num_sms:  # the forward fills the SMs (waves aside)
+    if batch * tile.m_blocks * kv_heads >= forward_fill * num_sms:  # the forward fills the SMs enough
         return False
     return choose_num_splits(batch, kv_heads, max_seqlen_k, num_sms, m_blocks=tile.m_blocks,
                              programs_per_sm=tile.programs_per_sm) > 1
+
+
+def forward_fill(q, k_pages, page_table, max_q_len: int) -> float:
+    """split_kv_pays' forward_fill for this call: CUTE_FORWARD_FILL where the CuTe forward runs it (long chunks
+    only; asking costs a few host checks), else 1."""
+    if max_q_len <= ALWAYS_Q_LEN:
+        return 1.0
+    from fa4.cute import entry as CE
+    return CUTE_FORWARD_FILL if CE.cute_unsupported(q, k_pages, k_pages, page_table=page_table) is None else 1.0
 
 
 def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
@@ -689,8 +705,9 @@ def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
     chunks."""
     kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
     max_seqlen_k = step.max_seqlen_k or step.page_table.shape[1] * k_pages.shape[1]
+    fill = forward_fill(q, k_pages, step.page_table, step.max_seqlen_q)
     if not split_kv_pays(step.num_seqs, step.max_seqlen_q, q.shape[-2] // kv_heads, kv_heads, head_dim,
-                         q.element_size(), max_seqlen_k, _num_sms(q.device)):  # the one branch point
+                         q.element_size(), max_seqlen_k, _num_sms(q.device), fill):  # the one branch point
         return long_chunk_attention(q, k_pages, v_pages, step, scale, gate)
     return paged_decode_attention(q, k_pages, v_pages, step.page_table, step.seqused_k, softmax_scale=scale,
                                   cu_seqlens_q=step.cu_seqlens, max_seqlen_q=step.max_seqlen_q, gate=gate,

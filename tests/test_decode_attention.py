@@ -153,13 +153,28 @@ def test_model_op_adapter(monkeypatch):
 
 
 def test_split_kv_pays_for_long_chunks_only_when_the_forward_underfills():
-    from kernels.paged_decode_attention import MAX_Q_LEN, split_kv_pays
+    from kernels.paged_decode_attention import CUTE_FORWARD_FILL, MAX_Q_LEN, split_kv_pays
     assert split_kv_pays(1, 512, 4, 4, 256, 2, 100)  # up to 512: always
     # 800 new over 50k: 2B (H8/KV2) gives the forward 50 programs, 9B-like H16/KV4 100: both split
     assert split_kv_pays(1, 800, 4, 2, 256, 2, 50800) and split_kv_pays(1, 800, 4, 4, 256, 2, 50800)
     assert not split_kv_pays(1, 2048, 4, 2, 256, 2, 12000)  # 64 M-blocks x 2 heads nearly fill 132 SMs
     assert not split_kv_pays(8, 800, 4, 4, 256, 2, 50800)  # 800 programs: no split
     assert not split_kv_pays(1, MAX_Q_LEN + 1, 4, 2, 256, 2, 50800)
+    # against the CuTe forward (half the SMs suffice): H16/KV4's 100 programs go to the forward, H8/KV2's 50 split
+    assert not split_kv_pays(1, 800, 4, 4, 256, 2, 50800, 132, CUTE_FORWARD_FILL)
+    assert split_kv_pays(1, 800, 4, 2, 256, 2, 50800, 132, CUTE_FORWARD_FILL)
+
+
+def test_forward_fill_asks_cute_for_long_chunks_only(monkeypatch):
+    from fa4.cute import entry as CE
+    from kernels.paged_decode_attention import ALWAYS_Q_LEN, CUTE_FORWARD_FILL, forward_fill
+    q, pages, table = torch.zeros(1, 4, 128), torch.zeros(2, 16, 1, 128), torch.zeros(1, 2, dtype=torch.int32)
+    asked = []
+    monkeypatch.setattr(CE, "cute_unsupported", lambda *a, **kw: asked.append(kw["page_table"]) or None)
+    assert forward_fill(q, pages, table, ALWAYS_Q_LEN) == 1.0 and not asked  # short chunks: not asked
+    assert forward_fill(q, pages, table, ALWAYS_Q_LEN + 1) == CUTE_FORWARD_FILL and asked == [table]
+    monkeypatch.setattr(CE, "cute_unsupported", lambda *a, **kw: "no cute here")
+    assert forward_fill(q, pages, table, ALWAYS_Q_LEN + 1) == 1.0
 
 
 def test_choose_num_splits():
