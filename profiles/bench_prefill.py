@@ -24,6 +24,7 @@ from profiles.common import (
     bench_us,
     environment,
     peer_attention,
+    plot_bars,
     plot_series,
     print_table,
     progress,
@@ -46,11 +47,11 @@ CURVE = (32768, 32, 128)  # TFLOP/s against seqlen: batch * seqlen = 32k tokens,
 CURVE_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 AGENT_CASE = ("800 new / 50k", 1, 800, 50000)  # H16/KV4 d256 over a paged prefix (profiles/bench_agent_turn.py)
 PARTS = ("gdn", "attention", "agent", "curve", "cute")
-# The CuTe kernel (issue 5): each FA4 idea and schedule option on and off, from the default config
-CUTE_VARIANTS = [("default", {}), ("always_rescale", dict(rescale_threshold=0.0)),
-                 ("poly1/8", dict(poly_exp2_fraction=0.125)), ("poly1/4", dict(poly_exp2_fraction=0.25)),
-                 ("overlap", dict(intra_wg_overlap=True)), ("persistent", dict(persistent=True)),
-                 ("overlap+persistent", dict(intra_wg_overlap=True, persistent=True))]
+# The CuTe kernel (issue 5): each FA4 idea and schedule option against the default config (the intra-warpgroup
+# overlap on, conditional rescale at 8, no polynomial exp2, one CTA per tile)
+CUTE_VARIANTS = [("default", {}), ("no_overlap", dict(intra_wg_overlap=False)),
+                 ("always_rescale", dict(rescale_threshold=0.0)), ("poly1/8", dict(poly_exp2_fraction=0.125)),
+                 ("poly1/4", dict(poly_exp2_fraction=0.25)), ("persistent", dict(persistent=True))]
 
 
 def attention_flops(batch, seqlen, heads, dim, causal):
@@ -206,7 +207,11 @@ def main(argv=None):
                          "flash-attn-4), or the GDN prefill at B1 T16k H32")
     ap.add_argument("--only", action="append", choices=PARTS,
                     help="run these parts only (repeatable); their keys are merged into an existing prefill.json")
+    ap.add_argument("--plot", metavar="JSON", help="only redraw the plots from a prefill.json (into --out)")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot_all(json.loads(Path(args.plot).read_text()), Path(args.out))
+        return
     if args.quick:
         quick(args.quick)
         return
@@ -246,18 +251,27 @@ def main(argv=None):
     merged.pop("command", None)
     out = write_result("prefill", {**merged, "env": environment(), "flag_variants": FLAG_VARIANTS, **result}, args.out)
     print(f"\nwrote {out}")
-    if "curve" in merged or "curve" in result:
-        plot_curve((merged | result)["curve"], Path(args.out) / "prefill_tflops.png")
+    plot_all(merged | result, Path(args.out))
 
 
-def plot_curve(curve, path):
+def plot_all(result: dict, folder: Path) -> None:
+    """prefill_tflops.png (the curve) and prefill_cute.png (the CuTe variants against the peers), where the result
+    has them; the GPU machine has no matplotlib: redraw there from the JSON with --plot."""
     try:
-        plot_series(path, curve, "S", [("ours_TFLOPs", "ours (Triton)"),
-                                       ("fa4_TFLOPs", "flash-attn-4"), ("cudnn_TFLOPs", "cuDNN SDPA")],
-                    "sequence length", "TFLOP/s")
-        print(f"wrote {path}")
-    except ImportError:  # no matplotlib on the GPU machine: plot from the JSON later
-        print("no matplotlib: plot later with profiles.bench_prefill --plot")
+        if "curve" in result:
+            plot_series(folder / "prefill_tflops.png", result["curve"], "S",
+                        [("ours_TFLOPs", "ours (Triton)"), ("fa4_TFLOPs", "flash-attn-4"),
+                         ("cudnn_TFLOPs", "cuDNN SDPA")], "sequence length", "TFLOP/s")
+        if "cute" in result:
+            rows = result["cute"]
+            labels = [f"S{r['S'] // 1024}k H{r['H/KV']}\nd{r['D']}{' causal' if r['causal'] else ''}" for r in rows]
+            variants = [k for k in rows[0] if k.startswith("cute_") and k.endswith("_TFLOPs")]  # as measured
+            plot_bars(folder / "prefill_cute.png", labels, rows,
+                      [(k, "CuTe " + k[5:-7]) for k in variants]
+                      + [("fa4_TFLOPs", "flash-attn-4"), ("cudnn_TFLOPs", "cuDNN SDPA")], "TFLOP/s")
+        print(f"plots in {folder}")
+    except ImportError:
+        print("no matplotlib: redraw later with python -m profiles.bench_prefill --plot prefill.json")
 
 
 if __name__ == "__main__":

@@ -113,6 +113,25 @@ def plot_series(path: Path, rows: list[dict], x: str, series: list[tuple[str, st
     plt.close(fig)
 
 
+def plot_bars(path: Path, labels: list[str], rows: list[dict], series: list[tuple[str, str]], ylabel: str) -> None:
+    """A small PNG of grouped bars: one group per row (its label), one bar per (row key, legend label) of
+    `series`. Raises ImportError without matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 3.8), dpi=110)
+    width = 0.8 / len(series)
+    for i, (key, label) in enumerate(series):
+        ax.bar([g + i * width for g in range(len(rows))], [r.get(key) or 0.0 for r in rows], width, label=label)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(rows))], labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 class TritonCompileLog:
     """Records each Triton kernel compiled while active (name and the wall time it took): a timed run that
     compiles is timing the compiler. Use as a context manager; `names` lists what compiled, in order."""
