@@ -184,11 +184,9 @@ class FlashAttentionForwardSm90:
                 v_state = P.producer_state(cfg.kv_stages)
                 tile = TS.first_tile(cfg.persistent)
                 while tile < total_tiles:
-                    m_block, head_group, batch = TS.tile_coords(tile, num_m_blocks, num_head_groups, batch_size,
-                                                                cfg.causal, cfg.persistent)
-                    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(
-                        batch, max_seqlen_q, dense_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k, cfg.varlen_q,
-                        cfg.kv_mode)
+                    m_block, head_group, batch, q_start, seqlen_q, k_start, seqlen_k = self.tile_work(
+                        tile, num_m_blocks, num_head_groups, batch_size, max_seqlen_q, dense_seqlen_k, cu_seqlens_q,
+                        cu_seqlens_k, seqused_k)
                     if m_block * cfg.tile_m < seqlen_q * pack:  # else: past this sequence (varlen)
                         kv_head = (head_group * pack) // group
                         n_max = M.n_block_max(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
@@ -259,12 +257,10 @@ class FlashAttentionForwardSm90:
             v_state = P.consumer_state(cfg.kv_stages)
             tile = TS.first_tile(cfg.persistent)
             while tile < total_tiles:
-                m_block, head_group, batch = TS.tile_coords(tile, num_m_blocks, num_head_groups, batch_size,
-                                                            cfg.causal, cfg.persistent)
-                q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(
-                    batch, max_seqlen_q, dense_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k, cfg.varlen_q,
-                    cfg.kv_mode)
-                if m_block * cfg.tile_m < seqlen_q * pack:
+                m_block, head_group, batch, q_start, seqlen_q, k_start, seqlen_k = self.tile_work(
+                    tile, num_m_blocks, num_head_groups, batch_size, max_seqlen_q, dense_seqlen_k, cu_seqlens_q,
+                    cu_seqlens_k, seqused_k)
+                if m_block * cfg.tile_m < seqlen_q * pack:  # else: past this sequence (varlen)
                     n_max = M.n_block_max(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
                     n_nomask = M.n_block_nomask(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
                     row_max, row_sum, row_scale = S.make_state(2)
@@ -369,6 +365,18 @@ class FlashAttentionForwardSm90:
                     q_pipe.consumer_release(q_state)  # O's staging in Q's buffer is read: the next Q may land
                     q_state.advance()
                 tile = TS.next_tile(tile, cfg.persistent)
+
+    @cute.jit
+    def tile_work(self, tile: Int32, num_m_blocks: Int32, num_head_groups: Int32, batch_size: Int32,
+                  max_seqlen_q: Int32, dense_seqlen_k: Int32, cu_seqlens_q, cu_seqlens_k, seqused_k):
+        """The work of linear tile `tile`, the same in the producer and the consumers:
+        (m_block, head_group, batch, q_start, seqlen_q, k_start, seqlen_k)."""
+        cfg = self.cfg
+        m_block, head_group, batch = TS.tile_coords(tile, num_m_blocks, num_head_groups, batch_size, cfg.causal,
+                                                    cfg.persistent)
+        q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, max_seqlen_q, dense_seqlen_k, cu_seqlens_q,
+                                                               cu_seqlens_k, seqused_k, cfg.varlen_q, cfg.kv_mode)
+        return m_block, head_group, batch, q_start, seqlen_q, k_start, seqlen_k
 
     @cute.jit
     def load_pages(self, page_table, batch: Int32, n_block: Int32, seqlen_k: Int32, lane: Int32) -> Int32:
