@@ -18,19 +18,34 @@ import triton.language as tl
 from kernels import pdl
 from kernels.activations import silu_and_mul
 from kernels.host_math import cdiv, next_power_of_2
-from kernels.norms import FLOATS, check_devices, output_for, rows_view
+from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rms_norm, rows_view
 from reference._checks import check_tensor
 
 MAX_ROWS = 4
+# what the GEMV multiplies (its INPUT): x, silu(gate) * up of x = [gate | up], rms_norm(x [+ residual])
+PLAIN, GATED, NORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride,
-                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-                   PDL: tl.constexpr):
-    # out[m, n] = sum_k x[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS rows m;
-    # GATED: x (M, 2K) is SwiGLU's [gate | up] and the input is silu(gate) * up, rounded to x's dtype.
-    # Products accumulate elementwise over K steps and are summed over K once at the end (no per-step reduction).
+def _input_tile(x_ptr, res_ptr, rows, k, M, K, x_stride, res_stride, ADD: tl.constexpr):
+    # rows x columns k of x, or of x + residual rounded to x's dtype (as torch's add rounds): (ROWS, BLOCK_K)
+    mask = (rows[:, None] < M) & (k[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=mask, other=0.0)
+    if ADD:
+        res = tl.load(res_ptr + rows[:, None] * res_stride + k[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, M, N, K, x_stride, w_stride, out_stride,
+                   res_stride, sum_stride, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   INPUT: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+    # out[m, n] = sum_k in[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS rows m.
+    # INPUT: PLAIN, in = x; GATED, x (M, 2K) is SwiGLU's [gate | up] and in = silu(gate) * up; NORM, in =
+    # rms_norm(s) with s = x (+ residual when ADD), each rounded to x's dtype as the unfused ops round, and the
+    # first program stores s (the next residual) into sum. Products accumulate elementwise over K steps and are
+    # summed over K once at the end (no per-step reduction).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                  # (BLOCK_N,)
     kk = tl.arange(0, BLOCK_K)                                               # (BLOCK_K,)
     rows = tl.arange(0, ROWS)                                                # (ROWS,)
@@ -40,19 +55,32 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_strid
     w = tl.load(w_rows + kk[None, :], mask=n_ok & (kk[None, :] < K), other=0.0, eviction_policy="evict_first")
     pdl.wait_for_producer(PDL)
     pdl.release_dependents(PDL)
+    if INPUT == NORM:  # a first pass over the rows: their sums of squares (every program; rows are L2-resident)
+        squares = tl.zeros((ROWS,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            s = _input_tile(x_ptr, res_ptr, rows, k, M, K, x_stride, res_stride, ADD)
+            squares += tl.sum(s.to(tl.float32) * s.to(tl.float32), axis=1)
+            if ADD:
+                first = tl.program_id(0) == 0
+                tl.store(sum_ptr + rows[:, None] * sum_stride + k[None, :], s,
+                         mask=(rows[:, None] < M) & (k[None, :] < K) & first)
+        rstd = tl.rsqrt(squares / K + eps)                                   # (ROWS,)
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_next = k0 + BLOCK_K + kk
         w_next = tl.load(w_rows + k_next[None, :], mask=n_ok & (k_next[None, :] < K), other=0.0,
                          eviction_policy="evict_first")
         k = k0 + kk
-        x_ptrs = x_ptr + rows[:, None] * x_stride + k[None, :]
-        x_mask = (rows[:, None] < M) & (k[None, :] < K)
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)                          # (ROWS, BLOCK_K)
-        if GATED:
+        x = _input_tile(x_ptr, res_ptr, rows, k, M, K, x_stride, res_stride, ADD and INPUT == NORM)
+        if INPUT == GATED:
             gate = x.to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + rows[:, None] * x_stride + K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
+                         other=0.0).to(tl.float32)
             x = (gate * tl.sigmoid(gate) * up).to(x.dtype)
+        if INPUT == NORM:
+            norm_w = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * rstd[:, None] * (1.0 + norm_w[None, :])).to(x.dtype)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         w = w_next
     y = tl.sum(acc, axis=2)                                                  # (ROWS, BLOCK_N)
@@ -92,6 +120,33 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
     return block_n, max(16, min(next_power_of_2(k), max(128, block_k // rows))), warps
 
 
+def _check_weight(name, x, weight, k_factor: int = 1):
+    check_tensor(name, x, dtype=FLOATS)
+    check_tensor("weight", weight, ndim=2, dtype=x.dtype)
+    if x.ndim == 0 or x.shape[-1] != weight.shape[1] * k_factor:
+        raise ValueError(f"weight {tuple(weight.shape)} does not take {name} of shape {tuple(x.shape)}"
+                         + (" ([gate | up] is twice the weight's K)" if k_factor == 2 else ""))
+    if weight.stride(1) != 1 and weight.shape[1] > 1:
+        raise ValueError(f"weight must have unit stride along K, got strides {weight.stride()}")
+
+
+def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=None):
+    """Launch the GEMV on (m <= MAX_ROWS, K) rows x2 into o2 (m, N); NORM reads res2 and writes s2 when given."""
+    m, (n, k) = x2.shape[0], weight.shape
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        o2.zero_()
+        return
+    block_n, block_k, warps = plan or launch_plan(m, n, k)
+    res2 = x2 if res2 is None else res2
+    _linear_kernel[(cdiv(n, block_n),)](
+        x2, weight, o2, res2, x2 if norm_w is None else norm_w, x2 if s2 is None else s2, m, n, k, x2.stride(0),
+        weight.stride(0), o2.stride(0), res2.stride(0), 0 if s2 is None else s2.stride(0), float(eps),
+        ROWS=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, INPUT=mode.value, ADD=s2 is not None,
+        num_warps=warps, **pdl.launch_options(x2.device))
+
+
 def linear(x, weight, out=None, *, plan: tuple[int, int, int] | None = None, gated: bool = False):
     """x: (..., K) fp16/bf16/fp32; weight: (N, K), x's dtype, unit stride along K -> (..., N) in x's dtype.
     gated: x is (..., 2K) = [gate | up] and the product takes silu(gate) * up (SwiGLU's down projection, one
@@ -99,28 +154,13 @@ def linear(x, weight, out=None, *, plan: tuple[int, int, int] | None = None, gat
     the silu_and_mul kernel); into `out` when given. plan: a (BLOCK_N, BLOCK_K, num_warps) in place of
     launch_plan's (benchmark sweeps)."""
     name = "gate_up" if gated else "x"
-    check_tensor(name, x, dtype=FLOATS)
-    check_tensor("weight", weight, ndim=2, dtype=x.dtype)
-    if x.ndim == 0 or x.shape[-1] != weight.shape[1] * (2 if gated else 1):
-        raise ValueError(f"weight {tuple(weight.shape)} does not take {name} of shape {tuple(x.shape)}"
-                         + (" (gated: [gate | up] is twice the weight's K)" if gated else ""))
-    if weight.stride(1) != 1 and weight.shape[1] > 1:
-        raise ValueError(f"weight must have unit stride along K, got strides {weight.stride()}")
+    _check_weight(name, x, weight, 2 if gated else 1)
     out = output_for(out, (*x.shape[:-1], weight.shape[0]), x)
     check_devices(x=x, weight=weight, out=out)
     x2 = rows_view(name, x)
-    m, (n, k) = x2.shape[0], weight.shape
-    if m > MAX_ROWS:
+    if x2.shape[0] > MAX_ROWS:
         return torch.matmul(silu_and_mul(x) if gated else x, weight.t(), out=out)
-    o2 = rows_view("out", out)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
-    block_n, block_k, warps = plan or launch_plan(m, n, k)
-    _linear_kernel[(cdiv(n, block_n),)](x2, weight, o2, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0),
-                                        ROWS=next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated,
-                                        num_warps=warps, **pdl.launch_options(x.device))
+    _gemv(x2, weight, rows_view("out", out), plan, GATED if gated else PLAIN)
     return out
 
 
@@ -129,4 +169,31 @@ def silu_and_mul_linear(gate_up, weight):
     return linear(gate_up, weight, gated=True)
 
 
-OPS = {"linear": linear, "silu_and_mul_linear": silu_and_mul_linear}
+def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[int, int, int] | None = None):
+    """The pre-norm projection of a decoder block: s = x + residual (x when residual is None), rounded to x's
+    dtype; returns (rms_norm(s, norm_weight, eps) @ weight^T, s). x, residual: (..., K); norm_weight: (K,)
+    zero-centred; weight: (N, K). Up to MAX_ROWS rows one GEMV computes the norm itself (every program reads the
+    rows; the first one writes s into a new tensor); more rows run add_rms_norm (s in place in residual) and
+    cuBLAS. Either way `residual` may be overwritten: use the returned s."""
+    _check_weight("x", x, weight)
+    if residual is not None:
+        check_tensor("residual", residual, dtype=x.dtype)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    check_tensor("norm_weight", norm_weight, ndim=1, dtype=FLOATS)
+    if norm_weight.shape[0] != x.shape[-1] or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be contiguous with {x.shape[-1]} entries (x's width), got "
+                         f"{norm_weight.shape[0]}")
+    check_devices(x=x, residual=residual, norm_weight=norm_weight, weight=weight)
+    x2 = rows_view("x", x)
+    if x2.shape[0] > MAX_ROWS:
+        h, s = (rms_norm(x, norm_weight, eps), x) if residual is None else add_rms_norm(x, residual, norm_weight, eps)
+        return torch.matmul(h, weight.t()), s
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+    s = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _gemv(x2, weight, rows_view("out", out), plan, NORM, None if residual is None else rows_view("residual", residual),
+          norm_weight, eps, None if residual is None else rows_view("s", s))
+    return out, s
+
+
+OPS = {"linear": linear, "silu_and_mul_linear": silu_and_mul_linear, "add_rms_norm_linear": add_rms_norm_linear}

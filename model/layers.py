@@ -35,13 +35,58 @@ class GatedNormWeight(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
 
+class NormedInput:
+    """A block half's input, rms_norm(x + residual), before it is computed: the first projection that reads it runs
+    the residual add and the norm inside its GEMV (ops.add_rms_norm_linear: two launches fewer per layer at
+    decode); any other reader takes `value()`. `residual` is then x + residual, the block's next residual."""
+
+    def __init__(self, x, residual, norm: RMSNorm):
+        # x: (N, hidden), the previous half's output; residual: (N, hidden), None in the first layer
+        self.x, self.norm = x, norm
+        self._residual, self._summed, self._value = residual, False, None
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    def project(self, weight):
+        # weight (out, hidden) -> (N, out)
+        if self._summed:
+            return ops.linear(self.value(), weight)
+        y, self._residual = ops.add_rms_norm_linear(self.x, self._residual, self.norm.weight, self.norm.eps, weight)
+        self._summed = True
+        return y
+
+    def value(self):
+        # the normed input itself: (N, hidden)
+        if self._value is None:
+            if self._summed:
+                self._value = self.norm(self._residual)
+            elif self._residual is None:
+                self._value, self._residual = self.norm(self.x), self.x
+            else:
+                self._value, self._residual = ops.add_rms_norm(self.x, self._residual, self.norm.weight,
+                                                               self.norm.eps)
+            self._summed = True
+        return self._value
+
+    @property
+    def residual(self):
+        if not self._summed:
+            self.value()
+        return self._residual
+
+
 class Linear(nn.Linear):
-    """A bias-free projection through model.ops.linear (the decode GEMV when the kernels run)."""
+    """A bias-free projection through model.ops.linear (the decode GEMV when the kernels run); a NormedInput is
+    normed inside the projection."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x):
+        if isinstance(x, NormedInput):
+            return x.project(self.weight)
         return ops.linear(x, self.weight)
 
     def forward_gated(self, gate_up):
@@ -157,6 +202,8 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x):
+        if isinstance(x, NormedInput):  # the router and the experts read it: computed once
+            x = x.value()
         s = self.shared_expert
         gate_w, up_w = s.gate_up_proj.weight.split(s.intermediate)
         shared = (gate_w, up_w, s.down_proj.weight, self.shared_expert_gate.weight)
@@ -165,8 +212,8 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """h += mixer(input_layernorm(h)); h += mlp(post_attention_layernorm(h)), with the residual adds fused
-    into the following norm (add_rms_norm). With a sharded `plan` (tensor parallel) the mixer and the MLP hold
+    """h += mixer(input_layernorm(h)); h += mlp(post_attention_layernorm(h)), with each residual add and norm fused
+    into the following projection (NormedInput). With a sharded `plan` (tensor parallel) the mixer and the MLP hold
     this rank's heads / intermediate slice / experts, and each half ends in one all-reduce of its partial sums."""
 
     def __init__(self, cfg: Qwen35Config, layer_type: str, plan: ShardPlan | None = None):
@@ -186,13 +233,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, residual, step: StepInput, state_a, state_b):
-        # x: the previous layer's output (N, hidden), added to residual here; state_a/b: this layer's cache views
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        # x: the previous layer's output (N, hidden), added to residual (None in layer 0) by the mixer's first
+        # projection; state_a/b: this layer's cache views. Returns (this layer's output, its residual).
         mixer = self.self_attn if self.layer_type == "full_attention" else self.linear_attn
-        h = self.tp.all_reduce(mixer(h, step, state_a, state_b))  # no-op at world size 1
-        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight,
-                                       self.post_attention_layernorm.eps)
-        return self.tp.all_reduce(self.mlp(h)), residual
+        h = NormedInput(x, residual, self.input_layernorm)
+        out = self.tp.all_reduce(mixer(h, step, state_a, state_b))  # no-op at world size 1
+        h = NormedInput(out, h.residual, self.post_attention_layernorm)
+        out = self.tp.all_reduce(self.mlp(h))
+        return out, h.residual

@@ -111,6 +111,12 @@ def silu_and_mul(gate_up):
     return _run("silu_and_mul", gate_up)
 
 
+def add_rms_norm_linear(x, residual, norm_w, eps, weight):
+    # residual += x (x alone when residual is None); returns (linear(rms_norm(residual), weight), residual), one GEMV
+    # at decode. The residual passed in may be overwritten: use the returned one.
+    return _run("add_rms_norm_linear", x, residual, norm_w, eps, weight)
+
+
 def silu_and_mul_linear(gate_up, weight):
     # gate_up: (N, 2I), weight: (hidden, I) -> linear(silu_and_mul(gate_up), weight): (N, hidden), one GEMV at decode
     return _run("silu_and_mul_linear", gate_up, weight)
@@ -236,6 +242,7 @@ _BACKENDS["reference"] = {
     "silu_and_mul": R.silu_and_mul,
     "linear": R.linear,
     "silu_and_mul_linear": R.silu_and_mul_linear,
+    "add_rms_norm_linear": R.add_rms_norm_linear,
     "attention_prep": _ref_attention_prep,
     "paged_attention": _ref_paged_attention,
     "gated_deltanet": _ref_gated_deltanet,

@@ -1,8 +1,9 @@
-"""The reference projections: y = x @ weight^T, as torch.nn.functional.linear computes it, and SwiGLU's down
-projection of silu(gate) * up."""
+"""The reference projections: y = x @ weight^T, as torch.nn.functional.linear computes it, SwiGLU's down
+projection of silu(gate) * up, and a decoder block's pre-norm projection (residual add, RMSNorm, projection)."""
 import torch.nn.functional as F
 
 from reference.moe import silu_and_mul
+from reference.norms import add_rms_norm, rms_norm
 
 
 def linear(x, weight):
@@ -17,3 +18,9 @@ def silu_and_mul_linear(gate_up, weight):
     if gate_up.shape[-1] != 2 * weight.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} does not take gate_up of width {gate_up.shape[-1]}")
     return linear(silu_and_mul(gate_up), weight)
+
+
+def add_rms_norm_linear(x, residual, norm_weight, eps, weight):
+    """s = x + residual (x when residual is None) -> (linear(rms_norm(s, norm_weight, eps), weight), s)."""
+    h, s = (rms_norm(x, norm_weight, eps), x) if residual is None else add_rms_norm(x, residual, norm_weight, eps)
+    return linear(h, weight), s

@@ -1,8 +1,13 @@
-"""The decode GEMV (kernels/linear.py) against reference.linear, errors measured against fp32 (fp64 for fp32).
+"""The decode GEMV (kernels/linear.py) against reference.linear, silu_and_mul_linear and add_rms_norm_linear (the
+three inputs it multiplies), errors measured against fp32 (fp64 for fp32).
 
 Interpreter tests run fp32/fp16 at odd sizes (rows 1-4, K and N not multiples of any tile); `gpu` tests run
 bf16 at Qwen3.5's decode shapes, with programmatic dependent launch on and off, inside a CUDA graph, and the
 hand-off to torch's matmul above MAX_ROWS rows."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import assert_rel
@@ -50,6 +55,44 @@ def test_silu_and_mul_linear_matches_reference(m, n, k, dtype):
     _check(*_gated_pair(m, n, k, dtype), f"gated {m}x{k} @ {n}x{k} {dtype}", gated=True)
 
 
+def _normed_inputs(m, k, dtype, seed, with_residual=True):
+    g = torch.Generator(device=DEV).manual_seed(seed + 100)
+    x = torch.randn(m, k, device=DEV, generator=g).to(dtype)
+    residual = torch.randn(m, k, device=DEV, generator=g).to(dtype) if with_residual else None
+    norm_w = (0.1 * torch.randn(k, device=DEV, generator=g)).to(dtype)
+    return x, residual, norm_w
+
+
+def _check_normed(m, n, k, dtype, with_residual, seed=0, tol=None):
+    # the pre-norm projection against reference.add_rms_norm_linear in fp64 (fp32 for 16-bit inputs)
+    x, residual, norm_w = _normed_inputs(m, k, dtype, seed, with_residual)
+    _, w = _pair(m, n, k, dtype, seed)
+    wide = torch.float64 if dtype == torch.float32 else torch.float32
+    exact, exact_s = R.add_rms_norm_linear(x.to(wide), None if residual is None else residual.to(wide),
+                                           norm_w.to(wide), 1e-6, w.to(wide))
+    summed = x if residual is None else x + residual  # in x's dtype, as the model's residual stream rounds
+    out, s = L.add_rms_norm_linear(x, None if residual is None else residual.clone(), norm_w, 1e-6, w)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert torch.equal(s, summed), "the returned residual is x + residual in x's dtype"
+    assert (s is x) == (residual is None)
+    assert_rel(out.double(), exact.double(), tol or TOL[dtype], f"normed {m}x{k} @ {n}x{k} {dtype}")
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (2, 65, 33), (3, 40, 1025), (4, 7, 300), (6, 9, 50)])
+def test_add_rms_norm_linear_matches_reference(m, n, k, dtype, with_residual):
+    # the GEMV norms the rows itself (6 rows: add_rms_norm, then matmul)
+    _check_normed(m, n, k, dtype, with_residual)
+
+
+@settings(max_examples=8, deadline=None)
+@given(m=st.integers(1, L.MAX_ROWS), n=st.integers(1, 200), k=st.integers(1, 1200), seed=st.integers(0, 99),
+       with_residual=st.booleans())
+def test_add_rms_norm_linear_property(m, n, k, seed, with_residual):
+    _check_normed(m, n, k, torch.float32, with_residual, seed)
+
+
 @settings(max_examples=12, deadline=None)
 @given(m=st.integers(1, L.MAX_ROWS), n=st.integers(1, 300), k=st.integers(1, 1500), seed=st.integers(0, 99))
 def test_linear_property(m, n, k, seed):
@@ -84,6 +127,43 @@ def test_linear_bad_input():
         L.silu_and_mul_linear(x, w)                              # [gate | up] must be twice the weight's K
     with pytest.raises(ValueError, match="gate_up"):
         R.silu_and_mul_linear(x, w)
+    norm_w = torch.randn(16, device=DEV)
+    with pytest.raises(ValueError, match="residual"):
+        L.add_rms_norm_linear(x, x[:, :8], norm_w, 1e-6, w)
+    with pytest.raises(ValueError, match="residual"):
+        L.add_rms_norm_linear(x, x.half(), norm_w, 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        L.add_rms_norm_linear(x, x, norm_w[:8], 1e-6, w)
+    with pytest.raises(ValueError, match="weight"):
+        L.add_rms_norm_linear(x, None, norm_w, 1e-6, w[:, :8])
+
+
+SM90_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+from kernels import linear as L
+for mode, add in ((L.PLAIN, False), (L.GATED, False), (L.NORM, False), (L.NORM, True)):
+    const = dict(ROWS=2, BLOCK_N=4, BLOCK_K=512, INPUT=mode.value, ADD=add, PDL=True)
+    sig = {n: "constexpr" if n in const else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
+           for n in L._linear_kernel.arg_names}
+    ptx = triton.compile(ASTSource(L._linear_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4}).asm["ptx"]
+    print(ptx.count("griddepcontrol"), ptx.count("st.global"), flush=True)
+"""
+
+
+def test_gemv_variants_compile_for_sm90():
+    # the interpreter skips Triton's compiler: each input mode to PTX for sm_90a on the CPU, with PDL's
+    # griddepcontrol pair; the add-and-norm variant also stores the summed residual
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = [tuple(map(int, line.split())) for line in run.stdout.split("\n") if line.strip()]
+    assert len(counts) == 4 and all(pdl == 2 for pdl, _ in counts), run.stdout
+    assert counts[3][1] > counts[2][1], run.stdout
 
 
 SHAPES_2B = [(8224, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (5120, 2048), (248320, 2048)]
@@ -98,6 +178,8 @@ def test_linear_gpu_decode_shapes(m, pdl, dtype, monkeypatch):
     for n, k in SHAPES_2B:
         _check(*_pair(m, n, k, dtype), f"linear {dtype} {m}x{k} @ {n}x{k} pdl={pdl}")
     _check(*_gated_pair(m, 2048, 6144, dtype), f"gated {dtype} {m} rows, down 2048x6144 pdl={pdl}", gated=True)
+    for n in (8224, 12288):  # GDN in_proj, MLP gate_up: normed inside the GEMV
+        _check_normed(m, n, 2048, dtype, True, tol=1e-2 if dtype == torch.bfloat16 else None)
 
 
 @pytest.mark.gpu
