@@ -24,7 +24,7 @@ from fa4 import flash_attention
 from fa4.cute.config import AttentionConfig, choose_config, pack_factor, paged_tile_n, representative_configs
 from fa4.cute.entry import dsl_available
 from tests.conftest import HAS_CUDA, assert_rel
-from tests.test_attention_prefill import TOL, make_pool, qkv
+from tests.test_attention_prefill import TOL, check_exp2_poly, exp2_probe_points, make_pool, qkv
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 if not HAS_CUDA:  # CuTe-DSL reads the target when it is first imported; without a GPU, compile for sm_90a
@@ -188,6 +188,14 @@ def test_cute_kernel_compiles_for_sm90(index, sm90_compiles):
 
 
 @needs_dsl
+def test_cute_exp2_poly_probe_compiles_to_fma():
+    # the CuTe softmax's polynomial exp2, mapped over a vector (tests/cute_exp2_probe.py): FMAs, no MUFU ex2
+    from tests.cute_exp2_probe import compile_probe
+    ptx = compile_probe().__ptx__
+    assert "ex2.approx" not in ptx and ptx.count("fma.rn.f32") >= 3, ptx[-2000:]
+
+
+@needs_dsl
 @pytest.mark.skipif(HAS_CUDA, reason="CPU compile (the gpu tests cover the cache there)")
 def test_cute_compile_cache_reuses():
     from fa4.cute import compile_cache as CC
@@ -273,6 +281,23 @@ def test_cute_gpu_fa4_flags(d, flags):
     for causal in (True, False):
         for sq, sk in ((127, 127), (1000, 4097)):
             check_cute(2, sq, sk, 16, 2, d, causal, **flags)
+
+
+@pytest.mark.gpu
+@needs_dsl
+def test_cute_gpu_exp2_poly_error_bound():
+    # the polynomial's own error over its input range, as the kernel's softmax computes it on the GPU
+    import cutlass
+
+    from fa4.cute.compile_cache import gmem_ptr
+    from fa4.cute.entry import _cu_stream
+    from tests.cute_exp2_probe import compile_probe
+    x = exp2_probe_points(DEV)
+    y = torch.full_like(x, float("nan"))
+    compile_probe()(gmem_ptr(x, cutlass.Float32), gmem_ptr(y, cutlass.Float32), x.numel(),
+                    _cu_stream(torch.cuda.current_stream().cuda_stream))
+    torch.cuda.synchronize()
+    check_exp2_poly(x, y)
 
 
 @pytest.mark.gpu

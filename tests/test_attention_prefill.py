@@ -115,16 +115,26 @@ def _exp2_poly_kernel(x_ptr, y_ptr, N: tl.constexpr):
     tl.store(y_ptr + i, exp2_poly(tl.load(x_ptr + i)))
 
 
-def test_attention_exp2_poly_error_bound():
+def exp2_probe_points(device) -> torch.Tensor:
+    """The polynomial exp2's test points: [-126, 8] evenly, then -inf and two underflows, zero-padded to 4096."""
     x = torch.cat([torch.linspace(-126.0, 8.0, 4093), torch.tensor([-float("inf"), -200.0, -126.5])])
-    x = torch.cat([x, torch.zeros(4096 - x.numel())]).to(DEV)
-    y = torch.empty_like(x)
-    _exp2_poly_kernel[(1,)](x, y, N=4096)
+    return torch.cat([x, torch.zeros(4096 - x.numel())]).to(device)
+
+
+def check_exp2_poly(x: torch.Tensor, y: torch.Tensor) -> None:
+    """y = exp2_poly(x): within EXP2_POLY_MAX_REL_ERR of 2^x (relative) where x >= -126, exactly 0 below."""
     exact = torch.exp2(x.double())
     finite = x >= -126.0
     err = ((y.double() - exact).abs() / exact)[finite].max().item()
     assert err <= EXP2_POLY_MAX_REL_ERR, f"max relative error {err:.3e}"
     assert (y[~finite] == 0).all()
+
+
+def test_attention_exp2_poly_error_bound():
+    x = exp2_probe_points(DEV)
+    y = torch.empty_like(x)
+    _exp2_poly_kernel[(1,)](x, y, N=4096)
+    check_exp2_poly(x, y)
 
 
 @pytest.mark.parametrize("causal,dtype", [(True, torch.float16), (False, torch.float32)])
