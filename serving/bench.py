@@ -18,7 +18,7 @@ import gc
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -53,6 +53,7 @@ class Request:
     last: float | None = None
     generated: int = 0
     cached_tokens: int = 0
+    first_step: dict | None = None  # the phases (engine.StepPhases, ms) of the step that gave the first token
 
     @property
     def ttft_ms(self) -> float:
@@ -124,7 +125,8 @@ def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: b
         now = time.perf_counter()
         for o in outs:
             u, r, prompt = live[o.seq_id]
-            r.first = r.first or now
+            if r.first is None:
+                r.first, r.first_step = now, asdict(engine.last_step)
             r.last, r.generated = now, r.generated + 1
             if o.finished:
                 result = engine.pop_output(o.seq_id)
@@ -141,7 +143,8 @@ def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: b
 def request_row(r: Request) -> dict:
     return dict(user=r.user, turn=r.turn, prompt=r.prompt_tokens, cached=r.cached_tokens,
                 new=r.prompt_tokens - r.cached_tokens, ttft_ms=round(r.ttft_ms, 3),
-                tpot_ms=None if r.tpot_ms is None else round(r.tpot_ms, 4), generated=r.generated)
+                tpot_ms=None if r.tpot_ms is None else round(r.tpot_ms, 4), generated=r.generated,
+                first_step={k: round(v, 3) for k, v in (r.first_step or {}).items()})
 
 
 def summarize(requests: list[Request], users: list[User], wall_s: float) -> tuple[list[dict], dict]:
@@ -158,6 +161,9 @@ def summarize(requests: list[Request], users: list[User], wall_s: float) -> tupl
             "ttft_p99_ms": percentile([r.ttft_ms for r in reqs], 99),
             "ttft_first_turn_ms": percentile([r.ttft_ms for r in reqs if r.turn == 0], 50),
             "ttft_return_p50_ms": percentile(back, 50), "ttft_return_p99_ms": percentile(back, 99),
+            # where a returning turn's first step goes (the median of each phase over the returning turns)
+            **{f"return_{k}": percentile([r.first_step[k] for r in reqs if r.turn > 0 and r.first_step], 50)
+               for k in ("schedule_ms", "dispatch_ms", "commit_ms", "sample_ms")},
             "final_answer_s": sum(trace_times) / len(trace_times) if trace_times else None,
             "decode_tok_s": 1e3 / (sum(tpots) / len(tpots)) if tpots else None,
             "hit_rate": cached / prompt if prompt else None,
@@ -326,6 +332,10 @@ def main(argv=None, model=None) -> dict:
               f"{runner.num_graph_steps - steps_before[0]} graph decode, "
               f"{runner.num_eager_decode_steps - steps_before[1]} eager decode, "
               f"{runner.num_eager_steps - steps_before[2]} eager (prefill or mixed)\n")
+    if overall["return_sample_ms"] is not None:
+        out.write("returning turns' first step, p50 of each phase: schedule {return_schedule_ms:.2f} ms, dispatch "
+                  "{return_dispatch_ms:.2f}, commit {return_commit_ms:.2f}, sample and wait {return_sample_ms:.2f} "
+                  "(a long wait beside a short dispatch: GPU-bound)\n".format(**overall))
     if compiles.names:
         out.write(f"WARNING: {len(compiles.names)} Triton compiles during the timed replay "
                   f"({compiles.seconds:.2f} s): {sorted(set(compiles.names))}\n")

@@ -2,6 +2,7 @@
 from CUDA graphs), the scheduler commits the cache, and the sampler draws the tokens of the rows that finished
 their prompt or decoded."""
 import logging
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,6 +27,16 @@ class StepOutput:
     seq_id: int
     token: int
     finished: bool
+
+
+@dataclass
+class StepPhases:
+    """Host milliseconds of an engine step's phases. `sample` ends with the step's one host sync, so it includes
+    waiting for the GPU: a long sample beside a short dispatch is a GPU-bound step, the reverse a host-bound one."""
+    schedule_ms: float = 0.0  # admission (prefix-cache lookup) and the chunk plan
+    dispatch_ms: float = 0.0  # the model step's host side: building its inputs and launching its kernels
+    commit_ms: float = 0.0  # publishing computed pages and state snapshots
+    sample_ms: float = 0.0  # sampling, and the wait for the step's results
 
 
 @dataclass
@@ -80,6 +91,7 @@ class LLMEngine:
         log.info("engine: %s", self.pool_summary)
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
+        self.last_step = StepPhases()  # the phases of the last step that ran
         self._seeds = torch.Generator().manual_seed(cfg.seed)
 
     def close(self) -> None:
@@ -133,17 +145,23 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, commit the cache, sample the sequences whose chunk reached their end."""
+        t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        t1 = time.perf_counter()
         logits, chunks = self.runner.execute(chunks)  # rows of logits follow the returned chunks
+        t2 = time.perf_counter()
         self.scheduler.commit(chunks)
+        t3 = time.perf_counter()
         ready = [c.seq.num_uncomputed_tokens == 0 for c in chunks]  # prefill tails and decodes
-        if not any(ready):
-            return []
-        params = [c.seq.params if r else None for c, r in zip(chunks, ready)]
-        gens = [c.seq.generator if r else None for c, r in zip(chunks, ready)]
-        tokens = sample(logits, params, gens).tolist()  # the step's one host sync
+        tokens = []
+        if any(ready):
+            params = [c.seq.params if r else None for c, r in zip(chunks, ready)]
+            gens = [c.seq.generator if r else None for c, r in zip(chunks, ready)]
+            tokens = sample(logits, params, gens).tolist()  # the step's one host sync
+        t4 = time.perf_counter()
+        self.last_step = StepPhases(*(1e3 * (b - a) for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4))))
         return [self._append(c.seq, t) for c, t, r in zip(chunks, tokens, ready) if r]
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:

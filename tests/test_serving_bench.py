@@ -55,6 +55,12 @@ def test_bench_smoke_on_the_cpu(model, tmp_path, capsys):
     # returning turns resend the conversation unchanged: the cache serves all but the page-unaligned tail
     assert overall["eligible_hit_rate"] > 0.7 and 0 < overall["hit_rate"] <= overall["eligible_hit_rate"]
     assert all(u["final_answer_s"] > 0 for u in run["users"])
+    # each request keeps the phases of the step that gave its first token; together they fit inside its TTFT
+    assert "sample and wait" in printed
+    for r in run["requests"]:
+        assert set(r["first_step"]) == {"schedule_ms", "dispatch_ms", "commit_ms", "sample_ms"}
+        assert 0 < sum(r["first_step"].values()) <= r["ttft_ms"] + 1e-3
+    assert overall["return_dispatch_ms"] > 0
     saved = json.loads((tmp_path / "serving.json").read_text())
     assert "custom|short|c2|cpu|graphs" in saved["runs"] and "command" in saved and "environment" in saved
 
