@@ -4,8 +4,9 @@ A chunk of q_len new tokens per sequence over a cached prefix of ctx tokens (seq
 at the end, paged (page 128, shuffled), H16/KV4 d256 bf16 unless said: ours (kernels/paged_decode_attention.py,
 the split-KV chunk variant, timed in a CUDA graph and eagerly) beside flash-attn-4's flash_attn_varlen_func with
 page_table/seqused_k in the same run; chunks over 512 tokens go to the split-KV kernel only where the forward
-would leave SMs idle (kernels.paged_decode_attention.split_kv_pays: 800 over 50k does), and every row also times
-fa4.flash_attention's Triton forward. Also one serving mixed step (32 decode
+would leave SMs idle (kernels.paged_decode_attention.split_kv_pays; against the CuTe forward, where it runs, half
+the SMs suffice: 800 over 50k at H16/KV4 takes the CuTe forward), and every row also times fa4.flash_attention's
+Triton forward. Also one serving mixed step (32 decode
 rows beside a 256-token chunk over 32k prefixes). Writes agent_turn.json and agent_turn.png (time against q_len
 at a 50k context) to --out.
 
@@ -147,10 +148,11 @@ def best(row, key):
 
 
 def bench_case(name, batch, q_len, ctx, target_us=None, peers=True, check=True, cute=False):
-    from kernels.paged_decode_attention import split_kv_pays
+    from kernels.paged_decode_attention import forward_fill, split_kv_pays
     q, kp, vp, table, seqused, cu = make_turn(batch, q_len, ctx)
+    fill = forward_fill(q, kp, table, q_len)  # < 1: the CuTe forward runs this call (auto's forward then)
     ours_route = split_kv_pays(batch, q_len, H // KV, KV, D, 2, ctx + q_len, torch.cuda.get_device_properties(0)
-                               .multi_processor_count)
+                               .multi_processor_count, fill)
     flops, kv_bytes = work(batch, q_len, ctx)
     bound_us = max(flops / PEAK_TFLOPS / 1e6, kv_bytes / READ_TBPS / 1e6)
     row = {"case": name, "B": batch, "q_len": q_len, "ctx": ctx, "GFLOP": flops / 1e9, "KV_MB": kv_bytes / 1e6,
@@ -166,11 +168,14 @@ def bench_case(name, batch, q_len, ctx, target_us=None, peers=True, check=True, 
         if fn is not None:
             row["splits"], tile = holder["splits"], holder["tile"]
             row["tile"] = f"{'chunk' if tile.chunk else 'decode'} M{tile.block_m}x{tile.m_blocks} w{tile.num_warps}"
+    elif fill < 1.0:
+        row["route"] = "ours (CuTe forward: it fills enough of the GPU)"
+        fn = timed(row, "ours", lambda: cute_fn(q, kp, vp, table, seqused, cu, q_len))
     else:
         fn = None
         row["route"] = "fa4 triton forward (auto: the forward fills the GPU)"
     timed(row, "triton_fwd", lambda: triton_forward_fn(q, kp, vp, table, seqused, cu, q_len),
-          graph_too=not ours_route)  # a graph only where it is auto's route (saves the lead's GPU time)
+          graph_too=fn is None)  # a graph only where it is auto's route (saves the lead's GPU time)
     if peers:
         peer = timed(row, "fa4", lambda: fa4_fn(q, kp, vp, table, seqused, cu, q_len))
         ref = peer().float() if check and peer is not None else None  # a sanity check: both are bf16
