@@ -25,8 +25,10 @@ def exp2_poly_map(x_ptr: cute.Pointer, y_ptr: cute.Pointer, n: Int32, stream):
     _exp2_poly_kernel(x, y).launch(grid=[n // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
 
-def compile_probe():
-    """The compiled map (no GPU needed: placeholder pointers and stream)."""
+def compile_probe(keep_ptx: bool = False):
+    """The compiled map (no GPU needed: placeholder pointers and stream); keep_ptx: its `__ptx__` holds the PTX
+    (a copy is written to $CUTE_DSL_DUMP_DIR or the working directory)."""
     from cutlass.cute.runtime import make_fake_stream, make_ptr
     ptr = make_ptr(cutlass.Float32, 0, cute.AddressSpace.gmem, assumed_align=16)
-    return cute.compile(exp2_poly_map, ptr, ptr, Int32(THREADS), make_fake_stream(), options="--keep-ptx")
+    return cute.compile(exp2_poly_map, ptr, ptr, Int32(THREADS), make_fake_stream(),
+                        options="--keep-ptx" if keep_ptx else None)

@@ -188,11 +188,17 @@ def test_cute_kernel_compiles_for_sm90(index, sm90_compiles):
 
 
 @needs_dsl
-def test_cute_exp2_poly_probe_compiles_to_fma():
-    # the CuTe softmax's polynomial exp2, mapped over a vector (tests/cute_exp2_probe.py): FMAs, no MUFU ex2
-    from tests.cute_exp2_probe import compile_probe
-    ptx = compile_probe().__ptx__
-    assert "ex2.approx" not in ptx and ptx.count("fma.rn.f32") >= 3, ptx[-2000:]
+def test_cute_exp2_poly_probe_compiles_to_fma(tmp_path):
+    # the CuTe softmax's polynomial exp2, mapped over a vector (tests/cute_exp2_probe.py), compiled for sm_90a in a
+    # subprocess (its PTX copy goes to a temporary folder): FMAs, no MUFU ex2
+    script = ("from tests.cute_exp2_probe import compile_probe; ptx = compile_probe(keep_ptx=True).__ptx__; "
+              "print(ptx.count('ex2.approx'), ptx.count('fma.rn.f32'))")
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ex2, fma = map(int, run.stdout.split()[-2:])
+    assert ex2 == 0 and fma >= 3, run.stdout
 
 
 @needs_dsl
