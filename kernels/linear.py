@@ -18,7 +18,7 @@ import triton.language as tl
 from kernels import pdl
 from kernels.activations import silu_and_mul
 from kernels.host_math import cdiv, next_power_of_2
-from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rms_norm, rows_view
+from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
 from reference._checks import check_tensor
 
 MAX_ROWS = 4
@@ -169,12 +169,14 @@ def silu_and_mul_linear(gate_up, weight):
     return linear(gate_up, weight, gated=True)
 
 
-def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[int, int, int] | None = None):
+def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[int, int, int] | None = None,
+                        fused: bool = True):
     """The pre-norm projection of a decoder block: s = x + residual (x when residual is None), rounded to x's
     dtype; returns (rms_norm(s, norm_weight, eps) @ weight^T, s). x, residual: (..., K); norm_weight: (K,)
     zero-centred; weight: (N, K). Up to MAX_ROWS rows one GEMV computes the norm itself (every program reads the
     rows; the first one writes s into a new tensor); more rows run add_rms_norm (s in place in residual) and
-    cuBLAS. Either way `residual` may be overwritten: use the returned s."""
+    cuBLAS. Either way `residual` may be overwritten: use the returned s. fused=False: always add_rms_norm, then
+    `linear` (the A/B of the fusion, profiles.host_time --unfused-prenorm)."""
     _check_weight("x", x, weight)
     if residual is not None:
         check_tensor("residual", residual, dtype=x.dtype)
@@ -186,9 +188,9 @@ def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[in
                          f"{norm_weight.shape[0]}")
     check_devices(x=x, residual=residual, norm_weight=norm_weight, weight=weight)
     x2 = rows_view("x", x)
-    if x2.shape[0] > MAX_ROWS:
-        h, s = (rms_norm(x, norm_weight, eps), x) if residual is None else add_rms_norm(x, residual, norm_weight, eps)
-        return torch.matmul(h, weight.t()), s
+    if x2.shape[0] > MAX_ROWS or not fused:
+        h, s = add_rms_norm(x, residual, norm_weight, eps)
+        return linear(h, weight, plan=plan), s
     out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
     s = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _gemv(x2, weight, rows_view("out", out), plan, NORM, None if residual is None else rows_view("residual", residual),

@@ -122,8 +122,9 @@ def add_rms_norm(x, residual, weight, eps, out=None):
     """x, residual: (..., n), same dtype -> (rms_norm(x + residual), residual).
 
     IN PLACE: the sum x + residual (rounded to the io dtype, as torch's add does) is written into
-    `residual`, which is returned as the second result. The norm is computed from that rounded sum."""
-    return _norm(x, residual, weight, eps, out), residual
+    `residual`, which is returned as the second result. The norm is computed from that rounded sum.
+    residual None (a first layer): (rms_norm(x), x)."""
+    return _norm(x, residual, weight, eps, out), (x if residual is None else residual)
 
 
 OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm}

@@ -62,8 +62,6 @@ class NormedInput:
         if self._value is None:
             if self._summed:
                 self._value = self.norm(self._residual)
-            elif self._residual is None:
-                self._value, self._residual = self.norm(self.x), self.x
             else:
                 self._value, self._residual = ops.add_rms_norm(self.x, self._residual, self.norm.weight,
                                                                self.norm.eps)

@@ -97,7 +97,7 @@ def rms_norm(x, weight, eps):
 
 
 def add_rms_norm(x, residual, weight, eps):
-    # residual += x; returns (rms_norm(residual), residual)
+    # residual += x; returns (rms_norm(residual), residual); residual None: (rms_norm(x), x)
     return _run("add_rms_norm", x, residual, weight, eps)
 
 

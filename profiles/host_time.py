@@ -14,6 +14,7 @@ for the fusion: 48 launches fewer a 2B/0.8B step at ~2.5 us each with its graph 
 the rows from L2: about 0.1-0.15 ms of 2B's 1.82 ms and 0.8B's 1.11 ms).
 """
 import argparse
+import functools
 import time
 from collections import Counter
 
@@ -126,12 +127,8 @@ def launch_costs(reps: int = 40) -> list[dict]:
 
 def use_unfused_prenorm() -> None:
     """The triton backend's pre-norm projection as two launches: add_rms_norm (or rms_norm), then the GEMV."""
-    from kernels import linear, norms
-
-    def unfused(x, residual, norm_w, eps, weight):
-        h, s = (norms.rms_norm(x, norm_w, eps), x) if residual is None else norms.add_rms_norm(x, residual, norm_w, eps)
-        return linear.linear(h, weight), s
-    ops.register_backend("triton", {"add_rms_norm_linear": unfused})
+    from kernels.linear import add_rms_norm_linear
+    ops.register_backend("triton", {"add_rms_norm_linear": functools.partial(add_rms_norm_linear, fused=False)})
 
 
 def make_engine(model, device: torch.device, max_num_seqs: int, max_len: int, **fields) -> LLMEngine:

@@ -3,7 +3,7 @@ projection of silu(gate) * up, and a decoder block's pre-norm projection (residu
 import torch.nn.functional as F
 
 from reference.moe import silu_and_mul
-from reference.norms import add_rms_norm, rms_norm
+from reference.norms import add_rms_norm
 
 
 def linear(x, weight):
@@ -22,5 +22,5 @@ def silu_and_mul_linear(gate_up, weight):
 
 def add_rms_norm_linear(x, residual, norm_weight, eps, weight):
     """s = x + residual (x when residual is None) -> (linear(rms_norm(s, norm_weight, eps), weight), s)."""
-    h, s = (rms_norm(x, norm_weight, eps), x) if residual is None else add_rms_norm(x, residual, norm_weight, eps)
+    h, s = add_rms_norm(x, residual, norm_weight, eps)
     return linear(h, weight), s

@@ -13,7 +13,10 @@ def rms_norm(x, weight, eps: float = 1e-6):
 
 
 def add_rms_norm(x, residual, weight, eps: float = 1e-6):
-    """The fused residual step: residual = x + residual; returns (rms_norm(residual), residual)."""
+    """The fused residual step: residual = x + residual; returns (rms_norm(residual), residual). residual None (a
+    first layer): (rms_norm(x), x)."""
+    if residual is None:
+        return rms_norm(x, weight, eps), x
     if x.shape != residual.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must match")
     summed = x + residual

@@ -48,6 +48,15 @@ def test_add_rms_norm_in_place(rows, n, dtype):
     _close("add_rms_norm normed", normed, ref_normed)
 
 
+def test_add_rms_norm_without_residual_is_the_plain_norm():
+    # a first layer has no residual yet: the norm of x, and x itself as the residual
+    x, w = _randn(3, 65, dtype=torch.float32), _randn(65, dtype=torch.float32, scale=0.2)
+    for impl in (add_rms_norm, R.add_rms_norm):
+        normed, summed = impl(x, None, w, EPS)
+        assert summed is x
+        _close("add_rms_norm without residual", normed, R.rms_norm(x, w, EPS))
+
+
 def test_norms_strided_rows_and_out():
     # x: every other 200-wide half of a (3, 5, 400) tensor -> rows with stride 400; fp32 weight on fp16 x
     base = _randn(3, 5, 400, dtype=torch.float16)

@@ -86,6 +86,17 @@ def test_add_rms_norm_linear_matches_reference(m, n, k, dtype, with_residual):
     _check_normed(m, n, k, dtype, with_residual)
 
 
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_linear_unfused_equals_the_two_ops(with_residual):
+    # fused=False (the A/B of profiles.host_time --unfused-prenorm) is add_rms_norm, then the GEMV
+    x, residual, norm_w = _normed_inputs(2, 96, torch.float32, 3, with_residual)
+    _, w = _pair(2, 50, 96, torch.float32, 3)
+    out, s = L.add_rms_norm_linear(x, None if residual is None else residual.clone(), norm_w, 1e-6, w, fused=False)
+    h = R.rms_norm(x if residual is None else x + residual, norm_w, 1e-6)
+    assert torch.equal(s, x if residual is None else x + residual)
+    assert_rel(out.double(), R.linear(h.double(), w.double()), 1e-6, "unfused")
+
+
 @settings(max_examples=8, deadline=None)
 @given(m=st.integers(1, L.MAX_ROWS), n=st.integers(1, 200), k=st.integers(1, 1200), seed=st.integers(0, 99),
        with_residual=st.booleans())
