@@ -58,6 +58,15 @@ def attention_flops(batch, seqlen, heads, dim, causal):
     return 4 * batch * seqlen * seqlen * heads * dim / (2 if causal else 1)
 
 
+def time_peers(row: dict, peers, q, k, v, causal: bool, flops: float) -> None:
+    """row[<peer>_TFLOPs] for each peer on (q, k, v); a peer that cannot run the case is reported, not fatal."""
+    for name in peers:
+        try:
+            row[f"{name}_TFLOPs"] = flops / bench_us(peer_attention(name, q, k, v, causal)) / 1e6
+        except Exception as err:
+            row[f"{name}_TFLOPs"], row[f"{name}_error"] = None, f"{type(err).__name__}: {err}"[:200]
+
+
 def bench_attention_case(batch, seqlen, h, kv, d, causal, variants, peers=("fa4", "cudnn", "fa2"), cute=True):
     from fa4 import flash_attention
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -75,11 +84,7 @@ def bench_attention_case(batch, seqlen, h, kv, d, causal, variants, peers=("fa4"
             row["cute_TFLOPs"] = flops / bench_us(lambda: flash_attention(q, k, v, causal=causal, backend="cute")) / 1e6
         except Exception as err:  # reported, not fatal: the benchmark still shows the rest
             row["cute_TFLOPs"], row["cute_error"] = None, f"{type(err).__name__}: {err}"[:200]
-    for name in peers:
-        try:
-            row[f"{name}_TFLOPs"] = flops / bench_us(peer_attention(name, q, k, v, causal)) / 1e6
-        except Exception as err:  # a peer that cannot run the case is reported, not fatal
-            row[f"{name}_TFLOPs"], row[f"{name}_error"] = None, f"{type(err).__name__}: {err}"[:200]
+    time_peers(row, peers, q, k, v, causal, flops)
     ours = [row[f"{label}_TFLOPs"] for label, _, _ in variants]
     if ours:
         row["ours_best_TFLOPs"] = max(ours)
@@ -167,11 +172,7 @@ def bench_cute_case(batch, seqlen, h, kv, d, causal):
             row[f"cute_{label}_TFLOPs"] = flops / bench_us(fn) / 1e6
         except Exception as err:  # reported, not fatal
             row[f"cute_{label}_TFLOPs"], row[f"cute_{label}_error"] = None, f"{type(err).__name__}: {err}"[:200]
-    for name in ("fa4", "cudnn"):
-        try:
-            row[f"{name}_TFLOPs"] = flops / bench_us(peer_attention(name, q, k, v, causal)) / 1e6
-        except Exception as err:
-            row[f"{name}_TFLOPs"], row[f"{name}_error"] = None, f"{type(err).__name__}: {err}"[:200]
+    time_peers(row, ("fa4", "cudnn"), q, k, v, causal, flops)
     ours = {label: row[f"cute_{label}_TFLOPs"] for label, _ in CUTE_VARIANTS if row[f"cute_{label}_TFLOPs"]}
     if ours and row.get("fa4_TFLOPs"):
         row["cute_best"] = max(ours, key=ours.get)
