@@ -155,14 +155,6 @@ def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=N
     _check_inputs(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k, backend)
     TF.check_flags(rescale_threshold, poly_exp2_fraction)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if backend == "cute":  # fa4/cute: bf16, d128/d256, sm_90a; never falls back
-        why = CE.cute_unsupported(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                  page_table=page_table, seqused_k=seqused_k)
-        if why is not None:
-            raise ValueError(f"backend 'cute' cannot run this call: {why}")
-        return CE.cute_attention(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens_q=cu_seqlens_q,
-                                 cu_seqlens_k=cu_seqlens_k, page_table=page_table, seqused_k=seqused_k,
-                                 rescale_threshold=rescale_threshold, poly_exp2_fraction=poly_exp2_fraction)
     reason = triton_unsupported(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, page_table=page_table,
                                 seqused_k=seqused_k)
     if backend == "auto" and page_table is not None:
@@ -172,11 +164,15 @@ def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=N
                                              cu_seqlens_q=_int32(cu_seqlens_q),
                                              max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else None,
                                              rescale_threshold=rescale_threshold)
-    if backend == "auto" and CE.cute_unsupported(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                                 page_table=page_table, seqused_k=seqused_k) is None:
-        return CE.cute_attention(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens_q=cu_seqlens_q,
-                                 cu_seqlens_k=cu_seqlens_k, page_table=page_table, seqused_k=seqused_k,
-                                 rescale_threshold=rescale_threshold, poly_exp2_fraction=poly_exp2_fraction)
+    if backend in ("auto", "cute"):  # fa4/cute: bf16, d128/d256, sm_90a; asked for by name, it never falls back
+        why = CE.cute_unsupported(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                  page_table=page_table, seqused_k=seqused_k)
+        if why is None:
+            return CE.cute_attention(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens_q=cu_seqlens_q,
+                                     cu_seqlens_k=cu_seqlens_k, page_table=page_table, seqused_k=seqused_k,
+                                     rescale_threshold=rescale_threshold, poly_exp2_fraction=poly_exp2_fraction)
+        if backend == "cute":
+            raise ValueError(f"backend 'cute' cannot run this call: {why}")
     if backend == "auto":
         backend = "reference" if reason else "triton"
     if backend == "reference":
