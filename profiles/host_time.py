@@ -131,10 +131,11 @@ def use_unfused_prenorm() -> None:
     ops.register_backend("triton", {"add_rms_norm_linear": functools.partial(add_rms_norm_linear, fused=False)})
 
 
-def make_engine(model, device: torch.device, max_num_seqs: int, max_len: int, **fields) -> LLMEngine:
-    common = dict(max_num_seqs=max_num_seqs, max_model_len=max_len, snapshot_slots=4, **fields)
-    cfg = (EngineConfig.for_gpu_memory(0.8, **common) if device.type == "cuda"
-           else EngineConfig.for_token_budget(2 * max_num_seqs * max_len, **common))
+def make_engine(model, max_num_seqs: int, max_len: int, **fields) -> LLMEngine:
+    """An engine whose KV pool holds what the profile needs (2 x max_num_seqs x max_len tokens), on either device:
+    profile_decode builds two in turn, and a pool sized from free memory would leave the second none."""
+    cfg = EngineConfig.for_token_budget(2 * max_num_seqs * max_len, max_num_seqs=max_num_seqs, max_model_len=max_len,
+                                        snapshot_slots=4, **fields)
     return LLMEngine(model, cfg)
 
 
@@ -142,7 +143,7 @@ def profile_decode(model, what: str, device: torch.device, args) -> dict:
     """A decode step of args.decode sequences: eager (kernels by GPU time) and from its CUDA graph (ms a step)."""
     found = {}
     for graphs in (False, True):
-        engine = make_engine(model, device, args.decode, args.ctx + 256, cuda_graphs=graphs)
+        engine = make_engine(model, args.decode, args.ctx + 256, cuda_graphs=graphs)
         decoding_batch(engine, args.decode, args.ctx)
         time_steps(engine, 5)
         found[graphs] = time_steps(engine, 50), profile_step(engine)
@@ -185,7 +186,7 @@ def main(argv=None) -> dict:
     model, what = load_model(args.model or ("qwen3.5-2b" if device.type == "cuda" else "tiny"), device)
     if args.decode:
         return profile_decode(model, what, device, args)
-    engine = make_engine(model, device, 1, args.ctx + args.new + 64)
+    engine = make_engine(model, 1, args.ctx + args.new + 64)
     engine.warm_up()
     returning_step(engine, args.ctx, args.new, seed=1)
     py_wall, py_rows = python_profile(engine, args.top)
