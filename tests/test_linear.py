@@ -71,7 +71,7 @@ def _check_normed(m, n, k, dtype, with_residual, seed=0, tol=None):
     exact, exact_s = R.add_rms_norm_linear(x.to(wide), None if residual is None else residual.to(wide),
                                            norm_w.to(wide), 1e-6, w.to(wide))
     summed = x if residual is None else x + residual  # in x's dtype, as the model's residual stream rounds
-    out, s = L.add_rms_norm_linear(x, None if residual is None else residual.clone(), norm_w, 1e-6, w)
+    out, s = L.add_rms_norm_linear(x, None if residual is None else residual.clone(), norm_w, 1e-6, w, fused=True)
     assert out.dtype == dtype and out.shape == (m, n)
     assert torch.equal(s, summed), "the returned residual is x + residual in x's dtype"
     assert (s is x) == (residual is None)
@@ -88,7 +88,7 @@ def test_add_rms_norm_linear_matches_reference(m, n, k, dtype, with_residual):
 
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_rms_norm_linear_unfused_equals_the_two_ops(with_residual):
-    # fused=False (the A/B of profiles.host_time --unfused-prenorm) is add_rms_norm, then the GEMV
+    # fused=False (the default; profiles.host_time --fused-prenorm is the A/B) is add_rms_norm, then the GEMV
     x, residual, norm_w = _normed_inputs(2, 96, torch.float32, 3, with_residual)
     _, w = _pair(2, 50, 96, torch.float32, 3)
     out, s = L.add_rms_norm_linear(x, None if residual is None else residual.clone(), norm_w, 1e-6, w, fused=False)
@@ -216,3 +216,24 @@ def test_linear_gpu_chain_in_a_cuda_graph():
     for w in ws:
         h = (h @ w.float().t()).bfloat16().float()
     assert_rel(outs[-1].float(), h, 3e-2, "graph chain")
+
+
+@pytest.mark.parametrize("m,bucket", [(5, 64), (65, 64), (128, 64), (7, 1)])
+def test_matmul_rows_padded_to_the_bucket(m, bucket):
+    # prefill rows run on cuBLAS padded to a multiple of the bucket: the first m rows are the product, into out too
+    a, w = _pair(m, 33, 70, torch.float32, seed=m)
+    exact = R.linear(a.double(), w.double())
+    y = L.matmul_rows(a, w, bucket=bucket)
+    assert y.shape == (m, 33) and y.is_contiguous()
+    assert_rel(y.double(), exact, 1e-6, f"padded {m} rows to {bucket}")
+    out = torch.full((m, 33), float("nan"))
+    assert L.matmul_rows(a, w, out, bucket=bucket) is out
+    assert_rel(out.double(), exact, 1e-6, "padded into out")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [5, 300, 2051])
+def test_linear_gpu_prefill_rows_padded(m):
+    # eager CUDA prefill rows go to cuBLAS padded to MATMUL_ROW_BUCKET; the gated path pads silu_and_mul's rows
+    _check(*_pair(m, 2048, 2048, torch.bfloat16, seed=m), f"prefill {m} rows")
+    _check(*_gated_pair(m, 2048, 1536, torch.bfloat16, seed=m), f"gated prefill {m} rows", gated=True)
