@@ -8,11 +8,12 @@ launches and the Python around them are the cost (on the H200 a 2B step of 800 t
 
 `--decode B` profiles a decode step of B sequences over ctx tokens instead: once eagerly (every kernel's GPU time,
 largest first) and as a CUDA-graph replay (the step's time per token). The gap between the graph's step time and
-the eager kernels' sum is what launches and kernel ramps cost inside the graph. `--fused-prenorm` runs each block
-half's residual add and RMSNorm inside its first projection's GEMV (the A/B of kernels.linear.add_rms_norm_linear;
-predicted: 48 launches fewer a 2B/0.8B step at ~2.5 us each with its graph gap, minus the GEMVs' extra reads of the
-rows from L2, about 0.1-0.15 ms off 2B's step; measured on the H200, session 8: 2.06 ms fused against 1.72 ms, as the
-NORM GEMVs' kernel time grew by 0.25 ms).
+the eager kernels' sum is what launches and kernel ramps cost inside the graph. `--prenorm fused|unfused` runs each
+block half's residual add and RMSNorm inside its first projection's GEMV, or as its own launch (the A/B of
+kernels.linear.add_rms_norm_linear; default: its rule by K). Predicted for the fusion: 48 launches fewer a 2B/0.8B
+step at ~2.5 us each with its graph gap, minus the GEMVs' extra reads of the rows from L2, about 0.1-0.15 ms off
+2B's step. Measured on the H200 (session 8): 0.8B 1.19 ms fused against 1.24; 2B 2.06 against 1.72, as the NORM
+GEMVs' kernel time grew by 0.25 ms.
 """
 import argparse
 import functools
@@ -126,10 +127,11 @@ def launch_costs(reps: int = 40) -> list[dict]:
     return rows
 
 
-def use_fused_prenorm() -> None:
-    """The triton backend's pre-norm projection as one launch: the GEMV computes the residual add and RMSNorm."""
+def use_prenorm(fused: bool) -> None:
+    """The triton backend's pre-norm projection as one launch (the GEMV computes the residual add and RMSNorm), or
+    as add_rms_norm and then the GEMV."""
     from kernels.linear import add_rms_norm_linear
-    ops.register_backend("triton", {"add_rms_norm_linear": functools.partial(add_rms_norm_linear, fused=True)})
+    ops.register_backend("triton", {"add_rms_norm_linear": functools.partial(add_rms_norm_linear, fused=fused)})
 
 
 def make_engine(model, max_num_seqs: int, max_len: int, **fields) -> LLMEngine:
@@ -171,8 +173,9 @@ def main(argv=None) -> dict:
                                                                        "ctx tokens instead of a returning turn")
     ap.add_argument("--launch-costs", action="store_true", help="only the host cost of one Triton launch and of "
                                                                      "cuBLAS projections")
-    ap.add_argument("--fused-prenorm", action="store_true", help="residual add + RMSNorm inside the following "
-                                                                 "projection's GEMV, not as their own launch")
+    ap.add_argument("--prenorm", choices=["auto", "fused", "unfused"], default="auto",
+                    help="residual add + RMSNorm inside the following projection's GEMV or as their own launch "
+                         "(auto: kernels.linear.FUSED_NORM_MAX_K)")
     args = ap.parse_args(argv)
     device = pick_device(args.device)
     if args.launch_costs:
@@ -182,8 +185,8 @@ def main(argv=None) -> dict:
         print_table(rows, ["call", "host_us", "total_us"])
         return {"launch_costs": rows}
     ops.set_backend("triton" if device.type == "cuda" else "reference")
-    if args.fused_prenorm:
-        use_fused_prenorm()
+    if args.prenorm != "auto":
+        use_prenorm(args.prenorm == "fused")
     model, what = load_model(args.model or ("qwen3.5-2b" if device.type == "cuda" else "tiny"), device)
     if args.decode:
         return profile_decode(model, what, device, args)

@@ -88,13 +88,24 @@ def test_add_rms_norm_linear_matches_reference(m, n, k, dtype, with_residual):
 
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_rms_norm_linear_unfused_equals_the_two_ops(with_residual):
-    # fused=False (the default; profiles.host_time --fused-prenorm is the A/B) is add_rms_norm, then the GEMV
+    # fused=False (the default above FUSED_NORM_MAX_K; profiles.host_time --prenorm) is add_rms_norm, then the GEMV
     x, residual, norm_w = _normed_inputs(2, 96, torch.float32, 3, with_residual)
     _, w = _pair(2, 50, 96, torch.float32, 3)
     out, s = L.add_rms_norm_linear(x, None if residual is None else residual.clone(), norm_w, 1e-6, w, fused=False)
     h = R.rms_norm(x if residual is None else x + residual, norm_w, 1e-6)
     assert torch.equal(s, x if residual is None else x + residual)
     assert_rel(out.double(), R.linear(h.double(), w.double()), 1e-6, "unfused")
+
+
+@pytest.mark.parametrize("k,fused", [(96, True), (1024, True), (1025, False)])
+def test_add_rms_norm_linear_fuses_up_to_max_k(k, fused):
+    # by default the GEMV norms its rows itself up to FUSED_NORM_MAX_K (s: a new tensor), beyond it add_rms_norm
+    # runs first (s: the residual, summed in place)
+    x, residual, norm_w = _normed_inputs(1, k, torch.float32, 5, True)
+    _, w = _pair(1, 9, k, torch.float32, 5)
+    out, s = L.add_rms_norm_linear(x, residual, norm_w, 1e-6, w)
+    assert (s is not residual) == fused == (k <= L.FUSED_NORM_MAX_K)
+    assert_rel(out.double(), R.linear(R.rms_norm(s, norm_w, 1e-6).double(), w.double()), 1e-5, f"k {k}")
 
 
 @settings(max_examples=8, deadline=None)
@@ -218,22 +229,9 @@ def test_linear_gpu_chain_in_a_cuda_graph():
     assert_rel(outs[-1].float(), h, 3e-2, "graph chain")
 
 
-@pytest.mark.parametrize("m,bucket", [(5, 64), (65, 64), (128, 64), (7, 1)])
-def test_matmul_rows_padded_to_the_bucket(m, bucket):
-    # prefill rows run on cuBLAS padded to a multiple of the bucket: the first m rows are the product, into out too
-    a, w = _pair(m, 33, 70, torch.float32, seed=m)
-    exact = R.linear(a.double(), w.double())
-    y = L.matmul_rows(a, w, bucket=bucket)
-    assert y.shape == (m, 33) and y.is_contiguous()
-    assert_rel(y.double(), exact, 1e-6, f"padded {m} rows to {bucket}")
-    out = torch.full((m, 33), float("nan"))
-    assert L.matmul_rows(a, w, out, bucket=bucket) is out
-    assert_rel(out.double(), exact, 1e-6, "padded into out")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [5, 300, 2051])
-def test_linear_gpu_prefill_rows_padded(m):
-    # eager CUDA prefill rows go to cuBLAS padded to MATMUL_ROW_BUCKET; the gated path pads silu_and_mul's rows
+def test_linear_gpu_prefill_rows(m):
+    # prefill rows go to cuBLAS (gated: after silu_and_mul)
     _check(*_pair(m, 2048, 2048, torch.bfloat16, seed=m), f"prefill {m} rows")
     _check(*_gated_pair(m, 2048, 1536, torch.bfloat16, seed=m), f"gated prefill {m} rows", gated=True)
