@@ -48,10 +48,20 @@ CURVE_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 AGENT_CASE = ("800 new / 50k", 1, 800, 50000)  # H16/KV4 d256 over a paged prefix (profiles/bench_agent_turn.py)
 PARTS = ("gdn", "attention", "agent", "curve", "cute")
 # The CuTe kernel (issue 5): each FA4 idea and schedule option against the default config (the intra-warpgroup
-# overlap on, conditional rescale at 8, no polynomial exp2, one CTA per tile)
-CUTE_VARIANTS = [("default", {}), ("no_overlap", dict(intra_wg_overlap=False)),
-                 ("always_rescale", dict(rescale_threshold=0.0)), ("poly1/8", dict(poly_exp2_fraction=0.125)),
-                 ("poly1/4", dict(poly_exp2_fraction=0.25)), ("persistent", dict(persistent=True))]
+# overlap on, conditional rescale at 8, no polynomial exp2, one CTA per tile), as head_dim -> config overrides (a
+# head dim left out does not run the variant). wide_tile: FA3's K/V tiles on the H100 (d128 176 keys non-causal,
+# d256 80); 3_stages: a deeper K/V ring at d128 (32 + 3 x 64 KiB of smem).
+
+
+def _every_dim(**overrides) -> dict:
+    return {128: overrides, 256: overrides}
+
+
+CUTE_VARIANTS = [("default", _every_dim()), ("no_overlap", _every_dim(intra_wg_overlap=False)),
+                 ("always_rescale", _every_dim(rescale_threshold=0.0)),
+                 ("poly1/8", _every_dim(poly_exp2_fraction=0.125)), ("poly1/4", _every_dim(poly_exp2_fraction=0.25)),
+                 ("persistent", _every_dim(persistent=True)),
+                 ("wide_tile", {128: dict(tile_n=176), 256: dict(tile_n=80)}), ("3_stages", {128: dict(kv_stages=3)})]
 
 
 def attention_flops(batch, seqlen, heads, dim, causal):
@@ -166,14 +176,16 @@ def bench_cute_case(batch, seqlen, h, kv, d, causal):
     k, v = (torch.randn(batch, seqlen, kv, d, device="cuda", dtype=BF16, generator=gen) for _ in range(2))
     flops = attention_flops(batch, seqlen, h, d, causal)
     row = {"B": batch, "S": seqlen, "H/KV": f"{h}/{kv}", "D": d, "causal": causal}
-    for label, knobs in CUTE_VARIANTS:
+    for label, by_dim in CUTE_VARIANTS:
+        if d not in by_dim:
+            continue
         try:
-            fn = functools.partial(cute_attention, q, k, v, causal=causal, softmax_scale=d ** -0.5, **knobs)
+            fn = functools.partial(cute_attention, q, k, v, causal=causal, softmax_scale=d ** -0.5, **by_dim[d])
             row[f"cute_{label}_TFLOPs"] = flops / bench_us(fn) / 1e6
         except Exception as err:  # reported, not fatal
             row[f"cute_{label}_TFLOPs"], row[f"cute_{label}_error"] = None, f"{type(err).__name__}: {err}"[:200]
     time_peers(row, ("fa4", "cudnn"), q, k, v, causal, flops)
-    ours = {label: row[f"cute_{label}_TFLOPs"] for label, _ in CUTE_VARIANTS if row[f"cute_{label}_TFLOPs"]}
+    ours = {label: row[f"cute_{label}_TFLOPs"] for label, _ in CUTE_VARIANTS if row.get(f"cute_{label}_TFLOPs")}
     if ours and row.get("fa4_TFLOPs"):
         row["cute_best"] = max(ours, key=ours.get)
         row["cute_best_vs_fa4"] = ours[row["cute_best"]] / row["fa4_TFLOPs"]

@@ -21,7 +21,14 @@ import torch
 
 import reference as R
 from fa4 import flash_attention
-from fa4.cute.config import AttentionConfig, choose_config, pack_factor, paged_tile_n, representative_configs
+from fa4.cute.config import (
+    AttentionConfig,
+    choose_config,
+    default_tile_n,
+    pack_factor,
+    paged_tile_n,
+    representative_configs,
+)
 from fa4.cute.entry import dsl_available
 from tests.conftest import HAS_CUDA, assert_rel
 from tests.test_attention_prefill import TOL, check_exp2_poly, exp2_probe_points, make_pool, qkv
@@ -76,7 +83,7 @@ def test_cute_config_choice():
     (dict(tile_n=72), "tile_n"),
     (dict(poly_exp2_fraction=0.3), "poly_exp2_fraction"),
     (dict(rescale_threshold=16.0), "rescale_threshold"),
-    (dict(kv_stages=3), "shared memory"),  # d128: 32 + 3 x 64 KiB does not fit
+    (dict(kv_stages=4), "shared memory"),  # d128: 32 + 4 x 64 KiB does not fit (3 stages do)
     (dict(consumer_regs=256), "setmaxnreg"),
     (dict(kv_mode="ragged"), "kv_mode"),
     (dict(kv_mode="paged", page_size=96), "page_size 96 neither is a multiple of the K/V tile"),
@@ -169,7 +176,9 @@ def sm90_compiles(tmp_path_factory):
                               f"{'-overlap' if c.intra_wg_overlap else ''}{'-varlen' if c.varlen_q else ''}"
                               f"{'-kvvarlen' if c.kv_mode == 'varlen' else ''}"
                               f"{f'-paged{c.page_size}' if c.kv_mode == 'paged' else ''}"
-                              f"{'-persistent' if c.persistent else ''}" for c in representative_configs()])
+                              f"{'-persistent' if c.persistent else ''}"
+                              f"{f'-n{c.tile_n}' if c.tile_n != default_tile_n(c.head_dim) else ''}"
+                              for c in representative_configs()])
 def test_cute_kernel_compiles_for_sm90(index, sm90_compiles):
     all_stats, stderr = sm90_compiles
     assert index in all_stats, stderr
@@ -351,7 +360,8 @@ def test_cute_gpu_softmax_scale_and_cache():
                                          (256, dict(poly_exp2_fraction=0.25)),
                                          (128, dict(intra_wg_overlap=False, pingpong=False)), (128, dict(kv_stages=1)),
                                          (128, dict(tile_n=64)), (256, dict(pingpong=False)),
-                                         (256, dict(tile_n=32, kv_stages=3))])
+                                         (256, dict(tile_n=32, kv_stages=3)), (128, dict(tile_n=176)),
+                                         (128, dict(kv_stages=3)), (256, dict(tile_n=80))])
 def test_cute_gpu_config_variants(d, overrides):
     check_cute_config(d, overrides, ((1, 1), (65, 65), (1000, 1000), (300, 1000), (1000, 300)))
 

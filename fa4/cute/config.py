@@ -30,6 +30,7 @@ PAGE_ROWS = 8  # a page smaller than the K/V tile is one TMA box: whole 8-row sw
 POLY_FRACTIONS = (0.0, 0.125, 0.25, 0.5, 1.0)  # same set as the triton backend (fa4/softmax.py)
 MAX_RESCALE_THRESHOLD = 15.0  # P = 2^(s - m) <= 2^threshold must stay far from bf16/fp32 overflow
 SMEM_LIMIT = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
+BUFFER_ALIGN = 1024  # alignment of each smem buffer (fa4/cute/kernel.py's SharedStorage)
 WGMMA_M = 64
 
 
@@ -72,11 +73,13 @@ class AttentionConfig:
         return 128 * (1 + self.num_consumer_wg)
 
     def smem_bytes(self) -> int:
+        """The kernel's SharedStorage: the mbarriers, then Q and the K and V rings, each buffer aligned to
+        BUFFER_ALIGN (128-byte swizzle atoms), plus one BUFFER_ALIGN of slack for the base's alignment."""
         elt = 2
+        barriers = 8 * (2 + 4 * self.kv_stages)  # Q (2) and the K and V rings' full and empty barriers
         q = self.tile_m * self.head_dim * elt
-        kv = 2 * self.kv_stages * self.tile_n * self.head_dim * elt
-        barriers = 8 * (2 + 4 * self.kv_stages + 2 * self.num_consumer_wg)
-        return q + kv + barriers + 3 * 1024  # alignment padding of the three buffers
+        ring = self.kv_stages * self.tile_n * self.head_dim * elt  # K, and again V
+        return BUFFER_ALIGN + sum(-(-size // BUFFER_ALIGN) * BUFFER_ALIGN for size in (barriers, q, ring, ring))
 
     def validate(self) -> "AttentionConfig":
         """Raises ValueError naming what is unsupported; returns self."""
@@ -152,8 +155,8 @@ def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int
 
 def representative_configs() -> list[AttentionConfig]:
     """The CPU compile-test set: each head dim, causal and not, with and without GQA packing, FA4 flags and
-    the intra-warpgroup overlap on (the default) and off; varlen, paged (pages of 64 and 16 keys) and the
-    persistent scheduler."""
+    the intra-warpgroup overlap on (the default) and off; varlen, paged (pages of 64 and 16 keys), the
+    persistent scheduler, and the wider K/V tiles (d128 176 keys, d256 80: 11 and 5 wgmma K steps of PV)."""
     return [
         choose_config(128, False, 8, 8),
         choose_config(128, True, 8, 2, poly_exp2_fraction=0.25),
@@ -164,4 +167,6 @@ def representative_configs() -> list[AttentionConfig]:
         choose_config(256, True, 16, 4, varlen_q=True, kv_mode="paged", page_size=64),
         choose_config(128, False, 8, 1, kv_mode="paged", page_size=16, persistent=True),
         choose_config(256, True, 16, 2, varlen_q=True, kv_mode="varlen", intra_wg_overlap=True, persistent=True),
+        choose_config(128, False, 8, 8, tile_n=176),
+        choose_config(256, True, 16, 4, tile_n=80),
     ]

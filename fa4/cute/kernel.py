@@ -34,7 +34,7 @@ from fa4.cute import mask as M
 from fa4.cute import pipeline as P
 from fa4.cute import softmax as S
 from fa4.cute import tile_scheduler as TS
-from fa4.cute.config import WGMMA_M, AttentionConfig
+from fa4.cute.config import BUFFER_ALIGN, WGMMA_M, AttentionConfig
 from fa4.cute.seqlen import sequence_bounds
 
 try:  # 4.8 moved these; the old paths warn
@@ -57,7 +57,6 @@ class FlashAttentionForwardSm90:
     def __init__(self, config: AttentionConfig):
         self.cfg = config.validate()
         self.dtype = BFloat16
-        self.buffer_align = 1024
 
     # ---------------------------------------------------------------- host side (traced once per config)
     @cute.jit
@@ -123,9 +122,9 @@ class FlashAttentionForwardSm90:
             q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
             k_mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stages]
             v_mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], self.buffer_align]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], self.buffer_align]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], self.buffer_align]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], BUFFER_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], BUFFER_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], BUFFER_ALIGN]
 
         self.shared_storage = SharedStorage
 
