@@ -267,6 +267,14 @@ def run_key(args) -> str:
     return f"{args.model}|{trace}|c{args.concurrency}|{args.device_name}|{mode}"
 
 
+def step_verdict(dispatch_ms: float, sample_ms: float) -> str:
+    """What bounds a step, from its phases: the wait for the GPU (in sample) or the dispatch (the host's launches,
+    and any host sync inside the model step, which waits for the GPU there)."""
+    if sample_ms >= dispatch_ms:
+        return "GPU-bound (the wait for the GPU is the longer phase)"
+    return "dispatch-bound (host launches, or a host sync inside the model step)"
+
+
 def main(argv=None, model=None) -> dict:
     """The command line; `model` (a Qwen35ForCausalLM) replaces --model (tests)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -334,8 +342,8 @@ def main(argv=None, model=None) -> dict:
               f"{runner.num_eager_steps - steps_before[2]} eager (prefill or mixed)\n")
     if overall["return_sample_ms"] is not None:
         out.write("returning turns' first step, p50 of each phase: schedule {return_schedule_ms:.2f} ms, dispatch "
-                  "{return_dispatch_ms:.2f}, commit {return_commit_ms:.2f}, sample and wait {return_sample_ms:.2f} "
-                  "(a long wait beside a short dispatch: GPU-bound)\n".format(**overall))
+                  "{return_dispatch_ms:.2f}, commit {return_commit_ms:.2f}, sample and wait {return_sample_ms:.2f}: "
+                  .format(**overall) + step_verdict(overall["return_dispatch_ms"], overall["return_sample_ms"]) + "\n")
     if compiles.names:
         out.write(f"WARNING: {len(compiles.names)} Triton compiles during the timed replay "
                   f"({compiles.seconds:.2f} s): {sorted(set(compiles.names))}\n")

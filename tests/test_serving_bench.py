@@ -61,8 +61,14 @@ def test_bench_smoke_on_the_cpu(model, tmp_path, capsys):
         assert set(r["first_step"]) == {"schedule_ms", "dispatch_ms", "commit_ms", "sample_ms"}
         assert 0 < sum(r["first_step"].values()) <= r["ttft_ms"] + 1e-3
     assert overall["return_dispatch_ms"] > 0
+    assert ("dispatch-bound" in printed) == (overall["return_dispatch_ms"] > overall["return_sample_ms"])
     saved = json.loads((tmp_path / "serving.json").read_text())
     assert "custom|short|c2|cpu|graphs" in saved["runs"] and "command" in saved and "environment" in saved
+
+
+def test_step_verdict_names_the_longer_phase():
+    assert bench.step_verdict(30.0, 0.2).startswith("dispatch-bound")
+    assert bench.step_verdict(3.0, 12.0).startswith("GPU-bound")
 
 
 def test_host_time_profiles_a_returning_step_on_the_cpu(capsys):
