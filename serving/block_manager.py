@@ -6,15 +6,15 @@ so a later sequence with the same prefix shares it instead of recomputing it.
 """
 from collections import OrderedDict, deque
 
-from serving.sequence import Sequence
+from serving.sequence import PageKey, Sequence
 
 
 class KVBlockManager:
     def __init__(self, num_pages: int, page_size: int):
         self.num_pages, self.page_size = num_pages, page_size
         self.refcount = [0] * num_pages
-        self.hash_of_page: list[int | None] = [None] * num_pages
-        self.page_of_hash: dict[int, int] = {}
+        self.hash_of_page: list[PageKey | None] = [None] * num_pages
+        self.page_of_hash: dict[PageKey, int] = {}
         self.free_pages: deque[int] = deque(range(num_pages))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached pages with refcount 0, oldest first
 
@@ -50,13 +50,13 @@ class KVBlockManager:
             else:
                 self.evictable[page] = None
 
-    def publish(self, page: int, key: int) -> None:
+    def publish(self, page: int, key: PageKey) -> None:
         """Cache a full, computed page under its chain hash (a page computed twice keeps the first copy)."""
         if key not in self.page_of_hash and self.hash_of_page[page] is None:
             self.page_of_hash[key] = page
             self.hash_of_page[page] = key
 
-    def cached_prefix(self, hashes: list[int]) -> list[int]:
+    def cached_prefix(self, hashes: list[PageKey]) -> list[int]:
         """The pages of the longest cached run of `hashes` (a chain, so the run starts at page 0)."""
         pages = []
         for key in hashes:

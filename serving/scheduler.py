@@ -16,7 +16,7 @@ from model.cache import CachePools
 from serving.batch import ScheduledChunk
 from serving.block_manager import KVBlockManager
 from serving.config import EngineConfig
-from serving.sequence import Sequence, SequenceStatus
+from serving.sequence import PageKey, Sequence, SequenceStatus
 from serving.state_cache import StateSnapshotCache
 
 
@@ -198,7 +198,7 @@ class Scheduler:
         if slot is not None:
             seq.rolling_snapshot_slot, seq.rolling_snapshot_tokens = slot, n
 
-    def _key_at(self, seq: Sequence, n: int) -> int:
+    def _key_at(self, seq: Sequence, n: int) -> PageKey:
         """The snapshot key of seq's state after n tokens (page-aligned): the hash of the page that ends there."""
         return seq.page_hashes(n // self.page_size, self.page_size)[-1]
 

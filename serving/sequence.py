@@ -1,5 +1,7 @@
 """One request as the engine sees it: its sampling parameters, its tokens and where its cache lives."""
+import hashlib
 import math
+from array import array
 from dataclasses import dataclass
 from enum import Enum
 
@@ -39,9 +41,14 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
-def page_hash(prev_hash: int, page_tokens: tuple[int, ...]) -> int:
-    """The hash chain of the prefix cache: a page's key depends on every token before it."""
-    return hash((prev_hash, page_tokens))
+PageKey = bytes  # a prefix-cache key: 32 bytes of BLAKE2b
+
+
+def page_hash(prev_key: PageKey, page_tokens: bytes) -> PageKey:
+    """The hash chain of the prefix cache: a page's key is a cryptographic hash of the previous page's key and
+    this page's token ids (int32 bytes), so it depends on every token before it, and a crafted prompt cannot
+    collide with another user's prefix to be served its KV (Python's hash() of ints and tuples can be steered)."""
+    return hashlib.blake2b(prev_key + page_tokens, digest_size=32).digest()
 
 
 class Sequence:
@@ -69,11 +76,16 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
         self.cached_pages_end = 0  # tokens that cached KV pages covered at the last lookup (hit or not)
         self.finish_reason: str | None = None
-        self._page_hashes: list[int] = []
+        self._page_hashes: list[PageKey] = []
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """token_ids[start:stop] without building token_ids."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[start:min(stop, n)] + self.output_ids[max(start - n, 0):max(stop - n, 0)]
 
     @property
     def num_tokens(self) -> int:
@@ -91,13 +103,16 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def page_hashes(self, num_pages: int, page_size: int) -> list[int]:
+    def page_hashes(self, num_pages: int, page_size: int) -> list[PageKey]:
         """The chain hashes of the first num_pages full pages (tokens only grow, so they are memoised)."""
         if num_pages * page_size > self.num_tokens:
             raise ValueError(f"{num_pages} pages of {page_size} exceed the {self.num_tokens} tokens")
-        if len(self._page_hashes) < num_pages:  # token_ids builds a list: only when a page is new
-            tokens = self.token_ids
-            for i in range(len(self._page_hashes), num_pages):
-                prev = self._page_hashes[-1] if i else 0
-                self._page_hashes.append(page_hash(prev, tuple(tokens[i * page_size:(i + 1) * page_size])))
+        done = len(self._page_hashes)
+        if done < num_pages:
+            new = array("i", self.token_slice(done * page_size, num_pages * page_size)).tobytes()
+            width = 4 * page_size
+            prev = self._page_hashes[-1] if done else b""
+            for offset in range(0, len(new), width):
+                prev = page_hash(prev, new[offset:offset + width])
+                self._page_hashes.append(prev)
         return self._page_hashes[:num_pages]

@@ -9,6 +9,7 @@ LRU order). Copies between slots are tensor copies on the pools' device.
 from collections import OrderedDict
 
 from model.cache import CachePools
+from serving.sequence import PageKey
 
 
 class StateSnapshotCache:
@@ -18,9 +19,9 @@ class StateSnapshotCache:
                              f"{pools.num_slots} slots")
         self.pools = pools
         self.free_slots = list(range(first_slot + num_slots - 1, first_slot - 1, -1))  # pop() takes the lowest
-        self.slot_of_key: OrderedDict[int, int] = OrderedDict()  # published snapshots, least recently used first
+        self.slot_of_key: OrderedDict[PageKey, int] = OrderedDict()  # published snapshots, least recently used first
 
-    def __contains__(self, key: int) -> bool:
+    def __contains__(self, key: PageKey) -> bool:
         return key in self.slot_of_key
 
     def __len__(self) -> int:
@@ -38,7 +39,7 @@ class StateSnapshotCache:
             return self.slot_of_key.popitem(last=False)[1]
         return None
 
-    def save(self, key: int, src_slot: int) -> bool:
+    def save(self, key: PageKey, src_slot: int) -> bool:
         """Publish a copy of src_slot's state under key; False when no slot can be had (snapshots are optional)."""
         if key in self.slot_of_key:
             self.slot_of_key.move_to_end(key)
@@ -50,7 +51,7 @@ class StateSnapshotCache:
         self.slot_of_key[key] = slot
         return True
 
-    def restore(self, key: int, dst_slot: int) -> None:
+    def restore(self, key: PageKey, dst_slot: int) -> None:
         """Copy the snapshot under key into a running sequence's slot."""
         self.slot_of_key.move_to_end(key)
         self.copy_state(self.slot_of_key[key], dst_slot)
@@ -73,7 +74,7 @@ class StateSnapshotCache:
             self.copy_state(src_slot, slot)
         return slot
 
-    def publish_private(self, slot: int, key: int) -> None:
+    def publish_private(self, slot: int, key: PageKey) -> None:
         """Turn a private snapshot into a published one (or drop it when key is already published)."""
         if key in self.slot_of_key:
             self.slot_of_key.move_to_end(key)

@@ -21,6 +21,30 @@ def computed(bm: KVBlockManager, seq: Sequence, n: int) -> Sequence:
     return seq
 
 
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.lists(st.integers(0, 248_319), min_size=1, max_size=40), split=st.integers(0, 40),
+       grow=st.integers(0, 12), change=st.integers(0, 39))
+def test_page_keys_are_a_hash_chain_over_prompt_and_output(tokens, split, grow, change):
+    # a page's key (32 bytes) is the same however its tokens were split between prompt and output and however often
+    # it was asked for, and changes with any earlier token
+    split = min(split, len(tokens) - 1)
+    grown = new_seq(tokens[:split + 1])
+    grown.page_hashes((split + 1) // PAGE, PAGE)  # memoised part-way, then the outputs arrive
+    grown.output_ids = tokens[split + 1:]
+    whole = new_seq(tokens)
+    n = len(tokens) // PAGE
+    assert grown.page_hashes(n, PAGE) == whole.page_hashes(n, PAGE)
+    assert all(isinstance(k, bytes) and len(k) == 32 for k in whole.page_hashes(n, PAGE))
+    assert len(set(whole.page_hashes(n, PAGE))) == n
+    if change < n * PAGE:
+        edited = list(tokens)
+        edited[change] = (edited[change] + 1 + grow) % 248_320
+        keys, edited_keys = whole.page_hashes(n, PAGE), new_seq(edited).page_hashes(n, PAGE)
+        first = change // PAGE
+        assert keys[:first] == edited_keys[:first]
+        assert all(a != b for a, b in zip(keys[first:], edited_keys[first:]))
+
+
 def test_allocate_is_all_or_nothing():
     bm = KVBlockManager(num_pages=3, page_size=PAGE)
     seq = new_seq(list(range(20)))
