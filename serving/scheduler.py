@@ -16,6 +16,7 @@ from model.cache import CachePools
 from serving.batch import ScheduledChunk
 from serving.block_manager import KVBlockManager
 from serving.config import EngineConfig
+from serving.page_key_memo import PageKeyMemo
 from serving.sequence import PageKey, Sequence, SequenceStatus
 from serving.state_cache import StateSnapshotCache
 
@@ -29,8 +30,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest admission first
         self.free_state_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.page_keys = PageKeyMemo(cfg.page_size)  # returning turns reuse their conversation's page keys
 
     def add(self, seq: Sequence) -> None:
+        self.page_keys.seed(seq)
         self.waiting.append(seq)
 
     @property
@@ -218,6 +221,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self._release(seq)
+        self.page_keys.remember(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def preempt(self, seq: Sequence) -> None:

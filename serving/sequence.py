@@ -116,3 +116,15 @@ class Sequence:
                 prev = page_hash(prev, new[offset:offset + width])
                 self._page_hashes.append(prev)
         return self._page_hashes[:num_pages]
+
+    def known_page_hashes(self) -> list[PageKey]:
+        """The chain hashes computed so far (of the first len(...) full pages)."""
+        return list(self._page_hashes)
+
+    def adopt_page_hashes(self, keys: list[PageKey], page_size: int) -> None:
+        """Take the chain hashes of another sequence whose tokens begin this one's (checked by the caller:
+        serving.page_key_memo), where they reach further than this sequence's own."""
+        if len(keys) * page_size > self.num_tokens:
+            raise ValueError(f"{len(keys)} pages of {page_size} exceed the {self.num_tokens} tokens")
+        if len(keys) > len(self._page_hashes):
+            self._page_hashes = list(keys)
