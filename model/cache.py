@@ -51,10 +51,12 @@ class CachePools:
         self.conv_states[:, dst].copy_(self.conv_states[:, src])
         self.recurrent_states[:, dst].copy_(self.recurrent_states[:, src])
 
-    def reset_slots(self, slots: torch.Tensor) -> None:
-        """Zero the GDN state of the given slots (a new sequence starts from nothing)."""
-        self.conv_states[:, slots] = 0
-        self.recurrent_states[:, slots] = 0
+    def reset_slots(self, slots: list[int]) -> None:
+        """Zero the GDN state of the given slots (a new sequence starts from nothing); host ints, so no index
+        tensor is copied to the device (a pageable copy can wait for the stream)."""
+        for slot in slots:
+            self.conv_states[:, slot].zero_()
+            self.recurrent_states[:, slot].zero_()
 
 
 class SequenceCache:

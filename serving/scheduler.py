@@ -10,8 +10,6 @@ one step. When a running sequence cannot get a page, the newest running sequence
 """
 from collections import deque
 
-import torch
-
 from model.cache import CachePools
 from serving.batch import ScheduledChunk
 from serving.block_manager import KVBlockManager
@@ -162,7 +160,7 @@ class Scheduler:
             return budget
         seq.state_slot = self.free_state_slots.pop()
         if key is None:
-            self.pools.reset_slots(torch.tensor([seq.state_slot], device=self.pools.conv_states.device))
+            self.pools.reset_slots([seq.state_slot])
         else:
             self.state_cache.restore(key, seq.state_slot)
         seq.num_computed_tokens = start

@@ -37,9 +37,9 @@ class RecordingPools(CachePools):
     """Rank 0's pools: every slot reset and snapshot copy is applied here and queued for the workers."""
     link: "StepBroadcaster | None" = None
 
-    def reset_slots(self, slots: torch.Tensor) -> None:
+    def reset_slots(self, slots: list[int]) -> None:
         super().reset_slots(slots)
-        self.link.pending.append(("reset", torch.as_tensor(slots).tolist()))
+        self.link.pending.append(("reset", list(slots)))
 
     def copy_slot(self, src: int, dst: int) -> None:
         super().copy_slot(src, dst)
@@ -80,7 +80,6 @@ def leader_link(model) -> StepBroadcaster | None:
 def serve_worker(engine) -> int:
     """A worker rank's loop over rank 0's messages, until "stop". Returns the number of model calls run."""
     runner, pools, tp = engine.runner, engine.pools, engine.model.tp
-    device = pools.conv_states.device
     calls, channel = 0, Channel(tp)
     while True:
         kind, edits, payload = decode(channel.receive())
@@ -88,7 +87,7 @@ def serve_worker(engine) -> int:
             if edit[0] == "table":
                 runner.write_table(*edit[1:])
             elif edit[0] == "reset":
-                pools.reset_slots(torch.tensor(edit[1], device=device))
+                pools.reset_slots(edit[1])
             elif edit[0] == "copy":
                 pools.copy_slot(edit[1], edit[2])
             else:
