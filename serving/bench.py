@@ -261,10 +261,16 @@ def warm_up(engine: LLMEngine, traces: list[Trace]) -> None:
     engine.generate([back], SamplingParams(max_tokens=4, ignore_eos=True))
 
 
+# engine knobs of the command line, and their defaults: a run with another value gets its own row in serving.json
+ENGINE_KNOBS = {"chunk": 2048, "fast_lane": 1024, "page_size": 16}
+
+
 def run_key(args) -> str:
     trace = args.trace if args.trace in ("short", "long") else Path(args.trace).name
     mode = "eager" if args.eager else "graphs"
-    return f"{args.model}|{trace}|c{args.concurrency}|{args.device_name}|{mode}"
+    knobs = "".join(f"|{name}{getattr(args, name)}" for name, default in ENGINE_KNOBS.items()
+                    if getattr(args, name) != default)
+    return f"{args.model}|{trace}|c{args.concurrency}|{args.device_name}|{mode}{knobs}"
 
 
 def step_verdict(dispatch_ms: float, sample_ms: float) -> str:
@@ -292,9 +298,11 @@ def main(argv=None, model=None) -> dict:
     graphs.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
     graphs.add_argument("--cuda-graphs", dest="eager", action="store_false", help="CUDA graphs for decode (default)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--chunk", type=int, default=2048, help="max tokens a step computes (chunked prefill)")
-    ap.add_argument("--fast-lane", type=int, default=1024, help="returning-session prefills up to this go first")
+    ap.add_argument("--page-size", type=int, default=ENGINE_KNOBS["page_size"])
+    ap.add_argument("--chunk", type=int, default=ENGINE_KNOBS["chunk"],
+                    help="max tokens a step computes (chunked prefill)")
+    ap.add_argument("--fast-lane", type=int, default=ENGINE_KNOBS["fast_lane"],
+                    help="returning-session prefills up to this go first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate (GPU)")
     ap.add_argument("--hf-prompt", type=int, default=8192, help="prompt tokens of the HF baseline")

@@ -63,7 +63,8 @@ def test_bench_smoke_on_the_cpu(model, tmp_path, capsys):
     assert overall["return_dispatch_ms"] > 0
     assert ("dispatch-bound" in printed) == (overall["return_dispatch_ms"] > overall["return_sample_ms"])
     saved = json.loads((tmp_path / "serving.json").read_text())
-    assert "custom|short|c2|cpu|graphs" in saved["runs"] and "command" in saved and "environment" in saved
+    # a knob away from its default keys its own row (page size 8 here)
+    assert "custom|short|c2|cpu|graphs|page_size8" in saved["runs"] and "command" in saved and "environment" in saved
 
 
 def test_step_verdict_names_the_longer_phase():
