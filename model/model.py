@@ -126,10 +126,16 @@ class Qwen35ForCausalLM(nn.Module):
             raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), "
                              f"got min {int(token_ids.min())} and max {int(token_ids.max())}")
 
-    @torch.no_grad()
     def forward_step(self, step: StepInput, pools: CachePools, *, all_logits: bool = False) -> torch.Tensor:
         """Run N new tokens of B sequences through the model, reading and extending the pools.
         Returns logits (N, vocab) when all_logits, else each sequence's last token (B, vocab)."""
+        *_, logits = self.forward_step_layers(step, pools, all_logits=all_logits)
+        return logits
+
+    @torch.no_grad()
+    def forward_step_layers(self, step: StepInput, pools: CachePools, *, all_logits: bool = False):
+        """forward_step as a generator: yields None after each decoder layer's kernels are launched, then the
+        logits (serving interleaves other work between a prefill's layers)."""
         if step.cos is None:
             step.cos, step.sin = R.rope_cos_sin(step.positions, self.config.rotary_dim, self.config.rope_theta)
         if self.plan.sharded:
@@ -143,11 +149,12 @@ class Qwen35ForCausalLM(nn.Module):
                 x, residual = layer(x, residual, step, pools.k_pages[j], pools.v_pages[j])
             else:
                 x, residual = layer(x, residual, step, pools.conv_states[j], pools.recurrent_states[j])
+            yield None
         h, _ = ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
         if not all_logits:
             h = h[step.last_token_indices]
         logits = self.lm_head(h)
-        return gather_logits(logits, self.plan) if self.plan.sharded else logits
+        yield gather_logits(logits, self.plan) if self.plan.sharded else logits
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: SequenceCache, *, all_logits: bool = True) -> torch.Tensor:

@@ -240,7 +240,8 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
     max_len = -(-(max(t.total_tokens() for t in traces) + 1) // page) * page
     common = dict(page_size=page, max_num_seqs=args.concurrency, max_model_len=max_len,
                   snapshot_slots=3 * args.concurrency + 16, max_num_batched_tokens=args.chunk,
-                  fast_lane_tokens=args.fast_lane, cuda_graphs=not args.eager, seed=args.seed)
+                  fast_lane_tokens=args.fast_lane, cuda_graphs=not args.eager, seed=args.seed,
+                  interleave_slices=args.interleave)
     if model.lm_head.weight.device.type == "cuda":
         return LLMEngine(model, EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common))
     # CPU: room for every user's longest trace plus the cache of one more
@@ -262,7 +263,7 @@ def warm_up(engine: LLMEngine, traces: list[Trace]) -> None:
 
 
 # engine knobs of the command line, and their defaults: a run with another value gets its own row in serving.json
-ENGINE_KNOBS = {"chunk": 2048, "fast_lane": 1024, "page_size": 16}
+ENGINE_KNOBS = {"chunk": 2048, "fast_lane": 1024, "page_size": 16, "interleave": 0}
 
 
 def run_key(args) -> str:
@@ -303,6 +304,9 @@ def main(argv=None, model=None) -> dict:
                     help="max tokens a step computes (chunked prefill)")
     ap.add_argument("--fast-lane", type=int, default=ENGINE_KNOBS["fast_lane"],
                     help="returning-session prefills up to this go first")
+    ap.add_argument("--interleave", type=int, default=ENGINE_KNOBS["interleave"], metavar="SLICES",
+                    help="mixed steps launch their prefill in SLICES layer slices with decode steps between "
+                         "(EngineConfig.interleave_slices; 0: off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate (GPU)")
     ap.add_argument("--hf-prompt", type=int, default=8192, help="prompt tokens of the HF baseline")

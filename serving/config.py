@@ -18,7 +18,10 @@ class EngineConfig:
     else DEFAULT_MAX_MODEL_LEN, and never beyond the model's max_position_embeddings. Decode steps size their
     page tables by it.
     cuda_graphs: capture decode steps (every sequence one token) in CUDA graphs at the batch sizes of
-    GRAPH_LADDER up to max_graph_batch (None: max_num_seqs), on CUDA devices; False is --enforce-eager."""
+    GRAPH_LADDER up to max_graph_batch (None: max_num_seqs), on CUDA devices; False is --enforce-eager.
+    interleave_slices: a step that mixes decodes with prefill chunks launches the prefill in this many slices of
+    layers and runs a decode-only step of the running sequences after each slice but the last, so decoders get
+    a token per slice instead of per (host-bound) prefill step; 0 or 1: off. Not under tensor parallelism."""
     num_pages: int = 256
     page_size: int = 16
     max_num_seqs: int = 8
@@ -31,6 +34,7 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     cuda_graphs: bool = True
     max_graph_batch: int | None = None
+    interleave_slices: int = 0
 
     def __post_init__(self):
         if min(self.num_pages, self.page_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:
@@ -41,6 +45,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1), got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.interleave_slices < 0:
+            raise ValueError(f"interleave_slices must be >= 0, got {self.interleave_slices}")
         if self.max_graph_batch is not None and self.max_graph_batch < 1:
             raise ValueError(f"max_graph_batch must be positive, got {self.max_graph_batch}")
 

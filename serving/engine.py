@@ -10,6 +10,7 @@ import torch
 from model import ops
 from model.cache import CachePools
 from model.model import Qwen35ForCausalLM
+from serving.batch import ScheduledChunk
 from serving.block_manager import KVBlockManager
 from serving.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from serving.model_runner import ModelRunner, describe_pools, graphs_unsupported, pages_for_memory
@@ -144,25 +145,57 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def step(self) -> list[StepOutput]:
-        """Schedule, run the model once, commit the cache, sample the sequences whose chunk reached their end."""
+        """Schedule, run the model once, commit the cache, sample the sequences whose chunk reached their end. With
+        EngineConfig.interleave_slices, a step of decodes and prefill chunks also runs decode-only steps between
+        the prefill's layer slices (its outputs then hold several tokens of a sequence, in order)."""
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
         t1 = time.perf_counter()
-        logits, chunks = self.runner.execute(chunks)  # rows of logits follow the returned chunks
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        outputs = []
+        if self.cfg.interleave_slices > 1 and decodes and len(decodes) < len(chunks) and self.link is None:
+            chunks = [c for c in chunks if c.num_tokens > 1]
+            logits, outputs = self._prefill_between_decodes(chunks, decodes)
+        else:
+            logits, chunks = self.runner.execute(chunks)  # rows of logits follow the returned chunks
         t2 = time.perf_counter()
-        self.scheduler.commit(chunks)
+        finished, commit_ms = self._finish_step(chunks, logits)
         t3 = time.perf_counter()
+        self.last_step = StepPhases(1e3 * (t1 - t0), 1e3 * (t2 - t1), commit_ms, 1e3 * (t3 - t2) - commit_ms)
+        return outputs + finished
+
+    def _finish_step(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[list[StepOutput], float]:
+        """Commit the chunks the model computed and sample those that reached their sequence's end; returns their
+        outputs and the commit's milliseconds."""
+        t0 = time.perf_counter()
+        self.scheduler.commit(chunks)
+        t1 = time.perf_counter()
         ready = [c.seq.num_uncomputed_tokens == 0 for c in chunks]  # prefill tails and decodes
         tokens = []
         if any(ready):
             params = [c.seq.params if r else None for c, r in zip(chunks, ready)]
             gens = [c.seq.generator if r else None for c, r in zip(chunks, ready)]
             tokens = sample(logits, params, gens).tolist()  # the step's one host sync
-        t4 = time.perf_counter()
-        self.last_step = StepPhases(*(1e3 * (b - a) for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4))))
-        return [self._append(c.seq, t) for c, t, r in zip(chunks, tokens, ready) if r]
+        return [self._append(c.seq, t) for c, t, r in zip(chunks, tokens, ready) if r], 1e3 * (t1 - t0)
+
+    def _prefill_between_decodes(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]):
+        """A mixed step with EngineConfig.interleave_slices: the prefill chunks' layers launch in slices, and after
+        each slice but the last the running decodes take a step (the scheduled ones first, then whoever is at
+        its last token and gets a page). Returns (the prefill rows' logits, the decode steps' outputs)."""
+        num_layers = self.model.config.num_hidden_layers
+        slices = min(self.cfg.interleave_slices, num_layers)
+        cuts = {num_layers * k // slices for k in range(1, slices)}
+        outputs, layer = [], 0
+        for out in self.runner.eager_layers(prefills):
+            if out is not None:
+                return out, outputs
+            layer += 1
+            if layer in cuts and decodes:
+                outputs += self._finish_step(decodes, self.runner.decode_rows(decodes))[0]
+                decodes = self.scheduler.schedule_decodes_between()
+        raise RuntimeError("the model's layer generator ended without logits")
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:
         seq.output_ids.append(token)

@@ -119,6 +119,20 @@ class ModelRunner:
         step = step_from_lists(lists, self.device, slot_page_table=self.table)
         return self.model.forward_step(step, self.pools)
 
+    def eager_layers(self, chunks: list[ScheduledChunk]):
+        """_eager as a generator (model.forward_step_layers): None after each layer's launches, then the logits,
+        one row per chunk. World size 1 only (workers replay whole steps)."""
+        if self.link is not None:
+            raise ValueError("a prefill in slices is not broadcast to tensor-parallel workers")
+        self.sync_page_tables([c.seq for c in chunks])
+        self.num_eager_steps += 1
+        step = step_from_lists(flatten_chunks(chunks, self.page_size), self.device, slot_page_table=self.table)
+        return self.model.forward_step_layers(step, self.pools)
+
+    def decode_rows(self, rows: list[ScheduledChunk]) -> torch.Tensor:
+        """One token of each row (a decode step, from its CUDA graph when captured): logits (len(rows), vocab)."""
+        return self._decode(rows)
+
     # ---- decode steps ------------------------------------------------------------------------------------
 
     def padded_size(self, n: int) -> int:

@@ -80,6 +80,13 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, 1))
         return chunks
 
+    def schedule_decodes_between(self) -> list[ScheduledChunk]:
+        """A decode of every running sequence at its last token that gets a page without preempting anyone:
+        the decode-only steps between the slices of an in-flight prefill, whose sequences must stay."""
+        return [ScheduledChunk(seq, 1) for seq in list(self.running)
+                if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
+                and self.block_manager.allocate(seq, seq.num_computed_tokens + 1)]
+
     def _grow(self, seq: Sequence) -> bool:
         """One more page slot for seq's next token, preempting the newest running sequences if needed;
         False when seq itself was preempted."""

@@ -202,6 +202,30 @@ def test_padded_decode_runs_at_ladder_sizes_and_splits_mixed_steps(model):
     assert_nothing_leaks(engine)
 
 
+@padded
+@pytest.mark.parametrize("slices", [3, 4])
+def test_interleaved_prefill_slices_equal_greedy(model, padded, slices):
+    """interleave_slices: a late arrival's prefill (several chunks under a small budget) launches in slices of
+    layers, and the running sequences decode between them; every output still equals greedy, the decoders gain
+    tokens inside mixed steps, and nothing leaks."""
+    engine = small_engine(model, padded=padded, max_num_seqs=6, num_pages=128, max_num_batched_tokens=24,
+                          interleave_slices=slices)
+    prompts = [random_prompt(n, seed=70 + n) for n in (3, 9, 5)]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=24)) for p in prompts]
+    while any(engine.sequences[i].num_uncomputed_tokens > 1 for i in ids):
+        engine.step()
+    late = random_prompt(60, seed=80)
+    ids.append(engine.add_request(late, SamplingParams(max_tokens=5)))
+    most = 0
+    while engine.has_unfinished:
+        outs = engine.step()
+        most = max([most] + [sum(o.seq_id == i for o in outs) for i in ids[:3]])
+    assert most == slices - 1, "a decoder takes a token at each slice boundary of a mixed step"
+    for prompt, seq_id in zip(prompts + [late], ids):
+        assert engine.pop_output(seq_id).output_ids == expected(model, prompt, 24 if prompt is not late else 5)
+    assert_nothing_leaks(engine)
+
+
 def test_max_model_len_bounds_requests(model):
     engine = small_engine(model, max_model_len=40)
     assert engine.cfg.max_model_len == 40 and engine.runner.width == 5
@@ -234,3 +258,13 @@ def test_warm_up_runs_every_step_shape_and_leaves_nothing_behind(model):
     assert not engine.sequences
     prompt = random_prompt(30, seed=8)
     assert engine.generate([prompt], SamplingParams(max_tokens=5))[0].output_ids == expected(model, prompt, 5)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(num_pages=0), "pool sizes"), (dict(snapshot_slots=-1), "snapshot_slots"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"), (dict(max_model_len=1), "max_model_len"),
+    (dict(max_graph_batch=0), "max_graph_batch"), (dict(interleave_slices=-1), "interleave_slices"),
+])
+def test_engine_config_rejects(fields, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**fields)

@@ -245,3 +245,45 @@ def test_pools_sized_from_gpu_memory(gpu_model):
     assert engine.cfg.num_pages * engine.cfg.page_size >= 4096 and engine.cfg.max_model_len == 4096
     assert engine.sizing["peak_GiB"] > 0 and "KV pool" in engine.pool_summary
     assert torch.cuda.memory_allocated() <= util * total, engine.pool_summary
+
+
+def record_sampled_logits(engine: LLMEngine) -> dict[int, list[torch.Tensor]]:
+    """seq id -> the fp32 logits of each of its sampled rows, in order (wraps the engine's commit-and-sample, which
+    every step and every decode step between prefill slices goes through)."""
+    rows = defaultdict(list)
+    finish = engine._finish_step
+
+    def wrapped(chunks, logits):
+        for c, row in zip(chunks, logits):
+            if c.end == c.seq.num_tokens:
+                rows[c.seq.id].append(row.float().cpu())
+        return finish(chunks, logits)
+    engine._finish_step = wrapped
+    return rows
+
+
+@pytest.mark.gpu
+def test_interleaved_prefill_with_graphs_follows_the_plain_engine(gpu_model):
+    """EngineConfig.interleave_slices on the GPU: a late 300-token prefill launches in slices, the three running
+    sequences replay their decode graph between them. Against the same arrivals without slices: the same tokens
+    along the common path, logits within BATCHED_TOL (batches differ), and decode graphs ran between slices."""
+    with ops.use_backend("triton"):
+        results = []
+        for slices in (0, 4):
+            engine = LLMEngine(gpu_model, replace(GPU_ENGINE, max_num_batched_tokens=64, interleave_slices=slices))
+            logits = record_sampled_logits(engine)
+            ids = [engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True))
+                   for p in prompts_of((30, 77, 9), GPU_CFG.vocab_size, seed=6)]
+            while any(engine.sequences[i].num_uncomputed_tokens > 1 for i in ids):
+                engine.step()
+            late = prompts_of((300,), GPU_CFG.vocab_size, seed=7)[0]
+            ids.append(engine.add_request(late, SamplingParams(max_tokens=8, ignore_eos=True)))
+            most = 0  # tokens of one sequence in one step: 3 with 4 slices (a decode step at each slice boundary)
+            while engine.has_unfinished:
+                outs = engine.step()
+                most = max([most] + [sum(o.seq_id == i for o in outs) for i in ids[:3]])
+            results.append(([engine.pop_output(i).output_ids for i in ids], [logits[i] for i in ids]))
+            assert engine.runner.num_graph_steps > 0 and most == (3 if slices else 1)
+        (out_a, log_a), (out_b, log_b) = results
+        assert [len(o) for o in out_a] == [len(o) for o in out_b] == [24, 24, 24, 8]
+        assert assert_logits_close_until_divergence(out_a, log_a, out_b, log_b, tol=BATCHED_TOL) >= 4
