@@ -99,39 +99,37 @@ class ModelRunner:
         in the order of those rows."""
         decode = [c for c in chunks if c.num_tokens == 1]
         if len(decode) == len(chunks) and len(chunks) <= self.max_decode:
-            return self._decode(chunks), chunks
+            return self.decode_rows(chunks), chunks
         if self.graph_sizes and decode and len(decode) <= self.max_decode:
             rest = [c for c in chunks if c.num_tokens != 1]
-            return torch.cat([self._decode(decode), self._eager(rest)]), decode + rest
+            return torch.cat([self.decode_rows(decode), self._eager(rest)]), decode + rest
         return self._eager(chunks), chunks
 
     def _eager(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Any chunks, eagerly, over the same width-W page tables as decode steps (so attention kernels that pick
         their split count from the table's capacity do the same with and without graphs)."""
-        self.sync_page_tables([c.seq for c in chunks])
-        lists = flatten_chunks(chunks, self.page_size)
+        lists = self._eager_inputs(chunks)
         if self.link is not None:
             self.link.send("eager", lists)
         return self.eager_lists(lists)
 
+    def _eager_inputs(self, chunks: list[ScheduledChunk]) -> StepLists:
+        self.sync_page_tables([c.seq for c in chunks])
+        return flatten_chunks(chunks, self.page_size)
+
     def eager_lists(self, lists: StepLists) -> torch.Tensor:
-        self.num_eager_steps += 1
-        step = step_from_lists(lists, self.device, slot_page_table=self.table)
-        return self.model.forward_step(step, self.pools)
+        return self.model.forward_step(self._eager_step(lists), self.pools)
 
     def eager_layers(self, chunks: list[ScheduledChunk]):
         """_eager as a generator (model.forward_step_layers): None after each layer's launches, then the logits,
         one row per chunk. World size 1 only (workers replay whole steps)."""
         if self.link is not None:
             raise ValueError("a prefill in slices is not broadcast to tensor-parallel workers")
-        self.sync_page_tables([c.seq for c in chunks])
-        self.num_eager_steps += 1
-        step = step_from_lists(flatten_chunks(chunks, self.page_size), self.device, slot_page_table=self.table)
-        return self.model.forward_step_layers(step, self.pools)
+        return self.model.forward_step_layers(self._eager_step(self._eager_inputs(chunks)), self.pools)
 
-    def decode_rows(self, rows: list[ScheduledChunk]) -> torch.Tensor:
-        """One token of each row (a decode step, from its CUDA graph when captured): logits (len(rows), vocab)."""
-        return self._decode(rows)
+    def _eager_step(self, lists: StepLists) -> StepInput:
+        self.num_eager_steps += 1
+        return step_from_lists(lists, self.device, slot_page_table=self.table)
 
     # ---- decode steps ------------------------------------------------------------------------------------
 
@@ -142,7 +140,8 @@ class ModelRunner:
                 return b
         return n
 
-    def _decode(self, rows: list[ScheduledChunk]) -> torch.Tensor:
+    def decode_rows(self, rows: list[ScheduledChunk]) -> torch.Tensor:
+        """One token of each row (a decode step, from its CUDA graph when captured): logits (len(rows), vocab)."""
         n = len(rows)
         bs = self.padded_size(n)
         self.sync_page_tables([c.seq for c in rows])

@@ -71,21 +71,23 @@ class Scheduler:
                 break  # cold requests keep their order: a large one is not overtaken forever
         return chunks
 
-    def _schedule_decodes(self, budget: int) -> list[ScheduledChunk]:
+    def _schedule_decodes(self, budget: int, preempt: bool = True) -> list[ScheduledChunk]:
+        """A decode of each running sequence at its last token, up to budget; a page for it preempts the newest
+        running sequences if needed, or without `preempt` the sequence waits for a later step."""
         chunks = []
         for seq in list(self.running):
             if budget == len(chunks):
                 break
-            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1 and self._grow(seq):
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            if self._grow(seq) if preempt else self.block_manager.allocate(seq, seq.num_computed_tokens + 1):
                 chunks.append(ScheduledChunk(seq, 1))
         return chunks
 
     def schedule_decodes_between(self) -> list[ScheduledChunk]:
-        """A decode of every running sequence at its last token that gets a page without preempting anyone:
-        the decode-only steps between the slices of an in-flight prefill, whose sequences must stay."""
-        return [ScheduledChunk(seq, 1) for seq in list(self.running)
-                if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
-                and self.block_manager.allocate(seq, seq.num_computed_tokens + 1)]
+        """The decode-only steps between the slices of an in-flight prefill: no preemption, as the prefill's
+        sequences must stay."""
+        return self._schedule_decodes(self.cfg.max_num_batched_tokens, preempt=False)
 
     def _grow(self, seq: Sequence) -> bool:
         """One more page slot for seq's next token, preempting the newest running sequences if needed;
