@@ -53,8 +53,7 @@ def flatten_chunks(chunks: list[ScheduledChunk], page_size: int) -> StepLists:
         pending = c.seq.pending_snapshot_slot
         offsets.append(c.seq.pending_snapshot_tokens - c.start if pending is not None else 0)
         snap_slots.append(pending if pending is not None else c.seq.state_slot)
-        prompt, n_prompt = c.seq.prompt_ids, c.seq.num_prompt_tokens
-        tokens += prompt[c.start:c.end] if c.end <= n_prompt else c.seq.token_ids[c.start:c.end]
+        tokens += c.seq.token_slice(c.start, c.end)
         span = range(c.start, c.end)
         positions += span
         slot_mapping += [c.seq.pages[p // page_size] * page_size + p % page_size for p in span]
