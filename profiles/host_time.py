@@ -127,6 +127,31 @@ def launch_costs(reps: int = 40) -> list[dict]:
     return rows
 
 
+def admission_keys(ctx: int, new: int, page_size: int = 16, reps: int = 5) -> list[dict]:
+    """Host ms to compute a returning turn's prefix-cache keys (ctx tokens of a finished request, then new ones):
+    every page hashed, against the keys taken from serving.page_key_memo. Best of reps; no model, no device."""
+    from serving.page_key_memo import PageKeyMemo
+    from serving.sequence import SamplingParams, Sequence
+    gen = torch.Generator().manual_seed(0)
+    history = torch.randint(248_320, (ctx,), generator=gen).tolist()
+    memo = PageKeyMemo(page_size)
+    done = Sequence(0, history, SamplingParams(), torch.Generator())
+    done.page_hashes(ctx // page_size, page_size)
+    memo.remember(done)
+    rows = []
+    for label, seeded in (("hash every page", False), ("memo of the finished request", True)):
+        best = float("inf")
+        for rep in range(reps):
+            turn = Sequence(1 + rep, history + [1] * new, SamplingParams(), torch.Generator())
+            start = time.perf_counter()
+            if seeded:
+                memo.seed(turn)
+            turn.page_hashes((turn.num_tokens - 1) // page_size, page_size)
+            best = min(best, 1e3 * (time.perf_counter() - start))
+        rows.append({"keys": label, "pages": (ctx + new - 1) // page_size, "host_ms": best})
+    return rows
+
+
 def use_prenorm(fused: bool) -> None:
     """The triton backend's pre-norm projection as one launch (the GEMV computes the residual add and RMSNorm), or
     as add_rms_norm and then the GEMV."""
@@ -173,10 +198,16 @@ def main(argv=None) -> dict:
                                                                        "ctx tokens instead of a returning turn")
     ap.add_argument("--launch-costs", action="store_true", help="only the host cost of one Triton launch and of "
                                                                      "cuBLAS projections")
+    ap.add_argument("--admission", action="store_true", help="only the host cost of a returning turn's "
+                                                              "prefix-cache keys (ctx cached + new tokens)")
     ap.add_argument("--prenorm", choices=["auto", "fused", "unfused"], default="auto",
                     help="residual add + RMSNorm inside the following projection's GEMV or as their own launch "
                          "(auto: kernels.linear.FUSED_NORM_MAX_K)")
     args = ap.parse_args(argv)
+    if args.admission:
+        rows = admission_keys(args.ctx, args.new)
+        print_table(rows, ["keys", "pages", "host_ms"])
+        return {"admission": rows}
     device = pick_device(args.device)
     if args.launch_costs:
         if device.type != "cuda":
