@@ -263,7 +263,8 @@ def warm_up(engine: LLMEngine, traces: list[Trace]) -> None:
 
 
 # engine knobs of the command line, and their defaults: a run with another value gets its own row in serving.json
-ENGINE_KNOBS = {"chunk": 2048, "fast_lane": 1024, "page_size": 16, "interleave": 0}
+ENGINE_KNOBS = {"chunk": EngineConfig.max_num_batched_tokens, "fast_lane": 1024, "page_size": 16,
+                "interleave": EngineConfig.interleave_slices}
 
 
 def run_key(args) -> str:

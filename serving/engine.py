@@ -9,6 +9,7 @@ import torch
 
 from model import ops
 from model.cache import CachePools
+from model.layers import Linear
 from model.model import Qwen35ForCausalLM
 from serving.batch import ScheduledChunk
 from serving.block_manager import KVBlockManager
@@ -220,7 +221,8 @@ class LLMEngine:
         compile (seconds each): the attention kernels' variants for every split count class, which short prompts
         never reach (kernels.paged_decode_attention.compile_variants); prefill chunks of 1..16 tokens (the tails
         after a page boundary), a few longer chunks (one past ALWAYS_Q_LEN, one of the full token budget), prefills
-        of several sequences at once and a mixed step (a chunk beside a decode row), for every other kernel.
+        of several sequences at once and a mixed step (a chunk beside a decode row), for every other kernel; and
+        cuBLAS's choice for every padded row count of every projection (kernels.linear.MATMUL_ROW_BUCKET).
         Random tokens; their pages stay in the prefix cache as evictable entries. On CUDA only unless on_cpu
         (Triton's interpreter on the CPU compiles nothing; tests)."""
         if self.device.type != "cuda" and not on_cpu:
@@ -230,6 +232,11 @@ class LLMEngine:
             from kernels.paged_decode_attention import compile_variants
             compile_variants(self.model.cache_config.num_attention_heads, self.pools.k_pages[0],
                              self.pools.v_pages[0], self.runner.width)
+        if ops.backend_table()["linear"] == "triton" and self.device.type == "cuda":  # every padded row count
+            from kernels.linear import warm_up_row_buckets
+            warm_up_row_buckets((m.weight for m in self.model.model.modules() if isinstance(m, Linear)),
+                                self.cfg.max_num_batched_tokens + self.cfg.max_num_seqs)
+            warm_up_row_buckets([self.model.lm_head.weight], self.cfg.max_num_seqs)  # a row per sampled chunk
         gen = torch.Generator().manual_seed(12345)
         vocab = self.model.config.vocab_size
         lens = [*range(1, 17), 40, 100, 600, self.cfg.max_num_batched_tokens + 20]

@@ -235,3 +235,24 @@ def test_linear_gpu_prefill_rows(m):
     # prefill rows go to cuBLAS (gated: after silu_and_mul)
     _check(*_pair(m, 2048, 2048, torch.bfloat16, seed=m), f"prefill {m} rows")
     _check(*_gated_pair(m, 2048, 1536, torch.bfloat16, seed=m), f"gated prefill {m} rows", gated=True)
+
+
+@pytest.mark.parametrize("m,bucket", [(5, 64), (65, 64), (128, 64), (7, 1)])
+def test_matmul_rows_padded_to_the_bucket(m, bucket):
+    # prefill rows run on cuBLAS padded to a multiple of the bucket: the first m rows are the product, into out too
+    a, w = _pair(m, 33, 70, torch.float32, seed=m)
+    exact = R.linear(a.double(), w.double())
+    y = L.matmul_rows(a, w, bucket=bucket)
+    assert y.shape == (m, 33) and y.is_contiguous()
+    assert_rel(y.double(), exact, 1e-6, f"padded {m} rows to {bucket}")
+    out = torch.full((m, 33), float("nan"))
+    assert L.matmul_rows(a, w, out, bucket=bucket) is out
+    assert_rel(out.double(), exact, 1e-6, "padded into out")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [5, 300, 2051])
+def test_linear_gpu_prefill_rows_padded(m):
+    # eager CUDA prefill rows go to cuBLAS padded to MATMUL_ROW_BUCKET; the gated path pads silu_and_mul's rows
+    _check(*_pair(m, 2048, 2048, torch.bfloat16, seed=m), f"prefill {m} rows")
+    _check(*_gated_pair(m, 2048, 1536, torch.bfloat16, seed=m), f"gated prefill {m} rows", gated=True)

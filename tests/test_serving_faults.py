@@ -340,15 +340,15 @@ def test_a_request_that_fails_in_the_engine_fails_alone(server, model, monkeypat
     """The model raises on any step whose input holds the POISON token. The poisoned request joins a batch of
     three running ones: that step fails, all four are suspects, each runs alone, and only the poisoned one
     fails (500, or an error event in its stream); the others' text equals the model's own greedy text."""
-    real_forward = model.forward_step
+    real_layers = model.forward_step_layers  # forward_step runs it too; interleaved steps run it alone
     failures_before = metrics(server).get("fa4_engine_step_failures_total", 0)
 
-    def forward_step(step, pools, *args, **kwargs):
+    def forward_step_layers(step, pools, *args, **kwargs):
         if bool((step.token_ids == POISON).any()):
             raise RuntimeError("injected fault")
-        return real_forward(step, pools, *args, **kwargs)
+        yield from real_layers(step, pools, *args, **kwargs)
 
-    monkeypatch.setattr(model, "forward_step", forward_step)
+    monkeypatch.setattr(model, "forward_step_layers", forward_step_layers)
     prompts = [server.tokenizer.encode(f"Story number {i}:") for i in range(3)]
     wants = [greedy_text(server, model, p, 8) for p in prompts]
 

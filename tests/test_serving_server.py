@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import httpx
@@ -172,10 +173,13 @@ def script_model_output(engine: LLMEngine, monkeypatch, prompt_ids: list[int], s
 
     def step():
         outputs = real_step()
+        later = Counter(out.seq_id for out in outputs)  # an interleaved step holds several tokens of a sequence
         for out in outputs:
             seq = engine.sequences[out.seq_id]
+            later[out.seq_id] -= 1
             if seq.prompt_ids == prompt_ids:
-                seq.output_ids[-1] = out.token = script[len(seq.output_ids) - 1]
+                i = len(seq.output_ids) - 1 - later[out.seq_id]
+                seq.output_ids[i] = out.token = script[i]
         return outputs
 
     monkeypatch.setattr(engine, "step", step)
