@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import check_devices
+from kernels.row_buckets import empty_rows
 from reference._checks import check_tensor
 
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch.nn.functional.softplus returns x above it
@@ -109,7 +110,7 @@ def gated_rms_norm(x, z, weight, eps):
     for name, t in (("x", x), ("z", z), ("weight", weight)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along its last dim, got strides {t.stride()}")
-    out = torch.empty(n, h, dv, dtype=x.dtype, device=x.device)
+    out = empty_rows((n, h, dv), x.dtype, x.device, row_dims=1)  # out_proj's input (n, h * dv): room to pad it
     bv = next_power_of_2(dv)
     rows = max(1, TILE // bv)
     if n:

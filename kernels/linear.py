@@ -7,7 +7,7 @@ With PDL (kernels.pdl) the first weight tile is loaded before waiting for the ke
 GEMV's DRAM ramp overlaps its predecessor's tail inside the decode graph.
 
 More than MAX_ROWS rows (prefill, large decode batches) go to torch's matmul (cuBLAS), which is then the faster
-path, on rows padded to a multiple of MATMUL_ROW_BUCKET outside CUDA-graph capture (a row count cuBLAS has seen
+path, on rows padded to a bucket outside CUDA-graph capture (kernels.row_buckets: a row count cuBLAS has seen
 costs a tenth of the host time). No host syncs and, for the GEMV, no allocation when `out=` is given: CUDA-graph
 capturable.
 """
@@ -21,17 +21,12 @@ from kernels import pdl
 from kernels.activations import silu_and_mul
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
+from kernels.row_buckets import GEMV_MAX_ROWS, MATMUL_ROW_BUCKET, padded_operand, padded_rows
 from reference._checks import check_tensor
 
-MAX_ROWS = 4
+MAX_ROWS = GEMV_MAX_ROWS
 # what the GEMV multiplies (its INPUT): x, silu(gate) * up of x = [gate | up], rms_norm(x [+ residual])
 PLAIN, GATED, NORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-# More than MAX_ROWS rows (prefill) go to cuBLAS on rows padded to a multiple of this: cuBLAS chooses its kernel
-# on the host per shape, 240 us for a row count it has not seen against 23 us for a known one (H200 machine,
-# session 8: .gpu/cublas_shapes.py). A/B in one process (session 9, 2B returning turns of 601..829 new tokens over
-# 8k): median step 56.3 ms plain, 34.8 ms padded. Padding costs at most 63 rows of compute and one copy; the
-# engine warms every bucket up.
-MATMUL_ROW_BUCKET = 64
 # The pre-norm projection runs its norm inside the GEMV up to this K: every program recomputes the rows' norm, which
 # paid at 0.8B (K 1024: decode step 1.19 ms fused against 1.24 in its CUDA graph) and cost at 2B (K 2048: 2.06
 # against 1.72 ms, the 48 NORM GEMVs +0.25 ms of kernel time); H200, session 8, profiles.host_time --prenorm
@@ -178,31 +173,26 @@ def linear(x, weight, out=None, *, plan: tuple[int, int, int] | None = None, gat
     x2 = rows_view(name, x)
     if x2.shape[0] > MAX_ROWS:
         a2 = silu_and_mul(x2) if gated else x2
-        # eager CUDA steps pad (graph replays pay no host cost: padding would only add a copy to each)
-        bucket = MATMUL_ROW_BUCKET if x.is_cuda and not torch.cuda.is_current_stream_capturing() else 1
-        y = matmul_rows(a2, weight, None if out is None else rows_view("out", out), bucket)
+        y = matmul_rows(a2, weight, None if out is None else rows_view("out", out), padded_rows(len(a2), x.device))
         return y.view(shape) if out is None else out
     out = output_for(out, shape, x)
     _gemv(x2, weight, rows_view("out", out), plan, GATED if gated else PLAIN)
     return out
 
 
-def matmul_rows(a2, weight, out2=None, bucket: int = MATMUL_ROW_BUCKET):
-    """a2: (M, K) rows @ weight (N, K)^T -> (M, N) on torch's matmul (cuBLAS), run on the rows padded to a multiple
-    of `bucket` (the output is a view of the padded product's first M rows; into out2 when given)."""
+def matmul_rows(a2, weight, out2=None, rows: int | None = None):
+    """a2: (M, K) @ weight (N, K)^T -> (M, N) on torch's matmul (cuBLAS), run on `rows` >= M rows (default M; see
+    kernels.row_buckets): the output is a view of the product's first M rows, or out2 when given."""
     m = a2.shape[0]
-    padded = cdiv(m, bucket) * bucket
-    if padded == m:
+    if rows is None or rows == m:
         return torch.matmul(a2, weight.t(), out=out2)
-    a_padded = a2.new_empty((padded, a2.shape[1]))  # the padding rows' products are computed and dropped
-    a_padded[:m].copy_(a2)
-    y = torch.matmul(a_padded, weight.t())[:m]
+    y = torch.matmul(padded_operand(a2, rows), weight.t())[:m]
     return y if out2 is None else out2.copy_(y)
 
 
 def warm_up_row_buckets(weights, max_rows: int) -> None:
     """Run every padded row count up to max_rows once per distinct weight shape, so that cuBLAS has chosen its
-    kernel for each before a live prefill step needs it (CUDA only; see MATMUL_ROW_BUCKET)."""
+    kernel for each before a live prefill step needs it (CUDA only; see kernels.row_buckets)."""
     shapes = {(tuple(w.shape), w.dtype, w.device): w for w in weights if w.is_cuda and w.ndim == 2}
     for w in shapes.values():
         for m in range(MATMUL_ROW_BUCKET, max_rows + MATMUL_ROW_BUCKET, MATMUL_ROW_BUCKET):

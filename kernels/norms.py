@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.host_math import cdiv, next_power_of_2
+from kernels.row_buckets import empty_rows
 from reference._checks import check_same_device, check_tensor
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -42,9 +43,10 @@ def rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def output_for(out, shape, like: torch.Tensor) -> torch.Tensor:
-    """A fresh contiguous output, or the caller's `out` after checking its shape, dtype and device."""
+    """A fresh contiguous output (with room for padded rows: kernels.row_buckets), or the caller's `out` after
+    checking its shape, dtype and device."""
     if out is None:
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
+        return empty_rows(shape, like.dtype, like.device)
     check_tensor("out", out, dtype=like.dtype, device=like.device)
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
@@ -97,7 +99,7 @@ def _norm(x, residual, weight, eps, out):
             raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     if weight.shape[0] != x.shape[-1] or weight.stride(0) != 1:
         raise ValueError(f"weight must be contiguous with {x.shape[-1]} entries (x's width), got {weight.shape[0]}")
-    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    out = empty_rows(x.shape, x.dtype, x.device) if out is None else out  # a projection's input: room for padding
     _check_out(out, x)
     check_devices(x=x, residual=residual, weight=weight, out=out)
     x2, o2 = rows_view("x", x), rows_view("out", out)

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 import reference as R
 from kernels import linear as L
+from kernels import row_buckets as RB
+from kernels.gdn_pointwise import gated_rms_norm
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 8e-3}
@@ -232,27 +234,56 @@ def test_linear_gpu_chain_in_a_cuda_graph():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [5, 300, 2051])
 def test_linear_gpu_prefill_rows(m):
-    # prefill rows go to cuBLAS (gated: after silu_and_mul)
+    # prefill rows go to cuBLAS padded to a row bucket (gated: after silu_and_mul, into a buffer with room to pad)
     _check(*_pair(m, 2048, 2048, torch.bfloat16, seed=m), f"prefill {m} rows")
     _check(*_gated_pair(m, 2048, 1536, torch.bfloat16, seed=m), f"gated prefill {m} rows", gated=True)
 
 
-@pytest.mark.parametrize("m,bucket", [(5, 64), (65, 64), (128, 64), (7, 1)])
-def test_matmul_rows_padded_to_the_bucket(m, bucket):
-    # prefill rows run on cuBLAS padded to a multiple of the bucket: the first m rows are the product, into out too
+@pytest.mark.parametrize("m,rows", [(5, 64), (65, 128), (128, 128), (7, 7)])
+def test_matmul_rows_on_padded_rows(m, rows):
+    # prefill rows run on cuBLAS padded to `rows`: the first m rows are the product, into out too
     a, w = _pair(m, 33, 70, torch.float32, seed=m)
     exact = R.linear(a.double(), w.double())
-    y = L.matmul_rows(a, w, bucket=bucket)
+    y = L.matmul_rows(a, w, rows=rows)
     assert y.shape == (m, 33) and y.is_contiguous()
-    assert_rel(y.double(), exact, 1e-6, f"padded {m} rows to {bucket}")
+    assert_rel(y.double(), exact, 1e-6, f"{m} rows padded to {rows}")
     out = torch.full((m, 33), float("nan"))
-    assert L.matmul_rows(a, w, out, bucket=bucket) is out
+    assert L.matmul_rows(a, w, out, rows=rows) is out
     assert_rel(out.double(), exact, 1e-6, "padded into out")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [5, 300, 2051])
-def test_linear_gpu_prefill_rows_padded(m):
-    # eager CUDA prefill rows go to cuBLAS padded to MATMUL_ROW_BUCKET; the gated path pads silu_and_mul's rows
-    _check(*_pair(m, 2048, 2048, torch.bfloat16, seed=m), f"prefill {m} rows")
-    _check(*_gated_pair(m, 2048, 1536, torch.bfloat16, seed=m), f"gated prefill {m} rows", gated=True)
+def test_padded_operand_views_a_storage_with_room_else_copies():
+    base = torch.randn(128, 24)
+    roomy = base[:70]
+    view = RB.padded_operand(roomy, 128)
+    assert view.shape == (128, 24) and view.data_ptr() == roomy.data_ptr() and torch.equal(view[:70], roomy)
+    for tight in (torch.randn(70, 24), base[:70, :20], base[60:]):  # no room / not row-major / too near the end
+        padded = RB.padded_operand(tight, 128)
+        assert padded.shape == (128, tight.shape[1]) and padded.data_ptr() != tight.data_ptr()
+        assert torch.equal(padded[:len(tight)], tight)
+
+
+def test_prefill_chain_pads_without_copies(monkeypatch):
+    # with padding on (as on CUDA), the norm's output has room for the padded rows: the projection views it in place
+    # (no copy), the rows past it are dropped, and the result equals the unpadded product
+    monkeypatch.setattr(RB, "padded_rows", lambda rows, device: -(-rows // RB.MATMUL_ROW_BUCKET) * RB.MATMUL_ROW_BUCKET)
+    monkeypatch.setattr(L, "padded_rows", RB.padded_rows)
+    real, views = RB.padded_operand, []
+
+    def spy(a2, rows):
+        padded = real(a2, rows)
+        views.append(padded.data_ptr() == a2.data_ptr())
+        return padded
+
+    monkeypatch.setattr(L, "padded_operand", spy)
+    x, residual, norm_w = _normed_inputs(70, 96, torch.float32, 5, True)
+    _, w = _pair(70, 50, 96, torch.float32, 5)
+    out, s = L.add_rms_norm_linear(x, residual.clone(), norm_w, 1e-6, w)
+    assert views == [True], "the normed rows were copied to pad them"
+    assert_rel(out.double(), R.linear(R.rms_norm(s, norm_w, 1e-6).double(), w.double()), 1e-6, "padded chain")
+    gate_up, w_down = _gated_pair(70, 40, 48, torch.float32, seed=6)
+    y = L.silu_and_mul_linear(gate_up, w_down)
+    assert views == [True, True], "SwiGLU's rows were copied to pad them"
+    assert_rel(y.double(), R.silu_and_mul_linear(gate_up.double(), w_down.double()), 1e-6, "padded gated")
+    o = gated_rms_norm(*(torch.randn(70, 3, 16) for _ in range(2)), torch.randn(16), 1e-6)
+    assert o.untyped_storage().nbytes() >= 128 * 3 * 16 * 4, "the GDN output norm leaves no room for padded rows"

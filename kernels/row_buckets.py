@@ -1,0 +1,50 @@
+"""Row counts padded for cuBLAS: eager prefill projections run on a multiple of MATMUL_ROW_BUCKET rows.
+
+cuBLAS chooses its kernel on the host for each new shape: 240 us for a row count it has not seen against 23 us for
+a known one (H200 machine, session 8), and every prefill step brings new row counts. So kernels.linear runs prefill
+projections on rows padded to a multiple of MATMUL_ROW_BUCKET (the engine warms every bucket up) and drops the
+padding rows' products. A/B in one process (session 9, 2B returning turns of 601..829 new tokens over 8k cached):
+median step 56.3 ms plain, 34.8 ms padded.
+
+The padding is free when the operand's storage already has the rows: the elementwise kernels that feed projections
+(norms, SwiGLU, the GDN output norm) allocate their outputs with empty_rows, and padded_operand then views the
+padded rows in place instead of copying (the rows past the operand's own hold whatever the memory held; their
+products are dropped, and a matmul's rows do not mix). Graph capture and the CPU pad nothing.
+"""
+import math
+
+import torch
+
+MATMUL_ROW_BUCKET = 64
+# up to this many rows a projection runs kernels.linear's GEMV (its MAX_ROWS), which is not padded
+GEMV_MAX_ROWS = 4
+
+
+def padded_rows(rows: int, device: torch.device) -> int:
+    """rows rounded up to MATMUL_ROW_BUCKET when a projection of them runs on cuBLAS in an eager CUDA step (more
+    than GEMV_MAX_ROWS, on a CUDA device, outside graph capture), else rows."""
+    if rows <= GEMV_MAX_ROWS or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return rows
+    return -(-rows // MATMUL_ROW_BUCKET) * MATMUL_ROW_BUCKET
+
+
+def empty_rows(shape, dtype: torch.dtype, device: torch.device, row_dims: int = -1) -> torch.Tensor:
+    """torch.empty(shape), contiguous, in a storage with room for padded_rows of its rows: the product of its first
+    row_dims dims (default all but the last) rows of the other dims' size."""
+    rows = math.prod(shape[:row_dims])
+    room = padded_rows(rows, device)
+    if room == rows:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty((room, math.prod(shape[row_dims:])), dtype=dtype, device=device)[:rows].view(shape)
+
+
+def padded_operand(a2: torch.Tensor, rows: int) -> torch.Tensor:
+    """a2: (m, K) -> (rows >= m, K) whose first m rows are a2: a view of a2's storage when it is row-major there and
+    has the room, else a copy (the other rows are left as they are)."""
+    m, k = a2.shape
+    end = (a2.storage_offset() + rows * k) * a2.element_size()
+    if a2.stride() == (k, 1) and a2.untyped_storage().nbytes() >= end:
+        return a2.as_strided((rows, k), (k, 1))
+    padded = a2.new_empty((rows, k))
+    padded[:m].copy_(a2)
+    return padded
