@@ -3,8 +3,9 @@
 cuBLAS chooses its kernel on the host for each new shape: 240 us for a row count it has not seen against 23 us for
 a known one (H200 machine, session 8), and every prefill step brings new row counts. So kernels.linear runs prefill
 projections on rows padded to a multiple of MATMUL_ROW_BUCKET (the engine warms every bucket up) and drops the
-padding rows' products. A/B in one process (session 9, 2B returning turns of 601..829 new tokens over 8k cached):
-median step 56.3 ms plain, 34.8 ms padded.
+padding rows' products. On the H200 (session 9, 2B returning turns of 601..813 new tokens over 8k cached), one
+process alternating: median step 57.5 ms padded, 67.4 unpadded; separate processes: 34.8 padded (through a copy),
+56.3 unpadded.
 
 The padding is free when the operand's storage already has the rows: the elementwise kernels that feed projections
 (norms, SwiGLU, the GDN output norm) allocate their outputs with empty_rows, and padded_operand then views the
