@@ -72,8 +72,9 @@ import triton.language as tl
 
 from kernels import gdn_decode
 from kernels.causal_conv1d import causal_conv1d_varlen
-from kernels.gdn_pointwise import gated_rms_norm, gdn_gates
+from kernels.gdn_pointwise import gated_norm, gated_rms_norm, gdn_gates
 from kernels.host_math import cdiv, next_power_of_2
+from kernels.row_buckets import empty_rows
 from kernels.varlen import CHUNK, chunk_span, host_ints, token_chunks
 from reference._checks import check_cu_seqlens, check_snapshots, check_tensor
 
@@ -266,11 +267,12 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, cu_ptr, first_chunk_ptr,
 
 
 @triton.jit
-def _chunk_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, chunk_ptr, o_ptr, sq_t, sq_h, sk_t, sk_h, so_t,
-                         so_h, scale, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                         PREC: tl.constexpr):
-    # grid (chunks, Hv, cdiv(DV, BV)): o = exp(G) q h[c] + mask_{i>=j}(exp(G_i - G_j) q_i.k_j) v_new
+def _chunk_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, chunk_ptr, o_ptr, z_ptr, norm_w_ptr, sq_t, sq_h,
+                         sk_t, sk_h, so_t, so_h, sz_t, sz_h, scale, eps, HV: tl.constexpr, GROUP: tl.constexpr,
+                         DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         L2NORM: tl.constexpr, PREC: tl.constexpr, GATE: tl.constexpr):
+    # grid (chunks, Hv, cdiv(DV, BV)): o = exp(G) q h[c] + mask_{i>=j}(exp(G_i - G_j) q_i.k_j) v_new; with GATE
+    # (one program holds the whole dv row: BV >= DV) the GDN output norm, w * rmsnorm(o) * silu(z), is stored instead
     c = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     vb = tl.program_id(2)
@@ -291,6 +293,10 @@ def _chunk_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, chunk_ptr, o_p
     s = tl.load(h_ptr + (c * HV + j) * (DK * DV) + rk[:, None] * DV + cols[None, :],
                 mask=(rk[:, None] < DK) & (cols[None, :] < DV), other=0.0)  # (BK, BV) the chunk's start state
     o = tl.exp(G)[:, None] * tl.dot(q, s, input_precision=PREC) + tl.dot(p.to(ws), v_new, input_precision=PREC)
+    if GATE:  # o rounds to the io dtype first, as the unfused path stores it
+        z = tl.load(z_ptr + t[:, None].to(tl.int64) * sz_t + j * sz_h + cols[None, :], mask=vmask, other=0.0)
+        norm_w = tl.load(norm_w_ptr + cols, mask=cols < DV, other=0.0)
+        o = gated_norm(o, z, norm_w, eps, DV, o_ptr.dtype.element_ty)
     tl.store(o_ptr + t[:, None].to(tl.int64) * so_t + j * so_h + cols[None, :], o.to(o_ptr.dtype.element_ty),
              mask=vmask)
 
@@ -360,10 +366,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, c
 
 
 def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host=None, scale=None,
-                   use_qk_l2norm=True, out=None, snapshot_offsets=None, snapshot_slots=None):
+                   use_qk_l2norm=True, out=None, snapshot_offsets=None, snapshot_slots=None, output_gate=None):
     """chunk_gated_delta_rule's arguments checked and planned: (out, (wy, state, output)), the three passes as
-    zero-argument callables to run in that order, each reading what the one before wrote (profiles time each)."""
+    zero-argument callables to run in that order, each reading what the one before wrote (profiles time each).
+    output_gate (z (total, Hv, dv) in v's dtype with contiguous rows, norm weight (dv,), eps), when the output pass
+    holds whole dv rows (dv <= OUTPUT_BV; see fuses_output_gate): out is the GDN output norm of o, weight * rmsnorm(o)
+    * silu(z), computed in the output pass (one launch fewer a layer), in a buffer with room for out_proj's padded
+    rows (kernels.row_buckets)."""
     cu = _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host, out)
+    if output_gate is not None:
+        _check_output_gate(v, out, *output_gate)
+        out = empty_rows(v.shape, v.dtype, v.device, row_dims=1)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
@@ -383,8 +396,26 @@ def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlen
 
     def output():
         h, v_new = done["h, v_new"]
-        output_pass(q, k, v_new, h, done["ws"][3], chunks, out, scale, common)
+        output_pass(q, k, v_new, h, done["ws"][3], chunks, out, scale, common, output_gate)
     return out, (wy, state, output)
+
+
+def fuses_output_gate(dv: int) -> bool:
+    """Whether the output pass can run the GDN output norm (its programs hold whole dv rows)."""
+    return dv <= OUTPUT_BV
+
+
+def _check_output_gate(v, out, z, weight, eps):
+    dv = v.shape[2]
+    if out is not None:
+        raise ValueError("out and output_gate are exclusive (the gated output gets its own buffer)")
+    if not fuses_output_gate(dv):
+        raise ValueError(f"output_gate needs dv <= {OUTPUT_BV}, got {dv}")
+    check_tensor("z", z, ndim=3, dtype=v.dtype, device=v.device)
+    check_tensor("weight", weight, ndim=1, device=v.device)
+    if z.shape != v.shape or z.stride(2) != 1 or weight.shape != (dv,) or weight.stride(0) != 1:
+        raise ValueError(f"z {tuple(z.shape)} (contiguous rows) and weight {tuple(weight.shape)} must match v "
+                         f"{tuple(v.shape)}")
 
 
 def _constexprs(q, v, hk, use_qk_l2norm) -> dict:
@@ -422,30 +453,33 @@ def state_pass(ws, cu_seqlens, first_chunk, cuts, state_slots, snapshot_slots, r
     bv = min(STATE_BV, max(16, next_power_of_2(dv)))
     while bv > 16 and n * hv * cdiv(dv, bv) < FEW_PROGRAMS:
         bv //= 2
-    slots = state_slots.to(torch.int64)
-    _chunk_state_kernel[(n, hv, cdiv(dv, bv))](
-        w, u, kd, gcum, cu_seqlens.to(torch.int32), first_chunk, cuts if cuts is not None else first_chunk, slots,
-        snapshot_slots.to(torch.int64) if snapshot_slots is not None else slots, recurrent_states, h, v_new,
+    _chunk_state_kernel[(n, hv, cdiv(dv, bv))](  # slots of either int type: the kernel widens them
+        w, u, kd, gcum, cu_seqlens.to(torch.int32), first_chunk, cuts if cuts is not None else first_chunk,
+        state_slots, snapshot_slots if snapshot_slots is not None else state_slots, recurrent_states, h, v_new,
         **{k: common[k] for k in ("HV", "DK", "DV", "BT", "BK", "PREC", "num_warps")}, BV=bv,
         SNAPSHOT=cuts is not None, num_stages=STATE_STAGES)
     return h, v_new
 
 
-def output_pass(q, k, v_new, h, gcum, chunks, out, scale, common):
-    """Kernel 3 over every (chunk, value head, dv block): o into out."""
+def output_pass(q, k, v_new, h, gcum, chunks, out, scale, common, gate=None):
+    """Kernel 3 over every (chunk, value head, dv block): o into out; with gate (z, norm weight, eps), the GDN
+    output norm of o."""
     dv = out.shape[2]
     bv = min(OUTPUT_BV, max(16, next_power_of_2(dv)))
+    z, norm_w, eps = gate if gate is not None else (out, out, 0.0)
     if chunks.shape[0]:
         _chunk_output_kernel[(chunks.shape[0], out.shape[1], cdiv(dv, bv))](
-            q, k, v_new, h, gcum, chunks, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0),
-            out.stride(1), scale, **common, BV=bv, num_stages=1)
+            q, k, v_new, h, gcum, chunks, out, z, norm_w, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            out.stride(0), out.stride(1), z.stride(0), z.stride(1), scale, float(eps), **common, BV=bv,
+            GATE=gate is not None, num_stages=1)
 
 
 def gated_deltanet_prefill_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,
                               num_k_heads, eps):
     """model.ops.gated_deltanet with the delta rule on this kernel, every piece in Triton and free of host syncs
     given step.cu_seqlens_host: the conv (kernels.causal_conv1d; conv_states updated at step.state_slots), the
-    gates, chunk_gated_delta_rule (recurrent_states updated in place), the gated norm (kernels.gdn_pointwise).
+    gates, the chunked delta rule (recurrent_states updated in place), the gated norm (in the output pass when dv <=
+    OUTPUT_BV, else kernels.gdn_pointwise).
     qkv: (N, C); z: (N, Hv, dv); b, a: (N, Hv). Returns (N, Hv, dv) in qkv's dtype."""
     slots = step.state_slots
     n, hv, dv = z.shape
@@ -455,10 +489,14 @@ def gated_deltanet_prefill_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv
                                  **snapshots)
     q, k, v = mixed.split([num_k_heads * dk, num_k_heads * dk, hv * dv], dim=-1)
     g, beta = gdn_gates(a, b, A_log, dt_bias)
-    o = chunk_gated_delta_rule(q.view(n, num_k_heads, dk), k.view(n, num_k_heads, dk), v.view(n, hv, dv), g, beta,
+    fused = fuses_output_gate(dv)  # the output norm inside the output pass
+    o, passes = prefill_passes(q.view(n, num_k_heads, dk), k.view(n, num_k_heads, dk), v.view(n, hv, dv), g, beta,
                                recurrent_states=recurrent_states, state_slots=slots, cu_seqlens=step.cu_seqlens,
-                               cu_seqlens_host=step.cu_seqlens_host, **snapshots)
-    return gated_rms_norm(o, z, norm_w, eps)
+                               cu_seqlens_host=step.cu_seqlens_host, output_gate=(z, norm_w, eps) if fused else None,
+                               **snapshots)
+    for run_pass in passes:
+        run_pass()
+    return o if fused else gated_rms_norm(o, z, norm_w, eps)
 
 
 def gated_deltanet_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,

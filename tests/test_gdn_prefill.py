@@ -180,7 +180,31 @@ def check_op(lens, hk, hv, dk, dv, dtype, tol_out, tol_state, seed=0):
 
 
 def test_op_matches_reference_prefill():
+    # dv 16: the output norm runs inside the output pass
+    assert gdn_prefill.fuses_output_gate(16)
     check_op([3, 66, 1], 1, 2, 16, 16, torch.float32, 1e-5, 1e-5)
+
+
+def test_op_matches_reference_prefill_unfused_output_norm():
+    # dv past OUTPUT_BV: the output pass splits dv, and the output norm runs as its own kernel
+    dv = gdn_prefill.OUTPUT_BV + 16
+    assert not gdn_prefill.fuses_output_gate(dv)
+    check_op([3, 66], 1, 1, 16, dv, torch.float32, 1e-5, 1e-5, seed=3)
+
+
+def test_output_gate_rejects_bad_arguments():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(5, 1, 16, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(5, 1, generator=gen), torch.rand(5, 1, generator=gen)
+    kw = dict(recurrent_states=torch.zeros(1, 1, 16, 16), state_slots=torch.zeros(1, dtype=torch.int32),
+              cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
+    z, w = torch.randn(5, 1, 16, generator=gen), torch.ones(16)
+    for bad, match in (((z[:, :, :8], w, 1e-6), "z"), ((z, w[:8], 1e-6), "weight"),
+                       ((z.double(), w, 1e-6), "z must have dtype")):
+        with pytest.raises(ValueError, match=match):
+            gdn_prefill.prefill_passes(q, k, v, g, beta, output_gate=bad, **kw)
+    with pytest.raises(ValueError, match="exclusive"):
+        gdn_prefill.prefill_passes(q, k, v, g, beta, output_gate=(z, w, 1e-6), out=torch.empty_like(v), **kw)
 
 
 def test_op_dispatch(monkeypatch):
@@ -276,7 +300,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from kernels import gdn_prefill as G
-common = dict(HV=32, GROUP=2, DK=128, DV=128, BT=64, BK=128, L2NORM=True, SNAPSHOT=True)
+common = dict(HV=32, GROUP=2, DK=128, DV=128, BT=64, BK=128, L2NORM=True, SNAPSHOT=True, GATE=True)
 fp32 = ("g_ptr", "beta_ptr", "gcum_ptr", "state_ptr", "scratch_ptr")
 one = lambda bv, stages: [triton.Config({"BV": bv}, num_warps=8, num_stages=stages)]
 for io, prec in (("bf16", "tf32"), ("fp32", "ieee")):
@@ -288,7 +312,7 @@ for io, prec in (("bf16", "tf32"), ("fp32", "ieee")):
             i32 = ("chunk_ptr", "cu_ptr", "first_chunk_ptr", "cuts_ptr")
             sig = {n: "constexpr" if n in const else "*i32" if n in i32 else
                    "*i64" if n in ("slots_ptr", "snap_slots_ptr") else "*fp32" if n in fp32 else
-                   f"*{io}" if n.endswith("_ptr") else "fp32" if n == "scale" else "i32" for n in fn.arg_names}
+                   f"*{io}" if n.endswith("_ptr") else "fp32" if n in ("scale", "eps") else "i32" for n in fn.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
             k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
