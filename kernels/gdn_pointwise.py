@@ -3,9 +3,10 @@
     g    = -exp(A_log) softplus(a + dt_bias)       (log-decay, fp32)      beta = sigmoid(b)   (fp32)
     out  = norm_w * rmsnorm(o) * silu(z)          o and rmsnorm(o) rounded to the io dtype first (as transformers)
 
-The jit functions (`gate_values`, `gated_norm`) are what the decode kernel (kernels/gdn_decode.py) inlines; the
-prefill path runs them as two kernels of their own (`gdn_gates`, `gated_rms_norm`), one launch each where the
-reference takes about eight and twelve small torch ops (at 18-48 GDN layers a step, the host's launch time).
+The jit functions (`gate_values`, `gated_norm`) are what the decode kernel (kernels/gdn_decode.py) inlines, and
+the prefill's output pass inlines `gated_norm` where its programs hold whole dv rows; otherwise the prefill path
+runs them as kernels of their own (`gdn_gates`, `gated_rms_norm`), one launch each where the reference takes about
+eight and twelve small torch ops (at 18-48 GDN layers a step, the host's launch time).
 Same math and rounding as reference.gdn_gates and reference.gated_rms_norm. No host sync: CUDA-graph capturable.
 """
 import torch
