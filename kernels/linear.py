@@ -175,7 +175,8 @@ def linear(x, weight, out=None, *, plan: tuple[int, int, int] | None = None, gat
         a2 = silu_and_mul(x2) if gated else x2
         y = matmul_rows(a2, weight, None if out is None else rows_view("out", out), padded_rows(len(a2), x.device))
         return y.view(shape) if out is None else out
-    out = output_for(out, shape, x)
+    if out is None:
+        out = output_for(None, shape, x)
     _gemv(x2, weight, rows_view("out", out), plan, GATED if gated else PLAIN)
     return out
 

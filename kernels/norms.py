@@ -53,12 +53,6 @@ def output_for(out, shape, like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _check_out(out, like: torch.Tensor) -> None:
-    check_tensor("out", out, dtype=like.dtype, device=like.device)
-    if out.shape != like.shape:
-        raise ValueError(f"out must have shape {tuple(like.shape)}, got {tuple(out.shape)}")
-
-
 def _launch_shape(n: int) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS per program, num_warps) for rows of width n."""
     block_n = next_power_of_2(n)
@@ -99,8 +93,7 @@ def _norm(x, residual, weight, eps, out):
             raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     if weight.shape[0] != x.shape[-1] or weight.stride(0) != 1:
         raise ValueError(f"weight must be contiguous with {x.shape[-1]} entries (x's width), got {weight.shape[0]}")
-    out = empty_rows(x.shape, x.dtype, x.device) if out is None else out  # a projection's input: room for padding
-    _check_out(out, x)
+    out = output_for(out, x.shape, x)  # fresh: a projection's input, with room for its padded rows
     check_devices(x=x, residual=residual, weight=weight, out=out)
     x2, o2 = rows_view("x", x), rows_view("out", out)
     r2 = x2 if residual is None else rows_view("residual", residual)
