@@ -54,10 +54,12 @@ def token_chunks(cu: tuple[int, ...], device, cuts: tuple[int, ...] | None = Non
     start = lo[seg] + (torch.arange(seg.numel()) - seg_first[seg]) * CHUNK
     table = torch.stack([start, torch.minimum(start + CHUNK, hi[seg]), owner[seg]], 1).flatten()
     first = seg_first[torch.searchsorted(owner, torch.arange(n))]  # each sequence's first segment's first piece
-    both = torch.cat([table, first]).to(torch.int32)
+    # `first` starts 16-byte aligned (Triton compiles a kernel again for each pointer alignment it meets)
+    gap = -3 * seg.numel() % 4
+    both = torch.cat([table, table.new_zeros(gap), first]).to(torch.int32)
     if torch.device(device).type == "cuda":  # pinned and non-blocking: no wait for the work queued before it
         both = both.pin_memory().to(device, non_blocking=True)
-    return both[:3 * seg.numel()].view(-1, 3), both[3 * seg.numel():]
+    return both[:3 * seg.numel()].view(-1, 3), both[3 * seg.numel() + gap:]
 
 
 @functools.lru_cache(maxsize=8)

@@ -100,10 +100,6 @@ class FusedLinear(Linear):
         super().__init__(in_features, sum(parts.values()))
         self.parts = dict(parts)
 
-    def forward_parts(self, x) -> tuple[torch.Tensor, ...]:
-        # x: (N, in) -> one (N, rows) view per part
-        return self(x).split(list(self.parts.values()), dim=-1)
-
 
 class GatedAttention(nn.Module):
     """Full attention with q/k RMSNorm, partial RoPE, GQA over the paged cache and a sigmoid output gate."""
@@ -119,15 +115,27 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
-    def forward(self, x, step: StepInput, k_pages, v_pages):
-        # x: (N, hidden); k_pages, v_pages: this layer's (num_pages, page_size, KV, D)
-        n = x.shape[0]
-        q_gate, k, v = self.qkv_proj.forward_parts(x)
+    @property
+    def widths(self) -> tuple[int, int]:
+        """(project_in's output width, project_out's input width)."""
+        return self.qkv_proj.out_features, self.o_proj.in_features
+
+    def project_in(self, x):
+        # x: (N, hidden) or its NormedInput -> (N, q|gate, k, v widths) in one matmul
+        return self.qkv_proj(x)
+
+    def core(self, qkv, step: StepInput, k_pages, v_pages):
+        # qkv: project_in's (N, width); k_pages, v_pages: this layer's (num_pages, page_size, KV, D) -> (N, H * D)
+        n = qkv.shape[0]
+        q_gate, k, v = qkv.split(list(self.qkv_proj.parts.values()), dim=-1)
         q, gate = q_gate.view(n, self.h, 2 * self.d).chunk(2, dim=-1)
         k, v = k.view(n, self.kv, self.d), v.view(n, self.kv, self.d)
         q = ops.attention_prep(q, k, v, self.q_norm.weight, self.k_norm.weight, step, k_pages, v_pages, self.eps)
         o = ops.paged_attention(q, k_pages, v_pages, step, self.d ** -0.5, gate=gate)  # (N, H, D)
-        return self.o_proj(o.reshape(n, self.h * self.d))
+        return o.reshape(n, self.h * self.d)
+
+    def project_out(self, o):
+        return self.o_proj(o)
 
 
 class GatedDeltaNet(nn.Module):
@@ -146,14 +154,27 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedNormWeight(self.dv)
         self.out_proj = Linear(self.hv * self.dv, cfg.hidden_size)
 
-    def forward(self, x, step: StepInput, conv_states, recurrent_states):
-        # x: (N, hidden); conv_states: (slots, C, K-1); recurrent_states: (slots, Hv, dk, dv) fp32
-        n = x.shape[0]
-        qkv, z, b, a = self.in_proj.forward_parts(x)  # views of one matmul output
+    @property
+    def widths(self) -> tuple[int, int]:
+        """(project_in's output width, project_out's input width)."""
+        return self.in_proj.out_features, self.out_proj.in_features
+
+    def project_in(self, x):
+        # x: (N, hidden) or its NormedInput -> (N, qkv|z|b|a widths) in one matmul
+        return self.in_proj(x)
+
+    def core(self, proj, step: StepInput, conv_states, recurrent_states):
+        # proj: project_in's (N, width); conv_states: (slots, C, K-1); recurrent_states: (slots, Hv, dk, dv) fp32
+        # -> (N, Hv * dv)
+        n = proj.shape[0]
+        qkv, z, b, a = proj.split(list(self.in_proj.parts.values()), dim=-1)
         o = ops.gated_deltanet(qkv, z.view(n, self.hv, self.dv), b, a, self.conv1d.weight[:, 0, :], self.A_log,
                                self.dt_bias, self.norm.weight, conv_states, recurrent_states, step, self.hk,
                                self.eps)
-        return self.out_proj(o.reshape(n, self.hv * self.dv))
+        return o.reshape(n, self.hv * self.dv)
+
+    def project_out(self, o):
+        return self.out_proj(o)
 
 
 class MLP(nn.Module):
@@ -230,12 +251,28 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    @property
+    def mixer(self) -> GatedAttention | GatedDeltaNet:
+        return self.self_attn if self.layer_type == "full_attention" else self.linear_attn
+
     def forward(self, x, residual, step: StepInput, state_a, state_b):
         # x: the previous layer's output (N, hidden), added to residual (None in layer 0) by the mixer's first
         # projection; state_a/b: this layer's cache views. Returns (this layer's output, its residual).
-        mixer = self.self_attn if self.layer_type == "full_attention" else self.linear_attn
+        proj, residual = self.mixer_in(x, residual)
+        return self.mixer_out(self.mixer.core(proj, step, state_a, state_b), residual)
+
+    # The layer in three stretches: mixer_in and mixer_out are row-wise (dense projections, norms, the MLP); the
+    # mixer's core between them reads the step's sequences and the caches (serving.prefill_graphs captures the
+    # row-wise stretches of consecutive layers as one CUDA graph and runs the cores between them).
+
+    def mixer_in(self, x, residual):
+        """(the mixer's input projection of input_layernorm(x + residual), the block's residual x + residual)."""
         h = NormedInput(x, residual, self.input_layernorm)
-        out = self.tp.all_reduce(mixer(h, step, state_a, state_b))  # no-op at world size 1
-        h = NormedInput(out, h.residual, self.post_attention_layernorm)
+        return self.mixer.project_in(h), h.residual
+
+    def mixer_out(self, o, residual):
+        """o: the mixer core's (N, width) -> (this layer's output: the MLP's, its residual)."""
+        out = self.tp.all_reduce(self.mixer.project_out(o))  # no-op at world size 1
+        h = NormedInput(out, residual, self.post_attention_layernorm)
         out = self.tp.all_reduce(self.mlp(h))
         return out, h.residual

@@ -126,6 +126,24 @@ class Qwen35ForCausalLM(nn.Module):
             raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), "
                              f"got min {int(token_ids.min())} and max {int(token_ids.max())}")
 
+    def prepare_rope(self, step: StepInput) -> None:
+        """Fill step.cos, step.sin (every attention layer's RoPE of the step's positions) when the builder did not."""
+        if step.cos is None:
+            step.cos, step.sin = R.rope_cos_sin(step.positions, self.config.rotary_dim, self.config.rope_theta)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # token_ids: (N,) -> (N, hidden)
+        if self.plan.sharded:
+            return vocab_parallel_embedding(token_ids, self.model.embed_tokens.weight, self.plan)
+        return self.model.embed_tokens(token_ids)
+
+    def layer_caches(self, i: int, pools: CachePools) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's views of the pools: (k_pages, v_pages) for full attention, (conv, recurrent states) for GDN."""
+        j = self._pool_index[i]
+        if self.model.layers[i].layer_type == "full_attention":
+            return pools.k_pages[j], pools.v_pages[j]
+        return pools.conv_states[j], pools.recurrent_states[j]
+
     def forward_step(self, step: StepInput, pools: CachePools, *, all_logits: bool = False) -> torch.Tensor:
         """Run N new tokens of B sequences through the model, reading and extending the pools.
         Returns logits (N, vocab) when all_logits, else each sequence's last token (B, vocab)."""
@@ -136,19 +154,11 @@ class Qwen35ForCausalLM(nn.Module):
     def forward_step_layers(self, step: StepInput, pools: CachePools, *, all_logits: bool = False):
         """forward_step as a generator: yields None after each decoder layer's kernels are launched, then the
         logits (serving interleaves other work between a prefill's layers)."""
-        if step.cos is None:
-            step.cos, step.sin = R.rope_cos_sin(step.positions, self.config.rotary_dim, self.config.rope_theta)
-        if self.plan.sharded:
-            x = vocab_parallel_embedding(step.token_ids, self.model.embed_tokens.weight, self.plan)
-        else:
-            x = self.model.embed_tokens(step.token_ids)
+        self.prepare_rope(step)
+        x = self.embed(step.token_ids)
         residual = None
         for i, layer in enumerate(self.model.layers):
-            j = self._pool_index[i]
-            if layer.layer_type == "full_attention":
-                x, residual = layer(x, residual, step, pools.k_pages[j], pools.v_pages[j])
-            else:
-                x, residual = layer(x, residual, step, pools.conv_states[j], pools.recurrent_states[j])
+            x, residual = layer(x, residual, step, *self.layer_caches(i, pools))
             yield None
         h, _ = ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
         if not all_logits:

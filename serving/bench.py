@@ -241,7 +241,7 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
     common = dict(page_size=page, max_num_seqs=args.concurrency, max_model_len=max_len,
                   snapshot_slots=3 * args.concurrency + 16, max_num_batched_tokens=args.chunk,
                   fast_lane_tokens=args.fast_lane, cuda_graphs=not args.eager, seed=args.seed,
-                  interleave_slices=args.interleave)
+                  interleave_slices=args.interleave, prefill_graph_tokens=args.prefill_graphs)
     if model.lm_head.weight.device.type == "cuda":
         return LLMEngine(model, EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common))
     # CPU: room for every user's longest trace plus the cache of one more
@@ -264,7 +264,7 @@ def warm_up(engine: LLMEngine, traces: list[Trace]) -> None:
 
 # engine knobs of the command line, and their defaults: a run with another value gets its own row in serving.json
 ENGINE_KNOBS = {"chunk": EngineConfig.max_num_batched_tokens, "fast_lane": 1024, "page_size": 16,
-                "interleave": EngineConfig.interleave_slices}
+                "interleave": EngineConfig.interleave_slices, "prefill_graphs": EngineConfig.prefill_graph_tokens}
 
 
 def run_key(args) -> str:
@@ -308,6 +308,9 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--interleave", type=int, default=ENGINE_KNOBS["interleave"], metavar="SLICES",
                     help="mixed steps launch their prefill in SLICES layer slices with decode steps between "
                          "(EngineConfig.interleave_slices; 0: off)")
+    ap.add_argument("--prefill-graphs", type=int, default=ENGINE_KNOBS["prefill_graphs"], metavar="TOKENS",
+                    help="prefill steps up to TOKENS replay CUDA graphs of their row-wise stretches "
+                         "(EngineConfig.prefill_graph_tokens; 0: off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate (GPU)")
     ap.add_argument("--hf-prompt", type=int, default=8192, help="prompt tokens of the HF baseline")
@@ -338,7 +341,8 @@ def main(argv=None, model=None) -> dict:
               f"{max(t.total_tokens() for t in traces)} tokens each) at concurrency {args.concurrency}\n")
     warm_up(engine, traces)
     runner = engine.runner
-    steps_before = (runner.num_graph_steps, runner.num_eager_decode_steps, runner.num_eager_steps)
+    steps_before = (runner.num_graph_steps, runner.num_eager_decode_steps, runner.num_eager_steps,
+                    runner.num_graph_prefill_steps)
     with TritonCompileLog() as compiles:
         requests, users, wall = replay(engine, traces, args.concurrency, progress=not args.no_progress)
     rows, overall = summarize(requests, users, wall)
@@ -352,7 +356,8 @@ def main(argv=None, model=None) -> dict:
               f"prefilled tok/s, wall {wall:.2f} s; steps: "
               f"{runner.num_graph_steps - steps_before[0]} graph decode, "
               f"{runner.num_eager_decode_steps - steps_before[1]} eager decode, "
-              f"{runner.num_eager_steps - steps_before[2]} eager (prefill or mixed)\n")
+              f"{runner.num_eager_steps - steps_before[2]} eager (prefill or mixed; "
+              f"{runner.num_graph_prefill_steps - steps_before[3]} of them through prefill graphs)\n")
     if overall["return_sample_ms"] is not None:
         out.write("returning turns' first step, p50 of each phase: schedule {return_schedule_ms:.2f} ms, dispatch "
                   "{return_dispatch_ms:.2f}, commit {return_commit_ms:.2f}, sample and wait {return_sample_ms:.2f}: "
@@ -366,7 +371,8 @@ def main(argv=None, model=None) -> dict:
                command=command_line(), overall=overall, users=rows,
                steps=dict(graph_decode=runner.num_graph_steps - steps_before[0],
                           eager_decode=runner.num_eager_decode_steps - steps_before[1],
-                          eager=runner.num_eager_steps - steps_before[2]),
+                          eager=runner.num_eager_steps - steps_before[2],
+                          graph_prefill=runner.num_graph_prefill_steps - steps_before[3]),
                triton_compiles=dict(count=len(compiles.names), seconds=compiles.seconds,
                                     kernels=sorted(set(compiles.names))),
                requests=[request_row(r) for r in requests])

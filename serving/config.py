@@ -24,7 +24,10 @@ class EngineConfig:
     a token per slice instead of per (host-bound) prefill step; 0 or 1: off. Not under tensor parallelism.
     The defaults (8192 tokens a step in 4 slices) were the fastest of four on the H200 (2B, short trace, 16 users:
     149 tok/s a user at 2048 / 0, 166 at 2048 / 4, 173 at 8192 / 0, 192 at 8192 / 4; session 9): a decoder waits
-    for about a quarter of an 8192-token step, as it waited for a whole 2048-token one."""
+    for about a quarter of an 8192-token step, as it waited for a whole 2048-token one.
+    prefill_graph_tokens: eager steps of GEMV_MAX_ROWS + 1 up to this many tokens replay CUDA graphs of their
+    row-wise stretches (serving.prefill_graphs), captured at every multiple of 64 rows up to it, when decode graphs
+    are on and the model allows (not MoE, not tensor parallel); 0: off."""
     num_pages: int = 256
     page_size: int = 16
     max_num_seqs: int = 8
@@ -38,6 +41,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     max_graph_batch: int | None = None
     interleave_slices: int = 4
+    prefill_graph_tokens: int = 2048
 
     def __post_init__(self):
         if min(self.num_pages, self.page_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:
@@ -50,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.interleave_slices < 0:
             raise ValueError(f"interleave_slices must be >= 0, got {self.interleave_slices}")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
         if self.max_graph_batch is not None and self.max_graph_batch < 1:
             raise ValueError(f"max_graph_batch must be positive, got {self.max_graph_batch}")
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kernels.row_buckets import MATMUL_ROW_BUCKET
 from model import ops
 from model.cache import CachePools
 from model.layers import Linear
@@ -15,6 +16,7 @@ from serving.batch import ScheduledChunk
 from serving.block_manager import KVBlockManager
 from serving.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from serving.model_runner import ModelRunner, describe_pools, graphs_unsupported, pages_for_memory
+from serving.prefill_graphs import PrefillGraphs, prefill_graphs_unsupported
 from serving.sampler import sample
 from serving.scheduler import Scheduler
 from serving.sequence import SamplingParams, Sequence
@@ -81,13 +83,19 @@ class LLMEngine:
         else:
             why_not = graphs_unsupported(model)
         use_graphs = why_not is None
+        prefill_graphs = None
+        prefill_rows = min(cfg.prefill_graph_tokens, cfg.max_num_batched_tokens + cfg.max_num_seqs)
+        if use_graphs and prefill_rows >= MATMUL_ROW_BUCKET and prefill_graphs_unsupported(model) is None:
+            prefill_graphs = PrefillGraphs(model, prefill_rows)
         self.runner = ModelRunner(model, self.pools, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
                                   max_num_seqs=cfg.max_num_seqs, dummy_page=cfg.num_pages, dummy_slot=num_slots - 1,
                                   graph_sizes=cfg.graph_batch_sizes() if use_graphs or pad_decode else (),
-                                  use_graphs=use_graphs, link=self.link)
+                                  use_graphs=use_graphs, link=self.link, prefill_graphs=prefill_graphs)
         self.runner.capture()
         sizes = list(self.runner.graph_sizes)
         self.graphs = f"decode CUDA graphs at batch {sizes}" if use_graphs else f"eager decode ({why_not})"
+        if prefill_graphs is not None:
+            self.graphs += f"; prefill graphs up to {prefill_graphs.buckets[-1]} tokens"
         self.pool_summary = (describe_pools(model, cfg.num_pages, cfg.page_size, num_slots)
                              + f"; max_model_len {cfg.max_model_len}; {self.graphs}")
         log.info("engine: %s", self.pool_summary)

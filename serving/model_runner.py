@@ -21,6 +21,8 @@ Two paths.
   the very same inputs: with and without graphs a batch-1 decode runs the same kernels on the same shapes.
 - Mixed steps with graphs: the decode rows replay their graph and the other chunks run eagerly; rows come back
   in that order (execute returns the chunks in row order).
+- Prefill graphs (serving.prefill_graphs): an eager step of 5..EngineConfig.prefill_graph_tokens tokens replays
+  CUDA graphs of its row-wise stretches (projections, norms, MLPs) and runs only the mixer cores eagerly.
 
 Graphs need the decode ops free of host syncs: the "triton" ops backend (kernels/paged_decode_attention.py,
 kernels/gdn_decode.py, norms, attention_prep) is; the reference ops and MoE routing (its .tolist()) are not, so
@@ -41,6 +43,7 @@ from model.cache import CachePools
 from model.model import Qwen35ForCausalLM
 from model.step import StepInput
 from serving.batch import ScheduledChunk, StepLists, flatten_chunks, step_from_lists
+from serving.prefill_graphs import PrefillGraphs
 
 log = logging.getLogger("serving")
 
@@ -61,9 +64,10 @@ def graphs_unsupported(model: Qwen35ForCausalLM) -> str | None:
 class ModelRunner:
     def __init__(self, model: Qwen35ForCausalLM, pools: CachePools, *, page_size: int, max_model_len: int,
                  max_num_seqs: int, dummy_page: int, dummy_slot: int, graph_sizes: tuple[int, ...] = (),
-                 use_graphs: bool = False, link=None):
+                 use_graphs: bool = False, link=None, prefill_graphs: PrefillGraphs | None = None):
         """graph_sizes: the ladder decode batches are padded to (empty: no padding); use_graphs: capture them
-        (CUDA only). Padding without graphs runs the same shapes eagerly (tests of the padding on the CPU)."""
+        (CUDA only). Padding without graphs runs the same shapes eagerly (tests of the padding on the CPU).
+        prefill_graphs: the row-wise stretches of eager steps, captured by capture() (serving.prefill_graphs)."""
         self.model, self.pools, self.page_size = model, pools, page_size
         self.link = link  # rank 0's serving.tp_worker.StepBroadcaster under tensor parallelism, else None
         self.cfg = model.config
@@ -89,7 +93,8 @@ class ModelRunner:
             pos = torch.arange(max_model_len, device=dev)
             self.rope = R.rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.num_graph_steps = self.num_eager_decode_steps = self.num_eager_steps = 0
+        self.prefill_graphs = prefill_graphs
+        self.num_graph_steps = self.num_eager_decode_steps = self.num_eager_steps = self.num_graph_prefill_steps = 0
 
     # ---- the engine's entry point ------------------------------------------------------------------------
 
@@ -118,18 +123,26 @@ class ModelRunner:
         return flatten_chunks(chunks, self.page_size)
 
     def eager_lists(self, lists: StepLists) -> torch.Tensor:
-        return self.model.forward_step(self._eager_step(lists), self.pools)
+        *_, logits = self._step_layers(self._eager_step(lists))
+        return logits
 
     def eager_layers(self, chunks: list[ScheduledChunk]):
         """_eager as a generator (model.forward_step_layers): None after each layer's launches, then the logits,
         one row per chunk. World size 1 only (workers replay whole steps)."""
         if self.link is not None:
             raise ValueError("a prefill in slices is not broadcast to tensor-parallel workers")
-        return self.model.forward_step_layers(self._eager_step(self._eager_inputs(chunks)), self.pools)
+        return self._step_layers(self._eager_step(self._eager_inputs(chunks)))
 
     def _eager_step(self, lists: StepLists) -> StepInput:
         self.num_eager_steps += 1
         return step_from_lists(lists, self.device, slot_page_table=self.table)
+
+    def _step_layers(self, step: StepInput):
+        """The step's layers from the prefill graphs when they cover its token count, else eagerly."""
+        if self.prefill_graphs is not None and self.prefill_graphs.covers(step):
+            self.num_graph_prefill_steps += 1
+            return self.prefill_graphs.forward_step_layers(step, self.pools)
+        return self.model.forward_step_layers(step, self.pools)
 
     # ---- decode steps ------------------------------------------------------------------------------------
 
@@ -239,8 +252,11 @@ class ModelRunner:
 
     @torch.no_grad()
     def capture(self) -> None:
-        """Capture one decode graph per ladder size (largest first, sharing one memory pool). Each is warmed up
-        eagerly first, on a side stream, so Triton compiles and cuBLAS picks its kernels outside the capture."""
+        """Capture one decode graph per ladder size (largest first, sharing one memory pool), and the prefill
+        graphs. Each is warmed up eagerly first, on a side stream, so Triton compiles and cuBLAS picks its kernels
+        outside the capture."""
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.capture()
         if not self.use_graphs:
             return
         stream = torch.cuda.Stream(self.device)

@@ -126,7 +126,7 @@ def test_correlated_keys_weak_decay_fp32():
 def test_token_chunks_cut_every_sequence(lens_and_cuts):
     """The vectorised chunk table against the plain loop: CHUNK-token spans of each sequence, in order, with their
     sequence, restarting at the sequence's cut (a snapshot point strictly inside it, when it has one), and each
-    sequence's first chunk (empty sequences have none: the next one's)."""
+    sequence's first chunk (empty sequences have none: the next one's), 16-byte aligned."""
     lens = [n for n, _ in lens_and_cuts]
     cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
     offsets = [o if 0 < o < n else 0 for n, o in lens_and_cuts]
@@ -140,6 +140,7 @@ def test_token_chunks_cut_every_sequence(lens_and_cuts):
     table, first_chunk = token_chunks(tuple(cu), "cpu", cuts if any(cuts) else None)
     assert table.dtype == first_chunk.dtype == torch.int32 and table.shape == (len(spans), 3)
     assert table.tolist() == spans and first_chunk.tolist() == first
+    assert first_chunk.data_ptr() % 16 == 0  # one compiled variant of the kernels that take it, whatever the count
 
 
 def prefill_step(lens, slots) -> StepInput:

@@ -1,0 +1,118 @@
+"""Prefill steps through their replayed row-wise stretches (serving/prefill_graphs.py).
+
+CPU (fp32, the stretches run eagerly from the same static buffers, PrefillGraphs.capture(eager=True)): an engine
+whose prefill steps go through the stretches gives the plain engine's tokens and logits, for single prompts,
+several prompts in one step, a returning turn from the prefix cache, and steps outside the buckets (eager). The
+buffers' rows past a step's tokens are filled with NaN first: a stretch that mixed rows would spread them.
+GPU (bf16, triton ops, real CUDA graphs): the engine with prefill graphs equals the engine without them bit for bit
+(the same products on the same row counts), and replays them under interleaved mixed steps.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import rel_err
+from test_serving_graphs import GPU_CFG, GPU_ENGINE, prompts_of, record_sampled_logits
+
+from model import ops
+from model.config import Qwen35Config
+from model.model import Qwen35ForCausalLM
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
+from serving.prefill_graphs import PrefillGraphs, prefill_graphs_unsupported
+from serving.sequence import SamplingParams
+
+SMALL = Qwen35Config(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, intermediate_size=96, linear_num_key_heads=2,
+                     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+
+
+def poison_padding(graphs: PrefillGraphs) -> None:
+    """NaN in every float row of the static buffers (the next step overwrites its own rows, the rest stay NaN)."""
+    for t in (graphs.residual, graphs.final, *graphs.projected.values(), *graphs.mixed.values()):
+        t.fill_(float("nan"))
+
+
+def serve(engine: LLMEngine, before_step=None):
+    """Single prompts (the 120-token one first: later steps leave its rows), two prompts in one step, a returning
+    turn over the first conversation, and a 200-token prompt past the buckets. Returns (outputs, logits)."""
+    logits = record_sampled_logits(engine)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    prompts = prompts_of((120, 65, 3, 64, 7, 40, 200), SMALL.vocab_size, seed=11)
+    outs = []
+    for batch in ([prompts[0]], [prompts[1]], [prompts[2]], [prompts[3]], prompts[4:6], [prompts[6]]):
+        ids = [engine.add_request(p, params) for p in batch]
+        while engine.has_unfinished:
+            if before_step is not None:
+                before_step()
+            engine.step()
+        outs += [engine.pop_output(i) for i in ids]
+    back = prompts[0] + outs[0].output_ids + prompts_of((70,), SMALL.vocab_size, seed=12)[0]
+    outs.append(engine.generate([back], params)[0])
+    assert outs[-1].cached_tokens >= 112
+    return [o.output_ids for o in outs], [logits[o.seq_id] for o in outs]
+
+
+def test_stretches_give_the_plain_engine_cpu():
+    model = Qwen35ForCausalLM.random(SMALL, seed=2)
+    cfg = EngineConfig(num_pages=128, page_size=16, max_num_seqs=4, snapshot_slots=8, max_num_batched_tokens=256)
+    plain = LLMEngine(model, cfg)
+    out_p, log_p = serve(plain)
+    engine = LLMEngine(model, cfg)
+    graphs = engine.runner.prefill_graphs = PrefillGraphs(model, 128)
+    graphs.capture(eager=True)
+    assert graphs.buckets == (64, 128) and len(graphs.graphs[64]) == SMALL.num_hidden_layers + 1
+    out_g, log_g = serve(engine, before_step=lambda: poison_padding(graphs))
+    assert out_g == out_p
+    for seq, (a, b) in enumerate(zip(log_g, log_p)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert torch.isfinite(x).all() and rel_err(x, y) < 1e-5, f"request {seq}: {rel_err(x, y):.2e}"
+    # every prefill step but the 200-token prompt's (past the buckets) and the 3-token one's (the GEMV's rows)
+    assert engine.runner.num_graph_prefill_steps == 5
+    assert engine.runner.num_eager_steps == plain.runner.num_eager_steps == 7
+
+
+def test_prefill_graphs_are_refused_where_they_cannot_run():
+    moe = Qwen35ForCausalLM.random(replace(SMALL, intermediate_size=0, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, shared_expert_intermediate_size=32), seed=0)
+    assert "MoE" in prefill_graphs_unsupported(moe)
+    model = Qwen35ForCausalLM.random(SMALL, seed=0)
+    assert prefill_graphs_unsupported(model) is None
+    with pytest.raises(ValueError, match="max_tokens"):
+        PrefillGraphs(model, 32)
+    with pytest.raises(ValueError, match="prefill_graph_tokens"):
+        EngineConfig(prefill_graph_tokens=-1)
+    engine = LLMEngine(model, EngineConfig(num_pages=32, max_num_seqs=2))  # the CPU: no graphs of any kind
+    assert engine.runner.prefill_graphs is None and "prefill graphs" not in engine.pool_summary
+
+
+@pytest.fixture(scope="module")
+def gpu_model():
+    return Qwen35ForCausalLM.random(GPU_CFG, device="cuda", dtype=torch.bfloat16, seed=1)
+
+
+@pytest.mark.gpu
+def test_prefill_graphs_equal_the_eager_steps_bit_for_bit(gpu_model):
+    with ops.use_backend("triton"):
+        results, engines = [], []
+        for tokens in (512, 0):
+            engine = LLMEngine(gpu_model, replace(GPU_ENGINE, prefill_graph_tokens=tokens))
+            logits = record_sampled_logits(engine)
+            outs = []
+            for lengths in ((300,), (77,), (30, 77, 128), (9,), (600,)):
+                prompts = prompts_of(lengths, GPU_CFG.vocab_size, seed=len(lengths) + lengths[0])
+                outs += engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+            back = outs[0].prompt_ids + outs[0].output_ids + prompts_of((150,), GPU_CFG.vocab_size, seed=9)[0]
+            outs += engine.generate([back], SamplingParams(max_tokens=12, ignore_eos=True))
+            assert outs[-1].cached_tokens >= 300
+            results.append(([o.output_ids for o in outs], [logits[o.seq_id] for o in outs]))
+            engines.append(engine)
+        with_graphs, without = engines
+        assert "prefill graphs up to 512 tokens" in with_graphs.pool_summary
+        assert with_graphs.runner.prefill_graphs is not None and without.runner.prefill_graphs is None
+        assert with_graphs.runner.num_graph_prefill_steps >= 5 and without.runner.num_graph_prefill_steps == 0
+        (out_g, log_g), (out_e, log_e) = results
+        assert out_g == out_e
+        for seq, (a, b) in enumerate(zip(log_g, log_e)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"request {seq}"
