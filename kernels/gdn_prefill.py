@@ -450,15 +450,51 @@ def state_pass(ws, cu_seqlens, first_chunk, cuts, state_slots, snapshot_slots, r
     n, hv, dk, dv = cu_seqlens.numel() - 1, u.shape[1], w.shape[2], u.shape[2]
     h = torch.empty(n_chunks, hv, dk, dv, dtype=u.dtype, device=u.device)
     v_new = torch.empty_like(u)
-    bv = min(STATE_BV, max(16, next_power_of_2(dv)))
-    while bv > 16 and n * hv * cdiv(dv, bv) < FEW_PROGRAMS:
-        bv //= 2
+    bv = state_block(n, hv, dv)
     _chunk_state_kernel[(n, hv, cdiv(dv, bv))](  # slots of either int type: the kernel widens them
         w, u, kd, gcum, cu_seqlens.to(torch.int32), first_chunk, cuts if cuts is not None else first_chunk,
         state_slots, snapshot_slots if snapshot_slots is not None else state_slots, recurrent_states, h, v_new,
         **{k: common[k] for k in ("HV", "DK", "DV", "BT", "BK", "PREC", "num_warps")}, BV=bv,
         SNAPSHOT=cuts is not None, num_stages=STATE_STAGES)
     return h, v_new
+
+
+def state_block(n: int, hv: int, dv: int) -> int:
+    """The dv columns of a state-pass program for n sequences: STATE_BV, halved while the programs would not fill
+    the card (FEW_PROGRAMS), down to 16."""
+    bv = min(STATE_BV, max(16, next_power_of_2(dv)))
+    while bv > 16 and n * hv * cdiv(dv, bv) < FEW_PROGRAMS:
+        bv //= 2
+    return bv
+
+
+def compile_variants(num_k_heads: int, recurrent_states: torch.Tensor, dtype: torch.dtype) -> int:
+    """Compile the state pass for every dv split it picks (by the step's sequence count: state_block), with and
+    without snapshot cuts, before requests pay for it (a server's warm-up; a returning turn that snapshots beside
+    other prefills otherwise compiles mid-replay). recurrent_states: a real layer's pool (slots, Hv, dk, dv) fp32,
+    whose states are left as they were. Returns the number of calls made."""
+    slots, hv, dk, dv = recurrent_states.shape
+    dev, saved, calls, seen = recurrent_states.device, recurrent_states.clone(), 0, set()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rnd = lambda *shape, t=dtype: torch.randn(*shape, generator=gen, device=dev).to(t)
+    for n in range(1, slots // 2 + 1):  # n sequences of 2 tokens, snapshots into n more slots
+        bv = state_block(n, hv, dv)
+        if bv in seen:
+            continue
+        seen.add(bv)
+        q, k, v = rnd(2 * n, num_k_heads, dk), rnd(2 * n, num_k_heads, dk), rnd(2 * n, hv, dv)
+        g, beta = -rnd(2 * n, hv, t=torch.float32).abs(), rnd(2 * n, hv, t=torch.float32).sigmoid()
+        cu = tuple(range(0, 2 * n + 1, 2))
+        for snapshots in (False, True):
+            chunk_gated_delta_rule(q, k, v, g, beta, recurrent_states=recurrent_states,
+                                   state_slots=torch.arange(n, device=dev), cu_seqlens=host_ints(cu, dev),
+                                   cu_seqlens_host=cu, snapshot_offsets=(1,) * n if snapshots else None,
+                                   snapshot_slots=torch.arange(n, 2 * n, device=dev) if snapshots else None)
+            calls += 1
+        if bv == min(STATE_BV, max(16, next_power_of_2(dv))):
+            break
+    recurrent_states.copy_(saved)
+    return calls
 
 
 def output_pass(q, k, v_new, h, gcum, chunks, out, scale, common, gate=None):

@@ -227,7 +227,8 @@ class LLMEngine:
     def warm_up(self, on_cpu: bool = False) -> None:
         """Run one request of each step shape whose kernels compile separately, so that no live request pays for a
         compile (seconds each): the attention kernels' variants for every split count class, which short prompts
-        never reach (kernels.paged_decode_attention.compile_variants); prefill chunks of 1..16 tokens (the tails
+        never reach (kernels.paged_decode_attention.compile_variants), the GDN state pass's for every dv split with
+        and without snapshots (kernels.gdn_prefill.compile_variants); prefill chunks of 1..16 tokens (the tails
         after a page boundary), a few longer chunks (one past ALWAYS_Q_LEN, one of the full token budget), prefills
         of several sequences at once and a mixed step (a chunk beside a decode row), for every other kernel; and
         cuBLAS's choice for every padded row count of every projection (kernels.linear.MATMUL_ROW_BUCKET).
@@ -240,6 +241,10 @@ class LLMEngine:
             from kernels.paged_decode_attention import compile_variants
             compile_variants(self.model.cache_config.num_attention_heads, self.pools.k_pages[0],
                              self.pools.v_pages[0], self.runner.width)
+        if ops.backend_table()["gated_deltanet"] == "triton" and self.model.config.linear_attention_layers:
+            from kernels import gdn_prefill  # the state pass at each dv split, with and without snapshots
+            gdn_prefill.compile_variants(self.model.cache_config.linear_num_key_heads,
+                                         self.pools.recurrent_states[0], self.model.lm_head.weight.dtype)
         if ops.backend_table()["linear"] == "triton" and self.device.type == "cuda":  # every padded row count
             from kernels.linear import warm_up_row_buckets
             warm_up_row_buckets((m.weight for m in self.model.model.modules() if isinstance(m, Linear)),

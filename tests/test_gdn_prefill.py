@@ -370,3 +370,14 @@ def test_snapshot_inside_a_chunk(backend, dtype, lens, offsets, slots, snap_slot
     touched = set(slots.tolist()) | {int(snap_slots[i]) for i in first}
     untouched = [s for s in range(n_slots) if s not in touched]
     assert torch.equal(args[9][untouched], plain[9][untouched]), "slots outside the step changed"
+
+
+def test_compile_variants_runs_every_state_block_and_keeps_the_states(monkeypatch):
+    """The warm-up's state passes: one sequence count per dv split (a card of 8 SMs, 2 heads of dv 32: 16 columns
+    up to 3 sequences, 32 from 4), each with and without snapshots, on a pool whose states it leaves as they were."""
+    monkeypatch.setattr(gdn_prefill, "FEW_PROGRAMS", 8)
+    states = torch.randn(10, 2, 16, 32, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    before = states.clone()
+    assert [gdn_prefill.state_block(n, 2, 32) for n in (1, 3, 4)] == [16, 16, 32]
+    assert gdn_prefill.compile_variants(1, states, torch.float32) == 4
+    assert torch.equal(states, before)

@@ -99,13 +99,13 @@ def test_prefill_graphs_equal_the_eager_steps_bit_for_bit(gpu_model):
         for tokens in (512, 0):
             engine = LLMEngine(gpu_model, replace(GPU_ENGINE, prefill_graph_tokens=tokens))
             logits = record_sampled_logits(engine)
-            outs = []
-            for lengths in ((300,), (77,), (30, 77, 128), (9,), (600,)):
-                prompts = prompts_of(lengths, GPU_CFG.vocab_size, seed=len(lengths) + lengths[0])
-                outs += engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+            params = SamplingParams(max_tokens=12, ignore_eos=True)
+            outs = engine.generate(prompts_of((300,), GPU_CFG.vocab_size, seed=1), params)
             back = outs[0].prompt_ids + outs[0].output_ids + prompts_of((150,), GPU_CFG.vocab_size, seed=9)[0]
-            outs += engine.generate([back], SamplingParams(max_tokens=12, ignore_eos=True))
+            outs += engine.generate([back], params)  # a returning turn from the prefix cache
             assert outs[-1].cached_tokens >= 300
+            for lengths in ((77,), (30, 77, 128), (9,), (600,)):
+                outs += engine.generate(prompts_of(lengths, GPU_CFG.vocab_size, seed=len(lengths)), params)
             results.append(([o.output_ids for o in outs], [logits[o.seq_id] for o in outs]))
             engines.append(engine)
         with_graphs, without = engines

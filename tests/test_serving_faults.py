@@ -416,7 +416,7 @@ def test_an_engine_whose_every_step_fails_fails_each_request_and_health_says_so(
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(model, "forward_step", broken)
+    monkeypatch.setattr(model, "forward_step_layers", broken)
     for i in range(3):
         error = assert_openai_error(request("POST", server.url + "/v1/completions",
                                             {"model": "tiny", "prompt": f"try {i}", "max_tokens": 2}), 500)
