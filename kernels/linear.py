@@ -6,7 +6,10 @@ holding one weight tile in flight while it multiplies the previous one (fp32 acc
 With PDL (kernels.pdl) the first weight tile is loaded before waiting for the kernel that produced x, so a
 GEMV's DRAM ramp overlaps its predecessor's tail inside the decode graph.
 
-More than MAX_ROWS rows (prefill, large decode batches) go to torch's matmul (cuBLAS), which is then the faster
+Decode batches of MAX_ROWS + 1 to DOT_MAX_ROWS rows (CUDA-graph capture, where rows are not padded) run a skinny
+GEMM on the tensor cores instead (`_rows_dot_kernel`: 16-row products, weight tiles through a shared-memory ring):
+at 16 rows cuBLAS streams a 2B step's projections at 2.7 TB/s and its 2048 x 2048 ones at 1.7 (H200, session 11,
+profiles.host_time --decode 16). More rows (prefill) go to torch's matmul (cuBLAS), which is then the faster
 path, on rows padded to a bucket outside CUDA-graph capture (kernels.row_buckets: a row count cuBLAS has seen
 costs a tenth of the host time). No host syncs and, for the GEMV, no allocation when `out=` is given: CUDA-graph
 capturable.
@@ -21,7 +24,7 @@ from kernels import pdl
 from kernels.activations import silu_and_mul
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
-from kernels.row_buckets import GEMV_MAX_ROWS, MATMUL_ROW_BUCKET, padded_operand, padded_rows
+from kernels.row_buckets import DOT_MAX_ROWS, GEMV_MAX_ROWS, MATMUL_ROW_BUCKET, padded_operand, padded_rows
 from reference._checks import check_tensor
 
 MAX_ROWS = GEMV_MAX_ROWS
@@ -98,6 +101,34 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, M, N, K,
     tl.store(out_ptr + rows[:, None] * out_stride + n[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride, ROWS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    # out[m, n] = sum_k in[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS (>= 16) rows
+    # on the tensor cores: acc (BLOCK_N, ROWS) += w tile (BLOCK_N, BLOCK_K) @ in tile^T (BLOCK_K, ROWS), the weight
+    # tiles streamed through a STAGES-deep shared-memory ring. in = x, or silu(gate) * up of x = [gate | up] (GATED)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                  # (BLOCK_N,)
+    kk = tl.arange(0, BLOCK_K)                                               # (BLOCK_K,)
+    rows = tl.arange(0, ROWS)                                                # (ROWS,)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride                     # (BLOCK_N, 1)
+    n_ok = (n < N)[:, None]
+    pdl.wait_for_producer(PDL)
+    pdl.release_dependents(PDL)
+    acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        k = k0 + kk
+        w = tl.load(w_rows + k[None, :], mask=n_ok & (k[None, :] < K), other=0.0, eviction_policy="evict_first")
+        x = _input_tile(x_ptr, x_ptr, rows, k, M, K, x_stride, x_stride, False)  # (ROWS, BLOCK_K)
+        if GATED:
+            up = _input_tile(x_ptr + K, x_ptr, rows, k, M, K, x_stride, x_stride, False)
+            gate = x.to(tl.float32)
+            x = (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(x.dtype)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+    out_mask = (rows[None, :] < M) & (n[:, None] < N)
+    tl.store(out_ptr + rows[None, :] * out_stride + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps) for one row: the fastest plan of `python -m profiles.bench_decode
 # --sweep-linear MODEL` on the H200 for each projection of the 0.8B, 2B and 9B presets
 # (profiles/results/decode_linear_sweep*.json); other shapes take the rule in launch_plan.
@@ -130,6 +161,22 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
     return block_n, max(16, min(next_power_of_2(k), max(128, block_k // rows))), warps
 
 
+# (N, K) -> (BLOCK_N, BLOCK_K, STAGES, num_warps) of the skinny GEMM at 16 rows: the fastest plan of `python -m
+# profiles.bench_decode --sweep-linear MODEL --rows 16` on the H200; other shapes take the rule in dot_plan.
+SWEPT_DOT_PLANS = {
+}
+
+
+@functools.cache
+def dot_plan(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, STAGES, num_warps) of the skinny GEMM: the swept plan of (n, k), else narrow column
+    blocks where N is small (a program per 16 columns keeps 128 of them streaming a 2048-wide output)."""
+    if (n, k) in SWEPT_DOT_PLANS:
+        return SWEPT_DOT_PLANS[n, k]
+    block_n = 16 if n <= 4096 else 32 if n <= 16384 else 64
+    return block_n, max(16, min(next_power_of_2(k), 256)), 4, max(1, block_n // 16)
+
+
 def _check_weight(name, x, weight, k_factor: int = 1):
     check_tensor(name, x, dtype=FLOATS)
     check_tensor("weight", weight, ndim=2, dtype=x.dtype)
@@ -159,25 +206,47 @@ def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=
         num_warps=warps, **pdl.launch_options(x2.device))
 
 
-def linear(x, weight, out=None, *, plan: tuple[int, int, int] | None = None, gated: bool = False):
+def _rows_dot(x2, weight, o2, plan, gated: bool):
+    """Launch the skinny GEMM on (MAX_ROWS < m <= DOT_MAX_ROWS, K or 2K) rows x2 into o2 (m, N)."""
+    m, (n, k) = x2.shape[0], weight.shape
+    if n == 0:
+        return
+    if k == 0:
+        o2.zero_()
+        return
+    block_n, block_k, stages, warps = plan or dot_plan(n, k)
+    _rows_dot_kernel[(cdiv(n, block_n),)](
+        x2, weight, o2, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0), ROWS=max(16, next_power_of_2(m)),
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GATED=gated,
+        DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", num_warps=warps,
+        **pdl.launch_options(x2.device))
+
+
+def linear(x, weight, out=None, *, plan: tuple[int, ...] | None = None, gated: bool = False):
     """x: (..., K) fp16/bf16/fp32; weight: (N, K), x's dtype, unit stride along K -> (..., N) in x's dtype.
     gated: x is (..., 2K) = [gate | up] and the product takes silu(gate) * up (SwiGLU's down projection, one
-    launch instead of two). Up to MAX_ROWS rows run the Triton GEMV, more torch's matmul (cuBLAS; gated: after
-    the silu_and_mul kernel); into `out` when given. plan: a (BLOCK_N, BLOCK_K, num_warps) in place of
-    launch_plan's (benchmark sweeps)."""
+    launch instead of two). Up to MAX_ROWS rows run the Triton GEMV, up to DOT_MAX_ROWS unpadded rows (see
+    kernels.row_buckets) the skinny GEMM, more torch's matmul (cuBLAS; gated: after the silu_and_mul kernel);
+    into `out` when given. plan (benchmark sweeps): the GEMV's (BLOCK_N, BLOCK_K, num_warps) in place of
+    launch_plan's, or the skinny GEMM's (BLOCK_N, BLOCK_K, STAGES, num_warps) in place of dot_plan's."""
     name = "gate_up" if gated else "x"
     _check_weight(name, x, weight, 2 if gated else 1)
     shape = (*x.shape[:-1], weight.shape[0])
     out = None if out is None else output_for(out, shape, x)
     check_devices(x=x, weight=weight, out=out)
     x2 = rows_view(name, x)
-    if x2.shape[0] > MAX_ROWS:
+    m = x2.shape[0]
+    rows = padded_rows(m, x.device)
+    if m > MAX_ROWS and (rows > m or m > DOT_MAX_ROWS):
         a2 = silu_and_mul(x2) if gated else x2
-        y = matmul_rows(a2, weight, None if out is None else rows_view("out", out), padded_rows(len(a2), x.device))
+        y = matmul_rows(a2, weight, None if out is None else rows_view("out", out), rows)
         return y.view(shape) if out is None else out
     if out is None:
         out = output_for(None, shape, x)
-    _gemv(x2, weight, rows_view("out", out), plan, GATED if gated else PLAIN)
+    if m > MAX_ROWS:
+        _rows_dot(x2, weight, rows_view("out", out), plan, gated)
+    else:
+        _gemv(x2, weight, rows_view("out", out), plan, GATED if gated else PLAIN)
     return out
 
 

@@ -19,6 +19,8 @@ import torch
 MATMUL_ROW_BUCKET = 64
 # up to this many rows a projection runs kernels.linear's GEMV (its MAX_ROWS), which is not padded
 GEMV_MAX_ROWS = 4
+# up to this many unpadded rows (CUDA-graph capture: decode batches) it runs kernels.linear's skinny GEMM
+DOT_MAX_ROWS = 16
 
 
 def padded_rows(rows: int, device: torch.device) -> int:

@@ -177,22 +177,46 @@ def bench_linear_case(model: str, rows: int) -> list[dict]:
     return found
 
 
-def sweep_linear_shape(n: int, k: int) -> dict:
-    """One batch-1 projection (N, K) under every (BLOCK_N, BLOCK_K, num_warps) plan of 2K-16K products a step: the
-    best three, the default launch_plan's time, and cuBLAS's, in CUDA graphs."""
-    from kernels.linear import launch_plan, linear
-    x = torch.randn(1, k, device="cuda", dtype=BF16)
-    w = torch.randn(n, k, device="cuda", dtype=BF16) / k ** 0.5
-    o = torch.empty(1, n, device="cuda", dtype=BF16)
-    plans = [(bn, bk, nw) for bn in (2, 4, 8, 16, 32) for bk in (128, 256, 512, 1024, 2048) for nw in (4, 8)
-             if 2048 <= bn * bk <= 16384]
-    times = {p: bench_us(lambda p=p: linear(x, w, out=o, plan=p), graph=True, rep_ms=40) for p in plans}
+def _weight_ring(n: int, k: int, ring_bytes: float = 256e6) -> list[torch.Tensor]:
+    """Copies of an (N, K) weight totalling ~ring_bytes (at most 32): a graph that multiplies each in turn reads
+    them from DRAM, as a decode step does, where one weight replayed alone would sit in the 50 MB L2."""
+    copies = max(1, min(32, math.ceil(ring_bytes / (n * k * 2))))
+    return [torch.randn(n, k, device="cuda", dtype=BF16) / k ** 0.5 for _ in range(copies)]
+
+
+def sweep_linear_shape(n: int, k: int, rows: int = 1) -> dict:
+    """One decode projection (N, K) at `rows` rows under every plan of kernels.linear's kernel for that many rows
+    (the GEMV's (BLOCK_N, BLOCK_K, num_warps) with 2K-16K products a step; the skinny GEMM's (BLOCK_N, BLOCK_K,
+    STAGES, num_warps) whose ring fits in shared memory): the best three, the default plan's time, and cuBLAS's,
+    per weight, in CUDA graphs over a ring of weights read from DRAM."""
+    from kernels.linear import MAX_ROWS, dot_plan, launch_plan, linear
+    x = torch.randn(rows, k, device="cuda", dtype=BF16)
+    ring = _weight_ring(n, k)
+    o = torch.empty(rows, n, device="cuda", dtype=BF16)
+    if rows <= MAX_ROWS:
+        plans = [(bn, bk, nw) for bn in (2, 4, 8, 16, 32) for bk in (128, 256, 512, 1024, 2048) for nw in (4, 8)
+                 if 2048 <= bn * bk <= 16384]
+        default = launch_plan(rows, n, k)
+    else:
+        plans = [(bn, bk, st, nw) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4, 6)
+                 for nw in (1, 2, 4) if nw * 16 <= bn * 2 and st * (bn + 16) * bk * 2 <= 200 * 1024]
+        default = dot_plan(n, k)
+
+    def per_weight_us(fn):
+        return bench_us(lambda: [fn(w) for w in ring], graph=True, rep_ms=40) / len(ring)
+
+    times = {}
+    for p in plans:
+        try:
+            times[p] = per_weight_us(lambda w, p=p: linear(x, w, out=o, plan=p))
+        except Exception as e:  # a plan the compiler refuses (resources): skipped
+            print(f"plan {p} for ({n}, {k}) failed: {type(e).__name__}")
     best = sorted(times, key=times.get)[:3]
-    default = launch_plan(1, n, k)
-    default_us = times.get(default) or bench_us(lambda: linear(x, w, out=o), graph=True)
-    return {"N": n, "K": k, "best": [list(p) for p in best], "best_us": [times[p] for p in best],
-            "default": list(default), "default_us": default_us,
-            "cublas_us": bench_us(lambda: torch.matmul(x, w.t(), out=o), graph=True)}
+    default_us = times.get(default) or per_weight_us(lambda w: linear(x, w, out=o))
+    cublas_us = per_weight_us(lambda w: torch.matmul(x, w.t(), out=o))
+    return {"rows": rows, "N": n, "K": k, "best": [list(p) for p in best], "best_us": [times[p] for p in best],
+            "best_TBps": n * k * 2 / times[best[0]] / 1e6, "default": list(default), "default_us": default_us,
+            "cublas_us": cublas_us, "cublas_TBps": n * k * 2 / cublas_us / 1e6}
 
 
 # ---- plot and main ------------------------------------------------------------------------------------
@@ -211,6 +235,8 @@ def main(argv=None):
                     help="run only this section (repeatable); the JSON is then decode_<sections>.json")
     ap.add_argument("--sweep-linear", metavar="MODEL", nargs="?", const="qwen3.5-2b", choices=sorted(LINEAR_SHAPES),
                     help="only sweep the decode GEMV's launch plans on MODEL's projections (default qwen3.5-2b)")
+    ap.add_argument("--rows", type=int, default=1, help="rows of x in --sweep-linear (more than kernels.linear's "
+                    "MAX_ROWS sweep its skinny GEMM)")
     ap.add_argument("--plot", metavar="JSON", help="only draw decode_bw.png beside an existing decode.json")
     args = ap.parse_args(argv)
     if args.plot:
@@ -218,9 +244,11 @@ def main(argv=None):
         plot_curve(json.loads(path.read_text())["attention_curve"], path.with_name("decode_bw.png"))
         return
     if args.sweep_linear:
-        sweep = [progress(sweep_linear_shape(n, k)) for n, k in LINEAR_SHAPES[args.sweep_linear]]
+        shapes = dict.fromkeys(LINEAR_SHAPES[args.sweep_linear])
+        sweep = [progress(sweep_linear_shape(n, k, args.rows)) for n, k in shapes]
         name = "decode_linear_sweep" + ("" if args.sweep_linear == "qwen3.5-2b" else "_" + args.sweep_linear)
-        write_result(name, {"env": environment(), "model": args.sweep_linear, "sweep": sweep}, args.out)
+        write_result(name + ("" if args.rows == 1 else f"_rows{args.rows}"),
+                     {"env": environment(), "model": args.sweep_linear, "sweep": sweep}, args.out)
         return
     if args.quick:
         print_table([bench_attention_case(*ATTN_CASES[0], peers=())], ["B", "ctx", "ours_us", "ours_TBps"])

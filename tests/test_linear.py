@@ -1,9 +1,10 @@
 """The decode GEMV (kernels/linear.py) against reference.linear, silu_and_mul_linear and add_rms_norm_linear (the
 three inputs it multiplies), errors measured against fp32 (fp64 for fp32).
 
-Interpreter tests run fp32/fp16 at odd sizes (rows 1-4, K and N not multiples of any tile); `gpu` tests run
-bf16 at Qwen3.5's decode shapes, with programmatic dependent launch on and off, inside a CUDA graph, and the
-hand-off to torch's matmul above MAX_ROWS rows."""
+Interpreter tests run fp32/fp16 at odd sizes (rows 1-4 on the GEMV, 5-16 on the skinny GEMM, K and N not multiples
+of any tile); `gpu` tests run bf16 at Qwen3.5's decode shapes, with programmatic dependent launch on and off,
+inside a CUDA graph, and the hand-off to torch's matmul above DOT_MAX_ROWS rows and for padded (eager) rows."""
+import math
 import os
 import subprocess
 import sys
@@ -45,15 +46,18 @@ def _gated_pair(m, n, k, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 65, 33), (2, 300, 1000), (3, 7, 2049), (4, 129, 64)])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 65, 33), (2, 300, 1000), (3, 7, 2049), (4, 129, 64), (5, 1, 1),
+                                   (6, 65, 33), (9, 129, 1025), (16, 40, 300), (17, 7, 70)])
 def test_linear_matches_reference(m, n, k, dtype):
     _check(*_pair(m, n, k, dtype), f"linear {m}x{k} @ {n}x{k} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (2, 65, 33), (3, 40, 1025), (4, 7, 300), (6, 9, 50)])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (2, 65, 33), (3, 40, 1025), (4, 7, 300), (6, 9, 50), (13, 33, 257),
+                                   (17, 9, 50)])
 def test_silu_and_mul_linear_matches_reference(m, n, k, dtype):
-    # one GEMV reading [gate | up] (SwiGLU's down projection); 6 rows take the silu_and_mul + matmul path
+    # one GEMV (or skinny GEMM, 5-16 rows) reading [gate | up] (SwiGLU's down projection); 17 rows take the
+    # silu_and_mul + matmul path
     _check(*_gated_pair(m, n, k, dtype), f"gated {m}x{k} @ {n}x{k} {dtype}", gated=True)
 
 
@@ -84,7 +88,7 @@ def _check_normed(m, n, k, dtype, with_residual, seed=0, tol=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (2, 65, 33), (3, 40, 1025), (4, 7, 300), (6, 9, 50)])
 def test_add_rms_norm_linear_matches_reference(m, n, k, dtype, with_residual):
-    # the GEMV norms the rows itself (6 rows: add_rms_norm, then matmul)
+    # the GEMV norms the rows itself (6 rows: add_rms_norm, then the skinny GEMM)
     _check_normed(m, n, k, dtype, with_residual)
 
 
@@ -118,21 +122,36 @@ def test_add_rms_norm_linear_property(m, n, k, seed, with_residual):
 
 
 @settings(max_examples=12, deadline=None)
-@given(m=st.integers(1, L.MAX_ROWS), n=st.integers(1, 300), k=st.integers(1, 1500), seed=st.integers(0, 99))
+@given(m=st.integers(1, RB.DOT_MAX_ROWS + 2), n=st.integers(1, 300), k=st.integers(1, 1500), seed=st.integers(0, 99))
 def test_linear_property(m, n, k, seed):
     _check(*_pair(m, n, k, torch.float32, seed), f"linear {m}x{k} @ {n}x{k} seed {seed}")
 
 
-def test_linear_leading_dims_strided_rows_and_out():
-    base, w = _pair(6, 70, 2 * 96, torch.float32)
-    x = base.view(2, 3, 192)[..., :96]                       # (2, 3, 96) with row stride 192: 6 rows > MAX_ROWS
+@pytest.mark.parametrize("shape", [(2, 3), (3, 6)])
+def test_linear_leading_dims_strided_rows_and_out(shape):
+    # 6 rows: the skinny GEMM; 18 rows: torch's matmul
+    base, w = _pair(math.prod(shape), 70, 2 * 96, torch.float32)
+    x = base.view(*shape, 192)[..., :96]                     # (*shape, 96) with row stride 192
     w = w[:, :96].contiguous()
     _check(x[:1, :2], w, "strided 2 rows")                  # GEMV
-    out = torch.empty(2, 3, 70, device=DEV)
-    assert L.linear(x, w, out=out) is out                    # matmul above MAX_ROWS, into out
-    assert_rel(out.double(), R.linear(x.double(), w.double()), 1e-6, "matmul path")
+    out = torch.empty(*shape, 70, device=DEV)
+    assert L.linear(x, w, out=out) is out
+    assert_rel(out.double(), R.linear(x.double(), w.double()), 1e-6, f"{shape} rows")
     small = torch.empty(1, 2, 70, device=DEV)
     assert L.linear(x[:1, :2], w, out=small) is small
+
+
+@pytest.mark.parametrize("m,kernel", [(4, "gemv"), (5, "dot"), (16, "dot"), (17, "matmul")])
+def test_linear_routes_rows_to_the_kernel_for_them(m, kernel, monkeypatch):
+    # unpadded rows (the CPU, CUDA-graph capture): up to MAX_ROWS the GEMV, up to DOT_MAX_ROWS the skinny GEMM
+    calls = []
+    for name in ("_gemv", "_rows_dot", "matmul_rows"):
+        real = getattr(L, name)
+        monkeypatch.setattr(L, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    for gated in (False, True):
+        x, w = _gated_pair(m, 24, 40, torch.float32) if gated else _pair(m, 24, 40, torch.float32)
+        _check(x, w, f"{m} rows", gated=gated)
+    assert calls == 2 * [{"gemv": "_gemv", "dot": "_rows_dot", "matmul": "matmul_rows"}[kernel]]
 
 
 def test_linear_bad_input():
@@ -174,6 +193,15 @@ for mode, add in ((L.PLAIN, False), (L.GATED, False), (L.NORM, False), (L.NORM, 
     ptx = triton.compile(ASTSource(L._linear_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4}).asm["ptx"]
     print(ptx.count("griddepcontrol"), ptx.count("st.global"), flush=True)
+for gated in (False, True):
+    const = dict(ROWS=16, BLOCK_N=16, BLOCK_K=256, STAGES=4, GATED=gated, DOT_PRECISION="tf32", PDL=True)
+    sig = {n: "constexpr" if n in const else "*bf16" if n.endswith("_ptr") else "i32"
+           for n in L._rows_dot_kernel.arg_names}
+    aligned = {(L._rows_dot_kernel.arg_names.index(n),): [["tt.divisibility", 16]]  # as the JIT specializes
+               for n in ("x_ptr", "w_ptr", "out_ptr", "K", "x_stride", "w_stride", "out_stride")}
+    ptx = triton.compile(ASTSource(L._rows_dot_kernel, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 1}).asm["ptx"]
+    print(ptx.count("griddepcontrol"), ptx.count("mma."), ptx.count("cp.async"), flush=True)
 """
 
 
@@ -186,8 +214,11 @@ def test_gemv_variants_compile_for_sm90():
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     counts = [tuple(map(int, line.split())) for line in run.stdout.split("\n") if line.strip()]
-    assert len(counts) == 4 and all(pdl == 2 for pdl, _ in counts), run.stdout
-    assert counts[3][1] > counts[2][1], run.stdout
+    gemv, dot = counts[:4], counts[4:]
+    assert len(gemv) == 4 and all(pdl == 2 for pdl, _ in gemv), run.stdout
+    assert gemv[3][1] > gemv[2][1], run.stdout
+    # the skinny GEMM: PDL, tensor-core MMAs, and weight tiles copied asynchronously into its shared-memory ring
+    assert len(dot) == 2 and all(pdl == 2 and mma > 0 and cp > 0 for pdl, mma, cp in dot), run.stdout
 
 
 SHAPES_2B = [(8224, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (5120, 2048), (248320, 2048)]
@@ -196,7 +227,7 @@ SHAPES_2B = [(8224, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (5120, 204
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("pdl", [True, False])
-@pytest.mark.parametrize("m", [1, 3, 4])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 16])
 def test_linear_gpu_decode_shapes(m, pdl, dtype, monkeypatch):
     monkeypatch.setenv("QWEN_PDL", "1" if pdl else "0")
     for n, k in SHAPES_2B:
@@ -207,11 +238,13 @@ def test_linear_gpu_decode_shapes(m, pdl, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_linear_gpu_chain_in_a_cuda_graph():
-    # a chain of dependent GEMVs (each reads the last one's output) replayed from a graph: PDL must keep the order
-    x, _ = _pair(1, 1, 1024, torch.bfloat16)
+@pytest.mark.parametrize("m", [1, 16])
+def test_linear_gpu_chain_in_a_cuda_graph(m):
+    # a chain of dependent GEMVs or skinny GEMMs (each reads the last one's output) replayed from a graph (rows
+    # unpadded, as in a decode graph): PDL must keep the order
+    x, _ = _pair(m, 1, 1024, torch.bfloat16)
     ws = [_pair(1, 1024, 1024, torch.bfloat16, seed=s)[1] for s in range(8)]
-    outs = [torch.empty(1, 1024, device=DEV, dtype=torch.bfloat16) for _ in ws]
+    outs = [torch.empty(m, 1024, device=DEV, dtype=torch.bfloat16) for _ in ws]
 
     def chain():
         h = x
