@@ -72,7 +72,7 @@ import triton.language as tl
 
 from kernels import gdn_decode
 from kernels.causal_conv1d import causal_conv1d_varlen
-from kernels.gdn_pointwise import gated_norm, gated_rms_norm, gdn_gates
+from kernels.gdn_pointwise import gate_values, gated_norm, gated_rms_norm
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.row_buckets import empty_rows
 from kernels.varlen import CHUNK, chunk_span, host_ints, token_chunks
@@ -173,12 +173,14 @@ def _invert_unit_lower(a, sp):
 
 
 @triton.jit
-def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_ptr, kd_ptr, gcum_ptr, scratch_ptr,
-                     sk_t, sk_h, sv_t, sv_h,
+def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, chunk_ptr, w_ptr, u_ptr, kd_ptr, gcum_ptr,
+                     scratch_ptr, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t,
                      HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
+                     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
+                     RAW_GATES: tl.constexpr):
     # grid (chunks, Hv): tokens [start, end) of one sequence (end - start <= BT), value head j; scratch: (BT, BT) fp32
-    # a program, for the solve.
+    # a program, for the solve. g, beta: rows t at g_ptr + t * sg_t, beta_ptr + t * sb_t; RAW_GATES: they are the
+    # in-projection's a and b, and g, beta = gate_values(a, b, A_log[j], dt_bias[j]).
     tl.static_assert(BT == 4 * SUB)
     c = tl.program_id(0)
     j = tl.program_id(1)
@@ -189,8 +191,11 @@ def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, chunk_ptr, w_ptr, u_ptr, kd_
     k = _load_rows(k_ptr + (j // GROUP) * sk_h, t, tm, sk_t, 0, rk, DK)  # (BT, BK)
     if L2NORM:
         k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2NORM_EPS)[:, None]
-    g = tl.load(g_ptr + t * HV + j, mask=tm, other=0.0)  # (BT,)
-    beta = tl.load(beta_ptr + t * HV + j, mask=tm, other=0.0)
+    g = tl.load(g_ptr + t * sg_t + j, mask=tm, other=0.0)  # (BT,)
+    beta = tl.load(beta_ptr + t * sb_t + j, mask=tm, other=0.0)
+    if RAW_GATES:
+        g, beta = gate_values(g, beta, tl.load(a_log_ptr + j), tl.load(dt_bias_ptr + j))
+        g, beta = tl.where(tm, g, 0.0), tl.where(tm, beta, 0.0)
     G = tl.cumsum(g, 0)
     g_last = tl.sum(tl.where(r == end - start - 1, G, 0.0))
     decay = tl.exp(tl.where(r[:, None] > r[None, :], G[:, None] - G[None, :], float("-inf")))  # exp(G_i - G_j), i > j
@@ -301,14 +306,21 @@ def _chunk_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, chunk_ptr, o_p
              mask=vmask)
 
 
-def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host, out):
+def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host, out, gate_params=None):
     """Raise ValueError naming the first bad argument; returns cu_seqlens' values (cu_seqlens_host, or read once)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndim=3, dtype=IO_DTYPES)
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
-    check_tensor("g", g, ndim=2, dtype=torch.float32)
-    check_tensor("beta", beta, ndim=2, dtype=torch.float32)
+    for name, t in (("g", g), ("beta", beta)):
+        check_tensor(name, t, ndim=2, dtype=IO_DTYPES if gate_params is not None else torch.float32)
+        if gate_params is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+    if gate_params is not None:
+        for name, t in zip(("A_log", "dt_bias"), gate_params):
+            check_tensor(name, t, ndim=1, dtype=IO_DTYPES)
+            if t.shape != (v.shape[1],) or t.stride(0) != 1:
+                raise ValueError(f"{name} must be a contiguous ({v.shape[1]},) tensor, got {tuple(t.shape)}")
     check_tensor("recurrent_states", recurrent_states, ndim=4, dtype=torch.float32)
     check_tensor("state_slots", state_slots, ndim=1, dtype=(torch.int32, torch.int64))
     check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtype=(torch.int32, torch.int64))
@@ -336,7 +348,7 @@ def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_
                          f"got {tuple(out.shape)} {out.dtype}")
     dev = q.device
     tensors = dict(k=k, v=v, g=g, beta=beta, recurrent_states=recurrent_states, state_slots=state_slots,
-                   cu_seqlens=cu_seqlens, out=out)
+                   cu_seqlens=cu_seqlens, out=out, **dict(zip(("A_log", "dt_bias"), gate_params or ())))
     if any(t is not None and t.device != dev for t in tensors.values()):
         raise ValueError(f"tensors must share one device, got q on {dev} and "
                          f"{ {n: str(t.device) for n, t in tensors.items() if t is not None} }")
@@ -366,14 +378,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, c
 
 
 def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host=None, scale=None,
-                   use_qk_l2norm=True, out=None, snapshot_offsets=None, snapshot_slots=None, output_gate=None):
+                   use_qk_l2norm=True, out=None, snapshot_offsets=None, snapshot_slots=None, output_gate=None,
+                   gate_params=None):
     """chunk_gated_delta_rule's arguments checked and planned: (out, (wy, state, output)), the three passes as
     zero-argument callables to run in that order, each reading what the one before wrote (profiles time each).
     output_gate (z (total, Hv, dv) in v's dtype with contiguous rows, norm weight (dv,), eps), when the output pass
     holds whole dv rows (dv <= OUTPUT_BV; see fuses_output_gate): out is the GDN output norm of o, weight * rmsnorm(o)
     * silu(z), computed in the output pass (one launch fewer a layer), in a buffer with room for out_proj's padded
-    rows (kernels.row_buckets)."""
-    cu = _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host, out)
+    rows (kernels.row_buckets). gate_params (A_log (Hv,), dt_bias (Hv,)): g and beta are the in-projection's raw a
+    and b ((total, Hv), io dtype, any row stride), whose gates (kernels.gdn_pointwise.gate_values) the WY pass
+    computes itself (one launch fewer a layer than gdn_gates first)."""
+    cu = _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host, out, gate_params)
     if output_gate is not None:
         _check_output_gate(v, out, *output_gate)
         out = empty_rows(v.shape, v.dtype, v.device, row_dims=1)
@@ -384,11 +399,12 @@ def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlen
     chunks, first_chunk = token_chunks(tuple(cu), q.device, cuts)
     cuts_dev = host_ints(cuts, q.device) if cuts else None
     common = _constexprs(q, v, k.shape[1], use_qk_l2norm)
-    g, beta = g.contiguous(), beta.contiguous()
+    if gate_params is None:
+        g, beta = g.contiguous(), beta.contiguous()
     done = {}
 
     def wy():
-        done["ws"] = wy_pass(k, v, g, beta, chunks, common)
+        done["ws"] = wy_pass(k, v, g, beta, chunks, common, gate_params)
 
     def state():
         done["h, v_new"] = state_pass(done["ws"], cu_seqlens, first_chunk, cuts_dev, state_slots,
@@ -428,16 +444,18 @@ def _constexprs(q, v, hk, use_qk_l2norm) -> dict:
                 PREC="ieee" if exact else "tf32", num_warps=8 if max(bk, bv) >= 128 else 4)  # (64, 128) fp32 tiles
 
 
-def wy_pass(k, v, g, beta, chunks, common):
-    """Kernel 1 over every (chunk, value head): the workspaces w, u, kd (in the io dtype) and G (fp32)."""
+def wy_pass(k, v, g, beta, chunks, common, gate_params=None):
+    """Kernel 1 over every (chunk, value head): the workspaces w, u, kd (in the io dtype) and G (fp32); g, beta as
+    prefill_passes takes them."""
     total, hv, dk, dv, dev = k.shape[0], v.shape[1], k.shape[2], v.shape[2], k.device
     ws = tuple(torch.empty(total, hv, *d, dtype=dt, device=dev)
                for d, dt in (((dk,), v.dtype), ((dv,), v.dtype), ((dk,), v.dtype), ((), torch.float32)))
     if chunks.shape[0]:
         scratch = torch.empty(chunks.shape[0], hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)  # the solve's
         _chunk_wy_kernel[(chunks.shape[0], hv)](
-            k, v, g, beta, chunks, *ws, scratch, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            BV=max(16, next_power_of_2(dv)), **common, num_stages=1,
+            k, v, g, beta, *(gate_params or (g, g)), chunks, *ws, scratch, k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), g.stride(0), beta.stride(0), BV=max(16, next_power_of_2(dv)), RAW_GATES=gate_params is not None,
+            **common, num_stages=1,
             **({"maxnreg": WY_MAXNREG[k.dtype]} if k.dtype in WY_MAXNREG else {}))
     return ws
 
@@ -514,8 +532,8 @@ def gated_deltanet_prefill_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv
                               num_k_heads, eps):
     """model.ops.gated_deltanet with the delta rule on this kernel, every piece in Triton and free of host syncs
     given step.cu_seqlens_host: the conv (kernels.causal_conv1d; conv_states updated at step.state_slots), the
-    gates, the chunked delta rule (recurrent_states updated in place), the gated norm (in the output pass when dv <=
-    OUTPUT_BV, else kernels.gdn_pointwise).
+    chunked delta rule with the gates in its WY pass (recurrent_states updated in place), the gated norm (in the
+    output pass when dv <= OUTPUT_BV, else kernels.gdn_pointwise).
     qkv: (N, C); z: (N, Hv, dv); b, a: (N, Hv). Returns (N, Hv, dv) in qkv's dtype."""
     slots = step.state_slots
     n, hv, dv = z.shape
@@ -524,9 +542,9 @@ def gated_deltanet_prefill_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv
     mixed = causal_conv1d_varlen(qkv, conv_w, conv_states, slots, step.cu_seqlens, cu_seqlens_host=step.cu_seqlens_host,
                                  **snapshots)
     q, k, v = mixed.split([num_k_heads * dk, num_k_heads * dk, hv * dv], dim=-1)
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
     fused = fuses_output_gate(dv)  # the output norm inside the output pass
-    o, passes = prefill_passes(q.view(n, num_k_heads, dk), k.view(n, num_k_heads, dk), v.view(n, hv, dv), g, beta,
+    o, passes = prefill_passes(q.view(n, num_k_heads, dk), k.view(n, num_k_heads, dk), v.view(n, hv, dv), a, b,
+                               gate_params=(A_log, dt_bias),
                                recurrent_states=recurrent_states, state_slots=slots, cu_seqlens=step.cu_seqlens,
                                cu_seqlens_host=step.cu_seqlens_host, output_gate=(z, norm_w, eps) if fused else None,
                                **snapshots)

@@ -208,6 +208,33 @@ def test_output_gate_rejects_bad_arguments():
         gdn_prefill.prefill_passes(q, k, v, g, beta, output_gate=(z, w, 1e-6), out=torch.empty_like(v), **kw)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_wy_pass_computes_the_gates_from_raw_a_and_b(dtype):
+    # gate_params: the WY pass takes the in-projection's a, b (strided rows of one buffer) and computes g, beta
+    # itself; the same as gdn_gates first
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, _, _, cu, pool, slots = make_inputs(gen, [3, 66, 1], 1, 2, 16, 16, dtype, 5)
+    ab = torch.randn(70, 7, generator=gen).to(dtype).to(DEVICE)  # a | b | other columns of one projection
+    a, b = ab[:, :2], ab[:, 2:4]
+    a_log, dt_bias = torch.rand(2, generator=gen).to(DEVICE), torch.randn(2, generator=gen).to(DEVICE)
+    g, beta = R.gdn_gates(a, b, a_log, dt_bias)
+    kw = dict(state_slots=slots, cu_seqlens=cu)
+    ref_states, states = pool.clone(), pool.clone()
+    ref = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_states=ref_states, **kw)
+    out, passes = gdn_prefill.prefill_passes(q, k, v, a, b, recurrent_states=states, gate_params=(a_log, dt_bias),
+                                             **kw)
+    for run_pass in passes:
+        run_pass()
+    assert_close(out, ref, 1e-6 if dtype == torch.float32 else 2e-3, f"raw gates {dtype} output")
+    assert_close(states, ref_states, 1e-6, f"raw gates {dtype} states")
+    for bad, match in (((a_log[:1], dt_bias), "A_log"), ((a_log, dt_bias.long()), "dt_bias")):
+        with pytest.raises(ValueError, match=match):
+            gdn_prefill.prefill_passes(q, k, v, a, b, recurrent_states=states, gate_params=bad, **kw)
+    with pytest.raises(ValueError, match="^g"):
+        gdn_prefill.prefill_passes(q, k, v, ab[:, 0:4:2], b, recurrent_states=states, gate_params=(a_log, dt_bias),
+                                   **kw)
+
+
 def test_op_dispatch(monkeypatch):
     calls = []
     monkeypatch.setattr(gdn_prefill, "gated_deltanet_prefill_op", lambda *a: calls.append("prefill") or "p")
@@ -301,7 +328,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from kernels import gdn_prefill as G
-common = dict(HV=32, GROUP=2, DK=128, DV=128, BT=64, BK=128, L2NORM=True, SNAPSHOT=True, GATE=True)
+common = dict(HV=32, GROUP=2, DK=128, DV=128, BT=64, BK=128, L2NORM=True, SNAPSHOT=True, GATE=True,
+              RAW_GATES=True)
 fp32 = ("g_ptr", "beta_ptr", "gcum_ptr", "state_ptr", "scratch_ptr")
 one = lambda bv, stages: [triton.Config({"BV": bv}, num_warps=8, num_stages=stages)]
 for io, prec in (("bf16", "tf32"), ("fp32", "ieee")):
