@@ -103,11 +103,11 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, M, N, K,
 
 @triton.jit
 def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride, ROWS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    # out[m, n] = sum_k in[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS (>= 16) rows
-    # on the tensor cores: acc (BLOCK_N, ROWS) += w tile (BLOCK_N, BLOCK_K) @ in tile^T (BLOCK_K, ROWS), the weight
-    # tiles streamed through a STAGES-deep shared-memory ring. in = x, or silu(gate) * up of x = [gate | up] (GATED)
+    # out[m, n] = sum_k x[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS (>= 16) rows
+    # on the tensor cores: acc (BLOCK_N, ROWS) += w tile (BLOCK_N, BLOCK_K) @ x tile^T (BLOCK_K, ROWS), both tiles
+    # streamed through a STAGES-deep shared-memory ring
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                  # (BLOCK_N,)
     kk = tl.arange(0, BLOCK_K)                                               # (BLOCK_K,)
     rows = tl.arange(0, ROWS)                                                # (ROWS,)
@@ -120,10 +120,6 @@ def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_str
         k = k0 + kk
         w = tl.load(w_rows + k[None, :], mask=n_ok & (k[None, :] < K), other=0.0, eviction_policy="evict_first")
         x = _input_tile(x_ptr, x_ptr, rows, k, M, K, x_stride, x_stride, False)  # (ROWS, BLOCK_K)
-        if GATED:
-            up = _input_tile(x_ptr + K, x_ptr, rows, k, M, K, x_stride, x_stride, False)
-            gate = x.to(tl.float32)
-            x = (gate * tl.sigmoid(gate) * up.to(tl.float32)).to(x.dtype)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
     out_mask = (rows[None, :] < M) & (n[:, None] < N)
     tl.store(out_ptr + rows[None, :] * out_stride + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -206,8 +202,8 @@ def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=
         num_warps=warps, **pdl.launch_options(x2.device))
 
 
-def _rows_dot(x2, weight, o2, plan, gated: bool):
-    """Launch the skinny GEMM on (MAX_ROWS < m <= DOT_MAX_ROWS, K or 2K) rows x2 into o2 (m, N)."""
+def _rows_dot(x2, weight, o2, plan):
+    """Launch the skinny GEMM on (MAX_ROWS < m <= DOT_MAX_ROWS, K) rows x2 into o2 (m, N)."""
     m, (n, k) = x2.shape[0], weight.shape
     if n == 0:
         return
@@ -217,7 +213,7 @@ def _rows_dot(x2, weight, o2, plan, gated: bool):
     block_n, block_k, stages, warps = plan or dot_plan(n, k)
     _rows_dot_kernel[(cdiv(n, block_n),)](
         x2, weight, o2, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0), ROWS=max(16, next_power_of_2(m)),
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, GATED=gated,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
         DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", num_warps=warps,
         **pdl.launch_options(x2.device))
 
@@ -226,7 +222,8 @@ def linear(x, weight, out=None, *, plan: tuple[int, ...] | None = None, gated: b
     """x: (..., K) fp16/bf16/fp32; weight: (N, K), x's dtype, unit stride along K -> (..., N) in x's dtype.
     gated: x is (..., 2K) = [gate | up] and the product takes silu(gate) * up (SwiGLU's down projection, one
     launch instead of two). Up to MAX_ROWS rows run the Triton GEMV, up to DOT_MAX_ROWS unpadded rows (see
-    kernels.row_buckets) the skinny GEMM, more torch's matmul (cuBLAS; gated: after the silu_and_mul kernel);
+    kernels.row_buckets) the skinny GEMM, more torch's matmul (cuBLAS); gated, both after the silu_and_mul kernel
+    (in the skinny GEMM every program would recompute silu over all of [gate | up]);
     into `out` when given. plan (benchmark sweeps): the GEMV's (BLOCK_N, BLOCK_K, num_warps) in place of
     launch_plan's, or the skinny GEMM's (BLOCK_N, BLOCK_K, STAGES, num_warps) in place of dot_plan's."""
     name = "gate_up" if gated else "x"
@@ -237,14 +234,14 @@ def linear(x, weight, out=None, *, plan: tuple[int, ...] | None = None, gated: b
     x2 = rows_view(name, x)
     m = x2.shape[0]
     rows = padded_rows(m, x.device)
+    a2 = silu_and_mul(x2) if gated and m > MAX_ROWS else x2
     if m > MAX_ROWS and (rows > m or m > DOT_MAX_ROWS):
-        a2 = silu_and_mul(x2) if gated else x2
         y = matmul_rows(a2, weight, None if out is None else rows_view("out", out), rows)
         return y.view(shape) if out is None else out
     if out is None:
         out = output_for(None, shape, x)
     if m > MAX_ROWS:
-        _rows_dot(x2, weight, rows_view("out", out), plan, gated)
+        _rows_dot(a2, weight, rows_view("out", out), plan)
     else:
         _gemv(x2, weight, rows_view("out", out), plan, GATED if gated else PLAIN)
     return out

@@ -144,6 +144,7 @@ def test_linear_leading_dims_strided_rows_and_out(shape):
 @pytest.mark.parametrize("m,kernel", [(4, "gemv"), (5, "dot"), (16, "dot"), (17, "matmul")])
 def test_linear_routes_rows_to_the_kernel_for_them(m, kernel, monkeypatch):
     # unpadded rows (the CPU, CUDA-graph capture): up to MAX_ROWS the GEMV, up to DOT_MAX_ROWS the skinny GEMM
+    # (gated: after silu_and_mul, as matmul)
     calls = []
     for name in ("_gemv", "_rows_dot", "matmul_rows"):
         real = getattr(L, name)
@@ -193,14 +194,14 @@ for mode, add in ((L.PLAIN, False), (L.GATED, False), (L.NORM, False), (L.NORM, 
     ptx = triton.compile(ASTSource(L._linear_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4}).asm["ptx"]
     print(ptx.count("griddepcontrol"), ptx.count("st.global"), flush=True)
-for gated in (False, True):
-    const = dict(ROWS=16, BLOCK_N=16, BLOCK_K=256, STAGES=4, GATED=gated, DOT_PRECISION="tf32", PDL=True)
+for warps in (1, 4):
+    const = dict(ROWS=16, BLOCK_N=16 * warps, BLOCK_K=256, STAGES=4, DOT_PRECISION="tf32", PDL=True)
     sig = {n: "constexpr" if n in const else "*bf16" if n.endswith("_ptr") else "i32"
            for n in L._rows_dot_kernel.arg_names}
     aligned = {(L._rows_dot_kernel.arg_names.index(n),): [["tt.divisibility", 16]]  # as the JIT specializes
                for n in ("x_ptr", "w_ptr", "out_ptr", "K", "x_stride", "w_stride", "out_stride")}
     ptx = triton.compile(ASTSource(L._rows_dot_kernel, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": 1}).asm["ptx"]
+                         options={"num_warps": warps}).asm["ptx"]
     print(ptx.count("griddepcontrol"), ptx.count("mma."), ptx.count("cp.async"), flush=True)
 """
 
