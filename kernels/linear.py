@@ -159,7 +159,9 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
 
 # (N, K) -> (BLOCK_N, BLOCK_K, STAGES, num_warps) of the skinny GEMM at 16 rows: the fastest plan of `python -m
 # profiles.bench_decode --sweep-linear MODEL --rows 16` on the H200; other shapes take the rule in dot_plan.
-SWEPT_DOT_PLANS = {
+SWEPT_DOT_PLANS = {  # 2B (hidden 2048), session 11: cuBLAS takes 1.05-1.3x as long per weight at 16 rows
+    (8224, 2048): (64, 128, 6, 4), (2048, 2048): (16, 256, 4, 2), (5120, 2048): (16, 128, 6, 1),
+    (12288, 2048): (32, 128, 4, 1), (2048, 6144): (16, 512, 4, 2), (248320, 2048): (64, 128, 3, 4),
 }
 
 
