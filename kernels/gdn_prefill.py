@@ -454,8 +454,8 @@ def wy_pass(k, v, g, beta, chunks, common, gate_params=None):
         scratch = torch.empty(chunks.shape[0], hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)  # the solve's
         _chunk_wy_kernel[(chunks.shape[0], hv)](
             k, v, g, beta, *(gate_params or (g, g)), chunks, *ws, scratch, k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), g.stride(0), beta.stride(0), BV=max(16, next_power_of_2(dv)), RAW_GATES=gate_params is not None,
-            **common, num_stages=1,
+            v.stride(1), g.stride(0), beta.stride(0), BV=max(16, next_power_of_2(dv)),
+            RAW_GATES=gate_params is not None, **common, num_stages=1,
             **({"maxnreg": WY_MAXNREG[k.dtype]} if k.dtype in WY_MAXNREG else {}))
     return ws
 
