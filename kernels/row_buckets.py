@@ -10,8 +10,10 @@ process alternating: median step 57.5 ms padded, 67.4 unpadded; separate process
 The padding is free when the operand's storage already has the rows: the elementwise kernels that feed projections
 (norms, SwiGLU, the GDN output norm) allocate their outputs with empty_rows, and padded_operand then views the
 padded rows in place instead of copying (the rows past the operand's own hold whatever the memory held; their
-products are dropped, and a matmul's rows do not mix). Graph capture and the CPU pad nothing.
+products are dropped, and a matmul's rows do not mix). Graph capture and the CPU pad nothing, nor does an eager
+decode step of at most DOT_MAX_ROWS rows (decode_step_rows), so that it computes what its CUDA graph computes.
 """
+import contextlib
 import math
 
 import torch
@@ -21,12 +23,27 @@ MATMUL_ROW_BUCKET = 64
 GEMV_MAX_ROWS = 4
 # up to this many unpadded rows (CUDA-graph capture: decode batches) it runs kernels.linear's skinny GEMM
 DOT_MAX_ROWS = 16
+_in_decode_step = [False]
+
+
+@contextlib.contextmanager
+def decode_step_rows():
+    """Inside: projections of at most DOT_MAX_ROWS rows are not padded (an eager decode step runs the skinny GEMM,
+    as its CUDA graph does)."""
+    before, _in_decode_step[0] = _in_decode_step[0], True
+    try:
+        yield
+    finally:
+        _in_decode_step[0] = before
 
 
 def padded_rows(rows: int, device: torch.device) -> int:
     """rows rounded up to MATMUL_ROW_BUCKET when a projection of them runs on cuBLAS in an eager CUDA step (more
-    than GEMV_MAX_ROWS, on a CUDA device, outside graph capture), else rows."""
+    than GEMV_MAX_ROWS, on a CUDA device, outside graph capture, and more than DOT_MAX_ROWS in a decode step), else
+    rows."""
     if rows <= GEMV_MAX_ROWS or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return rows
+    if rows <= DOT_MAX_ROWS and _in_decode_step[0]:
         return rows
     return -(-rows // MATMUL_ROW_BUCKET) * MATMUL_ROW_BUCKET
 

@@ -17,7 +17,7 @@ from serving.block_manager import KVBlockManager
 from serving.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from serving.model_runner import ModelRunner, describe_pools, graphs_unsupported, pages_for_memory
 from serving.prefill_graphs import PrefillGraphs, prefill_graphs_unsupported
-from serving.sampler import sample
+from serving.sampler import TokensInFlight, sample
 from serving.scheduler import Scheduler
 from serving.sequence import SamplingParams, Sequence
 from serving.state_cache import StateSnapshotCache
@@ -178,32 +178,48 @@ class LLMEngine:
     def _finish_step(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[list[StepOutput], float]:
         """Commit the chunks the model computed and sample those that reached their sequence's end; returns their
         outputs and the commit's milliseconds."""
+        sampled, commit_ms = self._commit_and_sample(chunks, logits)
+        return self._take_tokens(sampled), commit_ms
+
+    def _commit_and_sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[tuple, float]:
+        """Commit the chunks and launch the sampling of those that reached their sequence's end, without waiting
+        for it: returns (what _take_tokens reads, the commit's milliseconds)."""
         t0 = time.perf_counter()
         self.scheduler.commit(chunks)
         t1 = time.perf_counter()
         ready = [c.seq.num_uncomputed_tokens == 0 for c in chunks]  # prefill tails and decodes
-        tokens = []
+        tokens = None
         if any(ready):
             params = [c.seq.params if r else None for c, r in zip(chunks, ready)]
             gens = [c.seq.generator if r else None for c, r in zip(chunks, ready)]
-            tokens = sample(logits, params, gens).tolist()  # the step's one host sync
-        return [self._append(c.seq, t) for c, t, r in zip(chunks, tokens, ready) if r], 1e3 * (t1 - t0)
+            tokens = TokensInFlight(sample(logits, params, gens))
+        return (chunks, ready, tokens), 1e3 * (t1 - t0)
+
+    def _take_tokens(self, sampled: tuple) -> list[StepOutput]:
+        """Wait for a _commit_and_sample's tokens (the step's one host sync) and append them to their sequences."""
+        chunks, ready, tokens = sampled
+        values = tokens.tolist() if tokens is not None else []
+        return [self._append(c.seq, t) for c, t, r in zip(chunks, values, ready) if r]
 
     def _prefill_between_decodes(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]):
         """A mixed step with EngineConfig.interleave_slices: the prefill chunks' layers launch in slices, and after
         each slice but the last the running decodes take a step (the scheduled ones first, then whoever is at
-        its last token and gets a page). Returns (the prefill rows' logits, the decode steps' outputs)."""
+        its last token and gets a page). A decode step's tokens are read only after the next slice is launched:
+        the host, the bottleneck of an eager prefill, launches that slice while the GPU runs the decode step.
+        Returns (the prefill rows' logits, the decode steps' outputs)."""
         num_layers = self.model.config.num_hidden_layers
         slices = min(self.cfg.interleave_slices, num_layers)
         cuts = {num_layers * k // slices for k in range(1, slices)}
-        outputs, layer = [], 0
+        outputs, layer, sampled = [], 0, None
         for out in self.runner.eager_layers(prefills):
+            layer += out is None
+            if sampled is not None and (out is not None or layer in cuts):
+                outputs += self._take_tokens(sampled)  # the decode step of the cut before this slice
+                sampled, decodes = None, self.scheduler.schedule_decodes_between()
             if out is not None:
                 return out, outputs
-            layer += 1
             if layer in cuts and decodes:
-                outputs += self._finish_step(decodes, self.runner.decode_rows(decodes))[0]
-                decodes = self.scheduler.schedule_decodes_between()
+                sampled = self._commit_and_sample(decodes, self.runner.decode_rows(decodes))[0]
         raise RuntimeError("the model's layer generator ended without logits")
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:

@@ -38,6 +38,7 @@ import logging
 import torch
 
 import reference as R
+from kernels.row_buckets import decode_step_rows
 from model import ops
 from model.cache import CachePools
 from model.model import Qwen35ForCausalLM
@@ -213,7 +214,8 @@ class ModelRunner:
         step = StepInput(token_ids=tokens, positions=positions, cu_seqlens=self.cu_seqlens[:bs + 1], max_seqlen_q=1,
                          seqused_k=(positions + 1).to(torch.int32), page_table=page_table, slot_mapping=slot_mapping,
                          state_slots=slots, cos=cos, sin=sin)
-        return self.model.forward_step(step, self.pools, all_logits=True)
+        with decode_step_rows():  # eager: the projections' kernels of the captured step
+            return self.model.forward_step(step, self.pools, all_logits=True)
 
     def sync_page_tables(self, seqs) -> None:
         """Bring the device page-table rows of these sequences' state slots up to date with seq.pages."""

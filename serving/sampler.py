@@ -70,3 +70,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams | None],
     for i in drawn_rows:
         draw_mask[i] = True
     return torch.where(_to_device(draw_mask, torch.bool, dev), drawn, greedy)
+
+
+class TokensInFlight:
+    """Sampled tokens on their way to the host: on CUDA, a non-blocking copy into pinned memory and an event, so
+    that reading them waits for the sampling alone and not for the work launched after it."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self._done = None
+        self._host = tokens
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def tolist(self) -> list[int]:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.tolist()

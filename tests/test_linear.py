@@ -286,6 +286,16 @@ def test_matmul_rows_on_padded_rows(m, rows):
     assert_rel(out.double(), exact, 1e-6, "padded into out")
 
 
+def test_eager_decode_steps_pad_only_above_dot_max_rows(monkeypatch):
+    # an eager decode step runs the kernels its CUDA graph captured: the skinny GEMM up to DOT_MAX_ROWS rows
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cuda, top = torch.device("cuda"), RB.DOT_MAX_ROWS
+    assert [RB.padded_rows(m, cuda) for m in (RB.GEMV_MAX_ROWS, top, top + 1)] == [RB.GEMV_MAX_ROWS, 64, 64]
+    with RB.decode_step_rows():
+        assert [RB.padded_rows(m, cuda) for m in (RB.GEMV_MAX_ROWS, top, top + 1)] == [RB.GEMV_MAX_ROWS, top, 64]
+    assert RB.padded_rows(top, cuda) == 64 and RB.padded_rows(top, torch.device("cpu")) == top
+
+
 def test_padded_operand_views_a_storage_with_room_else_copies():
     base = torch.randn(128, 24)
     roomy = base[:70]

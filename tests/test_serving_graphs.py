@@ -251,14 +251,14 @@ def record_sampled_logits(engine: LLMEngine) -> dict[int, list[torch.Tensor]]:
     """seq id -> the fp32 logits of each of its sampled rows, in order (wraps the engine's commit-and-sample, which
     every step and every decode step between prefill slices goes through)."""
     rows = defaultdict(list)
-    finish = engine._finish_step
+    commit_and_sample = engine._commit_and_sample
 
     def wrapped(chunks, logits):
         for c, row in zip(chunks, logits):
             if c.end == c.seq.num_tokens:
                 rows[c.seq.id].append(row.float().cpu())
-        return finish(chunks, logits)
-    engine._finish_step = wrapped
+        return commit_and_sample(chunks, logits)
+    engine._commit_and_sample = wrapped
     return rows
 
 
