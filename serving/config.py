@@ -22,9 +22,12 @@ class EngineConfig:
     interleave_slices: a step that mixes decodes with prefill chunks launches the prefill in this many slices of
     layers and runs a decode-only step of the running sequences after each slice but the last, so decoders get
     a token per slice instead of per (host-bound) prefill step; 0 or 1: off. Not under tensor parallelism.
-    The defaults (8192 tokens a step in 4 slices) were the fastest of four on the H200 (2B, short trace, 16 users:
-    149 tok/s a user at 2048 / 0, 166 at 2048 / 4, 173 at 8192 / 0, 192 at 8192 / 4; session 9): a decoder waits
-    for about a quarter of an 8192-token step, as it waited for a whole 2048-token one.
+    8192 tokens a step was the fastest budget on the H200 (2B, short trace, 16 users: 149 tok/s a user at 2048 / 0
+    slices, 166 at 2048 / 4, 173 at 8192 / 0, 192 at 8192 / 4; session 9). Since a decode step's tokens are read
+    only after the next slice is launched (serving.engine), the GPU runs that decode step while the host launches
+    the slice, and more slices pay: 8 slices against 4, alternated in one process, 289 / 256 tok/s against
+    275 / 234 (run-to-run spread about 20 tok/s); 12 slices 305 and 299, 8 slices 273 in the latter's process
+    (session 12). The price is the returning turn's TTFT under load: p50 ~38 ms at 12 slices, ~30 at 8, ~21 at 4.
     prefill_graph_tokens: eager steps of GEMV_MAX_ROWS + 1 up to this many tokens replay CUDA graphs of their
     row-wise stretches (serving.prefill_graphs), captured at every multiple of 64 rows up to it, when decode graphs
     are on and the model allows (not MoE, not tensor parallel); 0: off."""
@@ -40,7 +43,7 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     cuda_graphs: bool = True
     max_graph_batch: int | None = None
-    interleave_slices: int = 4
+    interleave_slices: int = 12
     prefill_graph_tokens: int = 2048
 
     def __post_init__(self):
