@@ -211,15 +211,19 @@ class LLMEngine:
         slices = min(self.cfg.interleave_slices, num_layers)
         cuts = {num_layers * k // slices for k in range(1, slices)}
         outputs, layer, sampled = [], 0, None
-        for out in self.runner.eager_layers(prefills):
-            layer += out is None
-            if sampled is not None and (out is not None or layer in cuts):
-                outputs += self._take_tokens(sampled)  # the decode step of the cut before this slice
-                sampled, decodes = None, self.scheduler.schedule_decodes_between()
-            if out is not None:
-                return out, outputs
-            if layer in cuts and decodes:
-                sampled = self._commit_and_sample(decodes, self.runner.decode_rows(decodes))[0]
+        try:
+            for out in self.runner.eager_layers(prefills):
+                layer += out is None
+                if sampled is not None and (out is not None or layer in cuts):
+                    outputs += self._take_tokens(sampled)  # the decode step of the cut before this slice
+                    sampled, decodes = None, self.scheduler.schedule_decodes_between()
+                if out is not None:
+                    return out, outputs
+                if layer in cuts and decodes:
+                    sampled = self._commit_and_sample(decodes, self.runner.decode_rows(decodes))[0]
+        finally:
+            if sampled is not None:  # a slice raised: the decode step before it still appends its tokens
+                self._take_tokens(sampled)
         raise RuntimeError("the model's layer generator ended without logits")
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:

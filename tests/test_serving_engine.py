@@ -226,6 +226,31 @@ def test_interleaved_prefill_slices_equal_greedy(model, padded, slices):
     assert_nothing_leaks(engine)
 
 
+def test_a_slice_that_raises_keeps_the_decode_tokens_before_it(model):
+    """The tokens of a decode step between slices are read after the next slice is launched: when that slice
+    raises, they still reach their sequences (the server delivers them before it recomputes the running ones)."""
+    engine = small_engine(model, max_num_seqs=6, num_pages=128, max_num_batched_tokens=24, interleave_slices=4)
+    prompts = [random_prompt(n, seed=90 + n) for n in (3, 9, 5)]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=24)) for p in prompts]
+    while any(engine.sequences[i].num_uncomputed_tokens > 1 for i in ids):
+        engine.step()
+    engine.add_request(random_prompt(60, seed=91), SamplingParams(max_tokens=5))
+    real_layers = engine.runner.eager_layers
+
+    def failing_layers(chunks):
+        layers = real_layers(chunks)
+        yield next(layers)  # layer 0 of 4: the first cut follows it
+        raise RuntimeError("injected fault in the second slice")
+    engine.runner.eager_layers = failing_layers
+    before = {i: len(engine.sequences[i].output_ids) for i in ids}
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    for prompt, seq_id in zip(prompts, ids):
+        seq = engine.sequences[seq_id]
+        assert len(seq.output_ids) == before[seq_id] + 1
+        assert seq.output_ids == expected(model, prompt, len(seq.output_ids))
+
+
 def test_max_model_len_bounds_requests(model):
     engine = small_engine(model, max_model_len=40)
     assert engine.cfg.max_model_len == 40 and engine.runner.width == 5
