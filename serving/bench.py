@@ -12,6 +12,11 @@ that an earlier request of the session, or the shared system prefix, had already
 throughput. It prints a table and adds the run to profiles/results/serving.json (card, versions, command), keyed
 by model, trace and concurrency. --hf-baseline then times transformers' greedy generate on the same config
 (random weights, batch 1) and reports our batch-1 decode speed over it.
+
+`--sweep interleave=4,8,12 --repeat 2` replays once per value of an engine knob on one loaded model, alternating
+the values, and prints them side by side with each value's mean (serving.json keeps every run and a `sweep|...`
+summary). On the H200 one configuration's c16 figure moves by about 7% from run to run, within one process too,
+so compare variants this way rather than across processes.
 """
 import argparse
 import gc
@@ -312,6 +317,11 @@ def main(argv=None, model=None) -> dict:
                     help="prefill steps up to TOKENS replay CUDA graphs of their row-wise stretches "
                          "(EngineConfig.prefill_graph_tokens; 0: off)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
+                    help=f"replay once per value of an engine knob ({', '.join(ENGINE_KNOBS)}), one model load, "
+                         "and print the variants side by side")
+    ap.add_argument("--repeat", type=int, default=1, help="replay every variant this many times, alternating "
+                                                          "the variants (run-to-run spread on the GPU: ~7%%)")
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate (GPU)")
     ap.add_argument("--hf-prompt", type=int, default=8192, help="prompt tokens of the HF baseline")
     ap.add_argument("--hf-new", type=int, default=64, help="tokens the HF baseline generates")
@@ -320,10 +330,15 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--per-request", action="store_true", help="also print a row per request")
     args = ap.parse_args(argv)
+    knob, values = parse_sweep(args.sweep)
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
     out = sys.stdout
     device = pick_device(args.device)
     if args.hf_baseline and device.type != "cuda":
         raise SystemExit("--hf-baseline needs the GPU")
+    if args.hf_baseline and (knob or args.repeat > 1):
+        raise SystemExit("--hf-baseline times one replay: leave out --sweep and --repeat")
     args.device_name = device.type
     ops.set_backend(args.ops if args.ops != "auto" else ("triton" if device.type == "cuda" else "reference"))
     if model is None:
@@ -331,6 +346,63 @@ def main(argv=None, model=None) -> dict:
         model, what = load_model(args.model, device)
     else:
         args.model, what = args.model or "custom", "a given model"
+    if knob is None and args.repeat == 1:
+        return run_once(args, model, what, device, out)
+    return run_variants(args, model, what, device, out, knob, values)
+
+
+def parse_sweep(spec: str | None) -> tuple[str | None, list[int]]:
+    """--sweep KNOB=V1,V2,... -> (the ENGINE_KNOBS name, its int values); (None, []) without it."""
+    if spec is None:
+        return None, []
+    name, _, listed = spec.partition("=")
+    name = name.strip().replace("-", "_")
+    if name not in ENGINE_KNOBS:
+        raise SystemExit(f"--sweep: unknown knob {name!r}; one of {', '.join(ENGINE_KNOBS)}")
+    try:
+        values = [int(v) for v in listed.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--sweep {spec!r}: values must be integers") from None
+    if not values:
+        raise SystemExit(f"--sweep {spec!r}: give values, as in {name}=4,12")
+    return name, values
+
+
+def run_variants(args, model, what: str, device: torch.device, out, knob: str | None, values: list[int]) -> dict:
+    """Replay each value of knob (or the one configuration) args.repeat times, alternating them so that a drift of
+    the machine hits every variant alike; print and save the variants' figures side by side."""
+    rows = []
+    for rep in range(args.repeat):
+        for value in values or [None]:
+            if knob is not None:
+                setattr(args, knob, value)
+            out.write(f"=== {knob or 'run'} {'' if value is None else value}, repeat {rep + 1} of {args.repeat}\n")
+            overall = run_once(args, model, what, device, out)["overall"]
+            rows.append({"variant": "default" if value is None else f"{knob}={value}", "repeat": rep + 1,
+                         **{k: overall[k] for k in SWEEP_COLUMNS}})
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    means = [{"variant": v, "repeat": "mean",
+              **{k: mean([r[k] for r in rows if r["variant"] == v and r[k] is not None]) for k in SWEEP_COLUMNS}}
+             for v in dict.fromkeys(r["variant"] for r in rows)]
+    print_table(rows + (means if args.repeat > 1 else []), ["variant", "repeat", *SWEEP_COLUMNS], out)
+    summary = dict(model=args.model, trace=args.trace, concurrency=args.concurrency, knob=knob, values=values,
+                   repeat=args.repeat, command=command_line(), runs=rows, means=means)
+    key = f"sweep|{args.model}|{args.trace}|c{args.concurrency}|{args.device_name}|{knob or 'repeat'}"
+    out.write(f"wrote {save(summary, key, args.out_dir)}\n")
+    return summary
+
+
+SWEEP_COLUMNS = ("decode_tok_s", "ttft_return_p50_ms", "throughput_tok_s", "wall_s")
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def run_once(args, model, what: str, device: torch.device, out) -> dict:
+    """One replay of args' traces on a fresh engine: prints its table, adds it to serving.json and returns it."""
     traces = build_traces(args, model.config.vocab_size)
     if args.write_trace:
         write_jsonl(traces, args.write_trace)

@@ -111,3 +111,40 @@ def test_hf_baseline_needs_the_gpu():
     from serving import bench
     with pytest.raises(SystemExit, match="needs the GPU"):
         bench.main(["--device", "cpu", "--hf-baseline"])
+
+
+def test_bench_sweep_alternates_the_variants_and_saves_them_side_by_side(model, tmp_path, capsys, monkeypatch):
+    """--sweep KNOB=V1,V2 --repeat 2: one model, the variants alternated (v1, v2, v1, v2), each on a fresh engine
+    with that knob; a table of every run plus each variant's mean, and one summary entry in serving.json beside the
+    per-variant runs."""
+    seen = []
+    real_make_engine = bench.make_engine
+
+    def make_engine(m, args, ts):
+        seen.append(args.interleave)
+        return real_make_engine(m, args, ts)
+    monkeypatch.setattr(bench, "make_engine", make_engine)
+    summary = bench.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "2", "--max-new", "2",
+                          "--concurrency", "2", "--page-size", "8", "--out-dir", str(tmp_path), "--no-progress",
+                          "--sweep", "interleave=0,3", "--repeat", "2"], model=model)
+    assert seen == [0, 3, 0, 3]
+    assert [(r["variant"], r["repeat"]) for r in summary["runs"]] == [
+        ("interleave=0", 1), ("interleave=3", 1), ("interleave=0", 2), ("interleave=3", 2)]
+    assert all(r["decode_tok_s"] > 0 and r["wall_s"] > 0 for r in summary["runs"])
+    means = {m["variant"]: m for m in summary["means"]}
+    runs_0 = [r["decode_tok_s"] for r in summary["runs"] if r["variant"] == "interleave=0"]
+    assert means["interleave=0"]["decode_tok_s"] == pytest.approx(sum(runs_0) / 2)
+    printed = capsys.readouterr().out
+    assert printed.count("=== interleave") == 4 and "mean" in printed
+    saved = json.loads((tmp_path / "serving.json").read_text())["runs"]
+    assert "sweep|custom|short|c2|cpu|interleave" in saved
+    assert {k for k in saved if not k.startswith("sweep")} == {f"custom|short|c2|cpu|graphs|page_size8|interleave{n}"
+                                                               for n in (0, 3)}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sweep", "slices=4"], "unknown knob"), (["--sweep", "interleave=a,b"], "integers"),
+    (["--sweep", "interleave="], "give values"), (["--repeat", "0"], "--repeat")])
+def test_bench_refuses_a_bad_sweep(model, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        bench.main(["--device", "cpu", *argv], model=model)
