@@ -121,7 +121,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
     BVS: tl.constexpr = BV // NS  # the state columns of this program
     rk, rg, two = tl.arange(0, BK), tl.arange(0, G), tl.arange(0, 2)
     rv = split * BVS + tl.arange(0, BVS)
-    slot = tl.load(slots_ptr + seq)  # int64: every state offset below is 64-bit
+    slot = tl.load(slots_ptr + seq).to(tl.int64)  # every state offset below is 64-bit
     x_row = qkv_ptr + seq * stride_qkv  # the rows of qkv, z, b and a may be views into one projection
     z_row = z_ptr + seq * stride_z
     conv_row = conv_ptr + slot * (C * (K - 1))
@@ -214,7 +214,7 @@ def _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recur
     _expect("norm_w", norm_w, (dv,), (*io, torch.float32))
     _expect("conv_states", conv_states, (slots, c, kw - 1), io, contiguous=True)
     _expect("recurrent_states", recurrent_states, (slots, hv, dk, dv), (torch.float32,), contiguous=True)
-    _expect("state_slots", state_slots, (bsz,), (torch.int64,))
+    _expect("state_slots", state_slots, (bsz,), (torch.int32, torch.int64))
     if out is not None:
         _expect("out", out, (bsz, hv, dv), io, contiguous=True)
     dev = qkv.device
@@ -258,7 +258,7 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
                     num_k_heads, eps, out=None):
     """One decode token for each of B sequences. qkv: (B, C); z: (B, Hv, dv); b, a: (B, Hv); conv_w: (C, K);
     A_log, dt_bias: (Hv,); norm_w: (dv,); conv_states: (slots, C, K-1) in qkv's dtype and recurrent_states:
-    (slots, Hv, dk, dv) fp32, both updated in place at state_slots (B,) int64. Returns out (B, Hv, dv)."""
+    (slots, Hv, dk, dv) fp32, both updated in place at state_slots (B,) int32 or int64. Returns out (B, Hv, dv)."""
     bsz, hk, hv, dk, dv, kw = _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
                                           recurrent_states, state_slots, num_k_heads, out)
     if out is None:

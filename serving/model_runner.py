@@ -4,11 +4,12 @@ Two paths.
 - Eager: any mix of prefill chunks and decodes, flattened by serving.batch.build_step_input (host lists), with
   the page tables of the persistent slot table below.
 - Decode (every sequence brings one token): static-shape inputs, replayed from a CUDA graph on CUDA devices.
-  The host writes three int64 rows (token, position, state slot) for the batch into one pinned buffer, and
-  one non-blocking copy moves them. Everything else is derived on the device inside the graph:
+  The host writes five int32 rows for the batch into one pinned buffer (DECODE_INPUT_ROWS: token, position,
+  state slot, KV slot = pages[pos // page_size] * page_size + pos % page_size, seqused_k = pos + 1), and one
+  non-blocking copy moves them. The rest is gathered on the device inside the graph (three launches; deriving the
+  KV slots and seqused_k there took eight more small ones a step):
     page_table   = table[state_slots]                       (B, W) int32, W = ceil(max_model_len / page_size)
-    slot_mapping = page_table[b, pos // page_size] * page_size + pos % page_size
-    seqused_k    = pos + 1;  cu_seqlens = arange(B + 1);  cos, sin = rope tables at pos
+    cu_seqlens = arange(B + 1);  cos, sin = rope tables at pos
   `table` is a persistent device page table with one row per GDN state slot: a running sequence owns its slot,
   so its row is its page list. Rows are synced lazily: the runner remembers, per slot, which pages list object
   it copied and how far; a sequence that was released and readmitted gets a new list (block_manager.free and
@@ -62,6 +63,9 @@ def graphs_unsupported(model: Qwen35ForCausalLM) -> str | None:
     return None
 
 
+DECODE_INPUT_ROWS = 5  # a decode step's host-built rows: token, position, state slot, KV slot, cached tokens
+
+
 class ModelRunner:
     def __init__(self, model: Qwen35ForCausalLM, pools: CachePools, *, page_size: int, max_model_len: int,
                  max_num_seqs: int, dummy_page: int, dummy_slot: int, graph_sizes: tuple[int, ...] = (),
@@ -82,10 +86,12 @@ class ModelRunner:
         dev = self.device
         self.table = torch.full((pools.num_slots, self.width), dummy_page, dtype=torch.int32, device=dev)
         self._synced: list[tuple[list[int], int] | None] = [None] * pools.num_slots
-        # a batch of bs reads inputs[:3 * bs] as (3, bs) rows: token, position, state slot (contiguous, so one
-        # plain copy from the pinned host buffer fills it; each captured size has its own fixed view)
-        self.inputs = torch.zeros(3 * self.max_decode, dtype=torch.int64, device=dev)
-        self._host = torch.zeros(3 * self.max_decode, dtype=torch.int64, pin_memory=cuda)
+        # a batch of bs reads inputs[:ROWS * bs] as (DECODE_INPUT_ROWS, bs) int32 rows: token, position, state
+        # slot, KV slot (slot_mapping) and cached tokens (seqused_k), all from the host, so the graph computes none
+        # of them (contiguous: one plain copy from the pinned host buffer fills it; each captured size has its own
+        # fixed view)
+        self.inputs = torch.zeros(DECODE_INPUT_ROWS * self.max_decode, dtype=torch.int32, device=dev)
+        self._host = torch.zeros(DECODE_INPUT_ROWS * self.max_decode, dtype=torch.int32, pin_memory=cuda)
         self._upd = torch.zeros(0, dtype=torch.int64)  # page-table updates (3, k) flat: row, column, page
         self._events: dict[int, torch.cuda.Event] = {}  # staging buffer -> the event after its last copy
         self.cu_seqlens = torch.arange(self.max_decode + 1, dtype=torch.int32, device=dev)
@@ -159,24 +165,29 @@ class ModelRunner:
         n = len(rows)
         bs = self.padded_size(n)
         self.sync_page_tables([c.seq for c in rows])
-        tokens, positions, slots = [], [], []
+        tokens, positions, slots, kv_slots = [], [], [], []
+        ps = self.page_size
         for c in rows:
             seq, p = c.seq, c.start
             n_prompt = len(seq.prompt_ids)
             tokens.append(seq.prompt_ids[p] if p < n_prompt else seq.output_ids[p - n_prompt])
             positions.append(p)
             slots.append(seq.state_slot)
+            kv_slots.append(seq.pages[p // ps] * ps + p % ps)
         pad = bs - n
-        values = tokens + [0] * pad + positions + [0] * pad + slots + [self.dummy_slot] * pad
+        values = (tokens + [0] * pad + positions + [0] * pad + slots + [self.dummy_slot] * pad
+                  + kv_slots + [self.dummy_page * ps] * pad + [p + 1 for p in positions] + [1] * pad)
         if self.link is not None:
             self.link.send("decode", (bs, n, values))
         return self.decode_values(bs, n, values)
 
     def decode_values(self, bs: int, n: int, values: list[int]) -> torch.Tensor:
-        """The decode step of n rows padded to bs: values holds the (3, bs) rows token, position, state slot."""
+        """The decode step of n rows padded to bs: values holds the (DECODE_INPUT_ROWS, bs) rows token, position,
+        state slot, KV slot, cached tokens (padding rows: token 0 at position 0 of the dummy slot and page)."""
+        size = DECODE_INPUT_ROWS * bs
         self._wait(self._host)
-        self._host.numpy()[:3 * bs] = values
-        self.inputs[:3 * bs].copy_(self._host[:3 * bs], non_blocking=True)
+        self._host.numpy()[:size] = values
+        self.inputs[:size].copy_(self._host[:size], non_blocking=True)
         self._record(self._host)
         graph = self.graphs.get(bs)
         if graph is not None:
@@ -200,10 +211,8 @@ class ModelRunner:
 
     def _decode_forward(self, bs: int, zero_dummy: bool) -> torch.Tensor:
         """The decode step of inputs[:, :bs] (what a graph captures): logits (bs, vocab)."""
-        tokens, positions, slots = self.inputs[:3 * bs].view(3, bs)
-        ps = self.page_size
+        tokens, positions, slots, slot_mapping, seqused_k = self.inputs[:DECODE_INPUT_ROWS * bs].view(-1, bs)
         page_table = self.table.index_select(0, slots)  # (bs, W)
-        slot_mapping = page_table.gather(1, (positions // ps)[:, None])[:, 0].long() * ps + positions % ps
         if self.rope is not None:
             cos, sin = self.rope[0].index_select(0, positions), self.rope[1].index_select(0, positions)
         else:
@@ -212,7 +221,7 @@ class ModelRunner:
             self.pools.conv_states[:, self.dummy_slot].zero_()
             self.pools.recurrent_states[:, self.dummy_slot].zero_()
         step = StepInput(token_ids=tokens, positions=positions, cu_seqlens=self.cu_seqlens[:bs + 1], max_seqlen_q=1,
-                         seqused_k=(positions + 1).to(torch.int32), page_table=page_table, slot_mapping=slot_mapping,
+                         seqused_k=seqused_k, page_table=page_table, slot_mapping=slot_mapping,
                          state_slots=slots, cos=cos, sin=sin)
         with decode_step_rows():  # eager: the projections' kernels of the captured step
             return self.model.forward_step(step, self.pools, all_logits=True)
@@ -264,8 +273,9 @@ class ModelRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
+            padding = torch.tensor([[0], [0], [self.dummy_slot], [self.dummy_page * self.page_size], [1]])
             for bs in self.graph_sizes:  # every row a padding row: token 0 at position 0 in the dummy slot
-                self.inputs[:3 * bs].view(3, bs).copy_(torch.tensor([[0], [0], [self.dummy_slot]]).expand(3, bs))
+                self.inputs[:DECODE_INPUT_ROWS * bs].view(-1, bs).copy_(padding.expand(-1, bs))
                 self._decode_forward(bs, zero_dummy=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)

@@ -6,7 +6,7 @@ the workers what its ModelRunner is about to run, as host data over a gloo group
 int64 buffer per model call, a second one only for a message longer than the buffer; encode / decode below):
 - the cache edits since the last message, in order: GDN slot resets and snapshot copies (the scheduler's, through
   RecordingPools) and page-table row updates;
-- then the call: a decode of n rows padded to bs (its (3, bs) token / position / slot rows), or an eager step's
+- then the call: a decode of n rows padded to bs (its DECODE_INPUT_ROWS rows of bs ints), or an eager step's
   flat lists (serving.batch.StepLists), or "stop".
 A worker (serve_worker) applies the edits to its own pools and runs the same ModelRunner method on the same host
 data, so every rank enqueues the same kernels and collectives, graphs included; the logits (gathered on every
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from model.cache import CachePools
 from model.parallel import ParallelContext, init_parallel
 from serving.batch import StepLists
+from serving.model_runner import DECODE_INPUT_ROWS
 
 log = logging.getLogger("serving")
 
@@ -112,9 +113,9 @@ _EDITS = ("table", "reset", "copy")
 
 def encode(kind: str, edits: list[tuple], payload) -> list[int]:
     """[kind, #edits, edits..., payload...]: table = [0, k, rows, cols, vals], reset = [1, k, slots],
-    copy = [2, src, dst]; decode = [bs, n, values (3 * bs)]; eager = [max_seqlen_q, N, B, tokens, positions,
-    slot_mapping (N each), cu_seqlens (B + 1), seqused_k, state_slots, snapshot_offsets, snapshot_slots (B each)];
-    stop = []."""
+    copy = [2, src, dst]; decode = [bs, n, values (DECODE_INPUT_ROWS * bs)]; eager = [max_seqlen_q, N, B, tokens,
+    positions, slot_mapping (N each), cu_seqlens (B + 1), seqused_k, state_slots, snapshot_offsets, snapshot_slots
+    (B each)]; stop = []."""
     out = [_KINDS.index(kind), len(edits)]
     for edit in edits:
         out.append(_EDITS.index(edit[0]))
@@ -154,7 +155,7 @@ def decode(message: list[int]) -> tuple[str, list[tuple], object]:
     kind, payload = _KINDS[message[0]], None
     if kind == "decode":
         bs, n = message[i], message[i + 1]
-        payload = (bs, n, message[i + 2:i + 2 + 3 * bs])
+        payload = (bs, n, message[i + 2:i + 2 + DECODE_INPUT_ROWS * bs])
     elif kind == "eager":
         q, n, b = message[i:i + 3]
         i += 3

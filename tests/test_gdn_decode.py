@@ -49,13 +49,13 @@ def assert_close(out, ref, tol, what):
 
 
 def run_steps(hk, hv, dk, dv, dtype, bsz, n_slots, steps, tol_out, tol_state, seed=0, device=DEVICE,
-              norm_dtype=None):
+              norm_dtype=None, slot_dtype=torch.int64):
     """Decode `steps` tokens with the kernel and the reference from the same pools; compare after each step.
     norm_w is in the io dtype unless norm_dtype says otherwise."""
     gen = torch.Generator().manual_seed(seed)
     conv_w, a_log, dt_bias, norm_w, conv0, rec0 = make_layer(gen, hk, hv, dk, dv, dtype, n_slots, device)
     conv_w, norm_w = conv_w.to(dtype), norm_w.to(norm_dtype or dtype)
-    slots = torch.randperm(n_slots, generator=gen)[:bsz].to(device)
+    slots = torch.randperm(n_slots, generator=gen)[:bsz].to(device, slot_dtype)
     untouched = torch.ones(n_slots, dtype=torch.bool, device=device)
     untouched[slots] = False
     k_conv, k_rec, r_conv, r_rec = conv0.clone(), rec0.clone(), conv0.clone(), rec0.clone()
@@ -83,8 +83,9 @@ TOLS = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-4)}  # (output, re
 
 @pytest.mark.parametrize("dtype,shape,bsz", CASES, ids=lambda x: str(x).replace("torch.", "").replace(", ", "-"))
 def test_matches_reference(dtype, shape, bsz):
+    # slots of either integer type: int32 in the fp16 cases (as the engine's decode steps pass them), else int64
     run_steps(*shape, dtype, bsz, n_slots=bsz + 3, steps=3, tol_out=TOLS[dtype][0], tol_state=TOLS[dtype][1],
-              seed=bsz)
+              seed=bsz, slot_dtype=torch.int32 if dtype == torch.float16 else torch.int64)
 
 
 def test_split_launches_leave_counters_at_zero():
@@ -168,7 +169,7 @@ BAD_ARGS = [  # (the argument the error must name, a function of the valid argum
     ("recurrent_states", lambda d: d["recurrent_states"].half()),
     ("recurrent_states", lambda d: d["recurrent_states"].transpose(2, 3)),
     ("qkv", lambda d: d["qkv"][:, 1:]),
-    ("state_slots", lambda d: d["state_slots"].int()),
+    ("state_slots", lambda d: d["state_slots"].float()),
     ("state_slots", lambda d: d["state_slots"][:1]),
     ("num_k_heads", lambda d: 3),
     ("z", lambda d: d["z"].half()),
