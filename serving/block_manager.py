@@ -74,6 +74,8 @@ class KVBlockManager:
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's pages to hold num_tokens tokens; False (and nothing taken) when the pool cannot."""
         need = self.pages_needed(seq, num_tokens)
+        if need == 0:  # most decode steps
+            return True
         if need > self.num_available_pages:
             return False
         seq.pages.extend(self.take_page() for _ in range(need))
@@ -90,6 +92,8 @@ class KVBlockManager:
     def publish_computed_pages(self, seq: Sequence) -> None:
         """Publish seq's pages that are now full of computed tokens."""
         full = seq.num_computed_tokens // self.page_size
+        if full <= seq.num_published_pages:  # most decode steps: no page filled (and no list of hashes to copy)
+            return
         hashes = seq.page_hashes(full, self.page_size)
         for i in range(seq.num_published_pages, full):
             self.publish(seq.pages[i], hashes[i])

@@ -105,6 +105,17 @@ class Sequence:
 
     def page_hashes(self, num_pages: int, page_size: int) -> list[PageKey]:
         """The chain hashes of the first num_pages full pages (tokens only grow, so they are memoised)."""
+        self._hash_pages(num_pages, page_size)
+        return self._page_hashes[:num_pages]
+
+    def page_hash(self, num_pages: int, page_size: int) -> PageKey:
+        """The chain hash of the first num_pages (>= 1) full pages: page_hashes(...)[-1] without the list copy."""
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self._hash_pages(num_pages, page_size)
+        return self._page_hashes[num_pages - 1]
+
+    def _hash_pages(self, num_pages: int, page_size: int) -> None:
         if num_pages * page_size > self.num_tokens:
             raise ValueError(f"{num_pages} pages of {page_size} exceed the {self.num_tokens} tokens")
         done = len(self._page_hashes)
@@ -115,7 +126,6 @@ class Sequence:
             for offset in range(0, len(new), width):
                 prev = page_hash(prev, new[offset:offset + width])
                 self._page_hashes.append(prev)
-        return self._page_hashes[:num_pages]
 
     def known_page_hashes(self) -> list[PageKey]:
         """The chain hashes computed so far (of the first len(...) full pages)."""
