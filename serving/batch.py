@@ -56,7 +56,7 @@ def flatten_chunks(chunks: list[ScheduledChunk], page_size: int) -> StepLists:
         tokens += c.seq.token_slice(c.start, c.end)
         span = range(c.start, c.end)
         positions += span
-        slot_mapping += [c.seq.pages[p // page_size] * page_size + p % page_size for p in span]
+        slot_mapping += [c.seq.kv_slot(p, page_size) for p in span]
         cu_seqlens.append(cu_seqlens[-1] + c.num_tokens)
     return StepLists(tokens, positions, slot_mapping, cu_seqlens, [c.end for c in chunks],
                      [c.seq.state_slot for c in chunks], max(c.num_tokens for c in chunks), offsets, snap_slots)

@@ -78,6 +78,8 @@ class ModelRunner:
         self.cfg = model.config
         self.device = model.lm_head.weight.device
         self.dummy_page, self.dummy_slot = dummy_page, dummy_slot
+        # the DECODE_INPUT_ROWS values of a padding row: token 0 at position 0 of the dummy slot and dummy page
+        self.padding_row = (0, 0, dummy_slot, dummy_page * page_size, 1)
         self.width = -(-max_model_len // page_size)  # pages per sequence in decode page tables
         self.graph_sizes = tuple(sorted(graph_sizes))
         self.use_graphs = use_graphs and self.device.type == "cuda" and bool(graph_sizes)
@@ -166,17 +168,16 @@ class ModelRunner:
         bs = self.padded_size(n)
         self.sync_page_tables([c.seq for c in rows])
         tokens, positions, slots, kv_slots = [], [], [], []
-        ps = self.page_size
         for c in rows:
             seq, p = c.seq, c.start
             n_prompt = len(seq.prompt_ids)
             tokens.append(seq.prompt_ids[p] if p < n_prompt else seq.output_ids[p - n_prompt])
             positions.append(p)
             slots.append(seq.state_slot)
-            kv_slots.append(seq.pages[p // ps] * ps + p % ps)
+            kv_slots.append(seq.kv_slot(p, self.page_size))
         pad = bs - n
-        values = (tokens + [0] * pad + positions + [0] * pad + slots + [self.dummy_slot] * pad
-                  + kv_slots + [self.dummy_page * ps] * pad + [p + 1 for p in positions] + [1] * pad)
+        rows_of = (tokens, positions, slots, kv_slots, [p + 1 for p in positions])
+        values = [v for row, padding in zip(rows_of, self.padding_row) for v in row + [padding] * pad]
         if self.link is not None:
             self.link.send("decode", (bs, n, values))
         return self.decode_values(bs, n, values)
@@ -273,8 +274,8 @@ class ModelRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            padding = torch.tensor([[0], [0], [self.dummy_slot], [self.dummy_page * self.page_size], [1]])
-            for bs in self.graph_sizes:  # every row a padding row: token 0 at position 0 in the dummy slot
+            padding = torch.tensor(self.padding_row)[:, None]
+            for bs in self.graph_sizes:  # every row a padding row
                 self.inputs[:DECODE_INPUT_ROWS * bs].view(-1, bs).copy_(padding.expand(-1, bs))
                 self._decode_forward(bs, zero_dummy=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)

@@ -210,7 +210,7 @@ class Scheduler:
 
     def _key_at(self, seq: Sequence, n: int) -> PageKey:
         """The snapshot key of seq's state after n tokens (page-aligned): the hash of the page that ends there."""
-        return seq.page_hash(n // self.page_size, self.page_size)
+        return seq.page_key(n // self.page_size, self.page_size)
 
     def _release(self, seq: Sequence) -> None:
         """Give back seq's pages and slot; its rolling snapshot is published for later requests."""

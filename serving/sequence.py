@@ -103,12 +103,16 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def kv_slot(self, position: int, page_size: int) -> int:
+        """The flat KV-pool slot of the token at position (page * page_size + offset)."""
+        return self.pages[position // page_size] * page_size + position % page_size
+
     def page_hashes(self, num_pages: int, page_size: int) -> list[PageKey]:
         """The chain hashes of the first num_pages full pages (tokens only grow, so they are memoised)."""
         self._hash_pages(num_pages, page_size)
         return self._page_hashes[:num_pages]
 
-    def page_hash(self, num_pages: int, page_size: int) -> PageKey:
+    def page_key(self, num_pages: int, page_size: int) -> PageKey:
         """The chain hash of the first num_pages (>= 1) full pages: page_hashes(...)[-1] without the list copy."""
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")

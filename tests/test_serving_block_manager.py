@@ -38,11 +38,11 @@ def test_page_keys_are_a_hash_chain_over_prompt_and_output(tokens, split, grow, 
     assert all(isinstance(k, bytes) and len(k) == 32 for k in whole.page_hashes(n, PAGE))
     assert len(set(whole.page_hashes(n, PAGE))) == n
     # one page's key alone (a snapshot key) is the chain's entry, asked for first or after the list
-    assert [new_seq(tokens).page_hash(i, PAGE) for i in range(1, n + 1)] == whole.page_hashes(n, PAGE)
+    assert [new_seq(tokens).page_key(i, PAGE) for i in range(1, n + 1)] == whole.page_hashes(n, PAGE)
     with pytest.raises(ValueError, match="num_pages"):
-        whole.page_hash(0, PAGE)
+        whole.page_key(0, PAGE)
     with pytest.raises(ValueError, match="exceed"):
-        whole.page_hash(n + 1, PAGE)
+        whole.page_key(n + 1, PAGE)
     if change < n * PAGE:
         edited = list(tokens)
         edited[change] = (edited[change] + 1 + grow) % 248_320
