@@ -288,7 +288,7 @@ class FlashAttentionForwardSm90:
                                 if S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
                                                            cfg.rescale_threshold, cfg.poly_exp2_fraction):
                                     S.rescale_o(acc_o, row_scale)
-                                tOrP_as_s.store(acc_s.load().to(self.dtype))
+                                S.store_p(acc_s, tOrP_as_s)
                                 v_pipe.consumer_wait(v_state)
                                 self.zero_ragged_v(sV, v_state.index, n_block, seqlen_k, tid, cwg)
                                 warpgroup.fence()
@@ -317,7 +317,7 @@ class FlashAttentionForwardSm90:
                                              n_tile)
                             S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
                                                     cfg.rescale_threshold, cfg.poly_exp2_fraction)  # O is 0 yet
-                            tOrP_as_s.store(acc_s.load().to(self.dtype))
+                            S.store_p(acc_s, tOrP_as_s)
                             for i in cutlass.range(1, n_max, unroll=1):
                                 n_block = n_max - 1 - i
                                 k_pipe.consumer_wait(k_state)
@@ -345,7 +345,7 @@ class FlashAttentionForwardSm90:
                                 v_state.advance()
                                 if need:
                                     S.rescale_o(acc_o, row_scale)
-                                tOrP_as_s.store(acc_s.load().to(self.dtype))
+                                S.store_p(acc_s, tOrP_as_s)
                             v_pipe.consumer_wait(v_state)
                             self.zero_ragged_v(sV, v_state.index, 0, seqlen_k, tid, cwg)
                             P.pingpong_wait(cwg, pingpong)

@@ -148,6 +148,25 @@ def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale:
     return need
 
 
+@dsl_user_op
+def _bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """One register of two bf16, rounded to nearest: lo in the low half (the lower column)."""
+    return Int32(llvm.inline_asm(T.i32(), [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+                                 "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@cute.jit
+def store_p(acc_s: cute.Tensor, p_as_s: cute.Tensor):
+    """P = acc_s's probabilities in bf16, into the PV A fragment p_as_s (seen with acc_s's layout: compact, adjacent
+    columns in adjacent registers). The conversions are asm with side effects, so the compiler keeps them here.
+    As plain conversions it sank them past the next QK^T's issue, to their use by the next PV: the old scores then
+    stayed live beside the new ones (spills at tile_n 176, ptxas-injected wgmma fences at every tile size)."""
+    words = cute.recast_tensor(p_as_s, Int32)
+    for i in cutlass.range_constexpr(cute.size(words)):
+        words[i] = _bf16x2(acc_s[2 * i], acc_s[2 * i + 1])
+
+
 @cute.jit
 def rescale_o(acc_o: cute.Tensor, row_scale: cute.Tensor):
     """O rows *= row_scale (after `online_softmax_update` returned True)."""
