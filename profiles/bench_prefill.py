@@ -172,8 +172,9 @@ def bench_agent_row(cute=False):
     return row
 
 
-def bench_cute_case(batch, seqlen, h, kv, d, causal):
-    """The CuTe kernel with each CUTE_VARIANTS entry against flash-attn-4 and cuDNN, TFLOP/s."""
+def bench_cute_case(batch, seqlen, h, kv, d, causal, labels=None):
+    """The CuTe kernel with each CUTE_VARIANTS entry (those named in labels, when given) against flash-attn-4 and
+    cuDNN, TFLOP/s."""
     from fa4.cute.entry import cute_attention
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(batch, seqlen, h, d, device="cuda", dtype=BF16, generator=gen)
@@ -181,7 +182,7 @@ def bench_cute_case(batch, seqlen, h, kv, d, causal):
     flops = attention_flops(batch, seqlen, h, d, causal)
     row = {"B": batch, "S": seqlen, "H/KV": f"{h}/{kv}", "D": d, "causal": causal}
     for label, by_dim in CUTE_VARIANTS:
-        if d not in by_dim:
+        if d not in by_dim or (labels and label not in labels):
             continue
         try:
             fn = functools.partial(cute_attention, q, k, v, causal=causal, softmax_scale=d ** -0.5, **by_dim[d])
@@ -225,7 +226,13 @@ def main(argv=None):
     ap.add_argument("--only", action="append", choices=PARTS,
                     help="run these parts only (repeatable); their keys are merged into an existing prefill.json")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the plots from a prefill.json (into --out)")
+    ap.add_argument("--cute-variants", default=None, metavar="A,B",
+                    help="the cute part runs only these CUTE_VARIANTS labels (default: all)")
     args = ap.parse_args(argv)
+    labels = args.cute_variants.split(",") if args.cute_variants else None
+    unknown = set(labels or ()) - {label for label, _ in CUTE_VARIANTS}
+    if unknown:
+        ap.error(f"--cute-variants: unknown {sorted(unknown)}; known {[label for label, _ in CUTE_VARIANTS]}")
     if args.plot:
         plot_all(json.loads(Path(args.plot).read_text()), Path(args.out))
         return
@@ -256,7 +263,7 @@ def main(argv=None):
         print(f"\ncausal H32 d128, {CURVE[0]} tokens a call, TFLOP/s against seqlen")
         print_table(result["curve"], ["S", "B", "ours_TFLOPs", "fa4_TFLOPs", "cudnn_TFLOPs", "vs_fa4"])
     if "cute" in parts:
-        result["cute"] = [progress(bench_cute_case(*c)) for c in ATTN_CASES[:4]]
+        result["cute"] = [progress(bench_cute_case(*c, labels=labels)) for c in ATTN_CASES[:4]]
         print("\nCuTe-DSL kernel (fa4/cute), bf16, TFLOP/s per variant, against flash-attn-4 and cuDNN")
         print_table(result["cute"], ["B", "S", "H/KV", "D", "causal", *[f"cute_{v[0]}_TFLOPs" for v in CUTE_VARIANTS],
                                      "fa4_TFLOPs", "cudnn_TFLOPs", "cute_best", "cute_best_vs_fa4"])
