@@ -54,7 +54,7 @@ def _input_tile(x_ptr, res_ptr, rows, k, M, K, x_stride, res_stride, ADD: tl.con
 def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, next_ptr, M, N, K, x_stride, w_stride,
                    out_stride, res_stride, sum_stride, next_bytes, piece, eps, ROWS: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, INPUT: tl.constexpr,
-                   ADD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                   ADD: tl.constexpr, PDL: tl.constexpr, PREFETCH_THREADS: tl.constexpr):
     # out[m, n] = sum_k in[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS rows m.
     # INPUT: PLAIN, in = x; GATED, x (M, 2K) is SwiGLU's [gate | up] and in = silu(gate) * up; NORM, in =
     # rms_norm(s) with s = x (+ residual when ADD), each rounded to x's dtype as the unfused ops round, and the
@@ -100,26 +100,25 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, next_ptr
     y = tl.sum(acc, axis=2)                                                  # (ROWS, BLOCK_N)
     out_mask = (rows[:, None] < M) & (n[None, :] < N)
     tl.store(out_ptr + rows[:, None] * out_stride + n[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
-    if PREFETCH:
-        _prefetch_l2(next_ptr, next_bytes, piece)
+    if PREFETCH_THREADS > 0:
+        _prefetch_l2(next_ptr, next_bytes, piece, PREFETCH_THREADS)
 
 
 @triton.jit
-def _prefetch_l2(next_ptr, next_bytes, piece):
-    # this program's share of the next GEMV's first bytes into L2: the `piece` bytes (a multiple of 16) at
-    # program_id * piece, clipped to next_bytes, in one bulk prefetch by thread 0 (one TMA operation a program)
-    start = tl.full([1], tl.program_id(0), tl.int64) * piece                   # (1,)
+def _prefetch_l2(next_ptr, next_bytes, piece, THREADS: tl.constexpr):
+    # this program's share of the next GEMV's first bytes into L2: thread t of program p the `piece` bytes (a
+    # multiple of 16) at (p * THREADS + t) * piece, clipped to next_bytes; one bulk prefetch each, no registers
+    start = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64) * piece  # (THREADS,)
     size = tl.minimum(tl.maximum(next_bytes - start, 0), piece).to(tl.int32)
     tl.inline_asm_elementwise(
-        "{ .reg .pred p, q; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.ne.s32 q, $2, 0; "
-        "and.pred p, p, q; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [next_ptr.to(tl.pointer_type(tl.int8)) + start, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, next_ptr, M, N, K, x_stride, w_stride, out_stride, next_bytes, piece,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH_THREADS: tl.constexpr):
     # out[m, n] = sum_k x[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS (>= 16) rows
     # on the tensor cores: acc (BLOCK_N, ROWS) += w tile (BLOCK_N, BLOCK_K) @ x tile^T (BLOCK_K, ROWS), both tiles
     # streamed through a STAGES-deep shared-memory ring
@@ -138,8 +137,8 @@ def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, next_ptr, M, N, K, x_stride, w_strid
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
     out_mask = (rows[None, :] < M) & (n[:, None] < N)
     tl.store(out_ptr + rows[None, :] * out_stride + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    if PREFETCH:
-        _prefetch_l2(next_ptr, next_bytes, piece)
+    if PREFETCH_THREADS > 0:
+        _prefetch_l2(next_ptr, next_bytes, piece, PREFETCH_THREADS)
 
 
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps) for one row: the fastest plan of `python -m profiles.bench_decode
@@ -215,23 +214,24 @@ def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=
     rows, programs = next_power_of_2(m), cdiv(n, block_n)
     res2 = x2 if res2 is None else res2
     launch = pdl.launch_options(x2.device)
-    nxt, total, piece, prefetch = _prefetch_args(weight, programs, launch["PDL"])
+    nxt, total, piece, threads = _prefetch_args(weight, programs, warps, launch["PDL"])
     _linear_kernel[(programs,)](
         x2, weight, o2, res2, x2 if norm_w is None else norm_w, x2 if s2 is None else s2, nxt, m, n, k,
         x2.stride(0), weight.stride(0), o2.stride(0), res2.stride(0), 0 if s2 is None else s2.stride(0), total, piece,
         float(eps), ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, INPUT=mode.value,
         NORM_BLOCK=max(block_k, min(next_power_of_2(k), NORM_ELEMENTS // rows)), ADD=s2 is not None,
-        PREFETCH=prefetch, num_warps=warps, **launch)
+        PREFETCH_THREADS=threads, num_warps=warps, **launch)
 
 
-def _prefetch_args(weight, programs: int, on: bool) -> tuple[torch.Tensor, int, int, bool]:
-    """(next weight, bytes to prefetch, bytes per program, whether to) of a launch on weight (kernels.prefetch_chain);
-    on: sm_90+ (bulk prefetch; PDL's switch), not the interpreter (no asm there)."""
+def _prefetch_args(weight, programs: int, warps: int, on: bool) -> tuple[torch.Tensor, int, int, int]:
+    """(next weight, bytes to prefetch, bytes per thread, threads a program: 0 for none) of a launch on weight
+    (kernels.prefetch_chain); on: sm_90+ (bulk prefetch; PDL's switch), not the interpreter (no asm there)."""
     nxt = prefetch_chain.following(weight)
     if nxt is None or not on:
-        return weight, 0, 0, False
+        return weight, 0, 0, 0
+    threads = 32 * warps
     total = min(prefetch_chain.prefetch_bytes(), nxt.numel() * nxt.element_size())
-    return nxt, total, 16 * cdiv(total, 16 * programs), True
+    return nxt, total, 16 * cdiv(total, 16 * programs * threads), threads
 
 
 def _rows_dot(x2, weight, o2, plan):
@@ -244,11 +244,11 @@ def _rows_dot(x2, weight, o2, plan):
         return
     block_n, block_k, stages, warps = plan or dot_plan(n, k)
     programs, launch = cdiv(n, block_n), pdl.launch_options(x2.device)
-    nxt, total, piece, prefetch = _prefetch_args(weight, programs, launch["PDL"])
+    nxt, total, piece, threads = _prefetch_args(weight, programs, warps, launch["PDL"])
     _rows_dot_kernel[(programs,)](
         x2, weight, o2, nxt, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0), total, piece,
         ROWS=max(16, next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", PREFETCH=prefetch, num_warps=warps,
+        DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", PREFETCH_THREADS=threads, num_warps=warps,
         **launch)
 
 

@@ -187,10 +187,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from kernels import linear as L
-for mode, add, prefetch in ((L.PLAIN, False, False), (L.GATED, False, False), (L.NORM, False, False),
-                            (L.NORM, True, False), (L.PLAIN, False, True)):
+for mode, add, prefetch in ((L.PLAIN, False, 0), (L.GATED, False, 0), (L.NORM, False, 0), (L.NORM, True, 0),
+                            (L.PLAIN, False, 128)):
     const = dict(ROWS=2, BLOCK_N=4, BLOCK_K=512, NORM_BLOCK=2048, INPUT=mode.value, ADD=add, PDL=True,
-                 PREFETCH=prefetch)
+                 PREFETCH_THREADS=prefetch)
     sig = {n: "constexpr" if n in const else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
            for n in L._linear_kernel.arg_names}
     ptx = triton.compile(ASTSource(L._linear_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
@@ -198,7 +198,7 @@ for mode, add, prefetch in ((L.PLAIN, False, False), (L.GATED, False, False), (L
     print(ptx.count("griddepcontrol"), ptx.count("st.global"), ptx.count("cp.async.bulk.prefetch.L2"), flush=True)
 for warps in (1, 4):
     const = dict(ROWS=16, BLOCK_N=16 * warps, BLOCK_K=256, STAGES=4, DOT_PRECISION="tf32", PDL=True,
-                 PREFETCH=True)
+                 PREFETCH_THREADS=32 * warps)
     sig = {n: "constexpr" if n in const else "*bf16" if n.endswith("_ptr") else "i32"
            for n in L._rows_dot_kernel.arg_names}
     aligned = {(L._rows_dot_kernel.arg_names.index(n),): [["tt.divisibility", 16]]  # as the JIT specializes
