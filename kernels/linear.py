@@ -116,9 +116,9 @@ def _prefetch_l2(next_ptr, next_bytes, piece, THREADS: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, next_ptr, M, N, K, x_stride, w_stride, out_stride, next_bytes, piece,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH_THREADS: tl.constexpr):
+def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride, ROWS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     # out[m, n] = sum_k x[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS (>= 16) rows
     # on the tensor cores: acc (BLOCK_N, ROWS) += w tile (BLOCK_N, BLOCK_K) @ x tile^T (BLOCK_K, ROWS), both tiles
     # streamed through a STAGES-deep shared-memory ring
@@ -137,8 +137,6 @@ def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, next_ptr, M, N, K, x_stride, w_strid
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
     out_mask = (rows[None, :] < M) & (n[:, None] < N)
     tl.store(out_ptr + rows[None, :] * out_stride + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    if PREFETCH_THREADS > 0:
-        _prefetch_l2(next_ptr, next_bytes, piece, PREFETCH_THREADS)
 
 
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps) for one row: the fastest plan of `python -m profiles.bench_decode
@@ -214,24 +212,17 @@ def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=
     rows, programs = next_power_of_2(m), cdiv(n, block_n)
     res2 = x2 if res2 is None else res2
     launch = pdl.launch_options(x2.device)
-    nxt, total, piece, threads = _prefetch_args(weight, programs, warps, launch["PDL"])
-    _linear_kernel[(programs,)](
-        x2, weight, o2, res2, x2 if norm_w is None else norm_w, x2 if s2 is None else s2, nxt, m, n, k,
-        x2.stride(0), weight.stride(0), o2.stride(0), res2.stride(0), 0 if s2 is None else s2.stride(0), total, piece,
-        float(eps), ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, INPUT=mode.value,
-        NORM_BLOCK=max(block_k, min(next_power_of_2(k), NORM_ELEMENTS // rows)), ADD=s2 is not None,
-        PREFETCH_THREADS=threads, num_warps=warps, **launch)
-
-
-def _prefetch_args(weight, programs: int, warps: int, on: bool) -> tuple[torch.Tensor, int, int, int]:
-    """(next weight, bytes to prefetch, bytes per thread, threads a program: 0 for none) of a launch on weight
-    (kernels.prefetch_chain); on: sm_90+ (bulk prefetch; PDL's switch), not the interpreter (no asm there)."""
     nxt = prefetch_chain.following(weight)
-    if nxt is None or not on:
-        return weight, 0, 0, 0
-    threads = 32 * warps
-    total = min(prefetch_chain.prefetch_bytes(), nxt.numel() * nxt.element_size())
-    return nxt, total, 16 * cdiv(total, 16 * programs * threads), threads
+    nxt = nxt if launch["PDL"] else None  # sm_90+ has the bulk prefetch; the interpreter runs no asm
+    threads = 0 if nxt is None else 32 * warps
+    total = 0 if nxt is None else min(prefetch_chain.prefetch_bytes(), nxt.numel() * nxt.element_size())
+    piece = 16 * cdiv(total, 16 * programs * max(threads, 1))  # bytes each thread prefetches
+    _linear_kernel[(programs,)](
+        x2, weight, o2, res2, x2 if norm_w is None else norm_w, x2 if s2 is None else s2,
+        weight if nxt is None else nxt, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0), res2.stride(0),
+        0 if s2 is None else s2.stride(0), total, piece, float(eps), ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
+        INPUT=mode.value, NORM_BLOCK=max(block_k, min(next_power_of_2(k), NORM_ELEMENTS // rows)),
+        ADD=s2 is not None, PREFETCH_THREADS=threads, num_warps=warps, **launch)
 
 
 def _rows_dot(x2, weight, o2, plan):
@@ -243,13 +234,11 @@ def _rows_dot(x2, weight, o2, plan):
         o2.zero_()
         return
     block_n, block_k, stages, warps = plan or dot_plan(n, k)
-    programs, launch = cdiv(n, block_n), pdl.launch_options(x2.device)
-    nxt, total, piece, threads = _prefetch_args(weight, programs, warps, launch["PDL"])
-    _rows_dot_kernel[(programs,)](
-        x2, weight, o2, nxt, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0), total, piece,
-        ROWS=max(16, next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", PREFETCH_THREADS=threads, num_warps=warps,
-        **launch)
+    _rows_dot_kernel[(cdiv(n, block_n),)](
+        x2, weight, o2, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0), ROWS=max(16, next_power_of_2(m)),
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+        DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", num_warps=warps,
+        **pdl.launch_options(x2.device))
 
 
 def linear(x, weight, out=None, *, plan: tuple[int, ...] | None = None, gated: bool = False):

@@ -26,8 +26,7 @@ def prefetch_bytes() -> int:
 
 
 def following(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight whose start a GEMV (or skinny GEMM) on `weight` prefetches, or None. Records `weight` inside
-    `recording`."""
+    """The weight whose start the GEMV on `weight` prefetches, or None. Records `weight` inside `recording`."""
     if _RECORDED is not None:
         _RECORDED.append(weight)
     return _CHAIN.get(weight.data_ptr())
@@ -35,8 +34,7 @@ def following(weight: torch.Tensor) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def recording():
-    """Collect the weights of the GEMVs and skinny GEMMs launched inside the block, in launch order (the yielded
-    list)."""
+    """Collect the weights of the GEMVs launched inside the block, in launch order (the yielded list)."""
     global _RECORDED
     _RECORDED, outer = [], _RECORDED
     try:
