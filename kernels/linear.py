@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, prefetch_chain
+from kernels import pdl
 from kernels.activations import silu_and_mul
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
@@ -51,10 +51,9 @@ def _input_tile(x_ptr, res_ptr, rows, k, M, K, x_stride, res_stride, ADD: tl.con
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, next_ptr, M, N, K, x_stride, w_stride,
-                   out_stride, res_stride, sum_stride, next_bytes, piece, eps, ROWS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, INPUT: tl.constexpr,
-                   ADD: tl.constexpr, PDL: tl.constexpr, PREFETCH_THREADS: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, M, N, K, x_stride, w_stride, out_stride,
+                   res_stride, sum_stride, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   NORM_BLOCK: tl.constexpr, INPUT: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
     # out[m, n] = sum_k in[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS rows m.
     # INPUT: PLAIN, in = x; GATED, x (M, 2K) is SwiGLU's [gate | up] and in = silu(gate) * up; NORM, in =
     # rms_norm(s) with s = x (+ residual when ADD), each rounded to x's dtype as the unfused ops round, and the
@@ -100,19 +99,6 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, next_ptr
     y = tl.sum(acc, axis=2)                                                  # (ROWS, BLOCK_N)
     out_mask = (rows[:, None] < M) & (n[None, :] < N)
     tl.store(out_ptr + rows[:, None] * out_stride + n[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
-    if PREFETCH_THREADS > 0:
-        _prefetch_l2(next_ptr, next_bytes, piece, PREFETCH_THREADS)
-
-
-@triton.jit
-def _prefetch_l2(next_ptr, next_bytes, piece, THREADS: tl.constexpr):
-    # this program's share of the next GEMV's first bytes into L2: thread t of program p the `piece` bytes (a
-    # multiple of 16) at (p * THREADS + t) * piece, clipped to next_bytes; one bulk prefetch each, no registers
-    start = (tl.program_id(0) * THREADS + tl.arange(0, THREADS)).to(tl.int64) * piece  # (THREADS,)
-    size = tl.minimum(tl.maximum(next_bytes - start, 0), piece).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [next_ptr.to(tl.pointer_type(tl.int8)) + start, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -200,8 +186,7 @@ def _check_weight(name, x, weight, k_factor: int = 1):
 
 
 def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=None):
-    """Launch the GEMV on (m <= MAX_ROWS, K) rows x2 into o2 (m, N); NORM reads res2 and writes s2 when given.
-    When kernels.prefetch_chain names a weight after this one, the programs end by prefetching its first bytes."""
+    """Launch the GEMV on (m <= MAX_ROWS, K) rows x2 into o2 (m, N); NORM reads res2 and writes s2 when given."""
     m, (n, k) = x2.shape[0], weight.shape
     if m == 0 or n == 0:
         return
@@ -209,20 +194,14 @@ def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=
         o2.zero_()
         return
     block_n, block_k, warps = plan or launch_plan(m, n, k)
-    rows, programs = next_power_of_2(m), cdiv(n, block_n)
+    rows = next_power_of_2(m)
     res2 = x2 if res2 is None else res2
-    launch = pdl.launch_options(x2.device)
-    nxt = prefetch_chain.following(weight)
-    nxt = nxt if launch["PDL"] else None  # sm_90+ has the bulk prefetch; the interpreter runs no asm
-    threads = 0 if nxt is None else 32 * warps
-    total = 0 if nxt is None else min(prefetch_chain.prefetch_bytes(), nxt.numel() * nxt.element_size())
-    piece = 16 * cdiv(total, 16 * programs * max(threads, 1))  # bytes each thread prefetches
-    _linear_kernel[(programs,)](
-        x2, weight, o2, res2, x2 if norm_w is None else norm_w, x2 if s2 is None else s2,
-        weight if nxt is None else nxt, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0), res2.stride(0),
-        0 if s2 is None else s2.stride(0), total, piece, float(eps), ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k,
-        INPUT=mode.value, NORM_BLOCK=max(block_k, min(next_power_of_2(k), NORM_ELEMENTS // rows)),
-        ADD=s2 is not None, PREFETCH_THREADS=threads, num_warps=warps, **launch)
+    _linear_kernel[(cdiv(n, block_n),)](
+        x2, weight, o2, res2, x2 if norm_w is None else norm_w, x2 if s2 is None else s2, m, n, k, x2.stride(0),
+        weight.stride(0), o2.stride(0), res2.stride(0), 0 if s2 is None else s2.stride(0), float(eps),
+        ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, INPUT=mode.value,
+        NORM_BLOCK=max(block_k, min(next_power_of_2(k), NORM_ELEMENTS // rows)), ADD=s2 is not None,
+        num_warps=warps, **pdl.launch_options(x2.device))
 
 
 def _rows_dot(x2, weight, o2, plan):

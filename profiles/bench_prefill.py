@@ -63,9 +63,7 @@ CUTE_VARIANTS = [("default", _every_dim()), ("no_overlap", _every_dim(intra_wg_o
                  ("always_rescale", _every_dim(rescale_threshold=0.0)),
                  ("poly1/8", _every_dim(poly_exp2_fraction=0.125)), ("poly1/4", _every_dim(poly_exp2_fraction=0.25)),
                  ("persistent", _every_dim(persistent=True)), ("no_pingpong", _every_dim(pingpong=False)),
-                 ("wide_tile", {128: dict(tile_n=176), 256: dict(tile_n=80)}),
-                 ("wide_tile_no_pingpong", {d: dict(tile_n=n, pingpong=False) for d, n in ((128, 176), (256, 80))}),
-                 ("3_stages", {128: dict(kv_stages=3)})]
+                 ("wide_tile", {128: dict(tile_n=176), 256: dict(tile_n=80)}), ("3_stages", {128: dict(kv_stages=3)})]
 
 
 def attention_flops(batch, seqlen, heads, dim, causal):

@@ -39,7 +39,6 @@ import logging
 import torch
 
 import reference as R
-from kernels import prefetch_chain
 from kernels.row_buckets import decode_step_rows
 from model import ops
 from model.cache import CachePools
@@ -276,14 +275,9 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             padding = torch.tensor(self.padding_row)[:, None]
-            chained = False
             for bs in self.graph_sizes:  # every row a padding row
                 self.inputs[:DECODE_INPUT_ROWS * bs].view(-1, bs).copy_(padding.expand(-1, bs))
-                with prefetch_chain.recording() as order:
-                    self._decode_forward(bs, zero_dummy=True)
-                if order and not chained:  # the GEMVs' order in a decode step: each prefetches the next's weight
-                    prefetch_chain.set_chain(order)
-                    chained = True
+                self._decode_forward(bs, zero_dummy=True)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         pool = None

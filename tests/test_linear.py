@@ -187,15 +187,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from kernels import linear as L
-for mode, add, prefetch in ((L.PLAIN, False, 0), (L.GATED, False, 0), (L.NORM, False, 0), (L.NORM, True, 0),
-                            (L.PLAIN, False, 128)):
-    const = dict(ROWS=2, BLOCK_N=4, BLOCK_K=512, NORM_BLOCK=2048, INPUT=mode.value, ADD=add, PDL=True,
-                 PREFETCH_THREADS=prefetch)
+for mode, add in ((L.PLAIN, False), (L.GATED, False), (L.NORM, False), (L.NORM, True)):
+    const = dict(ROWS=2, BLOCK_N=4, BLOCK_K=512, NORM_BLOCK=2048, INPUT=mode.value, ADD=add, PDL=True)
     sig = {n: "constexpr" if n in const else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
            for n in L._linear_kernel.arg_names}
     ptx = triton.compile(ASTSource(L._linear_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4}).asm["ptx"]
-    print(ptx.count("griddepcontrol"), ptx.count("st.global"), ptx.count("cp.async.bulk.prefetch.L2"), flush=True)
+    print(ptx.count("griddepcontrol"), ptx.count("st.global"), flush=True)
 for warps in (1, 4):
     const = dict(ROWS=16, BLOCK_N=16 * warps, BLOCK_K=256, STAGES=4, DOT_PRECISION="tf32", PDL=True)
     sig = {n: "constexpr" if n in const else "*bf16" if n.endswith("_ptr") else "i32"
@@ -217,11 +215,9 @@ def test_gemv_variants_compile_for_sm90():
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     counts = [tuple(map(int, line.split())) for line in run.stdout.split("\n") if line.strip()]
-    gemv, dot = counts[:5], counts[5:]
-    assert len(gemv) == 5 and all(pdl == 2 for pdl, _, _ in gemv), run.stdout
+    gemv, dot = counts[:4], counts[4:]
+    assert len(gemv) == 4 and all(pdl == 2 for pdl, _ in gemv), run.stdout
     assert gemv[3][1] > gemv[2][1], run.stdout
-    # the L2 prefetch of the next weight (kernels.linear.prefetch_chain) only when asked for
-    assert [prefetch > 0 for _, _, prefetch in gemv] == [False] * 4 + [True], run.stdout
     # the skinny GEMM: PDL, tensor-core MMAs, and weight tiles copied asynchronously into its shared-memory ring
     assert len(dot) == 2 and all(pdl == 2 and mma > 0 and cp > 0 for pdl, mma, cp in dot), run.stdout
 
@@ -242,34 +238,11 @@ def test_linear_gpu_decode_shapes(m, pdl, dtype, monkeypatch):
         _check_normed(m, n, 2048, dtype, True, tol=1e-2 if dtype == torch.bfloat16 else None)
 
 
-def test_prefetch_chain_records_the_gemv_order_and_links_each_to_the_next(monkeypatch):
-    # the decode runner records one step's GEMV weights in launch order and chains each to the next (the last to
-    # the first); skinny GEMMs and cuBLAS rows are not GEMVs; QWEN_PREFETCH_MB=0 leaves the chain empty
-    from kernels import prefetch_chain as PC
-    x, _ = _pair(1, 1, 64, torch.float32)
-    ws = [_pair(1, 64, 64, torch.float32, seed=s)[1] for s in range(3)]
-    with PC.recording() as order:
-        h = x
-        for w in ws:
-            h = L.linear(h, w)
-        L.linear(_pair(RB.DOT_MAX_ROWS, 1, 64, torch.float32)[0], ws[0])  # 16 rows: not a GEMV
-    assert [w.data_ptr() for w in order] == [w.data_ptr() for w in ws]
-    try:
-        PC.set_chain(order)
-        assert [PC.following(w) is nxt for w, nxt in zip(ws, ws[1:] + ws[:1])] == [True] * 3
-        monkeypatch.setenv("QWEN_PREFETCH_MB", "0")
-        PC.set_chain(order)
-        assert PC.following(ws[0]) is None
-    finally:
-        PC.set_chain([])
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,prefetch", [(1, False), (1, True), (16, False)])
-def test_linear_gpu_chain_in_a_cuda_graph(m, prefetch):
+@pytest.mark.parametrize("m", [1, 16])
+def test_linear_gpu_chain_in_a_cuda_graph(m):
     # a chain of dependent GEMVs or skinny GEMMs (each reads the last one's output) replayed from a graph (rows
-    # unpadded, as in a decode graph): PDL must keep the order, with each GEMV prefetching the next weight or not
-    from kernels import prefetch_chain as PC
+    # unpadded, as in a decode graph): PDL must keep the order
     x, _ = _pair(m, 1, 1024, torch.bfloat16)
     ws = [_pair(1, 1024, 1024, torch.bfloat16, seed=s)[1] for s in range(8)]
     outs = [torch.empty(m, 1024, device=DEV, dtype=torch.bfloat16) for _ in ws]
@@ -280,12 +253,10 @@ def test_linear_gpu_chain_in_a_cuda_graph(m, prefetch):
             h = L.linear(h, w, out=o)
         return h
 
-    PC.set_chain(ws if prefetch else [])
     chain()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         chain()
-    PC.set_chain([])
     x.copy_(torch.randn_like(x))
     graph.replay()
     h = x.float()
