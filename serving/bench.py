@@ -246,7 +246,8 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
     common = dict(page_size=page, max_num_seqs=args.concurrency, max_model_len=max_len,
                   snapshot_slots=3 * args.concurrency + 16, max_num_batched_tokens=args.chunk,
                   fast_lane_tokens=args.fast_lane, cuda_graphs=not args.eager, seed=args.seed,
-                  interleave_slices=args.interleave, prefill_graph_tokens=args.prefill_graphs)
+                  interleave_slices=args.interleave, prefill_graph_tokens=args.prefill_graphs,
+                  decode_ahead=bool(args.decode_ahead))
     if model.lm_head.weight.device.type == "cuda":
         return LLMEngine(model, EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common))
     # CPU: room for every user's longest trace plus the cache of one more
@@ -269,7 +270,8 @@ def warm_up(engine: LLMEngine, traces: list[Trace]) -> None:
 
 # engine knobs of the command line, and their defaults: a run with another value gets its own row in serving.json
 ENGINE_KNOBS = {"chunk": EngineConfig.max_num_batched_tokens, "fast_lane": 1024, "page_size": 16,
-                "interleave": EngineConfig.interleave_slices, "prefill_graphs": EngineConfig.prefill_graph_tokens}
+                "interleave": EngineConfig.interleave_slices, "prefill_graphs": EngineConfig.prefill_graph_tokens,
+                "decode_ahead": int(EngineConfig.decode_ahead)}
 
 
 def run_key(args) -> str:
@@ -316,6 +318,8 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--prefill-graphs", type=int, default=ENGINE_KNOBS["prefill_graphs"], metavar="TOKENS",
                     help="prefill steps up to TOKENS replay CUDA graphs of their row-wise stretches "
                          "(EngineConfig.prefill_graph_tokens; 0: off)")
+    ap.add_argument("--decode-ahead", type=int, choices=(0, 1), default=ENGINE_KNOBS["decode_ahead"],
+                    help="launch each decode step before reading the last one's tokens (EngineConfig.decode_ahead)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
                     help=f"replay once per value of an engine knob ({', '.join(ENGINE_KNOBS)}), one model load, "

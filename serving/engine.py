@@ -19,7 +19,7 @@ from serving.model_runner import ModelRunner, describe_pools, graphs_unsupported
 from serving.prefill_graphs import PrefillGraphs, prefill_graphs_unsupported
 from serving.sampler import TokensInFlight, sample
 from serving.scheduler import Scheduler
-from serving.sequence import SamplingParams, Sequence
+from serving.sequence import SamplingParams, Sequence, SequenceStatus
 from serving.state_cache import StateSnapshotCache
 from serving.tp_worker import leader_link
 
@@ -103,6 +103,8 @@ class LLMEngine:
         self._next_id = 0
         self.last_step = StepPhases()  # the phases of the last step that ran
         self._seeds = torch.Generator().manual_seed(cfg.seed)
+        self._ahead: tuple | None = None  # a decode step launched ahead (EngineConfig.decode_ahead), unread
+        self.num_ahead_steps = 0
 
     def close(self) -> None:
         """Tensor parallel rank 0: stop the workers' loops (nothing to do at TP=1)."""
@@ -156,7 +158,16 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Schedule, run the model once, commit the cache, sample the sequences whose chunk reached their end. With
         EngineConfig.interleave_slices, a step of decodes and prefill chunks also runs decode-only steps between
-        the prefill's layer slices (its outputs then hold several tokens of a sequence, in order)."""
+        the prefill's layer slices (its outputs then hold several tokens of a sequence, in order). With
+        EngineConfig.decode_ahead, a decode step of every running sequence launches the next before its tokens
+        are read, and the next call completes that one (`_step_ahead`)."""
+        try:
+            return self._step_ahead() if self._ahead is not None else self._step()
+        except BaseException:
+            self._ahead = None  # a failed step's work in flight is not trusted
+            raise
+
+    def _step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
@@ -176,9 +187,10 @@ class LLMEngine:
         return outputs + finished
 
     def _finish_step(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[list[StepOutput], float]:
-        """Commit the chunks the model computed and sample those that reached their sequence's end; returns their
-        outputs and the commit's milliseconds."""
+        """Commit the chunks the model computed and sample those that reached their sequence's end (launching the
+        next decode step ahead when it may); returns their outputs and the commit's milliseconds."""
         sampled, commit_ms = self._commit_and_sample(chunks, logits)
+        self._ahead = self._launch_ahead(sampled)
         return self._take_tokens(sampled), commit_ms
 
     def _commit_and_sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[tuple, float]:
@@ -188,18 +200,63 @@ class LLMEngine:
         self.scheduler.commit(chunks)
         t1 = time.perf_counter()
         ready = [c.seq.num_uncomputed_tokens == 0 for c in chunks]  # prefill tails and decodes
+        return self._sample(chunks, ready, logits), 1e3 * (t1 - t0)
+
+    @staticmethod
+    def _sample(chunks: list[ScheduledChunk], ready: list[bool], logits: torch.Tensor) -> tuple:
+        """Launch the sampling of the ready rows: (chunks, ready, their TokensInFlight or None)."""
         tokens = None
         if any(ready):
             params = [c.seq.params if r else None for c, r in zip(chunks, ready)]
             gens = [c.seq.generator if r else None for c, r in zip(chunks, ready)]
             tokens = TokensInFlight(sample(logits, params, gens))
-        return (chunks, ready, tokens), 1e3 * (t1 - t0)
+        return chunks, ready, tokens
 
     def _take_tokens(self, sampled: tuple) -> list[StepOutput]:
-        """Wait for a _commit_and_sample's tokens (the step's one host sync) and append them to their sequences."""
+        """Wait for a sampling's tokens (the step's one host sync) and append them to their sequences, except to
+        sequences that are no longer running (a row of a decode launched ahead whose sequence stopped, or was
+        aborted, since)."""
         chunks, ready, tokens = sampled
         values = tokens.tolist() if tokens is not None else []
-        return [self._append(c.seq, t) for c, t, r in zip(chunks, values, ready) if r]
+        outputs = [self._append(c.seq, t) for c, t, r in zip(chunks, values, ready)
+                   if r and c.seq.status is SequenceStatus.RUNNING]
+        if self._ahead is not None and not any(c.seq.status is SequenceStatus.RUNNING for c in self._ahead[0]):
+            self._ahead = None  # every sequence of the step ahead stopped: nothing of it is read
+        return outputs
+
+    def _launch_ahead(self, sampled: tuple) -> tuple | None:
+        """After a step in which every running sequence sampled its next token (decodes, prompt tails; sampled, not
+        read): launch the next decode of the same sequences now, each input token copied on the device from this
+        step's samples, and its sampling; returns what _step_ahead completes, or None where it may not run
+        (EngineConfig.decode_ahead)."""
+        chunks, ready, tokens = sampled
+        sched = self.scheduler
+        if (not self.cfg.decode_ahead or self.link is not None or not all(ready) or sched.waiting
+                or len(chunks) != len(sched.running) or len(chunks) > self.runner.max_decode
+                or any(c.seq.status is not SequenceStatus.RUNNING for c in chunks)):
+            return None  # every running sequence must have sampled its next token this step
+        if any(len(c.seq.output_ids) + 2 > c.seq.params.max_tokens for c in chunks):  # one ends by length now
+            return None
+        if not all(self.block_manager.allocate(c.seq, c.seq.num_computed_tokens + 1) for c in chunks):
+            return None  # pages allocated so far stay: the next step needs them anyway
+        ahead = [ScheduledChunk(c.seq, 1) for c in chunks]
+        logits, _ = self.runner.execute(ahead, tokens.on_device)
+        self.num_ahead_steps += 1
+        return self._sample(ahead, [True] * len(ahead), logits)
+
+    def _step_ahead(self) -> list[StepOutput]:
+        """Complete the decode step launched ahead: commit it for the sequences still running (the tokens it took
+        as input are appended by now), launch the next one ahead, then read its tokens."""
+        t0 = time.perf_counter()
+        sampled, self._ahead = self._ahead, None
+        self.scheduler.commit([c for c in sampled[0] if c.seq.status is SequenceStatus.RUNNING])
+        t1 = time.perf_counter()
+        self._ahead = self._launch_ahead(sampled)
+        t2 = time.perf_counter()
+        outputs = self._take_tokens(sampled)
+        t3 = time.perf_counter()
+        self.last_step = StepPhases(0.0, 1e3 * (t2 - t1), 1e3 * (t1 - t0), 1e3 * (t3 - t2))
+        return outputs
 
     def _prefill_between_decodes(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]):
         """A mixed step with EngineConfig.interleave_slices: the prefill chunks' layers launch in slices, and after

@@ -108,10 +108,15 @@ class ModelRunner:
     # ---- the engine's entry point ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+    def execute(self, chunks: list[ScheduledChunk],
+                device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Run one step. Returns logits (len(chunks), vocab), one row per chunk's last token, and the chunks
-        in the order of those rows."""
+        in the order of those rows. device_tokens: a decode step launched ahead (decode_rows)."""
         decode = [c for c in chunks if c.num_tokens == 1]
+        if device_tokens is not None:
+            if len(decode) != len(chunks):
+                raise ValueError("device_tokens is for decode steps: every chunk must be one token")
+            return self.decode_rows(chunks, device_tokens), chunks
         if len(decode) == len(chunks) and len(chunks) <= self.max_decode:
             return self.decode_rows(chunks), chunks
         if self.graph_sizes and decode and len(decode) <= self.max_decode:
@@ -162,16 +167,23 @@ class ModelRunner:
                 return b
         return n
 
-    def decode_rows(self, rows: list[ScheduledChunk]) -> torch.Tensor:
-        """One token of each row (a decode step, from its CUDA graph when captured): logits (len(rows), vocab)."""
+    def decode_rows(self, rows: list[ScheduledChunk], device_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One token of each row (a decode step, from its CUDA graph when captured): logits (len(rows), vocab).
+        device_tokens: (len(rows),) the rows' input tokens on the device (a decode launched ahead: the step before
+        sampled them and the host has not read them); else the sequences' own tokens."""
         n = len(rows)
         bs = self.padded_size(n)
+        if device_tokens is not None and (self.link is not None or device_tokens.shape != (n,)):
+            raise ValueError(f"device_tokens must be ({n},) at world size 1, got {tuple(device_tokens.shape)}")
         self.sync_page_tables([c.seq for c in rows])
         tokens, positions, slots, kv_slots = [], [], [], []
         for c in rows:
             seq, p = c.seq, c.start
             n_prompt = len(seq.prompt_ids)
-            tokens.append(seq.prompt_ids[p] if p < n_prompt else seq.output_ids[p - n_prompt])
+            if device_tokens is None:
+                tokens.append(seq.prompt_ids[p] if p < n_prompt else seq.output_ids[p - n_prompt])
+            else:
+                tokens.append(0)  # overwritten on the device
             positions.append(p)
             slots.append(seq.state_slot)
             kv_slots.append(seq.kv_slot(p, self.page_size))
@@ -180,15 +192,19 @@ class ModelRunner:
         values = [v for row, padding in zip(rows_of, self.padding_row) for v in row + [padding] * pad]
         if self.link is not None:
             self.link.send("decode", (bs, n, values))
-        return self.decode_values(bs, n, values)
+        return self.decode_values(bs, n, values, device_tokens)
 
-    def decode_values(self, bs: int, n: int, values: list[int]) -> torch.Tensor:
+    def decode_values(self, bs: int, n: int, values: list[int],
+                      device_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The decode step of n rows padded to bs: values holds the (DECODE_INPUT_ROWS, bs) rows token, position,
-        state slot, KV slot, cached tokens (padding rows: token 0 at position 0 of the dummy slot and page)."""
+        state slot, KV slot, cached tokens (padding rows: token 0 at position 0 of the dummy slot and page); the
+        first n tokens come from device_tokens instead when given."""
         size = DECODE_INPUT_ROWS * bs
         self._wait(self._host)
         self._host.numpy()[:size] = values
         self.inputs[:size].copy_(self._host[:size], non_blocking=True)
+        if device_tokens is not None:
+            self.inputs[:n].copy_(device_tokens)  # the token row comes first
         self._record(self._host)
         graph = self.graphs.get(bs)
         if graph is not None:

@@ -77,6 +77,7 @@ class TokensInFlight:
     that reading them waits for the sampling alone and not for the work launched after it."""
 
     def __init__(self, tokens: torch.Tensor):
+        self.on_device = tokens  # (B,) int64 where they were sampled: a decode launched ahead reads them there
         self._done = None
         self._host = tokens
         if tokens.device.type == "cuda":

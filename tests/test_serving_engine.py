@@ -229,7 +229,8 @@ def test_interleaved_prefill_slices_equal_greedy(model, padded, slices):
 def test_a_slice_that_raises_keeps_the_decode_tokens_before_it(model):
     """The tokens of a decode step between slices are read after the next slice is launched: when that slice
     raises, they still reach their sequences (the server delivers them before it recomputes the running ones)."""
-    engine = small_engine(model, max_num_seqs=6, num_pages=128, max_num_batched_tokens=24, interleave_slices=4)
+    engine = small_engine(model, max_num_seqs=6, num_pages=128, max_num_batched_tokens=24, interleave_slices=4,
+                          decode_ahead=False)  # so that the step after the late arrival is the mixed one
     prompts = [random_prompt(n, seed=90 + n) for n in (3, 9, 5)]
     ids = [engine.add_request(p, SamplingParams(max_tokens=24)) for p in prompts]
     while any(engine.sequences[i].num_uncomputed_tokens > 1 for i in ids):
@@ -273,7 +274,11 @@ def test_warm_up_runs_every_step_shape_and_leaves_nothing_behind(model):
                           interleave_slices=0)  # the mixed step runs as one (interleaving splits it)
     calls = []
     run = engine.runner.execute
-    engine.runner.execute = lambda chunks: calls.append(sorted(c.num_tokens for c in chunks)) or run(chunks)
+
+    def counted(chunks, *ahead):
+        calls.append(sorted(c.num_tokens for c in chunks))
+        return run(chunks, *ahead)
+    engine.runner.execute = counted
     engine.warm_up()
     assert not calls, "warm_up compiles nothing on the CPU by default"
     engine.warm_up(on_cpu=True)
@@ -294,3 +299,59 @@ def test_warm_up_runs_every_step_shape_and_leaves_nothing_behind(model):
 def test_engine_config_rejects(fields, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**fields)
+
+
+def _mixed_requests(model) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts of 1..19 tokens: greedy ones with several max_tokens, one that stops at its third greedy token (a stop
+    token: it ends while a decode is launched ahead), and seeded samples."""
+    prompts = [random_prompt(n, seed=200 + n) for n in (1, 2, 7, 19, 5)]
+    stop_at = expected(model, prompts[2], 3)[2]
+    return [(prompts[0], SamplingParams(max_tokens=9)), (prompts[1], SamplingParams(max_tokens=2)),
+            (prompts[2], SamplingParams(max_tokens=12, stop_token_ids=(stop_at,))),
+            (prompts[3], SamplingParams(max_tokens=7, temperature=0.8, top_p=0.9, seed=5)),
+            (prompts[4], SamplingParams(max_tokens=11, temperature=1.0, top_k=20, seed=6))]
+
+
+@pytest.mark.parametrize("budget", [128, 2])  # 2: one-token prompt chunks beside decodes
+@padded
+def test_decode_ahead_equals_plain_steps(model, budget, padded):
+    """EngineConfig.decode_ahead launches the next decode before reading a step's tokens: the same tokens and
+    finish reasons as without it (greedy, stop tokens, max_tokens, seeded sampling), decodes really launched ahead,
+    and nothing leaks, including the rows computed for a sequence that stopped."""
+    results = {}
+    for ahead in (False, True):
+        engine = small_engine(model, padded=padded, max_num_batched_tokens=budget, max_num_seqs=5,
+                              decode_ahead=ahead)  # nobody waits: the stop comes with a decode launched ahead
+        ids = [engine.add_request(p, params) for p, params in _mixed_requests(model)]
+        while engine.has_unfinished:
+            engine.step()
+        outs = [engine.pop_output(i) for i in ids]
+        results[ahead] = [(o.output_ids, o.finish_reason) for o in outs]
+        assert (engine.num_ahead_steps > 0) == ahead
+        assert_nothing_leaks(engine)
+    assert results[True] == results[False]
+    assert results[True][2][1] == "stop" and len(results[True][2][0]) == 3
+    prompt, params = _mixed_requests(model)[0]
+    assert results[True][0][0] == expected(model, prompt, params.max_tokens)
+
+
+def test_decode_ahead_survives_an_abort_of_a_sequence_in_flight(model):
+    """A sequence finished from outside (the server's abort) while its decode is launched ahead: that row is
+    dropped, the others go on equal to greedy, and its pages and slot come back."""
+    engine = small_engine(model)
+    prompts = [random_prompt(n, seed=300 + n) for n in (4, 9, 6)]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=10)) for p in prompts]
+    while engine._ahead is None:
+        engine.step()
+    victim = engine.sequences[ids[1]]
+    engine.scheduler.finish(victim, "abort")
+    aborted_with = len(victim.output_ids)
+    while engine.has_unfinished:
+        engine.step()
+    assert len(victim.output_ids) == aborted_with
+    for i, p in zip(ids, prompts):
+        out = engine.pop_output(i)
+        want = expected(model, p, 10)
+        assert out.output_ids == (want[:len(out.output_ids)] if i == ids[1] else want)
+    assert engine._ahead is None
+    assert_nothing_leaks(engine)

@@ -47,14 +47,15 @@ BATCHED_TOL = 1e-1
 
 
 def record_logits(engine: LLMEngine) -> dict[int, list[torch.Tensor]]:
-    """seq id -> the fp32 logits of each of its sampled rows, in order (wraps the runner)."""
+    """seq id -> the fp32 logits of each of its sampled rows, in order (wraps the runner; a decode launched ahead
+    computes a row one token past the sequence's appended ones)."""
     rows = defaultdict(list)
     execute = engine.runner.execute
 
-    def wrapped(chunks):
-        logits, order = execute(chunks)
+    def wrapped(chunks, *ahead):
+        logits, order = execute(chunks, *ahead)
         for c, row in zip(order, logits):
-            if c.end == c.seq.num_tokens:
+            if c.end >= c.seq.num_tokens:
                 rows[c.seq.id].append(row.float().cpu())
         return logits, order
     engine.runner.execute = wrapped
@@ -248,17 +249,17 @@ def test_pools_sized_from_gpu_memory(gpu_model):
 
 
 def record_sampled_logits(engine: LLMEngine) -> dict[int, list[torch.Tensor]]:
-    """seq id -> the fp32 logits of each of its sampled rows, in order (wraps the engine's commit-and-sample, which
-    every step and every decode step between prefill slices goes through)."""
+    """seq id -> the fp32 logits of each of its sampled rows, in order (wraps the engine's sampling, which every
+    step, every decode step between prefill slices and every decode launched ahead goes through)."""
     rows = defaultdict(list)
-    commit_and_sample = engine._commit_and_sample
+    sample = engine._sample
 
-    def wrapped(chunks, logits):
-        for c, row in zip(chunks, logits):
-            if c.end == c.seq.num_tokens:
+    def wrapped(chunks, ready, logits):
+        for c, r, row in zip(chunks, ready, logits):
+            if r:
                 rows[c.seq.id].append(row.float().cpu())
-        return commit_and_sample(chunks, logits)
-    engine._commit_and_sample = wrapped
+        return sample(chunks, ready, logits)
+    engine._sample = wrapped
     return rows
 
 
