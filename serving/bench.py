@@ -418,7 +418,7 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
     warm_up(engine, traces)
     runner = engine.runner
     steps_before = (runner.num_graph_steps, runner.num_eager_decode_steps, runner.num_eager_steps,
-                    runner.num_graph_prefill_steps)
+                    runner.num_graph_prefill_steps, engine.num_ahead_steps)
     with TritonCompileLog() as compiles:
         requests, users, wall = replay(engine, traces, args.concurrency, progress=not args.no_progress)
     rows, overall = summarize(requests, users, wall)
@@ -431,7 +431,8 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
     out.write(f"throughput {overall['throughput_tok_s']:.1f} generated tok/s, {overall['prefill_tok_s']:.0f} "
               f"prefilled tok/s, wall {wall:.2f} s; steps: "
               f"{runner.num_graph_steps - steps_before[0]} graph decode, "
-              f"{runner.num_eager_decode_steps - steps_before[1]} eager decode, "
+              f"{runner.num_eager_decode_steps - steps_before[1]} eager decode "
+              f"({engine.num_ahead_steps - steps_before[4]} of the decodes launched ahead), "
               f"{runner.num_eager_steps - steps_before[2]} eager (prefill or mixed; "
               f"{runner.num_graph_prefill_steps - steps_before[3]} of them through prefill graphs)\n")
     if overall["return_sample_ms"] is not None:
@@ -448,7 +449,8 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
                steps=dict(graph_decode=runner.num_graph_steps - steps_before[0],
                           eager_decode=runner.num_eager_decode_steps - steps_before[1],
                           eager=runner.num_eager_steps - steps_before[2],
-                          graph_prefill=runner.num_graph_prefill_steps - steps_before[3]),
+                          graph_prefill=runner.num_graph_prefill_steps - steps_before[3],
+                          decode_ahead=engine.num_ahead_steps - steps_before[4]),
                triton_compiles=dict(count=len(compiles.names), seconds=compiles.seconds,
                                     kernels=sorted(set(compiles.names))),
                requests=[request_row(r) for r in requests])
