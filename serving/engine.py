@@ -1,6 +1,7 @@
 """LLMEngine: requests in, tokens out. Each step the scheduler picks chunks, the ModelRunner runs them (decodes
 from CUDA graphs), the scheduler commits the cache, and the sampler draws the tokens of the rows that finished
-their prompt or decoded."""
+their prompt or decoded. When every running sequence sampled, the next decode step is launched before the tokens
+are read (EngineConfig.decode_ahead), and the next call to step() completes it."""
 import logging
 import time
 from dataclasses import dataclass, replace

@@ -6,8 +6,9 @@ Two paths.
 - Decode (every sequence brings one token): static-shape inputs, replayed from a CUDA graph on CUDA devices.
   The host writes five int32 rows for the batch into one pinned buffer (DECODE_INPUT_ROWS: token, position,
   state slot, KV slot = pages[pos // page_size] * page_size + pos % page_size, seqused_k = pos + 1), and one
-  non-blocking copy moves them. The rest is gathered on the device inside the graph (three launches; deriving the
-  KV slots and seqused_k there took eight more small ones a step):
+  non-blocking copy moves them; a decode launched ahead (EngineConfig.decode_ahead) then overwrites the token row
+  on the device with the last step's samples, which the host has not read. The rest is gathered on the device
+  inside the graph (three launches; deriving the KV slots and seqused_k there took eight more small ones a step):
     page_table   = table[state_slots]                       (B, W) int32, W = ceil(max_model_len / page_size)
     cu_seqlens = arange(B + 1);  cos, sin = rope tables at pos
   `table` is a persistent device page table with one row per GDN state slot: a running sequence owns its slot,
