@@ -355,3 +355,16 @@ def test_decode_ahead_survives_an_abort_of_a_sequence_in_flight(model):
         assert out.output_ids == (want[:len(out.output_ids)] if i == ids[1] else want)
     assert engine._ahead is None
     assert_nothing_leaks(engine)
+
+
+def test_device_tokens_are_only_for_decode_rows(model):
+    """ModelRunner.execute with device_tokens (a decode launched ahead): every chunk one token, one token each."""
+    from serving.batch import ScheduledChunk
+    engine = small_engine(model)
+    seq_id = engine.add_request(random_prompt(5, seed=400), SamplingParams(max_tokens=4))
+    seq = engine.sequences[seq_id]
+    engine.scheduler.schedule()  # admitted: a state slot and pages for its 5 prompt tokens
+    with pytest.raises(ValueError, match="one token"):
+        engine.runner.execute([ScheduledChunk(seq, 5)], torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="device_tokens must be"):
+        engine.runner.execute([ScheduledChunk(seq, 1)], torch.zeros(2, dtype=torch.int64))
