@@ -276,10 +276,35 @@ def test_cute_entry_passes_what_the_kernel_was_compiled_for(monkeypatch):
         assert len(args) == len(example), name
         assert [a is None for a in args] == [a is None for a in example], name
         assert tuple(args[8:16]) == sizes, name
+        keys = table.shape[1] * 16 if "page_table" in index else sizes[1] // 2  # per sequence, as the host knows
+        assert args[-2] == CE.pairs_per_section(keys, 128, 2, 16) == 16, name  # all 16 pairs' K/V fit in L2
         assert (config.varlen_q, config.kv_mode) == ("cu_seqlens_q" in index,
                                                     "paged" if "page_table" in index else
                                                     "varlen" if "cu_seqlens_k" in index else "dense"), name
     assert calls[2][0].page_size == 16 and calls[2][0].kv_box_rows == 16
+
+
+@needs_dsl
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("m_blocks,groups,batch,section", [(5, 3, 2, 4), (64, 32, 4, 6), (7, 1, 1, 1), (3, 4, 3, 100)])
+def test_persistent_order_visits_every_tile_once_a_section_at_a_time(m_blocks, groups, batch, section, causal):
+    """The persistent loop's linear order: each (m_block, head group, sequence) tile once; the tiles of a section of
+    `section` pairs are consecutive, m_block outer (longest first when causal) and the pairs inner, so the CTAs at
+    work at once share a few pairs' K/V in L2."""
+    from fa4.cute.tile_scheduler import persistent_order
+    tiles = [persistent_order(t, m_blocks, groups, batch, section, causal) for t in range(m_blocks * groups * batch)]
+    assert sorted(tiles) == [(m, g, b) for m in range(m_blocks) for g in range(groups) for b in range(batch)]
+    for t, (m, g, b) in enumerate(tiles):
+        assert (b * groups + g) // section == t // (section * m_blocks)  # its pair lies in its section
+        if t and t // (section * m_blocks) == (t - 1) // (section * m_blocks):
+            step = tiles[t - 1][0] - m if causal else m - tiles[t - 1][0]
+            assert step in (0, 1)  # within a section: one Q tile of every pair, then the next (shorter) one
+    assert _pairs_for(8192, 128) == 6 and _pairs_for(16384, 256) == 1  # the B4 S8k d128 and B1 S16k d256 rows
+
+
+def _pairs_for(keys: int, head_dim: int) -> int:
+    from fa4.cute.entry import pairs_per_section
+    return pairs_per_section(keys, head_dim, 2, 10**6)
 
 
 # ------------------------------------------------------------------ GPU

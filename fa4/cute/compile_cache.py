@@ -39,7 +39,7 @@ def _example_args(config: AttentionConfig):
     seqused = table = idx if config.kv_mode == "paged" else None
     sizes = [cutlass.Int32(1)] * 8  # total_q, total_k, num_heads, num_kv, table_width, batch, seqlen_q, seqlen_k
     return (bf16, bf16, bf16, bf16, cu_q, cu_k, seqused, table, *sizes, cutlass.Float32(1.0), cutlass.Int32(1),
-            make_fake_stream())
+            cutlass.Int32(1), make_fake_stream())
 
 
 def compile_config(config: AttentionConfig, keep_ptx: bool = False):

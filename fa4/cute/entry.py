@@ -107,13 +107,24 @@ def cute_attention(q, k, v, *, causal: bool, softmax_scale: float, cu_seqlens_q=
         # no keys: every row gives 0 (and a TMA descriptor cannot have an empty extent)
         return o.zero_().view(q.shape)
     cu_q, cu_k, seqused, table = (_index(t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table))
+    # a sequence's keys as the host knows them without a sync: dense or average varlen, the page table's capacity
+    keys = table.shape[1] * k.shape[1] if kv_mode == "paged" else k3.shape[0] // max(batch, 1)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     kernel(gmem_ptr(q3), gmem_ptr(k3), gmem_ptr(v3), gmem_ptr(o), gmem_ptr(cu_q, cutlass.Int32, 4),
            gmem_ptr(cu_k, cutlass.Int32, 4), gmem_ptr(seqused, cutlass.Int32, 4), gmem_ptr(table, cutlass.Int32, 4),
            q3.shape[0], k3.shape[0], num_heads, num_kv, table.shape[1] if table is not None else 0, batch,
            max_seqlen_q, seqlen_k, cutlass.Float32(softmax_scale * math.log2(math.e)), num_sms(q.device),
-           _cu_stream(stream))
+           pairs_per_section(keys, head_dim, k3.element_size(), num_heads * batch), _cu_stream(stream))
     return o.view(q.shape)
+
+
+L2_SECTION_BYTES = 24 * 2**20  # about half the H200's 50 MB L2: the K/V a persistent kernel's CTAs share at once
+
+
+def pairs_per_section(keys: int, head_dim: int, element_size: int, max_pairs: int) -> int:
+    """(head group, sequence) pairs per section of the persistent order (fa4/cute/tile_scheduler.py): as many as
+    have their K and V (keys per sequence) in L2_SECTION_BYTES, at least one and at most max_pairs."""
+    return max(1, min(max_pairs, L2_SECTION_BYTES // max(1, keys * head_dim * 2 * element_size)))
 
 
 _KERNELS: dict = {}  # call signature -> compiled kernel (skips building and validating the config)

@@ -64,11 +64,13 @@ class FlashAttentionForwardSm90:
                  cu_seqlens_q_ptr: cute.Pointer | None, cu_seqlens_k_ptr: cute.Pointer | None,
                  seqused_k_ptr: cute.Pointer | None, page_table_ptr: cute.Pointer | None, total_q: Int32,
                  total_k: Int32, num_heads: Int32, num_kv: Int32, table_width: Int32, batch: Int32, seqlen_q: Int32,
-                 seqlen_k: Int32, scale_log2: Float32, num_ctas: Int32, stream: cuda.CUstream):
+                 seqlen_k: Int32, scale_log2: Float32, num_ctas: Int32, pairs_per_section: Int32,
+                 stream: cuda.CUstream):
         """Raw pointers and sizes (no per-call tensor conversion on the host): q, o (total_q, num_heads, D);
         k, v (total_k, num_kv, D), all contiguous; cu_seqlens (batch + 1,), seqused_k (batch,), page_table
         (batch, table_width) row-major, int32. seqlen_q: the (longest, with varlen) query length; seqlen_k: the
-        dense key length (else unread); num_ctas: the persistent grid (number of SMs; else unread)."""
+        dense key length (else unread); num_ctas: the persistent grid (number of SMs; else unread);
+        pairs_per_section: the persistent order's (head group, sequence) pairs a section (tile_scheduler.py)."""
         cfg = self.cfg
         d, pack, n_tile = cfg.head_dim, cfg.pack_gqa, cfg.tile_n
         cu_seqlens_q = cu_seqlens_k = seqused_k = page_table = None
@@ -134,7 +136,7 @@ class FlashAttentionForwardSm90:
             grid = (cutlass.max(cutlass.min(num_ctas, num_m_blocks * (num_heads // pack) * batch), 1), 1, 1)
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, mO, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout,
                     sV_layout, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, batch, seqlen_q, seqlen_k,
-                    num_heads // num_kv, scale_log2, num_m_blocks, num_heads // pack).launch(
+                    num_heads // num_kv, scale_log2, num_m_blocks, num_heads // pack, pairs_per_section).launch(
             grid=grid, block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
@@ -145,7 +147,8 @@ class FlashAttentionForwardSm90:
                sV_layout: cute.ComposedLayout, cu_seqlens_q: cute.Tensor | None,
                cu_seqlens_k: cute.Tensor | None, seqused_k: cute.Tensor | None,
                page_table: cute.Tensor | None, batch_size: Int32, max_seqlen_q: Int32, dense_seqlen_k: Int32,
-               group: Int32, scale_log2: Float32, num_m_blocks: Int32, num_head_groups: Int32):
+               group: Int32, scale_log2: Float32, num_m_blocks: Int32, num_head_groups: Int32,
+               pairs_per_section: Int32):
         cfg = self.cfg
         d, pack, n_tile = cfg.head_dim, cfg.pack_gqa, cfg.tile_n
         paged = cfg.kv_mode == "paged"
@@ -184,8 +187,8 @@ class FlashAttentionForwardSm90:
                 tile = TS.first_tile(cfg.persistent)
                 while tile < total_tiles:
                     m_block, head_group, batch, q_start, seqlen_q, k_start, seqlen_k = self.tile_work(
-                        tile, num_m_blocks, num_head_groups, batch_size, max_seqlen_q, dense_seqlen_k, cu_seqlens_q,
-                        cu_seqlens_k, seqused_k)
+                        tile, num_m_blocks, num_head_groups, batch_size, pairs_per_section, max_seqlen_q,
+                        dense_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k)
                     if m_block * cfg.tile_m < seqlen_q * pack:  # else: past this sequence (varlen)
                         kv_head = (head_group * pack) // group
                         n_max = M.n_block_max(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
@@ -257,8 +260,8 @@ class FlashAttentionForwardSm90:
             tile = TS.first_tile(cfg.persistent)
             while tile < total_tiles:
                 m_block, head_group, batch, q_start, seqlen_q, k_start, seqlen_k = self.tile_work(
-                    tile, num_m_blocks, num_head_groups, batch_size, max_seqlen_q, dense_seqlen_k, cu_seqlens_q,
-                    cu_seqlens_k, seqused_k)
+                    tile, num_m_blocks, num_head_groups, batch_size, pairs_per_section, max_seqlen_q, dense_seqlen_k,
+                    cu_seqlens_q, cu_seqlens_k, seqused_k)
                 if m_block * cfg.tile_m < seqlen_q * pack:  # else: past this sequence (varlen)
                     n_max = M.n_block_max(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
                     n_nomask = M.n_block_nomask(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
@@ -367,12 +370,13 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def tile_work(self, tile: Int32, num_m_blocks: Int32, num_head_groups: Int32, batch_size: Int32,
-                  max_seqlen_q: Int32, dense_seqlen_k: Int32, cu_seqlens_q, cu_seqlens_k, seqused_k):
+                  pairs_per_section: Int32, max_seqlen_q: Int32, dense_seqlen_k: Int32, cu_seqlens_q, cu_seqlens_k,
+                  seqused_k):
         """The work of linear tile `tile`, the same in the producer and the consumers:
         (m_block, head_group, batch, q_start, seqlen_q, k_start, seqlen_k)."""
         cfg = self.cfg
-        m_block, head_group, batch = TS.tile_coords(tile, num_m_blocks, num_head_groups, batch_size, cfg.causal,
-                                                    cfg.persistent)
+        m_block, head_group, batch = TS.tile_coords(tile, num_m_blocks, num_head_groups, batch_size,
+                                                    pairs_per_section, cfg.causal, cfg.persistent)
         q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, max_seqlen_q, dense_seqlen_k, cu_seqlens_q,
                                                                cu_seqlens_k, seqused_k, cfg.varlen_q, cfg.kv_mode)
         return m_block, head_group, batch, q_start, seqlen_q, k_start, seqlen_k
