@@ -28,8 +28,9 @@ class EngineConfig:
     the slice, and more slices pay: 8 slices against 4, alternated in one process, 289 / 256 tok/s against
     275 / 234 (run-to-run spread about 20 tok/s); 12 slices 305 and 299, 8 slices 273 in the latter's process
     (session 12). The price is the returning turn's TTFT under load: p50 ~38 ms at 12 slices, ~30 at 8, ~21 at 4.
-    decode_ahead: after a decode-only step of every running sequence, launch the next one before reading this
-    one's tokens (its input tokens copied on the device from this step's samples), so the host's bookkeeping
+    decode_ahead: after a step in which every running sequence sampled (decodes, prompt tails), launch the next
+    decode step before reading this one's tokens (its input tokens copied on the device from the samples), so
+    the host's bookkeeping
     between two decode steps (reading tokens, stop checks, scheduling, inputs: ~0.1-0.2 ms on the H200) overlaps
     the GPU instead of idling it. Not when a request waits, when a sequence ends by length at this step, when a
     page is short, or under tensor parallelism. A sequence that stops (eos) at this step wasted its row of the
