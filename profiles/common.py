@@ -66,8 +66,10 @@ def environment() -> dict:
     return env
 
 
-def print_table(rows: list[dict], columns: list[str], out=sys.stdout) -> None:
-    """An aligned text table of rows (dicts) over the given columns; floats get 3 significant digits."""
+def print_table(rows: list[dict], columns: list[str], out=None) -> None:
+    """An aligned text table of rows (dicts) over the given columns (to out, else the sys.stdout of the call);
+    floats get 3 significant digits."""
+    out = out or sys.stdout
     def fmt(v):
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
