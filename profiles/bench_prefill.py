@@ -196,22 +196,22 @@ def bench_cute_case(batch, seqlen, h, kv, d, causal, labels=None):
     return row
 
 
-def quick(what):
-    """A short run of one case (for ncu): few timed calls, no peers beside it."""
+def quick(what, case: int = 2):
+    """A short run of one case (for ncu): few timed calls, no peers beside it; case indexes ATTN_CASES."""
     if what == "gdn":
         progress(bench_gdn_case(*GDN_CASES[0], fla=False))
         return
     if what == "cute":
         from fa4.cute.entry import cute_attention
-        batch, seqlen, h, kv, d, causal = ATTN_CASES[2]
+        batch, seqlen, h, kv, d, causal = ATTN_CASES[case]
         q = torch.randn(batch, seqlen, h, d, device="cuda", dtype=BF16)
         k, v = (torch.randn(batch, seqlen, kv, d, device="cuda", dtype=BF16) for _ in range(2))
         us = bench_us(lambda: cute_attention(q, k, v, causal=causal, softmax_scale=d ** -0.5))
         progress({"cute_TFLOPs": attention_flops(batch, seqlen, h, d, causal) / us / 1e6})
         return
     fa4 = what == "fa4"
-    row = bench_attention_case(*ATTN_CASES[2], variants=[] if fa4 else MAIN_VARIANTS[:1], peers=("fa4",) if fa4 else (),
-                               cute=False)
+    row = bench_attention_case(*ATTN_CASES[case], variants=[] if fa4 else MAIN_VARIANTS[:1],
+                               peers=("fa4",) if fa4 else (), cute=False)
     progress(row)
 
 
@@ -221,6 +221,8 @@ def main(argv=None):
     ap.add_argument("--quick", nargs="?", const="ours", choices=("ours", "fa4", "gdn", "cute"),
                     help="one case for a profiler: the B1 S16k H16/KV4 d256 causal attention (ours, cute or "
                          "flash-attn-4), or the GDN prefill at B1 T16k H32")
+    ap.add_argument("--quick-case", type=int, default=2, choices=range(len(ATTN_CASES)), metavar="I",
+                    help="--quick's attention case: an index into ATTN_CASES (default 2, the d256 causal row)")
     ap.add_argument("--only", action="append", choices=PARTS,
                     help="run these parts only (repeatable); their keys are merged into an existing prefill.json")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the plots from a prefill.json (into --out)")
@@ -235,7 +237,7 @@ def main(argv=None):
         plot_all(json.loads(Path(args.plot).read_text()), Path(args.out))
         return
     if args.quick:
-        quick(args.quick)
+        quick(args.quick, args.quick_case)
         return
     parts = args.only or PARTS
     result = {}
