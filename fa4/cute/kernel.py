@@ -271,7 +271,9 @@ class FlashAttentionForwardSm90:
                     row_max, row_sum, row_scale = S.make_state(2)
                     row_base = m_block * cfg.tile_m + cwg * WGMMA_M
                     acc_o.fill(0.0)
-                    q_slice = cwg + cfg.num_consumer_wg * q_state.index  # this warpgroup's Q rows, O's staging
+                    q_slice = cwg  # this warpgroup's Q rows, O's staging
+                    if cutlass.const_expr(cfg.q_stages > 1):
+                        q_slice = cwg + cfg.num_consumer_wg * q_state.index
                     tSrQ = tSrQ_stages[None, None, None, q_slice]  # (MMA, 1, D / 16)
                     q_pipe.consumer_wait(q_state)
                     if n_max > 0:
