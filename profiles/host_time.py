@@ -10,8 +10,9 @@ launches and the Python around them are the cost (on the H200 a 2B step of 800 t
 largest first) and as a CUDA-graph replay (the step's time per token). The gap between the graph's step time and
 the eager kernels' sum is what launches and kernel ramps cost inside the graph. `--prenorm fused|unfused` runs each
 block half's residual add and RMSNorm inside its first projection's GEMV, or as its own launch (the A/B of
-kernels.linear.add_rms_norm_linear; default: its rule by K); `--prenorm ab` times both in one process,
-alternated, through the CUDA graph only. Predicted for the fusion: 48 launches fewer a 2B/0.8B
+kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab prenorm|gemv_prefetch` times a decode knob's
+variants in one process, alternated, through the CUDA graph only (gemv_prefetch: kernels.linear.PREFETCH_TILES 1
+or 2). Predicted for the fusion: 48 launches fewer a 2B/0.8B
 step at ~2.5 us each with its graph gap, minus the GEMVs' extra reads of the rows from L2, about 0.1-0.15 ms off
 2B's step. Measured on the H200 (session 8, the GEMV summing the squares in a first pass over the rows): 0.8B
 1.19 ms fused against 1.24; 2B 2.06 against 1.72, as the NORM GEMVs' kernel time grew by 0.25 ms. Session 14, in one
@@ -162,18 +163,33 @@ def use_prenorm(fused: bool | None) -> None:
     ops.register_backend("triton", {"add_rms_norm_linear": functools.partial(add_rms_norm_linear, fused=fused)})
 
 
-def prenorm_ab(model, args, repeats: int = 2) -> list[dict]:
-    """The decode step through its CUDA graph with the pre-norm fused into the GEMV and unfused, alternated."""
+def use_gemv_prefetch(tiles: int) -> None:
+    """The weight tiles each decode GEMV program loads before its PDL wait (kernels.linear.PREFETCH_TILES)."""
+    from kernels import linear
+    linear.PREFETCH_TILES = tiles
+
+
+def decode_ab(model, args, knob: str, repeats: int = 2) -> list[dict]:
+    """The decode step through its CUDA graph under each variant of a knob, alternated; the knob's default after."""
+    from kernels import linear
+    variants = {"prenorm": {"fused": functools.partial(use_prenorm, True),
+                            "unfused": functools.partial(use_prenorm, False)},
+                "gemv_prefetch": {"1": functools.partial(use_gemv_prefetch, 1),
+                                  "2": functools.partial(use_gemv_prefetch, 2)}}[knob]
+    restore = {"prenorm": functools.partial(use_prenorm, None),
+               "gemv_prefetch": functools.partial(use_gemv_prefetch, linear.PREFETCH_TILES)}[knob]
     rows = []
-    for r in range(repeats):
-        for fused in (True, False):
-            use_prenorm(fused)
-            engine = make_engine(model, args.decode, args.ctx + 256, cuda_graphs=True)
-            decoding_batch(engine, args.decode, args.ctx)
-            time_steps(engine, 5)
-            rows.append({"prenorm": "fused" if fused else "unfused", "repeat": r, "graph_ms": time_steps(engine, 150)})
-            engine.close()
-    use_prenorm(None)
+    try:
+        for r in range(repeats):
+            for name, apply in variants.items():
+                apply()
+                engine = make_engine(model, args.decode, args.ctx + 256, cuda_graphs=True)
+                decoding_batch(engine, args.decode, args.ctx)
+                time_steps(engine, 5)
+                rows.append({knob: name, "repeat": r, "graph_ms": time_steps(engine, 150)})
+                engine.close()
+    finally:
+        restore()
     return rows
 
 
@@ -218,9 +234,11 @@ def main(argv=None) -> dict:
                                                                      "cuBLAS projections")
     ap.add_argument("--admission", action="store_true", help="only the host cost of a returning turn's "
                                                               "prefix-cache keys (ctx cached + new tokens)")
-    ap.add_argument("--prenorm", choices=["auto", "fused", "unfused", "ab"], default="auto",
+    ap.add_argument("--prenorm", choices=["auto", "fused", "unfused"], default="auto",
                     help="residual add + RMSNorm inside the following projection's GEMV or as their own launch "
-                         "(auto: kernels.linear.FUSED_NORM_MAX_K; ab: both, alternated, with --decode)")
+                         "(auto: kernels.linear.FUSED_NORM_MAX_K)")
+    ap.add_argument("--ab", choices=["prenorm", "gemv_prefetch"], default=None,
+                    help="with --decode: time this knob's variants in one process, alternated")
     args = ap.parse_args(argv)
     if args.admission:
         rows = admission_keys(args.ctx, args.new)
@@ -234,14 +252,16 @@ def main(argv=None) -> dict:
         print_table(rows, ["call", "host_us", "total_us"])
         return {"launch_costs": rows}
     ops.set_backend("triton" if device.type == "cuda" else "reference")
-    if args.prenorm not in ("auto", "ab"):
+    if args.ab and not args.decode:
+        raise SystemExit("--ab times decode steps: give --decode B")
+    if args.prenorm != "auto":
         use_prenorm(args.prenorm == "fused")
     model, what = load_model(args.model or ("qwen3.5-2b" if device.type == "cuda" else "tiny"), device)
-    if args.decode and args.prenorm == "ab":
-        rows = prenorm_ab(model, args)
-        print(f"{what} on {device}: a decode step of {args.decode} over {args.ctx}, pre-norm fused or not")
-        print_table(rows, ["prenorm", "repeat", "graph_ms"])
-        return {"prenorm_ab": rows}
+    if args.ab:
+        rows = decode_ab(model, args, args.ab)
+        print(f"{what} on {device}: a decode step of {args.decode} over {args.ctx}, each {args.ab} variant")
+        print_table(rows, [args.ab, "repeat", "graph_ms"])
+        return {"ab": rows}
     if args.decode:
         return profile_decode(model, what, device, args)
     engine = make_engine(model, 1, args.ctx + args.new + 64)
