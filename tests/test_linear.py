@@ -254,10 +254,11 @@ def test_linear_gpu_decode_shapes(m, pdl, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16])
-def test_linear_gpu_chain_in_a_cuda_graph(m):
+@pytest.mark.parametrize("m,prefetch", [(1, 1), (1, 2), (16, 1)])
+def test_linear_gpu_chain_in_a_cuda_graph(m, prefetch, monkeypatch):
     # a chain of dependent GEMVs or skinny GEMMs (each reads the last one's output) replayed from a graph (rows
-    # unpadded, as in a decode graph): PDL must keep the order
+    # unpadded, as in a decode graph): PDL must keep the order, also with two weight tiles loaded before the wait
+    monkeypatch.setattr(L, "PREFETCH_TILES", prefetch)
     x, _ = _pair(m, 1, 1024, torch.bfloat16)
     ws = [_pair(1, 1024, 1024, torch.bfloat16, seed=s)[1] for s in range(8)]
     outs = [torch.empty(m, 1024, device=DEV, dtype=torch.bfloat16) for _ in ws]
