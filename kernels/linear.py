@@ -209,6 +209,8 @@ def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=
         o2.zero_()
         return
     block_n, block_k, warps = plan or launch_plan(m, n, k)
+    if PREFETCH_TILES not in (1, 2):
+        raise ValueError(f"kernels.linear.PREFETCH_TILES must be 1 or 2, got {PREFETCH_TILES}")
     rows = next_power_of_2(m)
     res2 = x2 if res2 is None else res2
     _linear_kernel[(cdiv(n, block_n),)](

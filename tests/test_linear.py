@@ -69,6 +69,9 @@ def test_gemv_with_two_tiles_prefetched_matches_reference(monkeypatch, m, n, k):
     _check(*_pair(m, n, k, torch.float32, seed=k), f"prefetch 2: linear {m}x{k} @ {n}x{k}")
     _check(*_gated_pair(m, n, k, torch.float32, seed=k), f"prefetch 2: gated {m}x{k} @ {n}x{k}", gated=True)
     _check_normed(m, n, k, torch.float32, with_residual=True, seed=k)
+    monkeypatch.setattr(L, "PREFETCH_TILES", 3)
+    with pytest.raises(ValueError, match="PREFETCH_TILES must be 1 or 2"):
+        L.linear(*_pair(m, n, k, torch.float32))
 
 
 def _normed_inputs(m, k, dtype, seed, with_residual=True):
