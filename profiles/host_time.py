@@ -183,9 +183,7 @@ def decode_ab(model, args, knob: str, repeats: int = 2) -> list[dict]:
         for r in range(repeats):
             for name, apply in variants.items():
                 apply()
-                engine = make_engine(model, args.decode, args.ctx + 256, cuda_graphs=True)
-                decoding_batch(engine, args.decode, args.ctx)
-                time_steps(engine, 5)
+                engine = decoding_engine(model, args, cuda_graphs=True)
                 rows.append({knob: name, "repeat": r, "graph_ms": time_steps(engine, 150)})
                 engine.close()
     finally:
@@ -201,13 +199,19 @@ def make_engine(model, max_num_seqs: int, max_len: int, **fields) -> LLMEngine:
     return LLMEngine(model, cfg)
 
 
+def decoding_engine(model, args, cuda_graphs: bool) -> LLMEngine:
+    """An engine whose next steps decode args.decode sequences over args.ctx tokens, after 5 warm-up steps."""
+    engine = make_engine(model, args.decode, args.ctx + 256, cuda_graphs=cuda_graphs)
+    decoding_batch(engine, args.decode, args.ctx)
+    time_steps(engine, 5)
+    return engine
+
+
 def profile_decode(model, what: str, device: torch.device, args) -> dict:
     """A decode step of args.decode sequences: eager (kernels by GPU time) and from its CUDA graph (ms a step)."""
     found = {}
     for graphs in (False, True):
-        engine = make_engine(model, args.decode, args.ctx + 256, cuda_graphs=graphs)
-        decoding_batch(engine, args.decode, args.ctx)
-        time_steps(engine, 5)
+        engine = decoding_engine(model, args, cuda_graphs=graphs)
         found[graphs] = time_steps(engine, 50), profile_step(engine)
         engine.close()
     (eager_ms, (_, rows, kernels)), (graph_ms, _) = found[False], found[True]
