@@ -3,8 +3,11 @@
 At decode the projections are weight-streaming GEMVs: a 2B step reads ~3.7 GB of weights in 97 of them. Each
 program owns BLOCK_N output columns (BLOCK_N rows of the weight) for every row of x and walks K in BLOCK_K steps,
 holding one weight tile in flight while it multiplies the previous one (fp32 accumulation, output in x's dtype).
-With PDL (kernels.pdl) the first PREFETCH_TILES weight tiles are loaded before waiting for the kernel that
-produced x, so a GEMV's DRAM ramp overlaps its predecessor's tail inside the decode graph.
+With PDL (kernels.pdl) the first weight tile is loaded before waiting for the kernel that produced x, so a GEMV's
+DRAM ramp overlaps its predecessor's tail inside the decode graph. More before the wait lost (H200, session 15, one
+process, graph step at batch 1, 0.8B / 2B / 9B): two tiles in registers 0.954 / 1.63 / 5.31 ms against 0.91 / 1.48 /
+4.73; all of a program's weight rows queued into L2 (prefetch.global.L2) 0.936 / 1.72 / 5.92 against 0.91 / 1.48 /
+4.67, and 2.51 against 2.19 ms for 2B at 16 rows (profiles/results/host_time.json 'gemv_prefetch_session15').
 
 Decode batches of MAX_ROWS + 1 to DOT_MAX_ROWS rows (CUDA-graph capture, where rows are not padded) run a skinny
 GEMM on the tensor cores instead (`_rows_dot_kernel`: 16-row products, weight tiles through a shared-memory ring):
@@ -34,11 +37,6 @@ PLAIN, GATED, NORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # paid at 0.8B (K 1024: decode step 1.19 ms fused against 1.24 in its CUDA graph) and cost at 2B (K 2048: 2.06
 # against 1.72 ms, the 48 NORM GEMVs +0.25 ms of kernel time); H200, session 8, profiles.host_time --prenorm
 FUSED_NORM_MAX_K = 1024
-# Weight tiles a GEMV program has in flight (1 or 2), all of them loaded before the PDL wait. 2 is untimed: inside a
-# PDL graph a 0.8B / 2B decode step spends ~3 us a kernel beyond its bytes (DRAM ramp and tail around ~190
-# kernels), and a deeper prefetch overlaps more of a GEMV's ramp with its predecessor's tail (predicted: up to ~1 us
-# of ~97 GEMVs, ~0.1 ms a step; `profiles.host_time --decode 1 --ab gemv_prefetch` is the A/B)
-PREFETCH_TILES = 1
 # NORM's sums of squares read up to this many elements of the rows per step: 4096-wide rows in one L2 round trip
 # (in BLOCK_K steps, 2B's gate_up GEMV waited on 16 dependent round trips before its first FMA: +0.3 ms a step)
 NORM_ELEMENTS = 4096
@@ -58,8 +56,7 @@ def _input_tile(x_ptr, res_ptr, rows, k, M, K, x_stride, res_stride, ADD: tl.con
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, M, N, K, x_stride, w_stride, out_stride,
                    res_stride, sum_stride, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   NORM_BLOCK: tl.constexpr, INPUT: tl.constexpr, ADD: tl.constexpr, PREFETCH: tl.constexpr,
-                   PDL: tl.constexpr):
+                   NORM_BLOCK: tl.constexpr, INPUT: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
     # out[m, n] = sum_k in[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS rows m.
     # INPUT: PLAIN, in = x; GATED, x (M, 2K) is SwiGLU's [gate | up] and in = silu(gate) * up; NORM, in =
     # rms_norm(s) with s = x (+ residual when ADD), each rounded to x's dtype as the unfused ops round, and the
@@ -72,11 +69,6 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, M, N, K,
     n_ok = (n < N)[:, None]
     # weights are read once a step (evict first: keep L2 for activations); they need no wait
     w = tl.load(w_rows + kk[None, :], mask=n_ok & (kk[None, :] < K), other=0.0, eviction_policy="evict_first")
-    w_ahead = w  # PREFETCH 2: the second tile, also before the wait
-    if PREFETCH == 2:
-        k1 = BLOCK_K + kk
-        w_ahead = tl.load(w_rows + k1[None, :], mask=n_ok & (k1[None, :] < K), other=0.0,
-                          eviction_policy="evict_first")
     pdl.wait_for_producer(PDL)
     pdl.release_dependents(PDL)
     if INPUT == NORM:  # a first pass over the rows: their sums of squares (every program; rows are L2-resident)
@@ -92,7 +84,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, M, N, K,
         rstd = tl.rsqrt(squares / K + eps)                                   # (ROWS,)
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_next = k0 + PREFETCH * BLOCK_K + kk
+        k_next = k0 + BLOCK_K + kk
         w_next = tl.load(w_rows + k_next[None, :], mask=n_ok & (k_next[None, :] < K), other=0.0,
                          eviction_policy="evict_first")
         k = k0 + kk
@@ -106,11 +98,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, M, N, K,
             norm_w = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * rstd[:, None] * (1.0 + norm_w[None, :])).to(x.dtype)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        if PREFETCH == 2:
-            w = w_ahead
-            w_ahead = w_next
-        else:
-            w = w_next
+        w = w_next
     y = tl.sum(acc, axis=2)                                                  # (ROWS, BLOCK_N)
     out_mask = (rows[:, None] < M) & (n[None, :] < N)
     tl.store(out_ptr + rows[:, None] * out_stride + n[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -209,8 +197,6 @@ def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=
         o2.zero_()
         return
     block_n, block_k, warps = plan or launch_plan(m, n, k)
-    if PREFETCH_TILES not in (1, 2):
-        raise ValueError(f"kernels.linear.PREFETCH_TILES must be 1 or 2, got {PREFETCH_TILES}")
     rows = next_power_of_2(m)
     res2 = x2 if res2 is None else res2
     _linear_kernel[(cdiv(n, block_n),)](
@@ -218,7 +204,7 @@ def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=
         weight.stride(0), o2.stride(0), res2.stride(0), 0 if s2 is None else s2.stride(0), float(eps),
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, INPUT=mode.value,
         NORM_BLOCK=max(block_k, min(next_power_of_2(k), NORM_ELEMENTS // rows)), ADD=s2 is not None,
-        PREFETCH=PREFETCH_TILES, num_warps=warps, **pdl.launch_options(x2.device))
+        num_warps=warps, **pdl.launch_options(x2.device))
 
 
 def _rows_dot(x2, weight, o2, plan):

@@ -10,13 +10,12 @@ launches and the Python around them are the cost (on the H200 a 2B step of 800 t
 largest first) and as a CUDA-graph replay (the step's time per token). The gap between the graph's step time and
 the eager kernels' sum is what launches and kernel ramps cost inside the graph. `--prenorm fused|unfused` runs each
 block half's residual add and RMSNorm inside its first projection's GEMV, or as its own launch (the A/B of
-kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab prenorm|gemv_prefetch` times a decode knob's
-variants in one process, alternated, through the CUDA graph only (gemv_prefetch: kernels.linear.PREFETCH_TILES 1
-or 2). Predicted for the fusion: 48 launches fewer a 2B/0.8B
-step at ~2.5 us each with its graph gap, minus the GEMVs' extra reads of the rows from L2, about 0.1-0.15 ms off
-2B's step. Measured on the H200 (session 8, the GEMV summing the squares in a first pass over the rows): 0.8B
-1.19 ms fused against 1.24; 2B 2.06 against 1.72, as the NORM GEMVs' kernel time grew by 0.25 ms. Session 14, in one
-process: 0.8B 0.912 against 0.940, 2B 1.67 against 1.48 (`profiles/results/host_time.json` 'prenorm_ab_session14').
+kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab prenorm` times a decode knob's variants in one
+process, alternated, through the CUDA graph only. Predicted for the fusion: 48 launches fewer a 2B/0.8B step at
+~2.5 us each with its graph gap, minus the GEMVs' extra reads of the rows from L2, about 0.1-0.15 ms off 2B's step.
+Measured on the H200 (session 8, the GEMV summing the squares in a first pass over the rows): 0.8B 1.19 ms fused
+against 1.24; 2B 2.06 against 1.72, as the NORM GEMVs' kernel time grew by 0.25 ms. Session 14, in one process:
+0.8B 0.912 against 0.940, 2B 1.67 against 1.48 (`profiles/results/host_time.json` 'prenorm_ab_session14').
 """
 import argparse
 import functools
@@ -163,21 +162,11 @@ def use_prenorm(fused: bool | None) -> None:
     ops.register_backend("triton", {"add_rms_norm_linear": functools.partial(add_rms_norm_linear, fused=fused)})
 
 
-def use_gemv_prefetch(tiles: int) -> None:
-    """The weight tiles each decode GEMV program loads before its PDL wait (kernels.linear.PREFETCH_TILES)."""
-    from kernels import linear
-    linear.PREFETCH_TILES = tiles
-
-
 def decode_ab(model, args, knob: str, repeats: int = 2) -> list[dict]:
     """The decode step through its CUDA graph under each variant of a knob, alternated; the knob's default after."""
-    from kernels import linear
     variants = {"prenorm": {"fused": functools.partial(use_prenorm, True),
-                            "unfused": functools.partial(use_prenorm, False)},
-                "gemv_prefetch": {"1": functools.partial(use_gemv_prefetch, 1),
-                                  "2": functools.partial(use_gemv_prefetch, 2)}}[knob]
-    restore = {"prenorm": functools.partial(use_prenorm, None),
-               "gemv_prefetch": functools.partial(use_gemv_prefetch, linear.PREFETCH_TILES)}[knob]
+                            "unfused": functools.partial(use_prenorm, False)}}[knob]
+    restore = {"prenorm": functools.partial(use_prenorm, None)}[knob]
     rows = []
     try:
         for r in range(repeats):
@@ -241,7 +230,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prenorm", choices=["auto", "fused", "unfused"], default="auto",
                     help="residual add + RMSNorm inside the following projection's GEMV or as their own launch "
                          "(auto: kernels.linear.FUSED_NORM_MAX_K)")
-    ap.add_argument("--ab", choices=["prenorm", "gemv_prefetch"], default=None,
+    ap.add_argument("--ab", choices=["prenorm"], default=None,
                     help="with --decode: time this knob's variants in one process, alternated")
     args = ap.parse_args(argv)
     if args.admission:
