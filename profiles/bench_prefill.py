@@ -52,7 +52,7 @@ PARTS = ("gdn", "attention", "agent", "curve", "cute")
 # head dim left out does not run the variant). no_pingpong: the consumer warpgroups issue their GEMMs without
 # taking turns (ncu of the d256 causal row: barrier stalls 1.21 per issued instruction against flash-attn-4's
 # 0.33). wide_tile: FA3's K/V tiles on the H100 (d128 176 keys, d256 80); 3_stages: a deeper K/V ring at d128
-# (32 + 3 x 64 KiB of smem). persistent takes two Q buffers at d128 (config q_stages); persistent_1q keeps one.
+# (32 + 3 x 64 KiB of smem).
 
 
 def _every_dim(**overrides) -> dict:
@@ -62,9 +62,7 @@ def _every_dim(**overrides) -> dict:
 CUTE_VARIANTS = [("default", _every_dim()), ("no_overlap", _every_dim(intra_wg_overlap=False)),
                  ("always_rescale", _every_dim(rescale_threshold=0.0)),
                  ("poly1/8", _every_dim(poly_exp2_fraction=0.125)), ("poly1/4", _every_dim(poly_exp2_fraction=0.25)),
-                 ("persistent", _every_dim(persistent=True)),
-                 ("persistent_1q", {128: dict(persistent=True, q_stages=1)}),  # d256 has one Q buffer anyway
-                 ("no_pingpong", _every_dim(pingpong=False)),
+                 ("persistent", _every_dim(persistent=True)), ("no_pingpong", _every_dim(pingpong=False)),
                  ("wide_tile", {128: dict(tile_n=176), 256: dict(tile_n=80)}), ("3_stages", {128: dict(kv_stages=3)})]
 
 

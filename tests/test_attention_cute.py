@@ -74,10 +74,6 @@ def test_cute_config_choice():
     assert (c.tile_n, c.kv_box_rows, c.page_size, c.kv_mode, c.varlen_q) == (128, 16, 16, "paged", True)
     c = choose_config(256, True, 16, 2, kv_mode="paged", page_size=256)
     assert (c.tile_n, c.kv_box_rows) == (64, 64)
-    # a persistent kernel double-buffers Q where shared memory allows: d128 (192 KiB), not d256 (256 > 227 KiB)
-    assert [choose_config(d, True, 16, 4, persistent=p).q_stages for d in (128, 256) for p in (False, True)] == \
-        [1, 2, 1, 1]
-    assert choose_config(128, True, 16, 4, persistent=True, q_stages=1).q_stages == 1
 
 
 @pytest.mark.parametrize("fields,match", [
@@ -88,8 +84,6 @@ def test_cute_config_choice():
     (dict(poly_exp2_fraction=0.3), "poly_exp2_fraction"),
     (dict(rescale_threshold=16.0), "rescale_threshold"),
     (dict(kv_stages=4), "shared memory"),  # d128: 32 + 4 x 64 KiB does not fit (3 stages do)
-    (dict(q_stages=3), "q_stages must be 1 or 2"),
-    (dict(head_dim=256, tile_n=64, q_stages=2), "shared memory"),
     (dict(consumer_regs=256), "setmaxnreg"),
     (dict(kv_mode="ragged"), "kv_mode"),
     (dict(kv_mode="paged", page_size=96), "page_size 96 neither is a multiple of the K/V tile"),
@@ -529,8 +523,7 @@ def test_cute_gpu_paged_agent_turn(d, page):
 @pytest.mark.gpu
 @needs_dsl
 @pytest.mark.parametrize("d", [128, 256])
-@pytest.mark.parametrize("overrides", [dict(persistent=True), dict(persistent=True, intra_wg_overlap=False),
-                                       dict(persistent=True, q_stages=1)])  # d128 defaults to two Q buffers
+@pytest.mark.parametrize("overrides", [dict(persistent=True), dict(persistent=True, intra_wg_overlap=False)])
 def test_cute_gpu_persistent(d, overrides):
     from fa4.cute.entry import cute_attention
     check_cute_config(d, overrides, ((1, 1), (1000, 1000), (300, 1000), (1000, 300), (4097, 4097)))

@@ -9,9 +9,8 @@ warpgroups, each owning `tile_m / num_consumer_wg` = 64 rows of the Q tile (one 
 `pack_gqa` query heads that share a KV head are folded into the M dimension (row m of the tile is query
 position m // pack_gqa of head m % pack_gqa of the group), so one K/V tile feeds them all.
 
-Shared memory: q_stages x Q (tile_m x d) + kv_stages x (K and V tiles, tile_n x d each), bf16.
+Shared memory: Q (tile_m x d) + kv_stages x (K and V tiles, tile_n x d each), bf16.
   d128: tile_n 128, 2 stages: 32 + 2 x 64 KiB = 160 KiB.   d256: tile_n 64, 2 stages: 64 + 2 x 64 = 192 KiB.
-  A persistent d128 kernel takes a second Q buffer (192 KiB); d256 has no room for one.
 
 Sequences (compile-time layout, runtime lengths): `varlen_q` reads query rows through cu_seqlens_q; `kv_mode`
 "dense" (b * S_k), "varlen" (cu_seqlens_k) or "paged" (a pool of pages of `page_size` keys, page_table and
@@ -20,8 +19,6 @@ that divide the tile (8, 16, 32, 64 keys: whole 8-row swizzle atoms) fill a tile
 (`kv_box_rows`); other pages shrink tile_n to gcd(tile_n, page_size) when that is a multiple of 16 (48 -> 16),
 and are refused otherwise (24, 40).
 `persistent`: grid = number of SMs, each CTA loops over tiles in a static strided order (tile_scheduler.py).
-With `q_stages` 2 its producer loads the next tile's Q while the consumers still work on this one (the epilogue
-stages O in this tile's Q buffer, so with one buffer each tile's Q load waited for the last tile's O store).
 """
 import math
 from dataclasses import dataclass
@@ -59,7 +56,6 @@ class AttentionConfig:
     kv_mode: str = "dense"  # "dense", "varlen" (cu_seqlens_k) or "paged" (page_table + seqused_k)
     page_size: int = 0  # keys per page (kv_mode "paged" only)
     persistent: bool = False  # grid = SMs, tiles claimed in a static strided order, longest first if causal
-    q_stages: int = 1  # Q buffers (choose_config: 2 for a persistent kernel where shared memory allows)
 
     @property
     def rows_per_wg(self) -> int:
@@ -80,8 +76,8 @@ class AttentionConfig:
         """The kernel's SharedStorage: the mbarriers, then Q and the K and V rings, each buffer aligned to
         BUFFER_ALIGN (128-byte swizzle atoms), plus one BUFFER_ALIGN of slack for the base's alignment."""
         elt = 2
-        barriers = 8 * (2 * self.q_stages + 4 * self.kv_stages)  # full and empty barriers of Q, K and V
-        q = self.q_stages * self.tile_m * self.head_dim * elt
+        barriers = 8 * (2 + 4 * self.kv_stages)  # Q (2) and the K and V rings' full and empty barriers
+        q = self.tile_m * self.head_dim * elt
         ring = self.kv_stages * self.tile_n * self.head_dim * elt  # K, and again V
         return BUFFER_ALIGN + sum(-(-size // BUFFER_ALIGN) * BUFFER_ALIGN for size in (barriers, q, ring, ring))
 
@@ -99,8 +95,6 @@ class AttentionConfig:
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
         if self.kv_stages < 1:
             raise ValueError(f"kv_stages must be >= 1, got {self.kv_stages}")
-        if self.q_stages not in (1, 2):
-            raise ValueError(f"q_stages must be 1 or 2, got {self.q_stages}")
         if self.poly_exp2_fraction not in POLY_FRACTIONS:
             raise ValueError(f"poly_exp2_fraction must be one of {POLY_FRACTIONS}, got {self.poly_exp2_fraction!r}")
         if not 0.0 <= self.rescale_threshold <= MAX_RESCALE_THRESHOLD:
@@ -156,18 +150,13 @@ def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int
                   poly_exp2_fraction=float(poly_exp2_fraction), varlen_q=varlen_q, kv_mode=kv_mode,
                   page_size=page_size if kv_mode == "paged" else 0)
     fields.update(overrides)
-    if fields.get("persistent") and "q_stages" not in overrides:
-        double_q = AttentionConfig(**fields, q_stages=2)
-        if double_q.smem_bytes() <= SMEM_LIMIT:
-            return double_q.validate()
     return AttentionConfig(**fields).validate()
 
 
 def representative_configs() -> list[AttentionConfig]:
     """The CPU compile-test set: each head dim, causal and not, with and without GQA packing, FA4 flags and
     the intra-warpgroup overlap on (the default) and off; varlen, paged (pages of 64 and 16 keys), the
-    persistent scheduler (d128 with two Q buffers, d256 with one), and the wider K/V tiles (d128 176 keys, d256
-    80: 11 and 5 wgmma K steps of PV)."""
+    persistent scheduler, and the wider K/V tiles (d128 176 keys, d256 80: 11 and 5 wgmma K steps of PV)."""
     return [
         choose_config(128, False, 8, 8),
         choose_config(128, True, 8, 2, poly_exp2_fraction=0.25),

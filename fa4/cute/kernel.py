@@ -18,8 +18,7 @@ K and V of each visited tile, last tile first); warpgroups 1 and 2 are consumers
 64 rows of the 128-row Q tile. Per K/V tile a consumer: S = Q K^T (wgmma, smem operands), mask (diagonal and
 ragged tiles only), online softmax (softmax.py), P to bf16 in registers, O += P V (wgmma, P from registers).
 Epilogue: O / rowsum to bf16, into the warpgroup's own Q smem slice, then 16-byte stores of the rows that
-exist; then the consumers release that Q buffer. A persistent CTA with two Q buffers (config q_stages) has its
-next tile's Q loaded into the other one meanwhile; with one, that load waits for this release.
+exist; then the consumers release Q's buffer, so a persistent CTA's producer may load its next tile's Q.
 Tiles (tile_scheduler.py): one per CTA, or a persistent loop; the K/V ring states carry across tiles.
 """
 
@@ -101,10 +100,8 @@ class FlashAttentionForwardSm90:
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
             (1, 1, 1), pv_tiler[:2], warpgroup.OperandSource.RMEM)
 
-        # smem: Q as q_stages x num_consumer_wg slices of 64 x D (a stage: one slice per consumer warpgroup), K and
-        # V rings
-        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, self.dtype,
-                                                  cfg.num_consumer_wg * cfg.q_stages)
+        # smem: Q as num_consumer_wg stages of 64 x D (one per consumer warpgroup), K and V rings
+        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, self.dtype, cfg.num_consumer_wg)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, qk_tiler, self.dtype, cfg.kv_stages)
         sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, pv_tiler, self.dtype, cfg.kv_stages)
 
@@ -119,12 +116,12 @@ class FlashAttentionForwardSm90:
             sV_box = cute.composition(sV_box, (cute.make_layout(d), cute.make_layout(box)))
         tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, sK_box, (box, d))
         tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, sV_box, (d, box))
-        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout) // cfg.q_stages  # a stage's halves, one barrier
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)  # both halves, one barrier
         self.kv_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
 
         @cute.struct
         class SharedStorage:
-            q_mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.q_stages]
+            q_mbar: cute.struct.MemRange[cutlass.Int64, 2]
             k_mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stages]
             v_mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.kv_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], BUFFER_ALIGN]
@@ -161,10 +158,10 @@ class FlashAttentionForwardSm90:
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        q_pipe = P.make_tma_pipeline(storage.q_mbar.data_ptr(), cfg.q_stages, self.q_bytes, cfg.num_consumer_wg)
+        q_pipe = P.make_tma_pipeline(storage.q_mbar.data_ptr(), 1, self.q_bytes, cfg.num_consumer_wg)
         k_pipe = P.make_tma_pipeline(storage.k_mbar.data_ptr(), cfg.kv_stages, self.kv_bytes, cfg.num_consumer_wg)
         v_pipe = P.make_tma_pipeline(storage.v_mbar.data_ptr(), cfg.kv_stages, self.kv_bytes, cfg.num_consumer_wg)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, D, num_consumer_wg x stages)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, D, num_consumer_wg)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (N, D, stages)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (D, N, stages)
 
@@ -184,7 +181,7 @@ class FlashAttentionForwardSm90:
             # ------------------------------------------------ producer warpgroup
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == 0:
-                q_state = P.producer_state(cfg.q_stages)
+                q_state = P.producer_state(1)
                 k_state = P.producer_state(cfg.kv_stages)
                 v_state = P.producer_state(cfg.kv_stages)
                 tile = TS.first_tile(cfg.persistent)
@@ -214,8 +211,7 @@ class FlashAttentionForwardSm90:
                         # Q is loaded even when no key is visible: the consumers' epilogue stages O in its buffer
                         q_pipe.producer_acquire(q_state)
                         for half in cutlass.range_constexpr(cfg.num_consumer_wg):
-                            cute.copy(tma_q, tQgQ[None, m_block * cfg.num_consumer_wg + half],
-                                      tQsQ[None, half + cfg.num_consumer_wg * q_state.index],
+                            cute.copy(tma_q, tQgQ[None, m_block * cfg.num_consumer_wg + half], tQsQ[None, half],
                                       tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
                         q_state.advance()
                         # paged: lane j holds the page of box j of the next tile, read one tile ahead
@@ -246,7 +242,8 @@ class FlashAttentionForwardSm90:
             tid = tidx % 128
             thr_qk = tiled_mma_qk.get_slice(tid)
             thr_pv = tiled_mma_pv.get_slice(tid)
-            tSrQ_stages = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, D / 16, wg x stages)
+            sQ_wg = sQ[None, None, cwg]
+            tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_wg))  # (MMA, 1, D / 16)
             tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, D / 16, stages)
             tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sV))  # (MMA, D / n, N / 16, stages)
             coords = thr_qk.partition_C(cute.make_identity_tensor((WGMMA_M, n_tile)))
@@ -257,7 +254,7 @@ class FlashAttentionForwardSm90:
             # 64 x N x 16 wgmma hold the same (row, col) per thread in the same order for 16-bit types
             tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((WGMMA_M, n_tile)), self.dtype)
             tOrP_as_s = cute.make_tensor(tOrP.iterator, acc_s.layout)
-            q_state = P.consumer_state(cfg.q_stages)
+            q_state = P.consumer_state(1)
             k_state = P.consumer_state(cfg.kv_stages)
             v_state = P.consumer_state(cfg.kv_stages)
             tile = TS.first_tile(cfg.persistent)
@@ -271,10 +268,6 @@ class FlashAttentionForwardSm90:
                     row_max, row_sum, row_scale = S.make_state(2)
                     row_base = m_block * cfg.tile_m + cwg * WGMMA_M
                     acc_o.fill(0.0)
-                    q_slice = cwg  # this warpgroup's Q rows, O's staging
-                    if cutlass.const_expr(cfg.q_stages > 1):
-                        q_slice = cwg + cfg.num_consumer_wg * q_state.index
-                    tSrQ = tSrQ_stages[None, None, None, q_slice]  # (MMA, 1, D / 16)
                     q_pipe.consumer_wait(q_state)
                     if n_max > 0:
                         P.pingpong_start(cwg, pingpong)
@@ -369,8 +362,7 @@ class FlashAttentionForwardSm90:
                             v_state.advance()
 
                     S.online_softmax_finalize(row_sum, acc_o)
-                    self.epilogue(acc_o, thr_pv, sQ[None, None, q_slice], mO, cwg, tid, m_block, head_group, q_start,
-                                  seqlen_q)
+                    self.epilogue(acc_o, thr_pv, sQ_wg, mO, cwg, tid, m_block, head_group, q_start, seqlen_q)
                     cute.arch.fence_proxy("async.shared", space="cta")  # O's generic smem writes before Q's TMA
                     q_pipe.consumer_release(q_state)  # O's staging in Q's buffer is read: the next Q may land
                     q_state.advance()

@@ -1,7 +1,7 @@
 """Synchronisation of the CuTe-DSL attention forward: mbarrier pipelines and named barriers.
 
-- Q: a TMA pipeline of q_stages (1, or 2 for a persistent CTA: its next tile's Q). The producer warp loads a
-  tile's two 64-row Q halves onto one mbarrier (tx = both halves); both consumer warpgroups wait on it once.
+- Q: a one-stage TMA pipeline. The producer warp loads the CTA's two 64-row Q halves onto one mbarrier
+  (tx = both halves); both consumer warpgroups wait on it once.
 - K and V: two rings of `kv_stages` buffers each (`cutlass.pipeline.PipelineTmaAsync`): the producer
   acquires an empty slot and arms its full barrier with the tile's bytes; each consumer warp releases a slot
   when its wgmma has read it, so a slot is free again once all 8 consumer warps are done with it.
