@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, split_k
 from kernels.activations import silu_and_mul
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
@@ -105,26 +105,31 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, M, N, K,
 
 
 @triton.jit
-def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride, ROWS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    # out[m, n] = sum_k x[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS (>= 16) rows
-    # on the tensor cores: acc (BLOCK_N, ROWS) += w tile (BLOCK_N, BLOCK_K) @ x tile^T (BLOCK_K, ROWS), both tiles
-    # streamed through a STAGES-deep shared-memory ring
+def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, x_stride, w_stride, out_stride,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    # out[m, n] = sum_k x[m, k] * w[n, k] for the BLOCK_N columns n of program (i, .) and the M <= ROWS (>= 16)
+    # rows on the tensor cores: acc (BLOCK_N, ROWS) += w tile (BLOCK_N, BLOCK_K) @ x tile^T (BLOCK_K, ROWS), both
+    # tiles streamed through a STAGES-deep shared-memory ring; program (i, s) takes the s-th of SPLIT runs of K
+    # (kernels.split_k: the last of a block's SPLIT programs to finish sums their partials and stores)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                  # (BLOCK_N,)
     kk = tl.arange(0, BLOCK_K)                                               # (BLOCK_K,)
     rows = tl.arange(0, ROWS)                                                # (ROWS,)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride                     # (BLOCK_N, 1)
     n_ok = (n < N)[:, None]
+    k_start, k_end = split_k.k_range(K, BLOCK_K, SPLIT)
     pdl.wait_for_producer(PDL)
     pdl.release_dependents(PDL)
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         k = k0 + kk
         w = tl.load(w_rows + k[None, :], mask=n_ok & (k[None, :] < K), other=0.0, eviction_policy="evict_first")
         x = _input_tile(x_ptr, x_ptr, rows, k, M, K, x_stride, x_stride, False)  # (ROWS, BLOCK_K)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
     out_mask = (rows[None, :] < M) & (n[:, None] < N)
+    if SPLIT > 1:
+        acc, last = split_k.reduce_partials(acc, part_ptr, ticket_ptr, n, rows, N, SPLIT, ROWS)
+        out_mask = out_mask & last
     tl.store(out_ptr + rows[None, :] * out_stride + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -160,22 +165,25 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
     return block_n, max(16, min(next_power_of_2(k), max(128, block_k // rows))), warps
 
 
-# (N, K) -> (BLOCK_N, BLOCK_K, STAGES, num_warps) of the skinny GEMM at 16 rows: the fastest plan of `python -m
-# profiles.bench_decode --sweep-linear MODEL --rows 16` on the H200; other shapes take the rule in dot_plan.
-SWEPT_DOT_PLANS = {  # 2B (hidden 2048), session 11: cuBLAS takes 1.05-1.3x as long per weight at 16 rows
-    (8224, 2048): (64, 128, 6, 4), (2048, 2048): (16, 256, 4, 2), (5120, 2048): (16, 128, 6, 1),
-    (12288, 2048): (32, 128, 4, 1), (2048, 6144): (16, 512, 4, 2), (248320, 2048): (64, 128, 3, 4),
+# (N, K) -> (BLOCK_N, BLOCK_K, STAGES, num_warps, SPLIT) of the skinny GEMM at 16 rows: the fastest plan of
+# `python -m profiles.bench_decode --sweep-linear MODEL --rows 16` on the H200; other shapes take the rule in dot_plan.
+SWEPT_DOT_PLANS = {  # 2B (hidden 2048), sessions 11 and 15 (profiles/results/decode_linear_sweep_rows16*.json)
+    (8224, 2048): (64, 128, 6, 4, 1), (2048, 2048): (16, 256, 4, 1, 1), (5120, 2048): (32, 128, 6, 1, 1),
+    (12288, 2048): (32, 128, 4, 1, 1), (2048, 6144): (16, 128, 4, 1, 4), (248320, 2048): (64, 128, 3, 4, 1),
 }
 
 
 @functools.cache
-def dot_plan(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, STAGES, num_warps) of the skinny GEMM: the swept plan of (n, k), else narrow column
-    blocks where N is small (a program per 16 columns keeps 128 of them streaming a 2048-wide output)."""
+def dot_plan(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, STAGES, num_warps, SPLIT) of the skinny GEMM: the swept plan of (n, k), else narrow
+    column blocks where N is small (a program per 16 columns keeps 128 of them streaming a 2048-wide output), and
+    K split where such a narrow output has a long K (2B's down projection, 2048 x 6144: 9.3 us split in 4 against
+    14.0 unsplit, H200, session 15), into enough programs for ~512 in all."""
     if (n, k) in SWEPT_DOT_PLANS:
         return SWEPT_DOT_PLANS[n, k]
     block_n = 16 if n <= 4096 else 32 if n <= 16384 else 64
-    return block_n, max(16, min(next_power_of_2(k), 256)), 4, max(1, block_n // 16)
+    split = min(4, max(1, 512 // cdiv(n, block_n))) if k >= 3 * n else 1
+    return block_n, max(16, min(next_power_of_2(k), 256)), 4, max(1, block_n // 16), split
 
 
 def _check_weight(name, x, weight, k_factor: int = 1):
@@ -215,10 +223,17 @@ def _rows_dot(x2, weight, o2, plan):
     if k == 0:
         o2.zero_()
         return
-    block_n, block_k, stages, warps = plan or dot_plan(n, k)
-    _rows_dot_kernel[(cdiv(n, block_n),)](
-        x2, weight, o2, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0), ROWS=max(16, next_power_of_2(m)),
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+    block_n, block_k, stages, warps, split = plan or dot_plan(n, k)
+    rows = max(16, next_power_of_2(m))
+    if not 1 <= split <= split_k.MAX_SPLIT:
+        raise ValueError(f"the skinny GEMM's SPLIT must be 1 to {split_k.MAX_SPLIT}, got {split}")
+    space = split_k.workspace(x2.device) if split > 1 and n <= split_k.MAX_N else None
+    if space is None:  # not split: one column block a program (also while capturing before any workspace exists)
+        split = 1
+    part, tickets = space or (o2, o2)
+    _rows_dot_kernel[(cdiv(n, block_n), split)](
+        x2, weight, o2, part, tickets, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0), ROWS=rows,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT=split,
         DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", num_warps=warps,
         **pdl.launch_options(x2.device))
 
@@ -230,7 +245,7 @@ def linear(x, weight, out=None, *, plan: tuple[int, ...] | None = None, gated: b
     kernels.row_buckets) the skinny GEMM, more torch's matmul (cuBLAS); gated, both after the silu_and_mul kernel
     (in the skinny GEMM every program would recompute silu over all of [gate | up]);
     into `out` when given. plan (benchmark sweeps): the GEMV's (BLOCK_N, BLOCK_K, num_warps) in place of
-    launch_plan's, or the skinny GEMM's (BLOCK_N, BLOCK_K, STAGES, num_warps) in place of dot_plan's."""
+    launch_plan's, or the skinny GEMM's (BLOCK_N, BLOCK_K, STAGES, num_warps, SPLIT) in place of dot_plan's."""
     name = "gate_up" if gated else "x"
     _check_weight(name, x, weight, 2 if gated else 1)
     shape = (*x.shape[:-1], weight.shape[0])

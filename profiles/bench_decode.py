@@ -187,9 +187,11 @@ def _weight_ring(n: int, k: int, ring_bytes: float = 256e6) -> list[torch.Tensor
 def sweep_linear_shape(n: int, k: int, rows: int = 1) -> dict:
     """One decode projection (N, K) at `rows` rows under every plan of kernels.linear's kernel for that many rows
     (the GEMV's (BLOCK_N, BLOCK_K, num_warps) with 2K-16K products a step; the skinny GEMM's (BLOCK_N, BLOCK_K,
-    STAGES, num_warps) whose ring fits in shared memory): the best three, the default plan's time, and cuBLAS's,
-    per weight, in CUDA graphs over a ring of weights read from DRAM."""
+    STAGES, num_warps, SPLIT) whose ring fits in shared memory, split over K only for narrow outputs): the best
+    three, the default plan's time, and cuBLAS's, per weight, in CUDA graphs over a ring of weights read from DRAM."""
+    from kernels import split_k
     from kernels.linear import MAX_ROWS, dot_plan, launch_plan, linear
+    from kernels.row_buckets import decode_step_rows
     x = torch.randn(rows, k, device="cuda", dtype=BF16)
     ring = _weight_ring(n, k)
     o = torch.empty(rows, n, device="cuda", dtype=BF16)
@@ -198,12 +200,15 @@ def sweep_linear_shape(n: int, k: int, rows: int = 1) -> dict:
                  if 2048 <= bn * bk <= 16384]
         default = launch_plan(rows, n, k)
     else:
-        plans = [(bn, bk, st, nw) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4, 6)
+        rings = [(bn, bk, st, nw) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4, 6)
                  for nw in (1, 2, 4) if nw * 16 <= bn * 2 and st * (bn + 16) * bk * 2 <= 200 * 1024]
+        splits = (1, 2, 4, 8) if n <= split_k.MAX_N else (1,)  # split over K: the narrow outputs, 16-column blocks
+        plans = [(*r, sp) for r in rings for sp in splits if sp == 1 or r[0] == 16]
         default = dot_plan(n, k)
 
     def per_weight_us(fn):
-        return bench_us(lambda: [fn(w) for w in ring], graph=True, rep_ms=40) / len(ring)
+        with decode_step_rows():  # the graph's eager warm-up runs the kernel the graph captures (not padded rows)
+            return bench_us(lambda: [fn(w) for w in ring], graph=True, rep_ms=40) / len(ring)
 
     times = {}
     for p in plans:
@@ -237,6 +242,8 @@ def main(argv=None):
                     help="only sweep the decode GEMV's launch plans on MODEL's projections (default qwen3.5-2b)")
     ap.add_argument("--rows", type=int, default=1, help="rows of x in --sweep-linear (more than kernels.linear's "
                     "MAX_ROWS sweep its skinny GEMM)")
+    ap.add_argument("--shapes", default=None, help="with --sweep-linear: only these of MODEL's projections, as "
+                                                    "N:K,N:K (e.g. 2048:2048,2048:6144)")
     ap.add_argument("--plot", metavar="JSON", help="only draw decode_bw.png beside an existing decode.json")
     args = ap.parse_args(argv)
     if args.plot:
@@ -245,9 +252,14 @@ def main(argv=None):
         return
     if args.sweep_linear:
         shapes = dict.fromkeys(LINEAR_SHAPES[args.sweep_linear])
+        if args.shapes:
+            wanted = {tuple(map(int, s.split(":"))) for s in args.shapes.split(",")}
+            shapes = {s: None for s in shapes if s in wanted}
+            if not shapes:
+                ap.error(f"--shapes {args.shapes}: none of {args.sweep_linear}'s projections")
         sweep = [progress(sweep_linear_shape(n, k, args.rows)) for n, k in shapes]
         name = "decode_linear_sweep" + ("" if args.sweep_linear == "qwen3.5-2b" else "_" + args.sweep_linear)
-        write_result(name + ("" if args.rows == 1 else f"_rows{args.rows}"),
+        write_result(name + ("" if args.rows == 1 else f"_rows{args.rows}") + ("_some" if args.shapes else ""),
                      {"env": environment(), "model": args.sweep_linear, "sweep": sweep}, args.out)
         return
     if args.quick:

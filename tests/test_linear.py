@@ -141,6 +141,22 @@ def test_linear_leading_dims_strided_rows_and_out(shape):
     assert L.linear(x[:1, :2], w, out=small) is small
 
 
+@pytest.mark.parametrize("m,n,k,split", [(5, 65, 1000, 3), (16, 7, 33, 4), (9, 40, 300, 2), (13, 129, 2049, 8)])
+def test_skinny_gemm_split_over_k_matches_reference(m, n, k, split):
+    # kernels.split_k: each column block's programs take runs of K's tiles (uneven runs, runs with no tile when K
+    # has fewer tiles than splits); the last one sums the partials in split order: the same bits on a second call,
+    # and every ticket back at zero after it
+    from kernels import split_k
+    x, w = _pair(m, n, k, torch.float32, seed=k)
+    plan = (16, 32, 2, 1, split)
+    out = L.linear(x, w, plan=plan)
+    assert_rel(out.double(), R.linear(x.double(), w.double()), 1e-6, f"split {split}: {m}x{k} @ {n}x{k}")
+    assert torch.equal(L.linear(x, w, plan=plan), out)
+    assert not split_k.workspace(x.device)[1].any()
+    with pytest.raises(ValueError, match="SPLIT must be 1 to 8"):
+        L.linear(x, w, plan=(16, 32, 2, 1, 9))
+
+
 @pytest.mark.parametrize("m,kernel", [(4, "gemv"), (5, "dot"), (16, "dot"), (17, "matmul")])
 def test_linear_routes_rows_to_the_kernel_for_them(m, kernel, monkeypatch):
     # unpadded rows (the CPU, CUDA-graph capture): up to MAX_ROWS the GEMV, up to DOT_MAX_ROWS the skinny GEMM
@@ -195,15 +211,16 @@ for mode, add in ((L.PLAIN, False), (L.GATED, False), (L.NORM, False), (L.NORM, 
                          options={"num_warps": 4}).asm["ptx"]
     before_wait = ptx[:ptx.find("griddepcontrol.wait")]
     print(ptx.count("griddepcontrol"), ptx.count("st.global"), before_wait.count("ld.global"), flush=True)
-for warps in (1, 4):
-    const = dict(ROWS=16, BLOCK_N=16 * warps, BLOCK_K=256, STAGES=4, DOT_PRECISION="tf32", PDL=True)
-    sig = {n: "constexpr" if n in const else "*bf16" if n.endswith("_ptr") else "i32"
+for warps, split in ((1, 1), (4, 1), (2, 4)):
+    const = dict(ROWS=16, BLOCK_N=16 * warps, BLOCK_K=256, STAGES=4, SPLIT=split, DOT_PRECISION="tf32", PDL=True)
+    ptrs = {"part_ptr": "*fp32", "ticket_ptr": "*i32"} if split > 1 else {}  # unsplit: the output stands in
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.endswith("_ptr") else "i32"
            for n in L._rows_dot_kernel.arg_names}
     aligned = {(L._rows_dot_kernel.arg_names.index(n),): [["tt.divisibility", 16]]  # as the JIT specializes
                for n in ("x_ptr", "w_ptr", "out_ptr", "K", "x_stride", "w_stride", "out_stride")}
     ptx = triton.compile(ASTSource(L._rows_dot_kernel, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": warps}).asm["ptx"]
-    print(ptx.count("griddepcontrol"), ptx.count("mma."), ptx.count("cp.async"), flush=True)
+    print(ptx.count("griddepcontrol"), ptx.count("mma."), ptx.count("cp.async"), ptx.count("atom."), flush=True)
 """
 
 
@@ -220,8 +237,10 @@ def test_gemv_variants_compile_for_sm90():
     gemv, dot = counts[:4], counts[4:]
     assert len(gemv) == 4 and all(pdl == 2 and loads > 0 for pdl, _, loads in gemv), run.stdout
     assert gemv[3][1] > gemv[2][1], run.stdout
-    # the skinny GEMM: PDL, tensor-core MMAs, and weight tiles copied asynchronously into its shared-memory ring
-    assert len(dot) == 2 and all(pdl == 2 and mma > 0 and cp > 0 for pdl, mma, cp in dot), run.stdout
+    # the skinny GEMM: PDL, tensor-core MMAs, and weight tiles copied asynchronously into its shared-memory ring;
+    # split over K, the ticket's atomics (the draw and the reset)
+    assert len(dot) == 3 and all(pdl == 2 and mma > 0 and cp > 0 for pdl, mma, cp, _ in dot), run.stdout
+    assert [atoms > 0 for *_, atoms in dot] == [False, False, True], run.stdout
 
 
 SHAPES_2B = [(8224, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (5120, 2048), (248320, 2048)]
@@ -265,6 +284,28 @@ def test_linear_gpu_chain_in_a_cuda_graph(m):
     for w in ws:
         h = (h @ w.float().t()).bfloat16().float()
     assert_rel(outs[-1].float(), h, 3e-2, "graph chain")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [2, 4, 8])
+def test_skinny_gemm_split_over_k_in_a_cuda_graph(split):
+    # 16 decode rows of 2B's narrow projections split over K: replayed from a graph, the same bits as eagerly (the
+    # tickets reset themselves), within bf16 tolerance of fp32
+    from kernels import split_k
+    for n, k in ((2048, 2048), (2048, 6144)):
+        x, w = _pair(16, n, k, torch.bfloat16, seed=split)
+        plan = (16, 256, 4, 2, split)
+        with RB.decode_step_rows():  # eagerly, as a decode step runs it (else 16 rows go to cuBLAS, padded)
+            eager = L.linear(x, w, plan=plan)
+        out = torch.empty_like(eager)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            L.linear(x, w, out=out, plan=plan)
+        for _ in range(3):
+            graph.replay()
+        assert torch.equal(out, eager), f"split {split} {n}x{k}: graph and eager differ"
+        assert not split_k.workspace(x.device)[1].any()
+        assert_rel(out.float(), x.float() @ w.float().t(), TOL[torch.bfloat16], f"split {split} {n}x{k}")
 
 
 @pytest.mark.gpu
