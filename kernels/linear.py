@@ -37,6 +37,9 @@ PLAIN, GATED, NORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # paid at 0.8B (K 1024: decode step 1.19 ms fused against 1.24 in its CUDA graph) and cost at 2B (K 2048: 2.06
 # against 1.72 ms, the 48 NORM GEMVs +0.25 ms of kernel time); H200, session 8, profiles.host_time --prenorm
 FUSED_NORM_MAX_K = 1024
+# Whether skinny GEMMs run split over K where their plan says so (kernels.split_k); off: every one unsplit (A/B:
+# `python -m profiles.host_time --decode 16 --ab split_k`)
+SPLIT_K = True
 # NORM's sums of squares read up to this many elements of the rows per step: 4096-wide rows in one L2 round trip
 # (in BLOCK_K steps, 2B's gate_up GEMV waited on 16 dependent round trips before its first FMA: +0.3 ms a step)
 NORM_ELEMENTS = 4096
@@ -227,7 +230,7 @@ def _rows_dot(x2, weight, o2, plan):
     rows = max(16, next_power_of_2(m))
     if not 1 <= split <= split_k.MAX_SPLIT:
         raise ValueError(f"the skinny GEMM's SPLIT must be 1 to {split_k.MAX_SPLIT}, got {split}")
-    space = split_k.workspace(x2.device) if split > 1 and n <= split_k.MAX_N else None
+    space = split_k.workspace(x2.device) if SPLIT_K and split > 1 and n <= split_k.MAX_N else None
     if space is None:  # not split: one column block a program (also while capturing before any workspace exists)
         split = 1
     part, tickets = space or (o2, o2)

@@ -10,8 +10,8 @@ launches and the Python around them are the cost (on the H200 a 2B step of 800 t
 largest first) and as a CUDA-graph replay (the step's time per token). The gap between the graph's step time and
 the eager kernels' sum is what launches and kernel ramps cost inside the graph. `--prenorm fused|unfused` runs each
 block half's residual add and RMSNorm inside its first projection's GEMV, or as its own launch (the A/B of
-kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab prenorm` times a decode knob's variants in one
-process, alternated, through the CUDA graph only. Predicted for the fusion: 48 launches fewer a 2B/0.8B step at
+kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab prenorm|split_k` times a decode knob's variants in
+one process, alternated, through the CUDA graph only. Predicted for the fusion: 48 launches fewer a 2B/0.8B step at
 ~2.5 us each with its graph gap, minus the GEMVs' extra reads of the rows from L2, about 0.1-0.15 ms off 2B's step.
 Measured on the H200 (session 8, the GEMV summing the squares in a first pass over the rows): 0.8B 1.19 ms fused
 against 1.24; 2B 2.06 against 1.72, as the NORM GEMVs' kernel time grew by 0.25 ms. Session 14, in one process:
@@ -162,11 +162,21 @@ def use_prenorm(fused: bool | None) -> None:
     ops.register_backend("triton", {"add_rms_norm_linear": functools.partial(add_rms_norm_linear, fused=fused)})
 
 
+def use_split_k(on: bool) -> None:
+    """Whether the skinny decode GEMMs run split over K where their plan says so (kernels.linear.SPLIT_K)."""
+    from kernels import linear
+    linear.SPLIT_K = on
+
+
 def decode_ab(model, args, knob: str, repeats: int = 2) -> list[dict]:
     """The decode step through its CUDA graph under each variant of a knob, alternated; the knob's default after."""
+    from kernels import linear
     variants = {"prenorm": {"fused": functools.partial(use_prenorm, True),
-                            "unfused": functools.partial(use_prenorm, False)}}[knob]
-    restore = {"prenorm": functools.partial(use_prenorm, None)}[knob]
+                            "unfused": functools.partial(use_prenorm, False)},
+                "split_k": {"off": functools.partial(use_split_k, False),
+                            "on": functools.partial(use_split_k, True)}}[knob]
+    restore = {"prenorm": functools.partial(use_prenorm, None),
+               "split_k": functools.partial(use_split_k, linear.SPLIT_K)}[knob]
     rows = []
     try:
         for r in range(repeats):
@@ -230,7 +240,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prenorm", choices=["auto", "fused", "unfused"], default="auto",
                     help="residual add + RMSNorm inside the following projection's GEMV or as their own launch "
                          "(auto: kernels.linear.FUSED_NORM_MAX_K)")
-    ap.add_argument("--ab", choices=["prenorm"], default=None,
+    ap.add_argument("--ab", choices=["prenorm", "split_k"], default=None,
                     help="with --decode: time this knob's variants in one process, alternated")
     args = ap.parse_args(argv)
     if args.admission:

@@ -398,7 +398,7 @@ def run_variants(args, model, what: str, device: torch.device, out, knob: str | 
     return summary
 
 
-SWEEP_COLUMNS = ("decode_tok_s", "ttft_return_p50_ms", "throughput_tok_s", "wall_s")
+SWEEP_COLUMNS = ("decode_tok_s", "min_user_decode_tok_s", "ttft_return_p50_ms", "throughput_tok_s", "wall_s")
 
 
 def mean(values: list[float]) -> float | None:

@@ -157,6 +157,18 @@ def test_skinny_gemm_split_over_k_matches_reference(m, n, k, split):
         L.linear(x, w, plan=(16, 32, 2, 1, 9))
 
 
+def test_skinny_gemm_unsplit_when_split_k_is_off(monkeypatch):
+    # kernels.linear.SPLIT_K False: a plan's SPLIT is ignored (one program a column block, no ticket drawn)
+    monkeypatch.setattr(L, "SPLIT_K", False)
+    launches = []
+    real = L._rows_dot_kernel
+    monkeypatch.setattr(L, "_rows_dot_kernel", type("Spy", (), {"__getitem__": lambda _, grid: launches.append(grid)
+                                                                 or real[grid]})())
+    x, w = _pair(6, 40, 300, torch.float32)
+    assert_rel(L.linear(x, w, plan=(16, 32, 2, 1, 4)).double(), R.linear(x.double(), w.double()), 1e-6, "unsplit")
+    assert launches == [(3, 1)]
+
+
 @pytest.mark.parametrize("m,kernel", [(4, "gemv"), (5, "dot"), (16, "dot"), (17, "matmul")])
 def test_linear_routes_rows_to_the_kernel_for_them(m, kernel, monkeypatch):
     # unpadded rows (the CPU, CUDA-graph capture): up to MAX_ROWS the GEMV, up to DOT_MAX_ROWS the skinny GEMM
