@@ -56,6 +56,10 @@ PROGRAMS_PER_SM = 2  # _dv_splits fills up to this many programs per SM
 MIN_SPLIT_COLS = 16  # narrowest dv slice of a program
 MIN_WARPS = 2
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Load the states before the PDL wait when a program updates all its value heads in one pass (kernel's EARLY).
+# Predicted: their slot-then-state DRAM round trips (~1-2 us) hidden behind the in-projection's tail, ~20-40 us a
+# 2B / 9B step. A/B: `python -m profiles.host_time --model M --decode 1 --ab gdn_early`
+STATE_BEFORE_WAIT = True
 
 
 @triton.jit
@@ -103,16 +107,22 @@ def _delta_rule(s, q, k, v, decay, beta):
 
 
 @triton.jit
+def _state_ptrs(state_ptr, slot, heads, rk, rv, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    # (G, BK, BVS) addresses of rows rk, columns rv of the states of value heads `heads` (G,) in state slot `slot`
+    return state_ptr + (slot * HV + heads[:, None, None]) * (DK * DV) + rk[None, :, None] * DV + rv[None, None, :]
+
+
+@triton.jit
 def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
                        conv_ptr, state_ptr, slots_ptr, out_ptr, ws_o_ptr, arrivals_ptr, stride_qkv, stride_z,
                        stride_b, stride_a, scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr,
-                       GP: tl.constexpr, PDL: tl.constexpr):
+                       GP: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     # grid (Hk, B, NS): key head kh of sequence seq, columns [split * BV / NS, ...) of its HV // HK value heads'
-    # states, G heads at a time
-    pdl.wait_for_producer(PDL)
-    pdl.release_dependents(PDL)
+    # states, G heads at a time. EARLY (one pass of G heads): the states are loaded before the PDL wait (no kernel
+    # of the step writes them, nor the slots), so their two dependent DRAM round trips overlap the previous
+    # kernel's tail; everything the previous kernel writes (qkv, z, b, a) is read after the wait.
     kh = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,6 +132,11 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
     rk, rg, two = tl.arange(0, BK), tl.arange(0, G), tl.arange(0, 2)
     rv = split * BVS + tl.arange(0, BVS)
     slot = tl.load(slots_ptr + seq).to(tl.int64)  # every state offset below is 64-bit
+    s_mask = (rk[None, :, None] < DK) & (rv[None, None, :] < DV) & (rg[:, None, None] < G)  # (G, BK, BVS)
+    if EARLY:
+        s_early = tl.load(_state_ptrs(state_ptr, slot, kh * GROUP + rg, rk, rv, HV, DK, DV), mask=s_mask, other=0.0)
+    pdl.wait_for_producer(PDL)
+    pdl.release_dependents(PDL)
     x_row = qkv_ptr + seq * stride_qkv  # the rows of qkv, z, b and a may be views into one projection
     z_row = z_ptr + seq * stride_z
     conv_row = conv_ptr + slot * (C * (K - 1))
@@ -132,14 +147,16 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
     q = _l2norm(q) * scale
     k = _l2norm(k)
     w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
-    s_mask = (rk[None, :, None] < DK) & (rv[None, None, :] < DV) & (rg[:, None, None] < G)  # (G, BK, BVS)
     for c in range(GROUP // G):
         heads = kh * GROUP + c * G + rg  # (G,)
         rows = seq * HV + heads
         v_ch = 2 * HK * DK + heads[:, None] * DV + rv[None, :]  # (G, BVS)
         v_mask = (rv[None, :] < DV) & (rg[:, None] < G)
-        s_ptrs = state_ptr + (slot * HV + heads[:, None, None]) * (DK * DV) + rk[None, :, None] * DV + rv[None, None, :]
-        s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+        s_ptrs = _state_ptrs(state_ptr, slot, heads, rk, rv, HV, DK, DV)
+        if EARLY:
+            s = s_early
+        else:
+            s = tl.load(s_ptrs, mask=s_mask, other=0.0)
         v_window, v = _conv_window(x_row, conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
         decay, beta = _gates(a_ptr + seq * stride_a, b_ptr + seq * stride_b, a_log_ptr, dt_bias_ptr, heads)
         s, o = _delta_rule(s, q, k, v, decay, beta)
@@ -274,6 +291,7 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, ws_o, arrivals,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, float(eps), HK=hk, HV=hv, DK=dk, DV=dv,
         K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), NS=ns, GP=next_power_of_2(hv // hk),
+        EARLY=STATE_BEFORE_WAIT and g == hv // hk,
         num_warps=max(MIN_WARPS, min(8, g * bk * bv // ns // STATE_PER_THREAD // 32)), **pdl.launch_options(qkv.device))
     return out
 

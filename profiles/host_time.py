@@ -10,9 +10,10 @@ launches and the Python around them are the cost (on the H200 a 2B step of 800 t
 largest first) and as a CUDA-graph replay (the step's time per token). The gap between the graph's step time and
 the eager kernels' sum is what launches and kernel ramps cost inside the graph. `--prenorm fused|unfused` runs each
 block half's residual add and RMSNorm inside its first projection's GEMV, or as its own launch (the A/B of
-kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab prenorm|split_k` times a decode knob's variants in
-one process, alternated, through the CUDA graph only. Predicted for the fusion: 48 launches fewer a 2B/0.8B step at
-~2.5 us each with its graph gap, minus the GEMVs' extra reads of the rows from L2, about 0.1-0.15 ms off 2B's step.
+kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab prenorm|split_k|gdn_early` times a decode knob's
+variants in one process, alternated, through the CUDA graph only. Predicted for the fusion: 48 launches fewer a
+2B/0.8B step at ~2.5 us each with its graph gap, minus the GEMVs' extra reads of the rows from L2, about 0.1-0.15 ms
+off 2B's step.
 Measured on the H200 (session 8, the GEMV summing the squares in a first pass over the rows): 0.8B 1.19 ms fused
 against 1.24; 2B 2.06 against 1.72, as the NORM GEMVs' kernel time grew by 0.25 ms. Session 14, in one process:
 0.8B 0.912 against 0.940, 2B 1.67 against 1.48 (`profiles/results/host_time.json` 'prenorm_ab_session14').
@@ -168,15 +169,24 @@ def use_split_k(on: bool) -> None:
     linear.SPLIT_K = on
 
 
+def use_gdn_early(on: bool) -> None:
+    """Whether the GDN decode kernel loads its states before the PDL wait (kernels.gdn_decode.STATE_BEFORE_WAIT)."""
+    from kernels import gdn_decode
+    gdn_decode.STATE_BEFORE_WAIT = on
+
+
 def decode_ab(model, args, knob: str, repeats: int = 2) -> list[dict]:
     """The decode step through its CUDA graph under each variant of a knob, alternated; the knob's default after."""
-    from kernels import linear
+    from kernels import gdn_decode, linear
     variants = {"prenorm": {"fused": functools.partial(use_prenorm, True),
                             "unfused": functools.partial(use_prenorm, False)},
                 "split_k": {"off": functools.partial(use_split_k, False),
-                            "on": functools.partial(use_split_k, True)}}[knob]
+                            "on": functools.partial(use_split_k, True)},
+                "gdn_early": {"off": functools.partial(use_gdn_early, False),
+                              "on": functools.partial(use_gdn_early, True)}}[knob]
     restore = {"prenorm": functools.partial(use_prenorm, None),
-               "split_k": functools.partial(use_split_k, linear.SPLIT_K)}[knob]
+               "split_k": functools.partial(use_split_k, linear.SPLIT_K),
+               "gdn_early": functools.partial(use_gdn_early, gdn_decode.STATE_BEFORE_WAIT)}[knob]
     rows = []
     try:
         for r in range(repeats):
@@ -240,7 +250,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prenorm", choices=["auto", "fused", "unfused"], default="auto",
                     help="residual add + RMSNorm inside the following projection's GEMV or as their own launch "
                          "(auto: kernels.linear.FUSED_NORM_MAX_K)")
-    ap.add_argument("--ab", choices=["prenorm", "split_k"], default=None,
+    ap.add_argument("--ab", choices=["prenorm", "split_k", "gdn_early"], default=None,
                     help="with --decode: time this knob's variants in one process, alternated")
     args = ap.parse_args(argv)
     if args.admission:

@@ -1,6 +1,10 @@
 """The Gated DeltaNet decode kernel (kernels/gdn_decode.py) against the reference op model.ops._ref_gated_deltanet:
 output, conv window and fp32 state over consecutive steps, slots scattered in a larger pool, the model.ops
 adapter, CUDA-graph replay, and argument checks."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import rel_err
@@ -86,6 +90,52 @@ def test_matches_reference(dtype, shape, bsz):
     # slots of either integer type: int32 in the fp16 cases (as the engine's decode steps pass them), else int64
     run_steps(*shape, dtype, bsz, n_slots=bsz + 3, steps=3, tol_out=TOLS[dtype][0], tol_state=TOLS[dtype][1],
               seed=bsz, slot_dtype=torch.int32 if dtype == torch.float16 else torch.int64)
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_states_loaded_before_or_after_the_wait(monkeypatch, early):
+    # gdn_decode.STATE_BEFORE_WAIT: one pass over the value heads loads the states first (B1, 2 value heads a key
+    # head: both at once), or inside the pass; 3 value heads a key head go one a pass (never early)
+    monkeypatch.setattr(gdn_decode, "STATE_BEFORE_WAIT", early)
+    seen = []
+    real = gdn_decode._gdn_decode_kernel
+    monkeypatch.setattr(gdn_decode, "_gdn_decode_kernel", type("Spy", (), {
+        "__getitem__": lambda _, grid: lambda *a, **kw: seen.append(kw["EARLY"]) or real[grid](*a, **kw)})())
+    run_steps(2, 4, 16, 16, torch.float32, 1, n_slots=4, steps=2, tol_out=1e-5, tol_state=1e-5)
+    run_steps(1, 3, 16, 24, torch.float32, 1, n_slots=2, steps=1, tol_out=1e-5, tol_state=1e-5)
+    assert seen == [early, early, False]
+
+
+SM90_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+from kernels import gdn_decode as G
+for early in (False, True):  # 9B's B1 launch: 16 key heads x 8 column slices, both value heads a pass
+    const = dict(HK=16, HV=32, DK=128, DV=128, K=4, G=2, BK=128, BV=128, BT=4, NS=8, GP=2, EARLY=early, PDL=True)
+    types = {"state_ptr": "*fp32", "ws_o_ptr": "*fp32", "slots_ptr": "*i32", "arrivals_ptr": "*i32",
+             "A_log_ptr": "*fp32", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "scale": "fp32", "eps": "fp32"}
+    sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+           for n in G._gdn_decode_kernel.arg_names}
+    ptx = triton.compile(ASTSource(G._gdn_decode_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4}).asm["ptx"]
+    before_wait = ptx[:ptx.find("griddepcontrol.wait")]
+    print(ptx.count("griddepcontrol"), before_wait.count("ld.global"), flush=True)
+"""
+
+
+def test_states_load_before_the_wait_in_sm90_ptx():
+    # the interpreter runs no PDL: compiled for sm_90a on the CPU, EARLY loads the slot and the states before
+    # griddepcontrol.wait (the slot alone without it)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (pdl_late, loads_late), (pdl_early, loads_early) = [tuple(map(int, line.split()))
+                                                        for line in run.stdout.split("\n") if line.strip()]
+    assert pdl_late == pdl_early == 2, run.stdout
+    assert loads_late == 1 and loads_early > 1, run.stdout
 
 
 def test_split_launches_leave_counters_at_zero():
