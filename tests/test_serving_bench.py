@@ -86,11 +86,12 @@ def test_host_time_ab_alternates_the_variants(capsys, knob, names):
     from kernels import gdn_decode, linear
     from model import ops
     from profiles import host_time
+    defaults = (linear.SPLIT_K, gdn_decode.STATE_BEFORE_WAIT)
     rows = host_time.main(["--decode", "1", "--ctx", "24", "--device", "cpu", "--ab", knob])["ab"]
     assert [(r[knob], r["repeat"]) for r in rows] == [(names[0], 0), (names[1], 0), (names[0], 1), (names[1], 1)]
     assert all(r["graph_ms"] > 0 for r in rows) and "graph_ms" in capsys.readouterr().out
     # each knob's default again afterwards: the whole triton backend registered, its pre-norm by its rule
-    assert linear.SPLIT_K and gdn_decode.STATE_BEFORE_WAIT
+    assert (linear.SPLIT_K, gdn_decode.STATE_BEFORE_WAIT) == defaults
     triton_ops = ops._BACKENDS["triton"]
     assert triton_ops["linear"] is linear.linear and triton_ops["add_rms_norm_linear"].keywords == {"fused": None}
 
