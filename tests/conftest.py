@@ -1,6 +1,8 @@
 """Test setup: without a GPU, Triton kernels run in its CPU interpreter and `gpu` tests are skipped."""
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,3 +37,14 @@ def assert_rel(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "")
     assert torch.isfinite(out).all(), f"{what}: non-finite output"
     err = rel_err(out, ref)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+def compiled_script_output(script: str, *argv: str, timeout: int = 300) -> str:
+    """stdout of `python -c script argv...` run from the repository root with Triton's compiler (the CPU tests'
+    interpreter switched off): the sm_90a compile tests build PTX there. Fails the test with its stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", script, *argv], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout

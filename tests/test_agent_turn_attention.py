@@ -9,12 +9,10 @@ sm_90a compile of the kernel (shared memory, wgmma, registers, spills). `gpu` te
 1/2/4/8, pages 16/64, q_len 1, 3, 17, 64, 200, 512 over contexts 1, 100, 4097 and 50k, alone and in one
 varlen batch, CUDA-graph replay with new lengths, relative error < 1e-2 in bf16.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import compiled_script_output
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -222,12 +220,7 @@ for d in (256,):
 def test_chunk_kernel_compiles_for_sm90():
     """The interpreter skips Triton's compiler: compile the chunk kernel (M-block 128, bf16, d256) for
     sm_90a on the CPU and check it fits one CTA's shared memory, uses wgmma and cp.async, and spills little."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    for line in run.stdout.strip().splitlines():
+    for line in compiled_script_output(SM90_COMPILE, timeout=600).strip().splitlines():
         d, smem, wgmma, cp_async, regs, spill = map(int, line.split())
         assert smem <= 227 * 1024 and wgmma > 0 and cp_async > 0, line
         assert regs <= 255 and spill <= 128, f"d{d}: {regs} registers, {spill} bytes spilled"

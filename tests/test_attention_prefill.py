@@ -8,14 +8,12 @@ cubin, no GPU needed) so Triton's compiler, which the interpreter skips, sees it
 fp16), GQA 1/2/4/8, head dims 64/128/256, lengths up to 4097, varlen and paged, relative error < 1e-2.
 """
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from conftest import compiled_script_output
 
 import reference as R
 from fa4 import flash_attention
@@ -289,13 +287,9 @@ print("cp.async", k.asm["ttgir"].count("async_copy_global_to_local"), "wgmma", k
 @pytest.mark.parametrize("level", [0, 2])
 def test_attention_kernel_compiles_for_sm90(level):
     # the interpreter skips Triton's compiler; this runs it to PTX and cubin for sm_90a on the CPU
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE, str(level)], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    counts = run.stdout.split()
-    assert int(counts[1]) > 0 and int(counts[3]) > 0, run.stdout  # pipelined loads, wgmma
+    out = compiled_script_output(SM90_COMPILE, str(level))
+    counts = out.split()
+    assert int(counts[1]) > 0 and int(counts[3]) > 0, out  # pipelined loads, wgmma
 
 
 # every (head dim, GQA) pair, each with one dtype and one causal flag, so that every pair of the four values also

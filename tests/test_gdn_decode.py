@@ -1,13 +1,9 @@
 """The Gated DeltaNet decode kernel (kernels/gdn_decode.py) against the reference op model.ops._ref_gated_deltanet:
 output, conv window and fp32 state over consecutive steps, slots scattered in a larger pool, the model.ops
 adapter, CUDA-graph replay, and argument checks."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import rel_err
+from conftest import compiled_script_output, rel_err
 
 from kernels import gdn_decode
 from kernels.gdn_decode import OPS, gated_deltanet_op, gdn_decode_step
@@ -127,15 +123,10 @@ for early in (False, True):  # 9B's B1 launch: 16 key heads x 8 column slices, b
 def test_states_load_before_the_wait_in_sm90_ptx():
     # the interpreter runs no PDL: compiled for sm_90a on the CPU, EARLY loads the slot and the states before
     # griddepcontrol.wait (the slot alone without it)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    (pdl_late, loads_late), (pdl_early, loads_early) = [tuple(map(int, line.split()))
-                                                        for line in run.stdout.split("\n") if line.strip()]
-    assert pdl_late == pdl_early == 2, run.stdout
-    assert loads_late == 1 and loads_early > 1, run.stdout
+    out = compiled_script_output(SM90_COMPILE)
+    (pdl_late, loads_late), (pdl_early, loads_early) = [tuple(map(int, line.split())) for line in out.splitlines()]
+    assert pdl_late == pdl_early == 2, out
+    assert loads_late == 1 and loads_early > 1, out
 
 
 def test_split_launches_leave_counters_at_zero():

@@ -5,13 +5,10 @@ Interpreter tests run fp32/fp16 at odd sizes (rows 1-4 on the GEMV, 5-16 on the 
 of any tile); `gpu` tests run bf16 at Qwen3.5's decode shapes, with programmatic dependent launch on and off,
 inside a CUDA graph, and the hand-off to torch's matmul above DOT_MAX_ROWS rows and for padded (eager) rows."""
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import assert_rel
+from conftest import assert_rel, compiled_script_output
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -240,19 +237,15 @@ def test_gemv_variants_compile_for_sm90():
     # the interpreter skips Triton's compiler: each input mode to PTX for sm_90a on the CPU, with PDL's
     # griddepcontrol pair and its first weight tile loaded before the wait; the add-and-norm variant also stores
     # the summed residual
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    counts = [tuple(map(int, line.split())) for line in run.stdout.split("\n") if line.strip()]
+    out = compiled_script_output(SM90_COMPILE)
+    counts = [tuple(map(int, line.split())) for line in out.splitlines()]
     gemv, dot = counts[:4], counts[4:]
-    assert len(gemv) == 4 and all(pdl == 2 and loads > 0 for pdl, _, loads in gemv), run.stdout
-    assert gemv[3][1] > gemv[2][1], run.stdout
+    assert len(gemv) == 4 and all(pdl == 2 and loads > 0 for pdl, _, loads in gemv), out
+    assert gemv[3][1] > gemv[2][1], out
     # the skinny GEMM: PDL, tensor-core MMAs, and weight tiles copied asynchronously into its shared-memory ring;
     # split over K, the ticket's atomics (the draw and the reset)
-    assert len(dot) == 3 and all(pdl == 2 and mma > 0 and cp > 0 for pdl, mma, cp, _ in dot), run.stdout
-    assert [atoms > 0 for *_, atoms in dot] == [False, False, True], run.stdout
+    assert len(dot) == 3 and all(pdl == 2 and mma > 0 and cp > 0 for pdl, mma, cp, _ in dot), out
+    assert [atoms > 0 for *_, atoms in dot] == [False, False, True], out
 
 
 SHAPES_2B = [(8224, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (5120, 2048), (248320, 2048)]
