@@ -230,7 +230,8 @@ def _rows_dot(x2, weight, o2, plan):
     rows = max(16, next_power_of_2(m))
     if not 1 <= split <= split_k.MAX_SPLIT:
         raise ValueError(f"the skinny GEMM's SPLIT must be 1 to {split_k.MAX_SPLIT}, got {split}")
-    space = split_k.workspace(x2.device) if SPLIT_K and split > 1 and n <= split_k.MAX_N else None
+    fits = n <= split_k.MAX_N and rows <= split_k.MAX_ROWS  # the workspace's partials
+    space = split_k.workspace(x2.device) if SPLIT_K and split > 1 and fits else None
     if space is None:  # not split: one column block a program (also while capturing before any workspace exists)
         split = 1
     part, tickets = space or (o2, o2)
