@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, split_k
 from kernels.gdn_pointwise import gate_values, gated_norm
 from kernels.host_math import next_power_of_2
 from model.ops import _BACKENDS
@@ -175,11 +175,10 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
     else:
         # Every split read the q | k windows and stored its o before it arrives (release); the last to arrive
         # (acquire) shifts the windows, normalises the full rows and resets the counter for the next launch.
-        arrived = tl.atomic_add(arrivals_ptr + seq * HK + kh, 1, sem="acq_rel")
-        if arrived == NS - 1:
+        if split_k.last_to_arrive(arrivals_ptr + seq * HK + kh, NS):
             _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)
             _norm_rows(ws_o_ptr, z_row, norm_w_ptr, out_ptr, seq * HV, kh * GROUP, eps, GROUP, GP, DV, BV)
-            tl.store(arrivals_ptr + seq * HK + kh, 0)
+            split_k.reset_ticket(arrivals_ptr + seq * HK + kh)
 
 
 @triton.jit

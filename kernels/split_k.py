@@ -6,6 +6,9 @@ column block's SPLIT programs park their fp32 partial sums in a per-device works
 program that draws the last ticket adds the partials in split order (the same bits whatever order they finished
 in), writes the output and resets the ticket, so the next launch (or CUDA-graph replay) finds it at zero.
 
+The ticket (last_to_arrive, reset_ticket) is also how kernels.gdn_decode's dv slices of one key head elect the
+one that normalises the whole rows.
+
 The workspace is one per device, allocated outside CUDA-graph capture (an engine warms its decode step up
 eagerly first; while capturing without one, callers fall back to SPLIT 1). Launches that use it must not overlap:
 one stream at a time per device, as the engine runs.
@@ -40,6 +43,20 @@ def k_range(K, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def last_to_arrive(ticket_ptr, arrivals: tl.constexpr):
+    """Draw this program's ticket at ticket_ptr (acquire-release, after a barrier: every thread's earlier stores are
+    released with it): whether it is the last of `arrivals` programs. That one must put the ticket back to zero
+    (reset_ticket) for the next launch, once it has read what the others stored."""
+    tl.debug_barrier()
+    return tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == arrivals - 1
+
+
+@triton.jit
+def reset_ticket(ticket_ptr):
+    tl.atomic_xchg(ticket_ptr, 0)
+
+
+@triton.jit
 def reduce_partials(acc, part_ptr, ticket_ptr, n, rows, N, SPLIT: tl.constexpr, ROWS: tl.constexpr):
     """acc: this program's partial (BLOCK_N, ROWS) of columns n (SPLIT > 1). Returns (the sum over all SPLIT
     partials, whether this program drew the last ticket and must store it); the others' sums are not to be stored."""
@@ -47,11 +64,10 @@ def reduce_partials(acc, part_ptr, ticket_ptr, n, rows, N, SPLIT: tl.constexpr, 
     mask = (n < N)[:, None]
     offsets = n[:, None] * ROWS + rows[None, :]                                  # (BLOCK_N, ROWS)
     tl.store(part_ptr + tl.program_id(1) * N * ROWS + offsets, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial stored before the ticket releases them
-    last = tl.atomic_add(ticket_ptr + block, 1, sem="acq_rel") == SPLIT - 1
+    last = last_to_arrive(ticket_ptr + block, SPLIT)
     total = tl.zeros_like(acc)
     if last:
         for s in tl.static_range(SPLIT):  # split order: the same sum whichever program came last
             total += tl.load(part_ptr + s * N * ROWS + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(ticket_ptr + block, 0)
+        reset_ticket(ticket_ptr + block)
     return total, last

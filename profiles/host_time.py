@@ -20,8 +20,10 @@ against 1.24; 2B 2.06 against 1.72, as the NORM GEMVs' kernel time grew by 0.25 
 """
 import argparse
 import functools
+import importlib
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -163,30 +165,26 @@ def use_prenorm(fused: bool | None) -> None:
     ops.register_backend("triton", {"add_rms_norm_linear": functools.partial(add_rms_norm_linear, fused=fused)})
 
 
-def use_split_k(on: bool) -> None:
-    """Whether the skinny decode GEMMs run split over K where their plan says so (kernels.linear.SPLIT_K)."""
-    from kernels import linear
-    linear.SPLIT_K = on
+# --ab knobs: name -> (module, attribute) of a kernel switch, or the pre-norm rule of use_prenorm
+AB_KNOBS = {"prenorm": None, "split_k": ("kernels.linear", "SPLIT_K"),
+            "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT")}
 
 
-def use_gdn_early(on: bool) -> None:
-    """Whether the GDN decode kernel loads its states before the PDL wait (kernels.gdn_decode.STATE_BEFORE_WAIT)."""
-    from kernels import gdn_decode
-    gdn_decode.STATE_BEFORE_WAIT = on
+def knob_setters(knob: str) -> tuple[dict, Callable[[], None]]:
+    """({variant name: apply it}, restore the knob's current setting) of one of AB_KNOBS."""
+    if AB_KNOBS[knob] is None:
+        return ({"fused": functools.partial(use_prenorm, True), "unfused": functools.partial(use_prenorm, False)},
+                functools.partial(use_prenorm, None))
+    module_name, attribute = AB_KNOBS[knob]
+    module = importlib.import_module(module_name)
+    flag = functools.partial(setattr, module, attribute)
+    variants = {"off": functools.partial(flag, False), "on": functools.partial(flag, True)}
+    return variants, functools.partial(flag, getattr(module, attribute))
 
 
 def decode_ab(model, args, knob: str, repeats: int = 2) -> list[dict]:
     """The decode step through its CUDA graph under each variant of a knob, alternated; the knob's default after."""
-    from kernels import gdn_decode, linear
-    variants = {"prenorm": {"fused": functools.partial(use_prenorm, True),
-                            "unfused": functools.partial(use_prenorm, False)},
-                "split_k": {"off": functools.partial(use_split_k, False),
-                            "on": functools.partial(use_split_k, True)},
-                "gdn_early": {"off": functools.partial(use_gdn_early, False),
-                              "on": functools.partial(use_gdn_early, True)}}[knob]
-    restore = {"prenorm": functools.partial(use_prenorm, None),
-               "split_k": functools.partial(use_split_k, linear.SPLIT_K),
-               "gdn_early": functools.partial(use_gdn_early, gdn_decode.STATE_BEFORE_WAIT)}[knob]
+    variants, restore = knob_setters(knob)
     rows = []
     try:
         for r in range(repeats):
@@ -250,7 +248,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prenorm", choices=["auto", "fused", "unfused"], default="auto",
                     help="residual add + RMSNorm inside the following projection's GEMV or as their own launch "
                          "(auto: kernels.linear.FUSED_NORM_MAX_K)")
-    ap.add_argument("--ab", choices=["prenorm", "split_k", "gdn_early"], default=None,
+    ap.add_argument("--ab", choices=sorted(AB_KNOBS), default=None,
                     help="with --decode: time this knob's variants in one process, alternated")
     args = ap.parse_args(argv)
     if args.admission:

@@ -48,3 +48,16 @@ def compiled_script_output(script: str, *argv: str, timeout: int = 300) -> str:
                          timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
+
+
+def record_launches(monkeypatch, module, kernel: str) -> list[tuple]:
+    """Wrap module.<kernel> (a Triton kernel) so that each launch appends (grid, its keyword arguments) to the
+    returned list, then runs as before."""
+    launches, real = [], getattr(module, kernel)
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs)) or real[grid](*args, **kwargs)
+
+    monkeypatch.setattr(module, kernel, Recorder())
+    return launches

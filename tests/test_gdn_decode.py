@@ -3,7 +3,7 @@ output, conv window and fp32 state over consecutive steps, slots scattered in a 
 adapter, CUDA-graph replay, and argument checks."""
 import pytest
 import torch
-from conftest import compiled_script_output, rel_err
+from conftest import compiled_script_output, record_launches, rel_err
 
 from kernels import gdn_decode
 from kernels.gdn_decode import OPS, gated_deltanet_op, gdn_decode_step
@@ -93,13 +93,10 @@ def test_states_loaded_before_or_after_the_wait(monkeypatch, early):
     # gdn_decode.STATE_BEFORE_WAIT: one pass over the value heads loads the states first (B1, 2 value heads a key
     # head: both at once), or inside the pass; 3 value heads a key head go one a pass (never early)
     monkeypatch.setattr(gdn_decode, "STATE_BEFORE_WAIT", early)
-    seen = []
-    real = gdn_decode._gdn_decode_kernel
-    monkeypatch.setattr(gdn_decode, "_gdn_decode_kernel", type("Spy", (), {
-        "__getitem__": lambda _, grid: lambda *a, **kw: seen.append(kw["EARLY"]) or real[grid](*a, **kw)})())
+    launches = record_launches(monkeypatch, gdn_decode, "_gdn_decode_kernel")
     run_steps(2, 4, 16, 16, torch.float32, 1, n_slots=4, steps=2, tol_out=1e-5, tol_state=1e-5)
     run_steps(1, 3, 16, 24, torch.float32, 1, n_slots=2, steps=1, tol_out=1e-5, tol_state=1e-5)
-    assert seen == [early, early, False]
+    assert [kwargs["EARLY"] for _, kwargs in launches] == [early, early, False]
 
 
 SM90_COMPILE = """

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_rel, compiled_script_output
+from conftest import assert_rel, compiled_script_output, record_launches
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,13 +157,10 @@ def test_skinny_gemm_split_over_k_matches_reference(m, n, k, split):
 def test_skinny_gemm_unsplit_when_split_k_is_off(monkeypatch):
     # kernels.linear.SPLIT_K False: a plan's SPLIT is ignored (one program a column block, no ticket drawn)
     monkeypatch.setattr(L, "SPLIT_K", False)
-    launches = []
-    real = L._rows_dot_kernel
-    monkeypatch.setattr(L, "_rows_dot_kernel", type("Spy", (), {"__getitem__": lambda _, grid: launches.append(grid)
-                                                                 or real[grid]})())
+    launches = record_launches(monkeypatch, L, "_rows_dot_kernel")
     x, w = _pair(6, 40, 300, torch.float32)
     assert_rel(L.linear(x, w, plan=(16, 32, 2, 1, 4)).double(), R.linear(x.double(), w.double()), 1e-6, "unsplit")
-    assert launches == [(3, 1)]
+    assert [(grid, kwargs["SPLIT"]) for grid, kwargs in launches] == [((3, 1), 1)]
 
 
 @pytest.mark.parametrize("m,kernel", [(4, "gemv"), (5, "dot"), (16, "dot"), (17, "matmul")])
