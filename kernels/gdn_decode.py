@@ -58,9 +58,10 @@ MIN_WARPS = 2
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Load the states before the PDL wait when a program updates all its value heads in one pass (kernel's EARLY).
 # Predicted: their slot-then-state DRAM round trips (~1-2 us) hidden behind the in-projection's tail, ~20-40 us a
-# 2B / 9B step. Off until it has run on the H200 (session 15 had no device time left for it); the A/B:
-# `python -m profiles.host_time --model M --decode 1 --ab gdn_early`
-STATE_BEFORE_WAIT = False
+# 2B / 9B step. Measured (H200, session 16, graph step at batch 1 over 8192, alternated in one process, `python -m
+# profiles.host_time --model M --decode 1 --ab gdn_early`): 9B 4.64 / 4.64 ms against 4.68 / 4.69 off; 2B 1.48
+# either way (profiles/results/host_time.json 'gdn_early_session16')
+STATE_BEFORE_WAIT = True
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, split_k
+from kernels import pdl, split_k, tma_gemv
 from kernels.activations import silu_and_mul
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
@@ -40,6 +40,16 @@ FUSED_NORM_MAX_K = 1024
 # Whether skinny GEMMs run split over K where their plan says so (kernels.split_k); off: every one unsplit (A/B:
 # `python -m profiles.host_time --decode 16 --ab split_k`)
 SPLIT_K = True
+# Whether one bf16 row on sm_90 runs the TMA-ring GEMV in CuTe-DSL (kernels/tma_gemv.py) instead of the Triton GEMV:
+# weights of at least TMA_MIN_BYTES, and SwiGLU's down projection only from K TMA_GATED_MIN_K (its [gate | up] is
+# staged before the first product). Per weight, `python -m profiles.bench_decode --sweep-tma MODEL` (H200, session 16):
+# 2048 x 2048 (8.4 MB) 4.0 us against 3.6 on Triton; 2B's down projection (K 6144) 10.7 against 8.6, 9B's (K 12288)
+# 27.7 against 28.4; every plain one of 16 MB and more 4-12% faster. The decode step in its CUDA graph (`python -m
+# profiles.host_time --model M --decode 1 --ab tma_gemv`, gated ones all on TMA): 9B 4.40 against 4.64 ms, 2B 1.44
+# against 1.48, 0.8B 0.899 against 0.910.
+TMA_GEMV = True
+TMA_MIN_BYTES = 16 * 2**20
+TMA_GATED_MIN_K = 8192
 # NORM's sums of squares read up to this many elements of the rows per step: 4096-wide rows in one L2 round trip
 # (in BLOCK_K steps, 2B's gate_up GEMV waited on 16 dependent round trips before its first FMA: +0.3 ms a step)
 NORM_ELEMENTS = 4096
@@ -266,6 +276,10 @@ def linear(x, weight, out=None, *, plan: tuple[int, ...] | None = None, gated: b
         out = output_for(None, shape, x)
     if m > MAX_ROWS:
         _rows_dot(a2, weight, rows_view("out", out), plan)
+    elif (m == 1 and TMA_GEMV and plan is None and weight.numel() * weight.element_size() >= TMA_MIN_BYTES
+          and (not gated or weight.shape[1] >= TMA_GATED_MIN_K) and out.is_contiguous()
+          and tma_gemv.available(x2, weight, gated)):
+        tma_gemv.tma_gemv(x2, weight, out.view(1, -1), gated=gated)
     else:
         _gemv(x2, weight, rows_view("out", out), plan, GATED if gated else PLAIN)
     return out

@@ -6,6 +6,7 @@ against the copy ceiling. Every bandwidth is also quoted as a fraction of this r
 Writes decode.json and decode_bw.png (B1 bandwidth against context length) to --out.
 """
 import argparse
+import functools
 import json
 import math
 from pathlib import Path
@@ -224,6 +225,81 @@ def sweep_linear_shape(n: int, k: int, rows: int = 1) -> dict:
             "cublas_us": cublas_us, "cublas_TBps": n * k * 2 / cublas_us / 1e6}
 
 
+# (ring KiB, consumer warps, CTAs an SM) of the TMA-ring GEMV tried by --sweep-tma, beside kernels.tma_gemv's default
+TMA_VARIANTS = {"r64w4": (64, 4, 1), "r128w4": (128, 4, 1), "r64w8": (64, 8, 1), "r128w8": (128, 8, 1),
+                "r32w4c2": (32, 4, 2), "r48w8c2": (48, 8, 2)}
+
+
+def tma_variant(n: int, k: int, gated: bool, variant: str):
+    """The TmaGemvConfig of a TMA_VARIANTS entry for one projection (block_n at least the consumer warps)."""
+    from kernels import tma_gemv as T
+    ring, warps, ctas = TMA_VARIANTS[variant]
+    block_n = max(T.choose_config(n, k, gated).block_n, warps)
+    return T.TmaGemvConfig(k, block_n, min(32, ring * 1024 // (block_n * T.BLOCK_K * 2)), gated, ctas, warps)
+
+
+def gemv_impl(n: int, k: int, gated: bool, variant: str):
+    """f(x, w, out) of the Triton GEMV (variant "triton") or the TMA-ring GEMV under a TMA_VARIANTS config."""
+    from kernels import linear as L
+    from kernels import tma_gemv as T
+    if variant == "triton":
+        return lambda x, w, o: L._gemv(x, w, o, None, L.GATED if gated else L.PLAIN)
+    cfg = tma_variant(n, k, gated, variant)
+    return lambda x, w, o: T.tma_gemv(x, w, o, gated=gated, config=cfg)
+
+
+def _each_weight(f, x, ring, out):
+    for w in ring:
+        f(x, w, out)
+
+
+def sweep_tma(model: str) -> list[dict]:
+    """Each of MODEL's projections at one row (SwiGLU's down projection gated, reading [gate | up]) on the Triton GEMV
+    and the TMA-ring GEMV's variants, per weight over a ring read from DRAM; then a chain of the GDN layers' four
+    projections over every layer's own weights, each projection on the Triton GEMV, on its fastest TMA variant,
+    and on its fastest of all."""
+    shapes = LINEAR_SHAPES[model]
+    down = shapes[5]
+    rows, fastest = [], {}
+    for n, k in dict.fromkeys(shapes):
+        gated = (n, k) == down
+        ring = _weight_ring(n, k)
+        x = torch.randn(1, 2 * k if gated else k, device="cuda", dtype=BF16)
+        o = torch.empty(1, n, device="cuda", dtype=BF16)
+        times = {}
+        for variant in ["triton", *TMA_VARIANTS]:
+            f = gemv_impl(n, k, gated, variant)
+            f(x, ring[0], o)  # compile outside the graph
+            calls = functools.partial(_each_weight, f, x, ring, o)
+            times[variant] = bench_us(calls, graph=True) / len(ring)
+        tma_best = min(TMA_VARIANTS, key=times.get)
+        fastest[n, k] = {"triton": "triton", "tma": tma_best, "best": min(times, key=times.get)}
+        rows.append(progress({"model": model, "N": n, "K": k, "gated": gated,
+                              **{f"{v}_us": t for v, t in times.items()}, "tma_best": tma_best,
+                              "triton_TBps": n * k * 2 / times["triton"] / 1e6,
+                              "tma_best_TBps": n * k * 2 / times[tma_best] / 1e6}))
+    four = [shapes[0], shapes[1], shapes[4], down]  # in, out, gate_up, down of a GDN layer
+    layers = [[torch.randn(n, k, device="cuda", dtype=BF16) / k ** 0.5 for n, k in four]
+              for _ in range(math.ceil(2.5e9 / sum(n * k * 2 for n, k in four)))]
+    outs = [torch.empty(1, n, device="cuda", dtype=BF16) for n, _ in four]
+    first = torch.randn(1, four[0][1], device="cuda", dtype=BF16)
+    # a projection's input is the previous one's output (the down projection's [gate | up] is gate_up's)
+    inputs = [first, outs[0][:, :four[1][1]], outs[1][:, :four[2][1]], outs[2][:, :2 * down[1]]]
+    nbytes = sum(w.numel() * 2 for layer in layers for w in layer)
+    for choice in ("triton", "tma", "best"):
+        fs = [gemv_impl(n, k, (n, k) == down and j == 3, fastest[n, k][choice]) for j, (n, k) in enumerate(four)]
+
+        def step(fs=fs):
+            for layer in layers:
+                for f, x, w, o in zip(fs, inputs, layer, outs):
+                    f(x, w, o)
+        step()
+        us = bench_us(step, graph=True)
+        rows.append(progress({"model": model, "N": "chain", "K": choice, "gemvs": 4 * len(layers), "GB": nbytes / 1e9,
+                              "chain_us": us, "chain_TBps": nbytes / us / 1e6}))
+    return rows
+
+
 # ---- plot and main ------------------------------------------------------------------------------------
 
 def plot_curve(curve, path):
@@ -244,11 +320,22 @@ def main(argv=None):
                     "MAX_ROWS sweep its skinny GEMM)")
     ap.add_argument("--shapes", default=None, help="with --sweep-linear: only these of MODEL's projections, as "
                                                     "N:K,N:K (e.g. 2048:2048,2048:6144)")
+    ap.add_argument("--sweep-tma", metavar="MODEL", nargs="+", choices=sorted(LINEAR_SHAPES),
+                    help="only time the TMA-ring GEMV's variants against the Triton GEMV on MODELs' projections and "
+                         "in a chain of their GDN layers (decode_tma_gemv_sweep.json)")
     ap.add_argument("--plot", metavar="JSON", help="only draw decode_bw.png beside an existing decode.json")
     args = ap.parse_args(argv)
     if args.plot:
         path = Path(args.plot)
         plot_curve(json.loads(path.read_text())["attention_curve"], path.with_name("decode_bw.png"))
+        return
+    if args.sweep_tma:
+        rows = [r for model in args.sweep_tma for r in sweep_tma(model)]
+        print_table([r for r in rows if r["N"] != "chain"],
+                    ["model", "N", "K", "gated", "triton_us", *[f"{v}_us" for v in TMA_VARIANTS], "triton_TBps",
+                     "tma_best", "tma_best_TBps"])
+        print_table([r for r in rows if r["N"] == "chain"], ["model", "K", "gemvs", "GB", "chain_us", "chain_TBps"])
+        print(f"wrote {write_result('decode_tma_gemv_sweep', {'env': environment(), 'sweep': rows}, args.out)}")
         return
     if args.sweep_linear:
         shapes = dict.fromkeys(LINEAR_SHAPES[args.sweep_linear])

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import HAS_CUDA, rel_err
 
 from model import ops
 from model.config import Qwen35Config
@@ -82,6 +82,10 @@ def assert_logits_close_until_divergence(a_out, a_logits, b_out, b_logits, tol: 
     return common
 
 
+# the CPU tests run the Triton ops on CPU tensors, which only the interpreter (the CPU tests' conftest) takes
+interpreter_only = pytest.mark.skipif(HAS_CUDA, reason="Triton ops on CPU tensors need the interpreter")
+
+
 def prompts_of(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
@@ -101,6 +105,7 @@ def test_graphs_are_refused_where_they_would_sync():
     assert "eager decode (not a CUDA device)" in engine.pool_summary
 
 
+@interpreter_only
 def test_padded_decode_on_triton_ops_follows_the_reference_cpu():
     """Three sequences (prefilled on the reference ops) decode padded to batch 4 (one dummy row) on the Triton
     kernels in the interpreter."""
@@ -122,6 +127,7 @@ def test_padded_decode_on_triton_ops_follows_the_reference_cpu():
     assert common >= 3
 
 
+@interpreter_only
 def test_padded_decode_equals_unpadded_cpu():
     """Five sequences decode on the Triton kernels (interpreter, fp32) padded to batch 8 (three dummy rows) and
     unpadded: the real rows agree to fp32 rounding. dv = 32 gives the GDN decode kernel two dv splits (its shared
