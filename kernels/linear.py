@@ -252,6 +252,13 @@ def _rows_dot(x2, weight, o2, plan):
         **pdl.launch_options(x2.device))
 
 
+def _tma_takes(x2, weight, out, gated=False, norm_weight=None, residual=None) -> bool:
+    """Whether a call of x2 (rows, K) runs the TMA-ring GEMV (see TMA_GEMV)."""
+    return (x2.shape[0] == 1 and TMA_GEMV and weight.numel() * weight.element_size() >= TMA_MIN_BYTES
+            and (not gated or weight.shape[1] >= TMA_GATED_MIN_K) and (out is None or out.is_contiguous())
+            and tma_gemv.available(x2, weight, gated, norm_weight=norm_weight, residual=residual))
+
+
 def linear(x, weight, out=None, *, plan: tuple[int, ...] | None = None, gated: bool = False):
     """x: (..., K) fp16/bf16/fp32; weight: (N, K), x's dtype, unit stride along K -> (..., N) in x's dtype.
     gated: x is (..., 2K) = [gate | up] and the product takes silu(gate) * up (SwiGLU's down projection, one
@@ -276,9 +283,7 @@ def linear(x, weight, out=None, *, plan: tuple[int, ...] | None = None, gated: b
         out = output_for(None, shape, x)
     if m > MAX_ROWS:
         _rows_dot(a2, weight, rows_view("out", out), plan)
-    elif (m == 1 and TMA_GEMV and plan is None and weight.numel() * weight.element_size() >= TMA_MIN_BYTES
-          and (not gated or weight.shape[1] >= TMA_GATED_MIN_K) and out.is_contiguous()
-          and tma_gemv.available(x2, weight, gated)):
+    elif plan is None and _tma_takes(x2, weight, out, gated):
         tma_gemv.tma_gemv(x2, weight, out.view(1, -1), gated=gated)
     else:
         _gemv(x2, weight, rows_view("out", out), plan, GATED if gated else PLAIN)
@@ -316,7 +321,8 @@ def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[in
     zero-centred; weight: (N, K). fused, up to MAX_ROWS rows: one GEMV computes the norm itself (every program
     reads the rows; the first one writes s into a new tensor); else add_rms_norm (s in place in residual), then
     `linear`. Either way `residual` may be overwritten: use the returned s. fused=None: fused when K is at most
-    FUSED_NORM_MAX_K (see there)."""
+    FUSED_NORM_MAX_K (see there), or when the TMA-ring GEMV takes the call (see TMA_GEMV): each of its CTAs stages
+    the normed row once, in shared memory, before its first product."""
     _check_weight("x", x, weight)
     if residual is not None:
         check_tensor("residual", residual, dtype=x.dtype)
@@ -328,15 +334,21 @@ def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[in
                          f"{norm_weight.shape[0]}")
     check_devices(x=x, residual=residual, norm_weight=norm_weight, weight=weight)
     x2 = rows_view("x", x)
+    res2 = None if residual is None else rows_view("residual", residual)
+    tma = plan is None and fused is not False and _tma_takes(x2, weight, None, False, norm_weight, res2)
     if fused is None:
-        fused = x.shape[-1] <= FUSED_NORM_MAX_K
+        fused = x.shape[-1] <= FUSED_NORM_MAX_K or tma
     if x2.shape[0] > MAX_ROWS or not fused:
         h, s = add_rms_norm(x, residual, norm_weight, eps)
         return linear(h, weight, plan=plan), s
     out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
     s = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _gemv(x2, weight, rows_view("out", out), plan, NORM, None if residual is None else rows_view("residual", residual),
-          norm_weight, eps, None if residual is None else rows_view("s", s))
+    if tma:
+        tma_gemv.tma_gemv(x2, weight, out.view(1, -1), norm_weight=norm_weight, eps=eps, residual=res2,
+                          s_out=None if residual is None else s.view(1, -1))
+        return out, s
+    _gemv(x2, weight, rows_view("out", out), plan, NORM, res2, norm_weight, eps,
+          None if residual is None else rows_view("s", s))
     return out, s
 
 

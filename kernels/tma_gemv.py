@@ -43,6 +43,8 @@ class TmaGemvConfig:
     gated: bool = False
     ctas_per_sm: int = 1  # the grid: this many CTAs an SM (or one a column block)
     consumer_warps: int = 4  # each owns block_n / consumer_warps rows of every tile
+    norm: bool = False  # the product takes rms_norm(x) (x + residual when add), as kernels.linear's NORM input
+    add: bool = False
 
     def validate(self) -> "TmaGemvConfig":
         if self.k <= 0 or self.k % LANE_COLS or self.k > MAX_K:
@@ -53,6 +55,9 @@ class TmaGemvConfig:
             raise ValueError(f"consumer_warps must be 1, 2, 4 or 8 and at most block_n, got {self.consumer_warps}")
         if not 2 <= self.stages <= 32:
             raise ValueError(f"stages must be 2 to 32, got {self.stages}")
+        if (self.gated and self.norm) or (self.add and not self.norm):
+            raise ValueError(f"the input is one of plain, gated, norm (add only with norm), got gated={self.gated} "
+                             f"norm={self.norm} add={self.add}")
         return self
 
     @property
@@ -60,13 +65,14 @@ class TmaGemvConfig:
         return cdiv(self.k, BLOCK_K)
 
 
-def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132) -> TmaGemvConfig:
+def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, norm: bool = False,
+                  add: bool = False) -> TmaGemvConfig:
     """16-row column blocks, or 8 where 16 would leave SMs without a block; 8 consumer warps; the ring holds
     RING_BYTES (H200, session 16, `python -m profiles.bench_decode --sweep-tma`: a 128 KiB ring and 8 consumer warps
     were the fastest of 32-128 KiB x 4-8 warps x 1-2 CTAs an SM on 10 of the 12 2B / 9B projections)."""
     block_n = 16 if cdiv(n, 16) >= num_sms else 8
-    return TmaGemvConfig(k, block_n, min(32, RING_BYTES // (block_n * BLOCK_K * 2)), gated,
-                         consumer_warps=8).validate()
+    return TmaGemvConfig(k, block_n, min(32, RING_BYTES // (block_n * BLOCK_K * 2)), gated, consumer_warps=8,
+                         norm=norm, add=add).validate()
 
 
 @functools.cache
@@ -83,14 +89,17 @@ def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def available(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """Whether tma_gemv takes this call: one bf16 row on an sm_90+ GPU, a contiguous weight whose rows are
-    16-byte aligned, K within MAX_K, and nvidia-cutlass-dsl installed."""
+def available(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, *,
+              norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> bool:
+    """Whether tma_gemv takes this call: one bf16 row on an sm_90+ GPU, a contiguous weight, K within MAX_K,
+    16-byte aligned rows (and norm weight and residual), and nvidia-cutlass-dsl installed."""
     k = weight.shape[1]
+    extras = [t for t in (norm_weight, residual) if t is not None]
     return (x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
             and x.shape[0] == 1 and x.stride(-1) == 1 and x.shape[1] == k * (2 if gated else 1)
             and weight.is_contiguous() and 0 < k <= MAX_K and k % LANE_COLS == 0 and weight.shape[0] > 0
-            and weight.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
+            and all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.numel() == k for t in extras)
+            and all(t.data_ptr() % 16 == 0 for t in (x, weight, *extras))
             and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())
             and dsl_available())
 
@@ -113,14 +122,22 @@ def _kernel_class():
             self.cfg = cfg
 
         @cute.jit
-        def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, n: Int32,
-                     num_ctas: Int32, stream: cuda.CUstream):
-            """x (1, K) or [gate | up] (1, 2K), weight (n, K), y (1, n): contiguous bf16; num_ctas: the SMs."""
+        def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer,
+                     res_ptr: cute.Pointer | None, norm_w_ptr: cute.Pointer | None, s_ptr: cute.Pointer | None,
+                     n: Int32, num_ctas: Int32, eps: Float32, stream: cuda.CUstream):
+            """x (1, K) or [gate | up] (1, 2K), weight (n, K), y (1, n): contiguous bf16; num_ctas: the SMs.
+            norm: norm_w (K,); add: residual (1, K) and s (1, K), where CTA 0 stores x + residual."""
             cfg = self.cfg
             k, bn, stages = cfg.k, cfg.block_n, cfg.stages
             mW = cute.make_tensor(w_ptr, cute.make_layout((n, k), stride=(k, 1)))
             mX = cute.make_tensor(x_ptr, cute.make_layout(2 * k if cfg.gated else k))
             mY = cute.make_tensor(y_ptr, cute.make_layout(n))
+            mRes = mNormW = mS = None
+            if cutlass.const_expr(cfg.norm):
+                mNormW = cute.make_tensor(norm_w_ptr, cute.make_layout(k))
+            if cutlass.const_expr(cfg.add):
+                mRes = cute.make_tensor(res_ptr, cute.make_layout(k))
+                mS = cute.make_tensor(s_ptr, cute.make_layout(k))
             sW_layout = cute.make_layout((bn, BLOCK_K, stages), stride=(BLOCK_K, 1, bn * BLOCK_K))
             tma, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
                                                       cute.slice_(sW_layout, (None, None, 0)), (bn, BLOCK_K))
@@ -129,17 +146,19 @@ def _kernel_class():
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                sum_sq: cute.struct.MemRange[Float32, cfg.consumer_warps]
                 sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.k_tiles * BLOCK_K], 128]
                 sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sW_layout)], 128]
 
             self.shared_storage = SharedStorage
             blocks = (n + bn - 1) // bn
             grid = cutlass.max(cutlass.min(num_ctas, blocks), 1)
-            self.kernel(tma, mW_tma, mX, mY, sW_layout, blocks, grid).launch(
+            self.kernel(tma, mW_tma, mX, mY, mRes, mNormW, mS, eps, sW_layout, blocks, grid).launch(
                 grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1], stream=stream, use_pdl=True)
 
         @cute.kernel
         def kernel(self, tma: cute.CopyAtom, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor,
+                   mRes: cute.Tensor | None, mNormW: cute.Tensor | None, mS: cute.Tensor | None, eps: Float32,
                    sW_layout: cute.Layout, blocks: Int32, grid: Int32):
             cfg = self.cfg
             bn, stages, k_tiles = cfg.block_n, cfg.stages, cfg.k_tiles
@@ -180,7 +199,8 @@ def _kernel_class():
             else:
                 cute.arch.griddepcontrol_wait()  # x comes from the previous kernel
                 cute.arch.griddepcontrol_launch_dependents()
-                self.stage_x(mX, sX, tidx)
+                self.stage_x(mX, mRes, mNormW, mS, eps, sX, storage.sum_sq.get_tensor(cute.make_layout(consumers)),
+                             tidx, warp, lane, bidx)
                 cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
                 acc = cute.make_rmem_tensor((rows_per_warp, LANE_COLS), Float32)
@@ -205,28 +225,56 @@ def _kernel_class():
                     block += grid
 
         @cute.jit
-        def stage_x(self, mX: cute.Tensor, sX: cute.Tensor, tidx: Int32):
-            """x (or silu(gate) * up, rounded to bf16) into sX, 8 columns a thread a step, zeros past K. Every
-            step's load is issued before the first store (one L2 round trip, not one a step)."""
+        def stage_x(self, mX: cute.Tensor, mRes: cute.Tensor | None, mNormW: cute.Tensor | None,
+                    mS: cute.Tensor | None, eps: Float32, sX: cute.Tensor, sSumSq: cute.Tensor, tidx: Int32,
+                    warp: Int32, lane: Int32, bidx: Int32):
+            """What the product takes into sX, 8 columns a thread a step, zeros past K: x; silu(gate) * up; or
+            rms_norm(s) with s = x (+ residual), each rounded to bf16 as the unfused ops round (CTA 0 stores s).
+            Every step's loads are issued before the first store (one L2 round trip, not one a step)."""
             cfg = self.cfg
             width, threads = cfg.k_tiles * BLOCK_K, 32 * cfg.consumer_warps
             steps = cdiv(width, threads * LANE_COLS)
-            values = []
+            values, norm_ws = [], []
+            sum_sq = Float32(0.0)
             for i in cutlass.range_constexpr(steps):
-                # past K: any in-bounds chunk (stored as zeros below)
-                src = cutlass.min((i * threads + tidx) * LANE_COLS, cfg.k - LANE_COLS) // LANE_COLS
+                c = (i * threads + tidx) * LANE_COLS
+                src = cutlass.min(c, cfg.k - LANE_COLS) // LANE_COLS  # past K: any in-bounds chunk (zeros below)
                 v = cute.local_tile(mX, (LANE_COLS,), (src,)).load()
                 if cutlass.const_expr(cfg.gated):
                     gate = v.to(Float32)
                     up = cute.local_tile(mX, (LANE_COLS,), (src + cfg.k // LANE_COLS,)).load().to(Float32)
                     v = (gate / (1.0 + cute.math.exp(-gate)) * up).to(BFloat16)
+                if cutlass.const_expr(cfg.add):
+                    res = cute.local_tile(mRes, (LANE_COLS,), (src,)).load()
+                    v = (v.to(Float32) + res.to(Float32)).to(BFloat16)
+                if cutlass.const_expr(cfg.norm):
+                    norm_ws.append(cute.local_tile(mNormW, (LANE_COLS,), (src,)).load())
+                    part = (v.to(Float32) * v.to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    if c < cfg.k:
+                        sum_sq = sum_sq + part
                 values.append(v)
+            rstd = Float32(1.0)
+            if cutlass.const_expr(cfg.norm):  # the CTA's sum of squares: over each warp, then over the warps
+                sum_sq = cute.arch.warp_reduction(sum_sq, operator.add)
+                if lane == 0:
+                    sSumSq[warp] = sum_sq
+                cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=threads)
+                total = Float32(0.0)
+                for w in cutlass.range_constexpr(cfg.consumer_warps):
+                    total = total + sSumSq[w]
+                rstd = cute.math.rsqrt(total / cfg.k + eps)
             for i in cutlass.range_constexpr(steps):
                 c = (i * threads + tidx) * LANE_COLS
                 if c < width:
                     dst = cute.local_tile(sX, (LANE_COLS,), (c // LANE_COLS,))
                     if c < cfg.k:
-                        dst.store(values[i])
+                        v = values[i]
+                        if cutlass.const_expr(cfg.add):
+                            if bidx == 0:
+                                cute.local_tile(mS, (LANE_COLS,), (c // LANE_COLS,)).store(v)
+                        if cutlass.const_expr(cfg.norm):
+                            v = (v.to(Float32) * rstd * (1.0 + norm_ws[i].to(Float32))).to(BFloat16)
+                        dst.store(v)
                     else:
                         dst.fill(0.0)
 
@@ -248,8 +296,10 @@ def compile_config(cfg: TmaGemvConfig, keep_ptx: bool = False):
     def ptr():
         return make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.gmem, assumed_align=16)
 
-    return cute.compile(_kernel_class()(cfg.validate()), ptr(), ptr(), ptr(), cutlass.Int32(1), cutlass.Int32(1),
-                        make_fake_stream(), options="--keep-ptx" if keep_ptx else None)
+    cfg.validate()
+    return cute.compile(_kernel_class()(cfg), ptr(), ptr(), ptr(), ptr() if cfg.add else None,
+                        ptr() if cfg.norm else None, ptr() if cfg.add else None, cutlass.Int32(1), cutlass.Int32(1),
+                        cutlass.Float32(1e-6), make_fake_stream(), options="--keep-ptx" if keep_ptx else None)
 
 
 def get_kernel(cfg: TmaGemvConfig):
@@ -263,9 +313,12 @@ def get_kernel(cfg: TmaGemvConfig):
 
 
 def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, gated: bool = False,
-             config: TmaGemvConfig | None = None) -> torch.Tensor:
+             norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+             s_out: torch.Tensor | None = None, config: TmaGemvConfig | None = None) -> torch.Tensor:
     """x: (1, K) bf16 ((1, 2K) = [gate | up] when gated); weight: (N, K) bf16 contiguous -> (1, N) bf16, into out
-    when given ((1, N), contiguous). The caller checks `available` first (kernels.linear does)."""
+    when given ((1, N), contiguous). norm_weight (K,): the product takes rms_norm(s, norm_weight, eps) with s = x,
+    or x + residual (1, K) when given, which is then stored into s_out (1, K). The caller checks `available` first
+    (kernels.linear does)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
@@ -275,10 +328,14 @@ def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     elif out.shape != (1, n) or not out.is_contiguous() or out.dtype != x.dtype:
         raise ValueError(f"out must be a contiguous (1, {n}) {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+    if residual is not None and (s_out is None or s_out.shape != x.shape or not s_out.is_contiguous()):
+        raise ValueError(f"s_out must be a contiguous tensor of x's shape {tuple(x.shape)} when residual is given")
+    if residual is not None and norm_weight is None:
+        raise ValueError("residual is only added before a norm: give norm_weight")
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    cfg = config or choose_config(n, k, gated, _SMS[index])
+    cfg = config or choose_config(n, k, gated, _SMS[index], norm=norm_weight is not None, add=residual is not None)
     handle = torch.cuda.current_stream(x.device).cuda_stream
     stream = _STREAMS.get(handle)
     if stream is None:
@@ -286,7 +343,8 @@ def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
         stream = _STREAMS[handle] = driver.CUstream(handle)
 
     def ptr(t):
-        return make_ptr(cutlass.BFloat16, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
+        return None if t is None else make_ptr(cutlass.BFloat16, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
-    get_kernel(cfg)(ptr(x), ptr(weight), ptr(out), n, _SMS[index] * cfg.ctas_per_sm, stream)
+    get_kernel(cfg)(ptr(x), ptr(weight), ptr(out), ptr(residual), ptr(norm_weight), ptr(s_out), n,
+                    _SMS[index] * cfg.ctas_per_sm, cutlass.Float32(eps), stream)
     return out

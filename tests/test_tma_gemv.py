@@ -1,10 +1,12 @@
 """The TMA-ring GEMV in CuTe-DSL (kernels/tma_gemv.py) against reference.linear and silu_and_mul_linear.
 
 CPU: the tile rule and the config's errors; which calls it takes (`available`); when nvidia-cutlass-dsl is installed,
-a compile for sm_90a of plain and gated configs (one subprocess), checking the PTX: one TMA copy, the PDL wait and
-release, a 16-byte shared load per tile row a warp owns and x's. `gpu` tests (H200): bf16 at odd N and K (N of 1,
+a compile for sm_90a of plain, gated and normed (with and without the residual) configs (one subprocess), checking
+the PTX: one TMA copy, the PDL wait and release, x's staging loads issued at once, a 16-byte shared load per tile
+row a warp owns and x's. `gpu` tests (H200): bf16 at odd N and K (N of 1,
 65, 1000; K not a multiple of the 256-column tile), the 2B / 9B decode shapes, gated, in a CUDA graph, with NaN in
-the weight rows' neighbours, and through kernels.linear with TMA_GEMV on; relative error against fp32.
+the weight rows' neighbours, the norm input (with and without the residual: s exact), and through kernels.linear
+with TMA_GEMV on; relative error against fp32.
 """
 import json
 import os
@@ -31,12 +33,15 @@ def test_choose_config_fills_the_sms_and_the_ring():
         assert cfg.block_n * T.BLOCK_K * 2 * cfg.stages == T.RING_BYTES
 
 
-@pytest.mark.parametrize("k, block_n, stages, match", [(0, 16, 8, "k must"), (12, 16, 8, "k must"),
-                                                       (T.MAX_K + 8, 16, 8, "k must"), (64, 12, 8, "block_n"),
-                                                       (64, 16, 1, "stages"), (64, 16, 33, "stages")])
-def test_config_errors_name_the_field(k, block_n, stages, match):
+@pytest.mark.parametrize("fields, match", [((0, 16, 8), "k must"), ((12, 16, 8), "k must"),
+                                           ((T.MAX_K + 8, 16, 8), "k must"), ((64, 12, 8), "block_n"),
+                                           ((64, 16, 1), "stages"), ((64, 16, 33), "stages"),
+                                           ((64, 4, 8, False, 1, 8), "consumer_warps"),
+                                           ((64, 16, 8, True, 1, 4, True), "one of plain, gated, norm"),
+                                           ((64, 16, 8, False, 1, 4, False, True), "add only with norm")])
+def test_config_errors_name_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
-        T.TmaGemvConfig(k, block_n, stages).validate()
+        T.TmaGemvConfig(*fields).validate()
 
 
 def test_available_only_for_one_bf16_row_on_a_gpu():
@@ -53,19 +58,22 @@ def test_available_only_for_one_bf16_row_on_a_gpu():
 SM90_COMPILE = """
 import json, sys
 from kernels.tma_gemv import TmaGemvConfig, choose_config, compile_config
-for n, k, gated in json.loads(sys.argv[1]):
-    cfg = choose_config(n, k, gated)
+for n, k, gated, norm, add in json.loads(sys.argv[1]):
+    cfg = choose_config(n, k, gated, norm=norm, add=add)
     ptx = compile_config(cfg, keep_ptx=True).__ptx__
-    print(json.dumps({"n": n, "k": k, "gated": gated, "block_n": cfg.block_n,
+    print(json.dumps({"n": n, "k": k, "gated": gated, "norm": norm, "add": add, "block_n": cfg.block_n,
                       "tma": ptx.count("cp.async.bulk.tensor"), "wait": ptx.count("griddepcontrol.wait"),
                       "release": ptx.count("griddepcontrol.launch_dependents"),
-                      "shared_v4": ptx.count("ld.shared.v4"), "ex2": ptx.count("ex2.approx")}), flush=True)
+                      "shared_v4": ptx.count("ld.shared.v4"), "ex2": ptx.count("ex2.approx"),
+                      "rsqrt": ptx.count("rsqrt"), "global_v4": ptx.count("ld.global.v4"),
+                      "store_v4": ptx.count("st.global.v4")}), flush=True)
 """
 
 
 @needs_dsl
 def test_compiles_for_sm90(tmp_path):
-    cases = [(2048, 2048, False), (248320, 4096, False), (2048, 6144, True), (1024, 264, False)]
+    cases = [(2048, 2048, False, False, False), (248320, 4096, False, False, False), (2048, 6144, True, False, False),
+             (1024, 264, False, False, False), (8224, 2048, False, True, False), (16448, 4096, False, True, True)]
     env_before = os.environ.get("CUTE_DSL_ARCH")
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
     os.environ["CUTE_DSL_DUMP_DIR"] = str(tmp_path)
@@ -81,9 +89,14 @@ def test_compiles_for_sm90(tmp_path):
     assert len(rows) == len(cases), out
     for row in rows:
         assert row["tma"] == 1 and row["wait"] == 1 and row["release"] == 1, row
-        # a consumer's tile: one 16-byte shared load per row it owns, plus x's 8 columns
-        assert row["shared_v4"] == row["block_n"] // 8 + 1, row
-        assert (row["ex2"] > 0) == row["gated"], row  # silu's exp only when gated
+        assert (row["ex2"] > 0) == row["gated"] and (row["rsqrt"] == 1) == row["norm"], row  # silu; the norm
+        # staging: x's (and [gate | up]'s up, the residual's and the norm weight's) chunks issued at once: one
+        # 16-byte load of each a step, a step per 2048 columns; only the sum s stored (CTA 0)
+        steps = -(-row["k"] // 2048)
+        assert row["global_v4"] == steps * (1 + row["gated"] + row["add"] + row["norm"]), row
+        assert row["store_v4"] == steps * row["add"], row
+        if not row["norm"]:  # a consumer's tile: one 16-byte shared load per row it owns, plus x's 8 columns
+            assert row["shared_v4"] == row["block_n"] // 8 + 1, row
 
 
 def _pair(n, k, seed=0, gated=False):
@@ -108,6 +121,44 @@ def test_matches_fp32(n, k, gated):
     assert T.available(x, w, gated)
     out = T.tma_gemv(x, w, gated=gated)
     assert_rel(out.float(), _reference(x, w, gated), TOL, f"tma_gemv n{n} k{k} gated={gated}")
+
+
+@pytest.mark.gpu
+@gpu_sm90
+@needs_dsl
+@pytest.mark.parametrize("n, k", [(65, 264), (8224, 2048), (16448, 4096)])
+@pytest.mark.parametrize("add", [False, True])
+def test_norm_input_matches_fp32(n, k, add):
+    # the product of rms_norm(x + residual): out against fp32, s (the new residual) exactly as torch's bf16 add
+    x, w = _pair(n, k, seed=n)
+    g = torch.Generator(device="cuda").manual_seed(k)
+    residual = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16) if add else None
+    norm_w = (0.1 * torch.randn(k, device="cuda", generator=g)).to(torch.bfloat16)
+    s = torch.empty_like(x) if add else None
+    assert T.available(x, w, norm_weight=norm_w, residual=residual)
+    out = T.tma_gemv(x, w, norm_weight=norm_w, eps=1e-6, residual=residual, s_out=s)
+    summed = x if residual is None else x + residual
+    ref, _ = R.add_rms_norm_linear(summed.float(), None, norm_w.float(), 1e-6, w.float())
+    assert_rel(out.float(), ref, TOL, f"norm n{n} k{k} add={add}")
+    if add:
+        assert torch.equal(s, summed)
+
+
+@pytest.mark.gpu
+@gpu_sm90
+@needs_dsl
+def test_add_rms_norm_linear_takes_it_in_one_launch(monkeypatch):
+    monkeypatch.setattr(L, "TMA_GEMV", True)
+    calls, real = [], T.tma_gemv
+    monkeypatch.setattr(T, "tma_gemv", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    x, w = _pair(8224, 2048)
+    residual = torch.randn_like(x)
+    norm_w = (0.1 * torch.randn(2048, device="cuda")).to(torch.bfloat16)
+    out, s = L.add_rms_norm_linear(x, residual.clone(), norm_w, 1e-6, w)
+    assert len(calls) == 1 and calls[0]["residual"] is not None
+    unfused, s_unfused = L.add_rms_norm_linear(x, residual.clone(), norm_w, 1e-6, w, fused=False)
+    assert torch.equal(s, s_unfused) and len(calls) == 2  # unfused: add_rms_norm, then the plain TMA GEMV
+    assert_rel(out.float(), unfused.float(), TOL, "fused against unfused")
 
 
 @pytest.mark.gpu
