@@ -50,6 +50,13 @@ SPLIT_K = True
 TMA_GEMV = True
 TMA_MIN_BYTES = 16 * 2**20
 TMA_GATED_MIN_K = 8192
+# Whether add_rms_norm_linear (one row, K over FUSED_NORM_MAX_K) runs the residual add and RMSNorm inside the
+# TMA-ring GEMV (each CTA stages the normed row once) instead of add_rms_norm and then the plain GEMV. Predicted:
+# the 48 (2B) / 64 (9B) rms_norm launches of a step gone at ~2 us each with their ramp, less ~0.3 us of staging a
+# GEMV: ~0.08 ms off 2B's step. Off until it has run on the H200 (session 16 had no device time left for it; its
+# gpu tests in tests/test_tma_gemv.py have not run either); the A/B: `python -m profiles.host_time --decode 1
+# --ab tma_norm`
+TMA_NORM = False
 # NORM's sums of squares read up to this many elements of the rows per step: 4096-wide rows in one L2 round trip
 # (in BLOCK_K steps, 2B's gate_up GEMV waited on 16 dependent round trips before its first FMA: +0.3 ms a step)
 NORM_ELEMENTS = 4096
@@ -321,8 +328,8 @@ def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[in
     zero-centred; weight: (N, K). fused, up to MAX_ROWS rows: one GEMV computes the norm itself (every program
     reads the rows; the first one writes s into a new tensor); else add_rms_norm (s in place in residual), then
     `linear`. Either way `residual` may be overwritten: use the returned s. fused=None: fused when K is at most
-    FUSED_NORM_MAX_K (see there), or when the TMA-ring GEMV takes the call (see TMA_GEMV): each of its CTAs stages
-    the normed row once, in shared memory, before its first product."""
+    FUSED_NORM_MAX_K (see there), or with TMA_NORM when the TMA-ring GEMV takes the call (see TMA_GEMV): each of
+    its CTAs stages the normed row once, in shared memory, before its first product."""
     _check_weight("x", x, weight)
     if residual is not None:
         check_tensor("residual", residual, dtype=x.dtype)
@@ -335,7 +342,7 @@ def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[in
     check_devices(x=x, residual=residual, norm_weight=norm_weight, weight=weight)
     x2 = rows_view("x", x)
     res2 = None if residual is None else rows_view("residual", residual)
-    tma = plan is None and fused is not False and _tma_takes(x2, weight, None, False, norm_weight, res2)
+    tma = TMA_NORM and plan is None and fused is not False and _tma_takes(x2, weight, None, False, norm_weight, res2)
     if fused is None:
         fused = x.shape[-1] <= FUSED_NORM_MAX_K or tma
     if x2.shape[0] > MAX_ROWS or not fused:

@@ -10,10 +10,10 @@ launches and the Python around them are the cost (on the H200 a 2B step of 800 t
 largest first) and as a CUDA-graph replay (the step's time per token). The gap between the graph's step time and
 the eager kernels' sum is what launches and kernel ramps cost inside the graph. `--prenorm fused|unfused` runs each
 block half's residual add and RMSNorm inside its first projection's GEMV, or as its own launch (the A/B of
-kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab prenorm|split_k|gdn_early|tma_gemv` times a decode
-knob's variants in one process, alternated, through the CUDA graph only. Predicted for the fusion: 48 launches fewer a
-2B/0.8B step at ~2.5 us each with its graph gap, minus the GEMVs' extra reads of the rows from L2, about 0.1-0.15 ms
-off 2B's step.
+kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab prenorm|split_k|gdn_early|tma_gemv|tma_norm`
+times a decode knob's variants in one process, alternated, through the CUDA graph only. Predicted for the fusion: 48
+launches fewer a 2B/0.8B step at ~2.5 us each with its graph gap, minus the GEMVs' extra reads of the rows from L2,
+about 0.1-0.15 ms off 2B's step.
 Measured on the H200 (session 8, the GEMV summing the squares in a first pass over the rows): 0.8B 1.19 ms fused
 against 1.24; 2B 2.06 against 1.72, as the NORM GEMVs' kernel time grew by 0.25 ms. Session 14, in one process:
 0.8B 0.912 against 0.940, 2B 1.67 against 1.48 (`profiles/results/host_time.json` 'prenorm_ab_session14').
@@ -167,7 +167,8 @@ def use_prenorm(fused: bool | None) -> None:
 
 # --ab knobs: name -> (module, attribute) of a kernel switch, or the pre-norm rule of use_prenorm
 AB_KNOBS = {"prenorm": None, "split_k": ("kernels.linear", "SPLIT_K"),
-            "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT"), "tma_gemv": ("kernels.linear", "TMA_GEMV")}
+            "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT"), "tma_gemv": ("kernels.linear", "TMA_GEMV"),
+            "tma_norm": ("kernels.linear", "TMA_NORM")}
 
 
 def knob_setters(knob: str) -> tuple[dict, Callable[[], None]]:

@@ -149,6 +149,7 @@ def test_norm_input_matches_fp32(n, k, add):
 @needs_dsl
 def test_add_rms_norm_linear_takes_it_in_one_launch(monkeypatch):
     monkeypatch.setattr(L, "TMA_GEMV", True)
+    monkeypatch.setattr(L, "TMA_NORM", True)
     calls, real = [], T.tma_gemv
     monkeypatch.setattr(T, "tma_gemv", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     x, w = _pair(8224, 2048)
