@@ -8,13 +8,14 @@ memory filled with TMA (17 MB in flight over 132 SMs), and it needs nothing from
 programmatic dependent launch the producer starts streaming while the previous kernel drains, and only the
 consumers wait (griddepcontrol.wait) before they read x.
 
-CTA layout: warps 0-3 consume, warp 4 produces. The grid is min(SMs, column blocks); CTA c takes column blocks
-c, c + grid, ... of BLOCK_N weight rows, each as K / BLOCK_K tiles of BLOCK_N x BLOCK_K (one TMA box; rows past N
-and columns past K arrive as zeros). A consumer warp owns BLOCK_N / 4 rows of a tile; lane l multiplies columns
-8l..8l+7 (a 16-byte shared load a row) by x's, which the consumers stage in shared memory once (zero past K).
-Per row: 8 fp32 partial sums a lane, summed, then a butterfly over the warp; lane 0 stores the bf16 result.
-GATED: x is SwiGLU's [gate | up] (1, 2K) and the product takes silu(gate) * up, rounded to bf16 as
-kernels.activations rounds it, so the down projection reads [gate | up] itself.
+CTA layout: consumer_warps (8 by default) consume, the warp after them produces. The grid is min(SMs, column
+blocks); CTA c takes column blocks c, c + grid, ... of BLOCK_N weight rows, each as K / BLOCK_K tiles of BLOCK_N x
+BLOCK_K (one TMA box; rows past N and columns past K arrive as zeros). A consumer warp owns BLOCK_N / consumer_warps
+rows of a tile; lane l multiplies columns 8l..8l+7 (a 16-byte shared load a row) by x's, which the consumers stage
+in shared memory once (zero past K). Per row: 8 fp32 partial sums a lane, summed, then a butterfly over the warp;
+lane 0 stores the bf16 result. What is staged: x; with GATED, SwiGLU's silu(gate) * up of [gate | up] (1, 2K),
+rounded to bf16, so the down projection reads [gate | up] itself; with NORM, rms_norm(x (+ residual)), each rounded
+to bf16 as the unfused ops round (a block reduction of the squares; CTA 0 stores the sum, the next residual).
 
 Compiled once per TmaGemvConfig (K and the tile are compile-time, N is a runtime value); compiling needs no GPU
 (CUTE_DSL_ARCH=sm_90a). `available(x, weight)` says whether a call can run here.
@@ -65,6 +66,7 @@ class TmaGemvConfig:
         return cdiv(self.k, BLOCK_K)
 
 
+@functools.cache
 def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, norm: bool = False,
                   add: bool = False) -> TmaGemvConfig:
     """16-row column blocks, or 8 where 16 would leave SMs without a block; 8 consumer warps; the ring holds
@@ -345,6 +347,11 @@ def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
     def ptr(t):
         return None if t is None else make_ptr(cutlass.BFloat16, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
-    get_kernel(cfg)(ptr(x), ptr(weight), ptr(out), ptr(residual), ptr(norm_weight), ptr(s_out), n,
-                    _SMS[index] * cfg.ctas_per_sm, cutlass.Float32(eps), stream)
+    args = (ptr(x), ptr(weight), ptr(out), ptr(residual), ptr(norm_weight), ptr(s_out), n,
+            _SMS[index] * cfg.ctas_per_sm, cutlass.Float32(eps), stream)
+    if index == torch.cuda.current_device():
+        get_kernel(cfg)(*args)
+    else:  # the launch goes to the current device's context
+        with torch.cuda.device(index):
+            get_kernel(cfg)(*args)
     return out
