@@ -22,11 +22,11 @@ Compiled once per TmaGemvConfig (K and the tile are compile-time, N is a runtime
 """
 import functools
 import operator
-import threading
 from dataclasses import dataclass
 
 import torch
 
+from kernels.cute_runtime import CompileCache, cu_stream
 from kernels.host_math import cdiv
 
 LANE_COLS = 8  # columns a lane multiplies per tile row: one 16-byte load
@@ -283,10 +283,7 @@ def _kernel_class():
     return TmaGemvSm90
 
 
-_CACHE: dict = {}
-_LOCK = threading.Lock()
 _SMS: dict = {}
-_STREAMS: dict = {}
 
 
 def compile_config(cfg: TmaGemvConfig, keep_ptx: bool = False):
@@ -304,14 +301,7 @@ def compile_config(cfg: TmaGemvConfig, keep_ptx: bool = False):
                         cutlass.Float32(1e-6), make_fake_stream(), options="--keep-ptx" if keep_ptx else None)
 
 
-def get_kernel(cfg: TmaGemvConfig):
-    kernel = _CACHE.get(cfg)
-    if kernel is None:
-        with _LOCK:
-            kernel = _CACHE.get(cfg)
-            if kernel is None:
-                kernel = _CACHE[cfg] = compile_config(cfg)
-    return kernel
+_CACHE = CompileCache(compile_config)
 
 
 def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, gated: bool = False,
@@ -338,11 +328,7 @@ def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     cfg = config or choose_config(n, k, gated, _SMS[index], norm=norm_weight is not None, add=residual is not None)
-    handle = torch.cuda.current_stream(x.device).cuda_stream
-    stream = _STREAMS.get(handle)
-    if stream is None:
-        from cuda.bindings import driver
-        stream = _STREAMS[handle] = driver.CUstream(handle)
+    stream = cu_stream(torch.cuda.current_stream(x.device).cuda_stream)
 
     def ptr(t):
         return None if t is None else make_ptr(cutlass.BFloat16, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
@@ -350,8 +336,8 @@ def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
     args = (ptr(x), ptr(weight), ptr(out), ptr(residual), ptr(norm_weight), ptr(s_out), n,
             _SMS[index] * cfg.ctas_per_sm, cutlass.Float32(eps), stream)
     if index == torch.cuda.current_device():
-        get_kernel(cfg)(*args)
+        _CACHE.get(cfg)(*args)
     else:  # the launch goes to the current device's context
         with torch.cuda.device(index):
-            get_kernel(cfg)(*args)
+            _CACHE.get(cfg)(*args)
     return out

@@ -342,12 +342,12 @@ def test_cute_gpu_exp2_poly_error_bound():
     import cutlass
 
     from fa4.cute.compile_cache import gmem_ptr
-    from fa4.cute.entry import _cu_stream
+    from kernels.cute_runtime import cu_stream
     from tests.cute_exp2_probe import compile_probe
     x = exp2_probe_points(DEV)
     y = torch.full_like(x, float("nan"))
     compile_probe()(gmem_ptr(x, cutlass.Float32), gmem_ptr(y, cutlass.Float32), x.numel(),
-                    _cu_stream(torch.cuda.current_stream().cuda_stream))
+                    cu_stream(torch.cuda.current_stream().cuda_stream))
     torch.cuda.synchronize()
     check_exp2_poly(x, y)
 

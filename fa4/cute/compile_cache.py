@@ -6,8 +6,6 @@ microseconds each, against ~30 us for a DLPack view) plus their sizes; the kerne
 rows) and TMA descriptors itself. The compile sees placeholder pointers and a placeholder stream, so compiling
 needs no GPU (set CUTE_DSL_ARCH=sm_90a).
 """
-import threading
-
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -15,9 +13,7 @@ from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from fa4.cute.config import AttentionConfig
 from fa4.cute.kernel import FlashAttentionForwardSm90
-
-_CACHE: dict = {}
-_LOCK = threading.Lock()
+from kernels.cute_runtime import CompileCache
 
 
 def gmem_ptr(t: torch.Tensor | None, dtype=cutlass.BFloat16, align: int = 16):
@@ -49,15 +45,12 @@ def compile_config(config: AttentionConfig, keep_ptx: bool = False):
     return cute.compile(FlashAttentionForwardSm90(config), *_example_args(config), options=options)
 
 
+_CACHE = CompileCache(lambda config: compile_config(config.validate()))
+
+
 def get_kernel(config: AttentionConfig):
     """The compiled kernel of `config`, compiled on first use."""
-    kernel = _CACHE.get(config)
-    if kernel is None:
-        with _LOCK:
-            kernel = _CACHE.get(config)
-            if kernel is None:
-                kernel = _CACHE[config] = compile_config(config.validate())
-    return kernel
+    return _CACHE.get(config)
 
 
 def cache_size() -> int:

@@ -79,6 +79,7 @@ def cute_attention(q, k, v, *, causal: bool, softmax_scale: float, cu_seqlens_q=
     import cutlass
 
     from fa4.cute.compile_cache import get_kernel, gmem_ptr
+    from kernels.cute_runtime import cu_stream
 
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_kv = k.shape[-2]
@@ -114,7 +115,7 @@ def cute_attention(q, k, v, *, causal: bool, softmax_scale: float, cu_seqlens_q=
            gmem_ptr(cu_k, cutlass.Int32, 4), gmem_ptr(seqused, cutlass.Int32, 4), gmem_ptr(table, cutlass.Int32, 4),
            q3.shape[0], k3.shape[0], num_heads, num_kv, table.shape[1] if table is not None else 0, batch,
            max_seqlen_q, seqlen_k, cutlass.Float32(softmax_scale * math.log2(math.e)), num_sms(q.device),
-           pairs_per_section(keys, head_dim, k3.element_size(), num_heads * batch), _cu_stream(stream))
+           pairs_per_section(keys, head_dim, k3.element_size(), num_heads * batch), cu_stream(stream))
     return o.view(q.shape)
 
 
@@ -128,13 +129,3 @@ def pairs_per_section(keys: int, head_dim: int, element_size: int, max_pairs: in
 
 
 _KERNELS: dict = {}  # call signature -> compiled kernel (skips building and validating the config)
-_STREAMS: dict = {}
-
-
-def _cu_stream(handle: int):
-    """The cuda-python stream object of a raw stream handle (cached: one per stream)."""
-    stream = _STREAMS.get(handle)
-    if stream is None:
-        from cuda.bindings import driver
-        stream = _STREAMS[handle] = driver.CUstream(handle)
-    return stream
