@@ -1,11 +1,11 @@
 """The TMA-ring GEMV in CuTe-DSL (kernels/tma_gemv.py) against reference.linear and silu_and_mul_linear.
 
-CPU: the tile rule and the config's errors; which calls it takes (`available`); when nvidia-cutlass-dsl is installed,
-a compile for sm_90a of plain, gated and normed (with and without the residual) configs (one subprocess), checking
-the PTX: one TMA copy, the PDL wait and release, x's staging loads issued at once, a 16-byte shared load per tile
-row a warp owns and x's. `gpu` tests (H200): bf16 at odd N and K (N of 1,
-65, 1000; K not a multiple of the 256-column tile), the 2B / 9B decode shapes, gated, in a CUDA graph, with NaN in
-the weight rows' neighbours, the norm input (with and without the residual: s exact), and through kernels.linear
+CPU: the tile rule and the config's errors; which calls it takes (`available`) and which kernels.linear routes to
+it; when nvidia-cutlass-dsl is installed, a compile for sm_90a of plain, gated and normed (with and without the
+residual) configs (one subprocess), checking the PTX: one TMA copy, the PDL wait and release, x's staging loads
+issued at once, a 16-byte shared load per tile row a warp owns and x's. `gpu` tests (H200): bf16 at odd N and K (N
+of 1, 65, 1000; K not a multiple of the 256-column tile), the 2B / 9B decode shapes, gated, in a CUDA graph, with NaN
+in the weight rows' neighbours, the norm input (with and without the residual: s exact), and through kernels.linear
 with TMA_GEMV on; relative error against fp32.
 """
 import json
@@ -53,6 +53,36 @@ def test_available_only_for_one_bf16_row_on_a_gpu():
         assert not T.available(torch.randn(1, 256, device="cuda"), wc.float())  # fp32
         assert not T.available(torch.randn(1, 256, dtype=torch.bfloat16, device="cuda"), wc[:, :128])  # strided
         assert not T.available(torch.randn(1, 256, dtype=torch.bfloat16, device="cuda"), wc, gated=True)  # not 2K
+
+
+def test_linear_routes_one_row_by_size_and_input(monkeypatch):
+    """kernels.linear's rule (CPU: available() faked, the TMA call recorded): one row, a weight of TMA_MIN_BYTES
+    and more, gated only from TMA_GATED_MIN_K, no sweep plan; the pre-norm projection in one call with TMA_NORM,
+    else add_rms_norm and then the plain call."""
+    calls = []
+    monkeypatch.setattr(L, "TMA_GEMV", True)
+    monkeypatch.setattr(L, "TMA_MIN_BYTES", 64 * 32 * 4)
+    monkeypatch.setattr(T, "available", lambda *a, **kw: True)
+    monkeypatch.setattr(T, "tma_gemv", lambda x, w, out, **kw: calls.append((tuple(w.shape), kw)) or out.zero_())
+    w, small = torch.randn(64, 32), torch.randn(32, 32)
+    L.linear(torch.randn(1, 32), w)
+    assert calls == [((64, 32), {"gated": False})]
+    for x, weight, kw in ((torch.randn(2, 32), w, {}), (torch.randn(1, 32), small, {}),
+                          (torch.randn(1, 32), w, {"plan": (4, 32, 4)}), (torch.randn(1, 64), w, {"gated": True})):
+        L.linear(x, weight, **kw)  # two rows, 4 KB, a sweep's plan, gated below TMA_GATED_MIN_K: Triton
+    assert len(calls) == 1
+    monkeypatch.setattr(L, "TMA_GATED_MIN_K", 32)
+    L.linear(torch.randn(1, 64), w, gated=True)
+    assert calls[-1] == ((64, 32), {"gated": True})
+    x, residual, norm_w = torch.randn(1, 32), torch.randn(1, 32), torch.randn(32)
+    monkeypatch.setattr(L, "FUSED_NORM_MAX_K", 16)  # K 32 is past the Triton GEMV's own norm
+    L.add_rms_norm_linear(x, residual.clone(), norm_w, 1e-6, w)  # TMA_NORM off: add_rms_norm, then the plain GEMV
+    assert calls[-1] == ((64, 32), {"gated": False}) and len(calls) == 3
+    monkeypatch.setattr(L, "TMA_NORM", True)
+    _, s = L.add_rms_norm_linear(x, residual, norm_w, 1e-6, w)
+    (shape, kw), = calls[3:]
+    assert shape == (64, 32) and kw["norm_weight"] is norm_w and kw["residual"] is not None
+    assert kw["s_out"].data_ptr() == s.data_ptr() and kw["eps"] == 1e-6
 
 
 SM90_COMPILE = """
