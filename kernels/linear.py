@@ -9,7 +9,7 @@ process, graph step at batch 1, 0.8B / 2B / 9B): two tiles in registers 0.954 / 
 4.73; all of a program's weight rows queued into L2 (prefetch.global.L2) 0.936 / 1.72 / 5.92 against 0.91 / 1.48 /
 4.67, and 2.51 against 2.19 ms for 2B at 16 rows (profiles/results/host_time.json 'gemv_prefetch_session15').
 One bf16 row of a wide weight goes to the TMA-ring GEMV in CuTe-DSL instead (kernels/tma_gemv.py, see TMA_GEMV):
-its shared-memory ring keeps 8x the bytes in flight that this kernel's registers hold.
+its shared-memory ring keeps several times the bytes in flight that this kernel's registers hold.
 
 Decode batches of MAX_ROWS + 1 to DOT_MAX_ROWS rows (CUDA-graph capture, where rows are not padded) run a skinny
 GEMM on the tensor cores instead (`_rows_dot_kernel`: 16-row products, weight tiles through a shared-memory ring):
