@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import pdl
 from kernels.cute_runtime import CompileCache, cu_stream
 from kernels.host_math import cdiv
 
@@ -46,6 +47,7 @@ class TmaGemvConfig:
     consumer_warps: int = 4  # each owns block_n / consumer_warps rows of every tile
     norm: bool = False  # the product takes rms_norm(x) (x + residual when add), as kernels.linear's NORM input
     add: bool = False
+    pdl: bool = True  # launched with programmatic dependent launch (kernels.pdl.enabled: QWEN_PDL=0 switches it off)
 
     def validate(self) -> "TmaGemvConfig":
         if self.k <= 0 or self.k % LANE_COLS or self.k > MAX_K:
@@ -68,13 +70,13 @@ class TmaGemvConfig:
 
 @functools.cache
 def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, norm: bool = False,
-                  add: bool = False) -> TmaGemvConfig:
+                  add: bool = False, pdl: bool = True) -> TmaGemvConfig:
     """16-row column blocks, or 8 where 16 would leave SMs without a block; 8 consumer warps; the ring holds
     RING_BYTES (H200, session 16, `python -m profiles.bench_decode --sweep-tma`: a 128 KiB ring and 8 consumer warps
     were the fastest of 32-128 KiB x 4-8 warps x 1-2 CTAs an SM on 10 of the 12 2B / 9B projections)."""
     block_n = 16 if cdiv(n, 16) >= num_sms else 8
     return TmaGemvConfig(k, block_n, min(32, RING_BYTES // (block_n * BLOCK_K * 2)), gated, consumer_warps=8,
-                         norm=norm, add=add).validate()
+                         norm=norm, add=add, pdl=pdl).validate()
 
 
 @functools.cache
@@ -156,7 +158,7 @@ def _kernel_class():
             blocks = (n + bn - 1) // bn
             grid = cutlass.max(cutlass.min(num_ctas, blocks), 1)
             self.kernel(tma, mW_tma, mX, mY, mRes, mNormW, mS, eps, sW_layout, blocks, grid).launch(
-                grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1], stream=stream, use_pdl=True)
+                grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1], stream=stream, use_pdl=cfg.pdl)
 
         @cute.kernel
         def kernel(self, tma: cute.CopyAtom, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor,
@@ -199,8 +201,9 @@ def _kernel_class():
                         state.advance()
                     block += grid
             else:
-                cute.arch.griddepcontrol_wait()  # x comes from the previous kernel
-                cute.arch.griddepcontrol_launch_dependents()
+                if cutlass.const_expr(cfg.pdl):
+                    cute.arch.griddepcontrol_wait()  # x comes from the previous kernel
+                    cute.arch.griddepcontrol_launch_dependents()
                 self.stage_x(mX, mRes, mNormW, mS, eps, sX, storage.sum_sq.get_tensor(cute.make_layout(consumers)),
                              tidx, warp, lane, bidx)
                 cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
@@ -327,7 +330,8 @@ def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    cfg = config or choose_config(n, k, gated, _SMS[index], norm=norm_weight is not None, add=residual is not None)
+    cfg = config or choose_config(n, k, gated, _SMS[index], norm=norm_weight is not None, add=residual is not None,
+                                  pdl=pdl.enabled(x.device))
     stream = cu_stream(torch.cuda.current_stream(x.device).cuda_stream)
 
     def ptr(t):

@@ -88,10 +88,10 @@ def test_linear_routes_one_row_by_size_and_input(monkeypatch):
 SM90_COMPILE = """
 import json, sys
 from kernels.tma_gemv import TmaGemvConfig, choose_config, compile_config
-for n, k, gated, norm, add in json.loads(sys.argv[1]):
-    cfg = choose_config(n, k, gated, norm=norm, add=add)
+for n, k, gated, norm, add, pdl in json.loads(sys.argv[1]):
+    cfg = choose_config(n, k, gated, norm=norm, add=add, pdl=pdl)
     ptx = compile_config(cfg, keep_ptx=True).__ptx__
-    print(json.dumps({"n": n, "k": k, "gated": gated, "norm": norm, "add": add, "block_n": cfg.block_n,
+    print(json.dumps({"n": n, "k": k, "gated": gated, "norm": norm, "add": add, "pdl": pdl, "block_n": cfg.block_n,
                       "tma": ptx.count("cp.async.bulk.tensor"), "wait": ptx.count("griddepcontrol.wait"),
                       "release": ptx.count("griddepcontrol.launch_dependents"),
                       "shared_v4": ptx.count("ld.shared.v4"), "ex2": ptx.count("ex2.approx"),
@@ -102,8 +102,10 @@ for n, k, gated, norm, add in json.loads(sys.argv[1]):
 
 @needs_dsl
 def test_compiles_for_sm90(tmp_path):
-    cases = [(2048, 2048, False, False, False), (248320, 4096, False, False, False), (2048, 6144, True, False, False),
-             (1024, 264, False, False, False), (8224, 2048, False, True, False), (16448, 4096, False, True, True)]
+    cases = [(2048, 2048, False, False, False, True), (248320, 4096, False, False, False, True),
+             (2048, 6144, True, False, False, True), (1024, 264, False, False, False, True),
+             (8224, 2048, False, True, False, True), (16448, 4096, False, True, True, True),
+             (2048, 2048, False, False, False, False)]
     env_before = os.environ.get("CUTE_DSL_ARCH")
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
     os.environ["CUTE_DSL_DUMP_DIR"] = str(tmp_path)
@@ -118,7 +120,7 @@ def test_compiles_for_sm90(tmp_path):
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(rows) == len(cases), out
     for row in rows:
-        assert row["tma"] == 1 and row["wait"] == 1 and row["release"] == 1, row
+        assert row["tma"] == 1 and row["wait"] == row["release"] == row["pdl"], row  # QWEN_PDL=0: no PDL
         assert (row["ex2"] > 0) == row["gated"] and (row["rsqrt"] == 1) == row["norm"], row  # silu; the norm
         # staging: x's (and [gate | up]'s up, the residual's and the norm weight's) chunks issued at once: one
         # 16-byte load of each a step, a step per 2048 columns; only the sum s stored (CTA 0)
