@@ -1,11 +1,21 @@
-"""What the CuTe-DSL kernels (fa4/cute, kernels/tma_gemv.py) share on the host: a compile cache and stream objects.
+"""What the CuTe-DSL kernels (fa4/cute, kernels/tma_gemv.py) share on the host: whether the DSL is installed, a
+compile cache, and stream objects.
 
 A compiled kernel is keyed by its frozen config; the first call with a config compiles it (under a lock, once, also
 when threads race) and later calls reuse it. Launches take a cuda-python stream object, cached per raw handle.
 Neither needs nvidia-cutlass-dsl at import: the compile function and cuda-python are only touched on use.
 """
+import functools
+import importlib.util
 import threading
 from collections.abc import Callable
+
+
+@functools.cache
+def dsl_available() -> bool:
+    """Whether nvidia-cutlass-dsl is installed (without importing it: its import fixes CUTE_DSL_ARCH); asked once,
+    as the routing decisions ask on every call."""
+    return importlib.util.find_spec("cutlass") is not None
 
 
 class CompileCache:

@@ -20,14 +20,15 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @functools.cache
-def _capable(index: int) -> bool:
+def capable(index: int) -> bool:
+    """Whether CUDA device `index` is sm_90 or newer (PDL, TMA, wgmma)."""
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def enabled(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("QWEN_PDL") == "0":
         return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def launch_options(device: torch.device) -> dict:

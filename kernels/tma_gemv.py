@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import pdl
-from kernels.cute_runtime import CompileCache, cu_stream
+from kernels.cute_runtime import CompileCache, cu_stream, dsl_available
 from kernels.host_math import cdiv
 
 LANE_COLS = 8  # columns a lane multiplies per tile row: one 16-byte load
@@ -69,28 +69,16 @@ class TmaGemvConfig:
 
 
 @functools.cache
-def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, norm: bool = False,
-                  add: bool = False, pdl: bool = True) -> TmaGemvConfig:
-    """16-row column blocks, or 8 where 16 would leave SMs without a block; 8 consumer warps; the ring holds
-    RING_BYTES (H200, session 16, `python -m profiles.bench_decode --sweep-tma`: a 128 KiB ring and 8 consumer warps
-    were the fastest of 32-128 KiB x 4-8 warps x 1-2 CTAs an SM on 10 of the 12 2B / 9B projections)."""
-    block_n = 16 if cdiv(n, 16) >= num_sms else 8
-    return TmaGemvConfig(k, block_n, min(32, RING_BYTES // (block_n * BLOCK_K * 2)), gated, consumer_warps=8,
-                         norm=norm, add=add, pdl=pdl).validate()
-
-
-@functools.cache
-def dsl_available() -> bool:
-    try:
-        import cutlass  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, norm: bool = False, add: bool = False,
+                  pdl: bool = True, ring_bytes: int = RING_BYTES, consumer_warps: int = 8,
+                  ctas_per_sm: int = 1) -> TmaGemvConfig:
+    """16-row column blocks, or 8 where 16 would leave SMs without a block (at least one row a consumer warp); the
+    ring holds ring_bytes. The defaults: H200, session 16, `python -m profiles.bench_decode --sweep-tma`, where a
+    128 KiB ring and 8 consumer warps were the fastest of 32-128 KiB x 4-8 warps x 1-2 CTAs an SM on 10 of the 12
+    2B / 9B projections."""
+    block_n = max(16 if cdiv(n, 16) >= num_sms else 8, consumer_warps)
+    return TmaGemvConfig(k, block_n, min(32, ring_bytes // (block_n * BLOCK_K * 2)), gated, ctas_per_sm,
+                         consumer_warps, norm, add, pdl).validate()
 
 
 def available(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, *,
@@ -104,7 +92,7 @@ def available(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, *,
             and weight.is_contiguous() and 0 < k <= MAX_K and k % LANE_COLS == 0 and weight.shape[0] > 0
             and all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.numel() == k for t in extras)
             and all(t.data_ptr() % 16 == 0 for t in (x, weight, *extras))
-            and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())
+            and pdl.capable(x.device.index if x.device.index is not None else torch.cuda.current_device())
             and dsl_available())
 
 

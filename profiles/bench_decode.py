@@ -231,11 +231,10 @@ TMA_VARIANTS = {"r64w4": (64, 4, 1), "r128w4": (128, 4, 1), "r64w8": (64, 8, 1),
 
 
 def tma_variant(n: int, k: int, gated: bool, variant: str):
-    """The TmaGemvConfig of a TMA_VARIANTS entry for one projection (block_n at least the consumer warps)."""
+    """The TmaGemvConfig of a TMA_VARIANTS entry for one projection."""
     from kernels import tma_gemv as T
     ring, warps, ctas = TMA_VARIANTS[variant]
-    block_n = max(T.choose_config(n, k, gated).block_n, warps)
-    return T.TmaGemvConfig(k, block_n, min(32, ring * 1024 // (block_n * T.BLOCK_K * 2)), gated, ctas, warps)
+    return T.choose_config(n, k, gated, ring_bytes=ring * 1024, consumer_warps=warps, ctas_per_sm=ctas)
 
 
 def gemv_impl(n: int, k: int, gated: bool, variant: str):

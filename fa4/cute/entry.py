@@ -3,22 +3,14 @@
 Importing this module needs no nvidia-cutlass-dsl (the kernel modules are imported on the first call), so
 `fa4.interface` can always ask `cute_unsupported` why a call cannot run here.
 """
-import functools
-import importlib.util
 import math
 
 import torch
 
 from fa4.cute.config import DTYPES, HEAD_DIMS, choose_config, paged_tile_n
+from kernels.cute_runtime import dsl_available
 
 TORCH_DTYPES = {getattr(torch, name): name for name in DTYPES}
-
-
-@functools.cache
-def dsl_available() -> bool:
-    """Whether nvidia-cutlass-dsl is installed (without importing it: its import fixes CUTE_DSL_ARCH); asked once,
-    as cute_unsupported runs on every routing decision."""
-    return importlib.util.find_spec("cutlass") is not None
 
 
 def cute_unsupported(q, k, v, **index_tensors) -> str | None:
