@@ -86,6 +86,28 @@ def bench_attention_case(batch, ctx, h, kv, d, peers=("cudnn", "fa2", "fa4")):
     return row
 
 
+SPLIT_SWEEP = (8, 16, 24, 32, 48, 64, 96, 128)
+
+
+def sweep_splits(h: int, kv: int, contexts=(4096, 8192, 12288, 16384), cap: int = 24576) -> list[dict]:
+    """B1 decode attention (d256) at each split count of SPLIT_SWEEP, in a CUDA graph, beside the count
+    choose_num_splits takes for a page table of `cap` tokens (a serving run's max_model_len)."""
+    from kernels.paged_decode_attention import alloc_workspace, choose_num_splits, paged_decode_attention
+    rows = []
+    for ctx in contexts:
+        q, kp, vp, table, seqused = make_paged(1, ctx, h, kv, 256)
+        out = torch.empty_like(q)
+        row = {"H/KV": f"{h}/{kv}", "ctx": ctx, "chosen": choose_num_splits(1, kv, cap)}
+        for s in SPLIT_SWEEP:
+            ws = alloc_workspace(1, h, s, 256, "cuda")
+            call = functools.partial(paged_decode_attention, q, kp, vp, table, seqused, num_splits=s, out=out,
+                                     workspace=ws)
+            row[f"s{s}_us"] = bench_us(call, graph=True)
+        row["best"] = min(SPLIT_SWEEP, key=lambda s: row[f"s{s}_us"])
+        rows.append(progress(row))
+    return rows
+
+
 # ---- Gated DeltaNet decode ----------------------------------------------------------------------------
 
 def bench_gdn_case(batch, hk=16, hv=32, dk=128, dv=128, kw=4):
@@ -322,11 +344,18 @@ def main(argv=None):
     ap.add_argument("--sweep-tma", metavar="MODEL", nargs="+", choices=sorted(LINEAR_SHAPES),
                     help="only time the TMA-ring GEMV's variants against the Triton GEMV on MODELs' projections and "
                          "in a chain of their GDN layers (decode_tma_gemv_sweep.json)")
+    ap.add_argument("--sweep-splits", action="store_true", help="only time B1 decode attention (H16/KV4 and H8/KV2, "
+                    "d256) at each KV split count (decode_split_sweep.json)")
     ap.add_argument("--plot", metavar="JSON", help="only draw decode_bw.png beside an existing decode.json")
     args = ap.parse_args(argv)
     if args.plot:
         path = Path(args.plot)
         plot_curve(json.loads(path.read_text())["attention_curve"], path.with_name("decode_bw.png"))
+        return
+    if args.sweep_splits:
+        rows = sweep_splits(16, 4) + sweep_splits(8, 2)
+        print_table(rows, ["H/KV", "ctx", "chosen", *[f"s{s}_us" for s in SPLIT_SWEEP], "best"])
+        print(f"wrote {write_result('decode_split_sweep', {'env': environment(), 'sweep': rows}, args.out)}")
         return
     if args.sweep_tma:
         rows = [r for model in args.sweep_tma for r in sweep_tma(model)]
