@@ -319,7 +319,7 @@ def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     cfg = config or choose_config(n, k, gated, _SMS[index], norm=norm_weight is not None, add=residual is not None,
-                                  pdl=pdl.enabled(x.device))
+                                  pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES)
     stream = cu_stream(torch.cuda.current_stream(x.device).cuda_stream)
 
     def ptr(t):

@@ -10,8 +10,8 @@ launches and the Python around them are the cost (on the H200 a 2B step of 800 t
 largest first) and as a CUDA-graph replay (the step's time per token). The gap between the graph's step time and
 the eager kernels' sum is what launches and kernel ramps cost inside the graph. `--prenorm fused|unfused` runs each
 block half's residual add and RMSNorm inside its first projection's GEMV, or as its own launch (the A/B of
-kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab prenorm|split_k|gdn_early|tma_gemv|tma_norm`
-times a decode knob's variants in one process, alternated, through the CUDA graph only. Predicted for the fusion: 48
+kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab KNOB` (AB_KNOBS) times a decode knob's variants
+in one process, alternated, through the CUDA graph only. Predicted for the fusion: 48
 launches fewer a 2B/0.8B step at ~2.5 us each with its graph gap, minus the GEMVs' extra reads of the rows from L2,
 about 0.1-0.15 ms off 2B's step.
 Measured on the H200 (session 8, the GEMV summing the squares in a first pass over the rows): 0.8B 1.19 ms fused
@@ -165,10 +165,14 @@ def use_prenorm(fused: bool | None) -> None:
     ops.register_backend("triton", {"add_rms_norm_linear": functools.partial(add_rms_norm_linear, fused=fused)})
 
 
-# --ab knobs: name -> (module, attribute) of a kernel switch, or the pre-norm rule of use_prenorm
-AB_KNOBS = {"prenorm": None, "split_k": ("kernels.linear", "SPLIT_K"),
-            "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT"), "tma_gemv": ("kernels.linear", "TMA_GEMV"),
-            "tma_norm": ("kernels.linear", "TMA_NORM")}
+ON_OFF = {"off": False, "on": True}
+KIB, MIB = 2**10, 2**20
+# --ab knobs: name -> (module, attribute, {variant: value}) of a kernel setting, or the pre-norm rule of use_prenorm
+AB_KNOBS = {"prenorm": None, "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
+            "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
+            "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
+            "tma_ring": ("kernels.tma_gemv", "RING_BYTES", {"128k": 128 * KIB, "96k": 96 * KIB, "80k": 80 * KIB}),
+            "tma_min": ("kernels.linear", "TMA_MIN_BYTES", {"16m": 16 * MIB, "8m": 8 * MIB, "4m": 4 * MIB})}
 
 
 def knob_setters(knob: str) -> tuple[dict, Callable[[], None]]:
@@ -176,11 +180,11 @@ def knob_setters(knob: str) -> tuple[dict, Callable[[], None]]:
     if AB_KNOBS[knob] is None:
         return ({"fused": functools.partial(use_prenorm, True), "unfused": functools.partial(use_prenorm, False)},
                 functools.partial(use_prenorm, None))
-    module_name, attribute = AB_KNOBS[knob]
+    module_name, attribute, values = AB_KNOBS[knob]
     module = importlib.import_module(module_name)
     flag = functools.partial(setattr, module, attribute)
-    variants = {"off": functools.partial(flag, False), "on": functools.partial(flag, True)}
-    return variants, functools.partial(flag, getattr(module, attribute))
+    return ({name: functools.partial(flag, value) for name, value in values.items()},
+            functools.partial(flag, getattr(module, attribute)))
 
 
 def decode_ab(model, args, knob: str, repeats: int = 2) -> list[dict]:

@@ -76,6 +76,7 @@ def test_linear_routes_one_row_by_size_and_input(monkeypatch):
     assert calls[-1] == ((64, 32), {"gated": True})
     x, residual, norm_w = torch.randn(1, 32), torch.randn(1, 32), torch.randn(32)
     monkeypatch.setattr(L, "FUSED_NORM_MAX_K", 16)  # K 32 is past the Triton GEMV's own norm
+    monkeypatch.setattr(L, "TMA_NORM", False)
     L.add_rms_norm_linear(x, residual.clone(), norm_w, 1e-6, w)  # TMA_NORM off: add_rms_norm, then the plain GEMV
     assert calls[-1] == ((64, 32), {"gated": False}) and len(calls) == 3
     monkeypatch.setattr(L, "TMA_NORM", True)
