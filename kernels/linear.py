@@ -59,6 +59,15 @@ TMA_GATED_MIN_K = 8192
 # profiles.host_time --model M --decode 1 --ab tma_norm`): 2B 1.35 against 1.42 ms, 9B 4.29 against 4.40, 0.8B
 # 0.875 against 0.899 (its final norm and lm_head).
 TMA_NORM = True
+# Whether out_proj_mlp (one bf16 row) runs as one chained launch of the TMA-ring GEMV (tma_gemv_chain: output
+# projection, then the residual add and RMSNorm staged into gate_up, then the gated down projection, the CTAs
+# syncing over the grid between GEMVs while the next weights already stream into their rings), where the TMA GEMV
+# takes one row at all (TMA_GEMV). Predicted: each GEMV boundary inside a step costs ~2 us of drained DRAM pipe (2B:
+# 88 GEMVs of its GDN layers stream 2.59 GB at 3.2 TB/s in a chain of launches against ~4.3 in one long GEMV); two
+# of them fewer a layer, ~0.1 ms off 2B's step. Measured (H200, session 17, `python -m profiles.host_time --model M
+# --decode 1 --ab tma_chain`, the chain in 8-row blocks): 0.8B 0.839 against 0.874 ms, 9B 4.32 against 4.34, 2B 1.35
+# against 1.35 (its 2048-wide GEMVs in 8-row blocks are slower on the TMA GEMV than on Triton).
+TMA_CHAIN = True
 # NORM's sums of squares read up to this many elements of the rows per step: 4096-wide rows in one L2 round trip
 # (in BLOCK_K steps, 2B's gate_up GEMV waited on 16 dependent round trips before its first FMA: +0.3 ms a step)
 NORM_ELEMENTS = 4096
@@ -361,4 +370,26 @@ def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[in
     return out, s
 
 
-OPS = {"linear": linear, "silu_and_mul_linear": silu_and_mul_linear, "add_rms_norm_linear": add_rms_norm_linear}
+def out_proj_mlp(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight):
+    """reference.out_proj_mlp: (SwiGLU(rms_norm(o @ out_weight^T + residual)), s = o @ out_weight^T + residual).
+    One bf16 row with TMA_CHAIN: one launch of three chained TMA-ring GEMVs; else linear, add_rms_norm_linear and
+    silu_and_mul_linear."""
+    weights = (out_weight, gate_up_weight, down_weight)
+    inputs = (tma_gemv.GemvInput(out_weight.shape[1]),
+              tma_gemv.GemvInput(gate_up_weight.shape[1], norm=True, add=True),
+              tma_gemv.GemvInput(down_weight.shape[1], gated=True))
+    if (TMA_CHAIN and TMA_GEMV and residual is not None and o.dim() == 2 and o.shape[0] == 1
+            and tma_gemv.chain_available(o, weights, inputs, norm_weight=norm_weight, residual=residual)):
+        check_devices(o=o, residual=residual, out_weight=out_weight, norm_weight=norm_weight,
+                      gate_up_weight=gate_up_weight, down_weight=down_weight)
+        s = torch.empty_like(residual)
+        out = torch.empty_like(residual)
+        tma_gemv.tma_gemv_chain(o, weights, inputs, out, norm_weight=norm_weight, eps=eps, residual=residual,
+                                s_out=s)
+        return out, s
+    gate_up, s = add_rms_norm_linear(linear(o, out_weight), residual, norm_weight, eps, gate_up_weight)
+    return silu_and_mul_linear(gate_up, down_weight), s
+
+
+OPS = {"linear": linear, "silu_and_mul_linear": silu_and_mul_linear, "add_rms_norm_linear": add_rms_norm_linear,
+       "out_proj_mlp": out_proj_mlp}

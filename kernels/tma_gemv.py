@@ -35,6 +35,17 @@ BLOCK_K = 32 * LANE_COLS  # a tile's columns (also the TMA box's inner extent: 5
 RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
+SM_SHARED_BYTES = 228 * 1024  # an SM's shared memory (sm_90): a chain's ring must leave no room for a second CTA
+
+
+@dataclass(frozen=True)
+class GemvInput:
+    """What one GEMV of a launch multiplies: a row of width k, staged as x, silu(gate) * up of [gate | up] (gated),
+    or rms_norm(x (+ residual)) (norm, add)."""
+    k: int
+    gated: bool = False
+    norm: bool = False
+    add: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,50 +59,74 @@ class TmaGemvConfig:
     norm: bool = False  # the product takes rms_norm(x) (x + residual when add), as kernels.linear's NORM input
     add: bool = False
     pdl: bool = True  # launched with programmatic dependent launch (kernels.pdl.enabled: QWEN_PDL=0 switches it off)
+    chain: tuple[GemvInput, ...] = ()  # GEMVs after the first in the same launch, each on the previous one's output
+
+    @property
+    def inputs(self) -> tuple[GemvInput, ...]:
+        """Every GEMV's input, in launch order."""
+        return (GemvInput(self.k, self.gated, self.norm, self.add), *self.chain)
 
     def validate(self) -> "TmaGemvConfig":
-        if self.k <= 0 or self.k % LANE_COLS or self.k > MAX_K:
-            raise ValueError(f"k must be a positive multiple of {LANE_COLS} up to {MAX_K}, got {self.k}")
+        for g in self.inputs:
+            if g.k <= 0 or g.k % LANE_COLS or g.k > MAX_K:
+                raise ValueError(f"k must be a positive multiple of {LANE_COLS} up to {MAX_K}, got {g.k}")
+            if (g.gated and g.norm) or (g.add and not g.norm):
+                raise ValueError(f"the input is one of plain, gated, norm (add only with norm), got gated={g.gated} "
+                                 f"norm={g.norm} add={g.add}")
+        if sum(g.norm for g in self.inputs) > 1:
+            raise ValueError("at most one GEMV of a chain takes a norm input (one norm weight and residual)")
+        if self.chain and (self.ctas_per_sm != 1 or 2 * self.stages * self.block_n * BLOCK_K * 2 <= SM_SHARED_BYTES):
+            raise ValueError(f"a chain syncs its grid, one CTA an SM: ctas_per_sm 1 and a ring over half of "
+                             f"{SM_SHARED_BYTES} bytes, got ctas_per_sm={self.ctas_per_sm} stages={self.stages}")
         if self.block_n not in (4, 8, 16, 32):
             raise ValueError(f"block_n must be 4, 8, 16 or 32, got {self.block_n}")
         if self.consumer_warps not in (1, 2, 4, 8) or self.consumer_warps > self.block_n:
             raise ValueError(f"consumer_warps must be 1, 2, 4 or 8 and at most block_n, got {self.consumer_warps}")
         if not 2 <= self.stages <= 32:
             raise ValueError(f"stages must be 2 to 32, got {self.stages}")
-        if (self.gated and self.norm) or (self.add and not self.norm):
-            raise ValueError(f"the input is one of plain, gated, norm (add only with norm), got gated={self.gated} "
-                             f"norm={self.norm} add={self.add}")
         return self
 
     @property
-    def k_tiles(self) -> int:
-        return cdiv(self.k, BLOCK_K)
+    def x_width(self) -> int:
+        """sX's width: the widest input, in whole tiles."""
+        return max(cdiv(g.k, BLOCK_K) for g in self.inputs) * BLOCK_K
 
 
 @functools.cache
 def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, norm: bool = False, add: bool = False,
                   pdl: bool = True, ring_bytes: int = RING_BYTES, consumer_warps: int = 8,
-                  ctas_per_sm: int = 1) -> TmaGemvConfig:
-    """16-row column blocks, or 8 where 16 would leave SMs without a block (at least one row a consumer warp); the
-    ring holds ring_bytes. The defaults: H200, session 16, `python -m profiles.bench_decode --sweep-tma`, where a
-    128 KiB ring and 8 consumer warps were the fastest of 32-128 KiB x 4-8 warps x 1-2 CTAs an SM on 10 of the 12
-    2B / 9B projections."""
+                  ctas_per_sm: int = 1, chain: tuple[GemvInput, ...] = ()) -> TmaGemvConfig:
+    """16-row column blocks, or 8 where 16 would leave SMs without a block (at least one row a consumer warp; n: the
+    narrowest N of a chain); the ring holds ring_bytes. The defaults: H200, session 16, `python -m
+    profiles.bench_decode --sweep-tma`, where a 128 KiB ring and 8 consumer warps were the fastest of 32-128 KiB x
+    4-8 warps x 1-2 CTAs an SM on 10 of the 12 2B / 9B projections."""
     block_n = max(16 if cdiv(n, 16) >= num_sms else 8, consumer_warps)
     return TmaGemvConfig(k, block_n, min(32, ring_bytes // (block_n * BLOCK_K * 2)), gated, ctas_per_sm,
-                         consumer_warps, norm, add, pdl).validate()
+                         consumer_warps, norm, add, pdl, chain).validate()
 
 
 def available(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, *,
               norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> bool:
     """Whether tma_gemv takes this call: one bf16 row on an sm_90+ GPU, a contiguous weight, K within MAX_K,
     16-byte aligned rows (and norm weight and residual), and nvidia-cutlass-dsl installed."""
-    k = weight.shape[1]
+    return chain_available(x, [weight], [GemvInput(weight.shape[1], gated, norm_weight is not None,
+                                                   residual is not None)], norm_weight=norm_weight, residual=residual)
+
+
+def chain_available(x: torch.Tensor, weights, inputs, *, norm_weight: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None) -> bool:
+    """Whether tma_gemv_chain takes this call: as `available` for every GEMV, each input as wide as the previous
+    output (twice the K of a gated one), and norm weight and residual as wide as the norm input."""
+    widths = [x.shape[-1], *(w.shape[0] for w in weights[:-1])]
+    norm_k = [g.k for g in inputs if g.norm]
     extras = [t for t in (norm_weight, residual) if t is not None]
-    return (x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
-            and x.shape[0] == 1 and x.stride(-1) == 1 and x.shape[1] == k * (2 if gated else 1)
-            and weight.is_contiguous() and 0 < k <= MAX_K and k % LANE_COLS == 0 and weight.shape[0] > 0
-            and all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.numel() == k for t in extras)
-            and all(t.data_ptr() % 16 == 0 for t in (x, weight, *extras))
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+            and all(w.dtype == torch.bfloat16 and w.is_contiguous() and w.dim() == 2 and w.shape[0] > 0
+                    and w.shape[1] == g.k and 0 < g.k <= MAX_K and g.k % LANE_COLS == 0
+                    and width == g.k * (2 if g.gated else 1) for w, g, width in zip(weights, inputs, widths))
+            and (not extras or len(norm_k) == 1)
+            and all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.numel() == norm_k[0] for t in extras)
+            and all(t.data_ptr() % 16 == 0 for t in (x, *weights, *extras))
             and pdl.capable(x.device.index if x.device.index is not None else torch.cuda.current_device())
             and dsl_available())
 
@@ -102,7 +137,7 @@ def _kernel_class():
     import cutlass
     import cutlass.cute as cute
     import cutlass.pipeline as pipeline
-    from cutlass import BFloat16, Float32, Int32
+    from cutlass import BFloat16, Float32, Int32, Int64
     from cutlass.cute.nvgpu import cpasync
     try:
         from cutlass.memory import SmemAllocator
@@ -114,47 +149,59 @@ def _kernel_class():
             self.cfg = cfg
 
         @cute.jit
-        def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer,
-                     res_ptr: cute.Pointer | None, norm_w_ptr: cute.Pointer | None, s_ptr: cute.Pointer | None,
-                     n: Int32, num_ctas: Int32, eps: Float32, stream: cuda.CUstream):
-            """x (1, K) or [gate | up] (1, 2K), weight (n, K), y (1, n): contiguous bf16; num_ctas: the SMs.
-            norm: norm_w (K,); add: residual (1, K) and s (1, K), where CTA 0 stores x + residual."""
+        def __call__(self, x_ptr: cute.Pointer, w_ptrs: tuple, y_ptrs: tuple, res_ptr: cute.Pointer | None,
+                     norm_w_ptr: cute.Pointer | None, s_ptr: cute.Pointer | None, sync_ptr: cute.Pointer | None,
+                     ns: tuple, num_ctas: Int32, eps: Float32, stream: cuda.CUstream):
+            """x (1, K) or [gate | up] (1, 2K); GEMV g: weight w_ptrs[g] (ns[g], K_g) into y_ptrs[g] (1, ns[g]), on
+            y_ptrs[g - 1] after the first; contiguous bf16; num_ctas: the SMs. The norm input: norm_w (K,); with
+            add, residual (1, K) and s (1, K), where CTA 0 stores x + residual. sync: a chain's grid barrier, one
+            int64 that only grows, a multiple of num_ctas between launches (every chain launches num_ctas CTAs)."""
             cfg = self.cfg
-            k, bn, stages = cfg.k, cfg.block_n, cfg.stages
-            mW = cute.make_tensor(w_ptr, cute.make_layout((n, k), stride=(k, 1)))
-            mX = cute.make_tensor(x_ptr, cute.make_layout(2 * k if cfg.gated else k))
-            mY = cute.make_tensor(y_ptr, cute.make_layout(n))
-            mRes = mNormW = mS = None
-            if cutlass.const_expr(cfg.norm):
-                mNormW = cute.make_tensor(norm_w_ptr, cute.make_layout(k))
-            if cutlass.const_expr(cfg.add):
-                mRes = cute.make_tensor(res_ptr, cute.make_layout(k))
-                mS = cute.make_tensor(s_ptr, cute.make_layout(k))
+            bn, stages = cfg.block_n, cfg.stages
             sW_layout = cute.make_layout((bn, BLOCK_K, stages), stride=(BLOCK_K, 1, bn * BLOCK_K))
-            tma, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
-                                                      cute.slice_(sW_layout, (None, None, 0)), (bn, BLOCK_K))
+            tmas, mWs, mYs, blocks = [], [], [], []
+            for g, spec in enumerate(cfg.inputs):
+                mW = cute.make_tensor(w_ptrs[g], cute.make_layout((ns[g], spec.k), stride=(spec.k, 1)))
+                tma, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
+                                                          cute.slice_(sW_layout, (None, None, 0)), (bn, BLOCK_K))
+                tmas.append(tma)
+                mWs.append(mW_tma)
+                mYs.append(cute.make_tensor(y_ptrs[g], cute.make_layout(ns[g])))
+                blocks.append((ns[g] + bn - 1) // bn)
+            k0 = cfg.k
+            mX = cute.make_tensor(x_ptr, cute.make_layout(2 * k0 if cfg.gated else k0))
+            norm_k = max([g.k for g in cfg.inputs if g.norm], default=0)
+            mRes = mNormW = mS = mSync = None
+            if cutlass.const_expr(norm_k > 0):
+                mNormW = cute.make_tensor(norm_w_ptr, cute.make_layout(norm_k))
+            if cutlass.const_expr(any(g.add for g in cfg.inputs)):
+                mRes = cute.make_tensor(res_ptr, cute.make_layout(norm_k))
+                mS = cute.make_tensor(s_ptr, cute.make_layout(norm_k))
+            if cutlass.const_expr(len(cfg.chain) > 0):
+                mSync = cute.make_tensor(sync_ptr, cute.make_layout(1))
             self.tile_bytes = bn * BLOCK_K * 2
 
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
                 sum_sq: cute.struct.MemRange[Float32, cfg.consumer_warps]
-                sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.k_tiles * BLOCK_K], 128]
+                sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.x_width], 128]
                 sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sW_layout)], 128]
 
             self.shared_storage = SharedStorage
-            blocks = (n + bn - 1) // bn
-            grid = cutlass.max(cutlass.min(num_ctas, blocks), 1)
-            self.kernel(tma, mW_tma, mX, mY, mRes, mNormW, mS, eps, sW_layout, blocks, grid).launch(
-                grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1], stream=stream, use_pdl=cfg.pdl)
+            grid = num_ctas  # a chain: every SM's CTA takes part in each grid sync
+            if cutlass.const_expr(len(cfg.chain) == 0):
+                grid = cutlass.max(cutlass.min(num_ctas, blocks[0]), 1)
+            self.kernel(tuple(tmas), tuple(mWs), mX, tuple(mYs), mRes, mNormW, mS, mSync, eps, sW_layout,
+                        tuple(blocks), grid).launch(grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1],
+                                                    stream=stream, use_pdl=cfg.pdl)
 
         @cute.kernel
-        def kernel(self, tma: cute.CopyAtom, mW: cute.Tensor, mX: cute.Tensor, mY: cute.Tensor,
-                   mRes: cute.Tensor | None, mNormW: cute.Tensor | None, mS: cute.Tensor | None, eps: Float32,
-                   sW_layout: cute.Layout, blocks: Int32, grid: Int32):
+        def kernel(self, tmas: tuple, mWs: tuple, mX: cute.Tensor, mYs: tuple, mRes: cute.Tensor | None,
+                   mNormW: cute.Tensor | None, mS: cute.Tensor | None, mSync: cute.Tensor | None, eps: Float32,
+                   sW_layout: cute.Layout, blocks: tuple, grid: Int32):
             cfg = self.cfg
-            bn, stages, k_tiles = cfg.block_n, cfg.stages, cfg.k_tiles
-            consumers = cfg.consumer_warps
+            bn, stages, consumers = cfg.block_n, cfg.stages, cfg.consumer_warps
             rows_per_warp = bn // consumers
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
@@ -167,105 +214,130 @@ def _kernel_class():
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
                 tx_count=self.tile_bytes, defer_sync=True)
-            sX = storage.sX.get_tensor(cute.make_layout(k_tiles * BLOCK_K))
+            sX = storage.sX.get_tensor(cute.make_layout(cfg.x_width))
             sW = storage.sW.get_tensor(sW_layout)  # (BLOCK_N, BLOCK_K, stages)
             if warp == consumers:
-                cpasync.prefetch_descriptor(tma)
+                for g in cutlass.range_constexpr(len(tmas)):
+                    cpasync.prefetch_descriptor(tmas[g])
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
 
             if warp == consumers:
-                # producer: weights only, so no wait for the previous kernel (the ring fills during its tail)
-                gW = cute.local_tile(mW, (bn, BLOCK_K), (None, None))  # (BLOCK_N, BLOCK_K, blocks, k_tiles)
-                tWsW, tWgW = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
-                                                   cute.group_modes(gW, 0, 2))
+                # producer: weights only, so no wait for the previous kernel (the ring fills during its tail), and
+                # in a chain no wait for the previous GEMV (the next weights stream in while the grid syncs)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-                block = bidx
-                while block < blocks:
-                    for kt in cutlass.range(k_tiles, unroll=1):
-                        ring.producer_acquire(state)
-                        cute.copy(tma, tWgW[None, block, kt], tWsW[None, state.index],
-                                  tma_bar_ptr=ring.producer_get_barrier(state))
-                        state.advance()
-                    block += grid
+                for g in cutlass.range_constexpr(len(tmas)):
+                    gW = cute.local_tile(mWs[g], (bn, BLOCK_K), (None, None))  # (BLOCK_N, BLOCK_K, blocks, k_tiles)
+                    tWsW, tWgW = cpasync.tma_partition(tmas[g], 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
+                                                       cute.group_modes(gW, 0, 2))
+                    block = bidx
+                    while block < blocks[g]:
+                        for kt in cutlass.range(cdiv(cfg.inputs[g].k, BLOCK_K), unroll=1):
+                            ring.producer_acquire(state)
+                            cute.copy(tmas[g], tWgW[None, block, kt], tWsW[None, state.index],
+                                      tma_bar_ptr=ring.producer_get_barrier(state))
+                            state.advance()
+                        block += grid
             else:
                 if cutlass.const_expr(cfg.pdl):
                     cute.arch.griddepcontrol_wait()  # x comes from the previous kernel
                     cute.arch.griddepcontrol_launch_dependents()
-                self.stage_x(mX, mRes, mNormW, mS, eps, sX, storage.sum_sq.get_tensor(cute.make_layout(consumers)),
-                             tidx, warp, lane, bidx)
-                cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
+                sSumSq = storage.sum_sq.get_tensor(cute.make_layout(consumers))
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
-                acc = cute.make_rmem_tensor((rows_per_warp, LANE_COLS), Float32)
-                block = bidx
-                while block < blocks:
-                    acc.fill(0.0)
-                    for kt in cutlass.range(k_tiles, unroll=1):
-                        xs = cute.local_tile(sX, (LANE_COLS,), (kt * 32 + lane,)).load().to(Float32)
-                        ring.consumer_wait(state)
+                for g in cutlass.range_constexpr(len(tmas)):
+                    if cutlass.const_expr(g > 0):  # every CTA's part of the previous output is stored
+                        self.grid_sync(mSync, grid, tidx)
+                    self.stage_x(cfg.inputs[g], mX if g == 0 else mYs[g - 1], mRes, mNormW, mS, eps, sX, sSumSq,
+                                 tidx, warp, lane, bidx)
+                    cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
+                    k_tiles = cdiv(cfg.inputs[g].k, BLOCK_K)
+                    mY = mYs[g]
+                    acc = cute.make_rmem_tensor((rows_per_warp, LANE_COLS), Float32)
+                    block = bidx
+                    while block < blocks[g]:
+                        acc.fill(0.0)
+                        for kt in cutlass.range(k_tiles, unroll=1):
+                            xs = cute.local_tile(sX, (LANE_COLS,), (kt * 32 + lane,)).load().to(Float32)
+                            ring.consumer_wait(state)
+                            for i in cutlass.range_constexpr(rows_per_warp):
+                                row = warp + consumers * i
+                                ws = cute.local_tile(sW[row, None, state.index], (LANE_COLS,), (lane,)).load()
+                                acc[i, None].store(acc[i, None].load() + ws.to(Float32) * xs)
+                            ring.consumer_release(state)
+                            state.advance()
                         for i in cutlass.range_constexpr(rows_per_warp):
-                            row = warp + consumers * i
-                            ws = cute.local_tile(sW[row, None, state.index], (LANE_COLS,), (lane,)).load()
-                            acc[i, None].store(acc[i, None].load() + ws.to(Float32) * xs)
-                        ring.consumer_release(state)
-                        state.advance()
-                    for i in cutlass.range_constexpr(rows_per_warp):
-                        total = acc[i, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                        total = cute.arch.warp_reduction(total, operator.add)
-                        row = block * bn + warp + consumers * i
-                        if lane == 0 and row < cute.size(mY):
-                            mY[row] = total.to(BFloat16)
-                    block += grid
+                            total = acc[i, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                            total = cute.arch.warp_reduction(total, operator.add)
+                            row = block * bn + warp + consumers * i
+                            if lane == 0 and row < cute.size(mY):
+                                mY[row] = total.to(BFloat16)
+                        block += grid
 
         @cute.jit
-        def stage_x(self, mX: cute.Tensor, mRes: cute.Tensor | None, mNormW: cute.Tensor | None,
-                    mS: cute.Tensor | None, eps: Float32, sX: cute.Tensor, sSumSq: cute.Tensor, tidx: Int32,
-                    warp: Int32, lane: Int32, bidx: Int32):
+        def grid_sync(self, mSync: cute.Tensor, grid: Int32, tidx: Int32):
+            """Wait until every CTA's consumers have stored their part of the previous GEMV's output: after a
+            consumer barrier (its stores done, sX free) each CTA adds one to the counter, and waits for the next
+            multiple of grid above what it found (the counter never resets: each sync adds grid)."""
+            threads = 32 * self.cfg.consumer_warps
+            cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=threads)
+            if tidx == 0:
+                counter = mSync.iterator
+                cute.arch.fence_acq_rel_gpu()
+                found = cute.arch.atomic_add(counter, Int64(1), sem="release", scope="gpu")
+                target = (found // grid + 1) * grid
+                while cute.arch.load(counter, Int64, sem="acquire", scope="gpu") < target:
+                    pass
+                cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=threads)
+
+        @cute.jit
+        def stage_x(self, spec: cutlass.Constexpr, mX: cute.Tensor, mRes: cute.Tensor | None,
+                    mNormW: cute.Tensor | None, mS: cute.Tensor | None, eps: Float32, sX: cute.Tensor,
+                    sSumSq: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32, bidx: Int32):
             """What the product takes into sX, 8 columns a thread a step, zeros past K: x; silu(gate) * up; or
             rms_norm(s) with s = x (+ residual), each rounded to bf16 as the unfused ops round (CTA 0 stores s).
             Every step's loads are issued before the first store (one L2 round trip, not one a step)."""
-            cfg = self.cfg
-            width, threads = cfg.k_tiles * BLOCK_K, 32 * cfg.consumer_warps
+            width, threads = cdiv(spec.k, BLOCK_K) * BLOCK_K, 32 * self.cfg.consumer_warps
             steps = cdiv(width, threads * LANE_COLS)
             values, norm_ws = [], []
             sum_sq = Float32(0.0)
             for i in cutlass.range_constexpr(steps):
                 c = (i * threads + tidx) * LANE_COLS
-                src = cutlass.min(c, cfg.k - LANE_COLS) // LANE_COLS  # past K: any in-bounds chunk (zeros below)
+                src = cutlass.min(c, spec.k - LANE_COLS) // LANE_COLS  # past K: any in-bounds chunk (zeros below)
                 v = cute.local_tile(mX, (LANE_COLS,), (src,)).load()
-                if cutlass.const_expr(cfg.gated):
+                if cutlass.const_expr(spec.gated):
                     gate = v.to(Float32)
-                    up = cute.local_tile(mX, (LANE_COLS,), (src + cfg.k // LANE_COLS,)).load().to(Float32)
+                    up = cute.local_tile(mX, (LANE_COLS,), (src + spec.k // LANE_COLS,)).load().to(Float32)
                     v = (gate / (1.0 + cute.math.exp(-gate)) * up).to(BFloat16)
-                if cutlass.const_expr(cfg.add):
+                if cutlass.const_expr(spec.add):
                     res = cute.local_tile(mRes, (LANE_COLS,), (src,)).load()
                     v = (v.to(Float32) + res.to(Float32)).to(BFloat16)
-                if cutlass.const_expr(cfg.norm):
+                if cutlass.const_expr(spec.norm):
                     norm_ws.append(cute.local_tile(mNormW, (LANE_COLS,), (src,)).load())
                     part = (v.to(Float32) * v.to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    if c < cfg.k:
+                    if c < spec.k:
                         sum_sq = sum_sq + part
                 values.append(v)
             rstd = Float32(1.0)
-            if cutlass.const_expr(cfg.norm):  # the CTA's sum of squares: over each warp, then over the warps
+            if cutlass.const_expr(spec.norm):  # the CTA's sum of squares: over each warp, then over the warps
                 sum_sq = cute.arch.warp_reduction(sum_sq, operator.add)
                 if lane == 0:
                     sSumSq[warp] = sum_sq
                 cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=threads)
                 total = Float32(0.0)
-                for w in cutlass.range_constexpr(cfg.consumer_warps):
+                for w in cutlass.range_constexpr(self.cfg.consumer_warps):
                     total = total + sSumSq[w]
-                rstd = cute.math.rsqrt(total / cfg.k + eps)
+                rstd = cute.math.rsqrt(total / spec.k + eps)
             for i in cutlass.range_constexpr(steps):
                 c = (i * threads + tidx) * LANE_COLS
                 if c < width:
                     dst = cute.local_tile(sX, (LANE_COLS,), (c // LANE_COLS,))
-                    if c < cfg.k:
+                    if c < spec.k:
                         v = values[i]
-                        if cutlass.const_expr(cfg.add):
+                        if cutlass.const_expr(spec.add):
                             if bidx == 0:
                                 cute.local_tile(mS, (LANE_COLS,), (c // LANE_COLS,)).store(v)
-                        if cutlass.const_expr(cfg.norm):
+                        if cutlass.const_expr(spec.norm):
                             v = (v.to(Float32) * rstd * (1.0 + norm_ws[i].to(Float32))).to(BFloat16)
                         dst.store(v)
                     else:
@@ -283,16 +355,31 @@ def compile_config(cfg: TmaGemvConfig, keep_ptx: bool = False):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
-    def ptr():
-        return make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.gmem, assumed_align=16)
+    def ptr(dtype=cutlass.BFloat16):
+        return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
     cfg.validate()
-    return cute.compile(_kernel_class()(cfg), ptr(), ptr(), ptr(), ptr() if cfg.add else None,
-                        ptr() if cfg.norm else None, ptr() if cfg.add else None, cutlass.Int32(1), cutlass.Int32(1),
-                        cutlass.Float32(1e-6), make_fake_stream(), options="--keep-ptx" if keep_ptx else None)
+    gemvs = len(cfg.inputs)
+    norm, add = any(g.norm for g in cfg.inputs), any(g.add for g in cfg.inputs)
+    return cute.compile(_kernel_class()(cfg), ptr(), tuple(ptr() for _ in range(gemvs)),
+                        tuple(ptr() for _ in range(gemvs)), ptr() if add else None, ptr() if norm else None,
+                        ptr() if add else None, ptr(cutlass.Int64) if cfg.chain else None,
+                        tuple(cutlass.Int32(1) for _ in range(gemvs)), cutlass.Int32(1), cutlass.Float32(1e-6),
+                        make_fake_stream(), options="--keep-ptx" if keep_ptx else None)
 
 
 _CACHE = CompileCache(compile_config)
+_SYNC: dict = {}  # device index -> a chain's grid-sync counter (one int64, never reset)
+
+
+def _sync_counter(device: torch.device, index: int) -> torch.Tensor:
+    """The device's grid-sync counter, made on first use, which must not be inside a CUDA graph capture (the
+    serving engine warms each graph up eagerly first). Chains on one device share it: launch them on one stream."""
+    if index not in _SYNC:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the first chained TMA GEMV on a device must run outside a CUDA graph capture")
+        _SYNC[index] = torch.zeros(1, dtype=torch.int64, device=device)
+    return _SYNC[index]
 
 
 def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, gated: bool = False,
@@ -302,30 +389,52 @@ def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
     when given ((1, N), contiguous). norm_weight (K,): the product takes rms_norm(s, norm_weight, eps) with s = x,
     or x + residual (1, K) when given, which is then stored into s_out (1, K). The caller checks `available` first
     (kernels.linear does)."""
+    spec = GemvInput(weight.shape[1], gated, norm_weight is not None, residual is not None)
+    return tma_gemv_chain(x, [weight], [spec], out, norm_weight=norm_weight, eps=eps, residual=residual,
+                          s_out=s_out, config=config)
+
+
+def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = None, *,
+                   norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+                   s_out: torch.Tensor | None = None, config: TmaGemvConfig | None = None) -> torch.Tensor:
+    """GEMVs in one launch, each on the previous one's output: y_0 = in_0(x) @ weights[0]^T, y_g = in_g(y_{g-1}) @
+    weights[g]^T, where inputs[g] (GemvInput) says how row g is staged (gated: y_{g-1} is [gate | up]). Between two
+    GEMVs the CTAs sync over the grid while the next weights already stream into their rings. Returns the last
+    GEMV's (1, N) bf16, into out when given. The norm input (at most one) takes norm_weight, and residual and s_out
+    as tma_gemv does. The caller checks `available` first."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    n, k = weight.shape
+    for g, (weight, spec) in enumerate(zip(weights, inputs)):
+        width = spec.k * (2 if spec.gated else 1)
+        if weight.shape[1] != spec.k or (g > 0 and weights[g - 1].shape[0] != width):
+            raise ValueError(f"weights[{g}] {tuple(weight.shape)} does not chain: K {spec.k}, the input {width} wide")
+    n = weights[-1].shape[0]
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     elif out.shape != (1, n) or not out.is_contiguous() or out.dtype != x.dtype:
         raise ValueError(f"out must be a contiguous (1, {n}) {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
-    if residual is not None and (s_out is None or s_out.shape != x.shape or not s_out.is_contiguous()):
-        raise ValueError(f"s_out must be a contiguous tensor of x's shape {tuple(x.shape)} when residual is given")
+    if residual is not None and (s_out is None or s_out.shape != residual.shape or not s_out.is_contiguous()):
+        raise ValueError(f"s_out must be a contiguous tensor of residual's shape {tuple(residual.shape)}")
     if residual is not None and norm_weight is None:
         raise ValueError("residual is only added before a norm: give norm_weight")
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    cfg = config or choose_config(n, k, gated, _SMS[index], norm=norm_weight is not None, add=residual is not None,
-                                  pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES)
+    first, *chain = inputs
+    cfg = config or choose_config(min(w.shape[0] for w in weights), first.k, first.gated, _SMS[index],
+                                  norm=first.norm, add=first.add, pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES,
+                                  chain=tuple(chain))
+    outs = [torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights[:-1]] + [out]
     stream = cu_stream(torch.cuda.current_stream(x.device).cuda_stream)
 
-    def ptr(t):
-        return None if t is None else make_ptr(cutlass.BFloat16, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
+    def ptr(t, dtype=cutlass.BFloat16):
+        return None if t is None else make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
-    args = (ptr(x), ptr(weight), ptr(out), ptr(residual), ptr(norm_weight), ptr(s_out), n,
+    sync = _sync_counter(x.device, index) if chain else None
+    args = (ptr(x), tuple(ptr(w) for w in weights), tuple(ptr(o) for o in outs), ptr(residual), ptr(norm_weight),
+            ptr(s_out), ptr(sync, cutlass.Int64), tuple(w.shape[0] for w in weights),
             _SMS[index] * cfg.ctas_per_sm, cutlass.Float32(eps), stream)
     if index == torch.cuda.current_device():
         _CACHE.get(cfg)(*args)

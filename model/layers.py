@@ -117,7 +117,7 @@ class GatedAttention(nn.Module):
 
     @property
     def widths(self) -> tuple[int, int]:
-        """(project_in's output width, project_out's input width)."""
+        """(project_in's output width, the output projection's input width)."""
         return self.qkv_proj.out_features, self.o_proj.in_features
 
     def project_in(self, x):
@@ -134,8 +134,10 @@ class GatedAttention(nn.Module):
         o = ops.paged_attention(q, k_pages, v_pages, step, self.d ** -0.5, gate=gate)  # (N, H, D)
         return o.reshape(n, self.h * self.d)
 
-    def project_out(self, o):
-        return self.o_proj(o)
+    @property
+    def out_weight(self):
+        # the output projection's (hidden, width)
+        return self.o_proj.weight
 
 
 class GatedDeltaNet(nn.Module):
@@ -156,7 +158,7 @@ class GatedDeltaNet(nn.Module):
 
     @property
     def widths(self) -> tuple[int, int]:
-        """(project_in's output width, project_out's input width)."""
+        """(project_in's output width, the output projection's input width)."""
         return self.in_proj.out_features, self.out_proj.in_features
 
     def project_in(self, x):
@@ -173,8 +175,10 @@ class GatedDeltaNet(nn.Module):
                                self.eps)
         return o.reshape(n, self.hv * self.dv)
 
-    def project_out(self, o):
-        return self.out_proj(o)
+    @property
+    def out_weight(self):
+        # the output projection's (hidden, width)
+        return self.out_proj.weight
 
 
 class MLP(nn.Module):
@@ -271,8 +275,13 @@ class DecoderLayer(nn.Module):
         return self.mixer.project_in(h), h.residual
 
     def mixer_out(self, o, residual):
-        """o: the mixer core's (N, width) -> (this layer's output: the MLP's, its residual)."""
-        out = self.tp.all_reduce(self.mixer.project_out(o))  # no-op at world size 1
-        h = NormedInput(out, residual, self.post_attention_layernorm)
+        """o: the mixer core's (N, width) -> (this layer's output: the MLP's, its residual). A dense layer on one
+        rank runs it as one op (ops.out_proj_mlp: one launch at batch-1 decode on the H200)."""
+        norm = self.post_attention_layernorm
+        if isinstance(self.mlp, MLP) and not self.tp.enabled:
+            return ops.out_proj_mlp(o, residual, self.mixer.out_weight, norm.weight, norm.eps,
+                                    self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight)
+        out = self.tp.all_reduce(ops.linear(o, self.mixer.out_weight))  # no-op at world size 1
+        h = NormedInput(out, residual, norm)
         out = self.tp.all_reduce(self.mlp(h))
         return out, h.residual

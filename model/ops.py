@@ -122,6 +122,12 @@ def silu_and_mul_linear(gate_up, weight):
     return _run("silu_and_mul_linear", gate_up, weight)
 
 
+def out_proj_mlp(o, residual, out_w, norm_w, eps, gate_up_w, down_w):
+    # a dense layer's second stretch: y = linear(o, out_w); (h, s) = add_rms_norm(y, residual); returns
+    # (silu_and_mul_linear(linear(h, gate_up_w), down_w), s), one launch at batch-1 decode on the H200
+    return _run("out_proj_mlp", o, residual, out_w, norm_w, eps, gate_up_w, down_w)
+
+
 def attention_prep(q, k, v, q_norm_w, k_norm_w, step: StepInput, k_pages, v_pages, eps):
     """q: (N, H, D), k, v: (N, KV, D) raw projections. Applies q_norm/k_norm and partial RoPE, writes
     k and v into the layer's pages at step.slot_mapping, and returns the normed, rotated q."""
@@ -243,6 +249,7 @@ _BACKENDS["reference"] = {
     "linear": R.linear,
     "silu_and_mul_linear": R.silu_and_mul_linear,
     "add_rms_norm_linear": R.add_rms_norm_linear,
+    "out_proj_mlp": R.out_proj_mlp,
     "attention_prep": _ref_attention_prep,
     "paged_attention": _ref_paged_attention,
     "gated_deltanet": _ref_gated_deltanet,

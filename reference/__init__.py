@@ -2,7 +2,7 @@
 from reference.attention import attention, gather_pages, paged_attention, write_kv_pages
 from reference.conv import causal_conv1d, causal_conv1d_update
 from reference.gated_delta import chunk_gated_delta_rule, gdn_gates, recurrent_gated_delta_rule
-from reference.linear import add_rms_norm_linear, linear, silu_and_mul_linear
+from reference.linear import add_rms_norm_linear, linear, out_proj_mlp, silu_and_mul_linear
 from reference.moe import moe, sigmoid_gate_mul, silu_and_mul, swiglu, topk_route
 from reference.norms import add_rms_norm, gated_rms_norm, l2norm, rms_norm
 from reference.rope import apply_rope, rope_cos_sin
@@ -11,7 +11,7 @@ __all__ = [
     "attention", "gather_pages", "paged_attention", "write_kv_pages",
     "causal_conv1d", "causal_conv1d_update",
     "chunk_gated_delta_rule", "gdn_gates", "recurrent_gated_delta_rule",
-    "add_rms_norm_linear", "linear", "silu_and_mul_linear",
+    "add_rms_norm_linear", "linear", "out_proj_mlp", "silu_and_mul_linear",
     "moe", "sigmoid_gate_mul", "silu_and_mul", "swiglu", "topk_route",
     "add_rms_norm", "gated_rms_norm", "l2norm", "rms_norm",
     "apply_rope", "rope_cos_sin",

@@ -6,7 +6,9 @@ residual) configs (one subprocess), checking the PTX: one TMA copy, the PDL wait
 issued at once, a 16-byte shared load per tile row a warp owns and x's. `gpu` tests (H200): bf16 at odd N and K (N
 of 1, 65, 1000; K not a multiple of the 256-column tile), the 2B / 9B decode shapes, gated, in a CUDA graph, with NaN
 in the weight rows' neighbours, the norm input (with and without the residual: s exact), and through kernels.linear
-with TMA_GEMV on; relative error against fp32.
+with TMA_GEMV on; relative error against fp32. Chains (tma_gemv_chain, kernels.linear.out_proj_mlp): the config's
+rules, the routing, a compile with its grid syncs, and on the GPU bit-exact against its GEMVs launched apart, against
+fp32, and in CUDA graph replays.
 """
 import json
 import os
@@ -42,6 +44,22 @@ def test_choose_config_fills_the_sms_and_the_ring():
 def test_config_errors_name_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
         T.TmaGemvConfig(*fields).validate()
+
+
+@pytest.mark.parametrize("chain, fields, match", [
+    ((T.GemvInput(64, norm=True), T.GemvInput(64, norm=True)), {}, "at most one"),
+    ((T.GemvInput(12),), {}, "k must"), ((T.GemvInput(64, gated=True, norm=True),), {}, "one of plain"),
+    ((T.GemvInput(64),), {"ctas_per_sm": 2}, "one CTA an SM"), ((T.GemvInput(64),), {"stages": 8}, "one CTA an SM")])
+def test_chain_config_errors_name_the_field(chain, fields, match):
+    with pytest.raises(ValueError, match=match):
+        T.TmaGemvConfig(**{**dict(k=64, block_n=16, stages=16, consumer_warps=8, chain=chain), **fields}).validate()
+
+
+def test_chain_config_keeps_the_ring_and_the_inputs():
+    chain = (T.GemvInput(2048, norm=True, add=True), T.GemvInput(6144, gated=True))
+    cfg = T.choose_config(2048, 2048, chain=chain)
+    assert cfg.inputs == (T.GemvInput(2048), *chain) and cfg.x_width == 6144
+    assert cfg.block_n * T.BLOCK_K * 2 * cfg.stages == T.RING_BYTES
 
 
 def test_available_only_for_one_bf16_row_on_a_gpu():
@@ -85,6 +103,40 @@ def test_linear_routes_one_row_by_size_and_input(monkeypatch):
     assert shape == (64, 32) and kw["norm_weight"] is norm_w and kw["residual"] is not None
     assert kw["s_out"].data_ptr() == s.data_ptr() and kw["eps"] == 1e-6
 
+
+def test_out_proj_mlp_routes_one_row_to_the_chain(monkeypatch):
+    """kernels.linear.out_proj_mlp (CPU: chain_available faked, the chained call recorded): one row with TMA_CHAIN
+    is one tma_gemv_chain call of the three weights (plain, norm with the residual, gated); off, the three ops."""
+    calls = []
+    monkeypatch.setattr(L, "TMA_GEMV", True)
+    monkeypatch.setattr(T, "chain_available", lambda *a, **kw: True)
+    monkeypatch.setattr(T, "tma_gemv_chain", lambda o, weights, inputs, out, **kw: calls.append((weights, inputs, kw))
+                        or out.zero_())
+    o, residual, norm_w = torch.randn(1, 48), torch.randn(1, 32), torch.randn(32)
+    out_w, gate_up_w, down_w = torch.randn(32, 48), torch.randn(128, 32), torch.randn(32, 64)
+    out, s = L.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w)
+    (weights, inputs, kw), = calls
+    assert [w.data_ptr() for w in weights] == [w.data_ptr() for w in (out_w, gate_up_w, down_w)]
+    assert inputs == (T.GemvInput(48), T.GemvInput(32, norm=True, add=True), T.GemvInput(64, gated=True))
+    assert kw["residual"] is residual and kw["norm_weight"] is norm_w and kw["s_out"] is s and out.shape == (1, 32)
+    monkeypatch.setattr(L, "TMA_CHAIN", False)
+    monkeypatch.setattr(L, "linear", lambda x, w, **kw: R.linear(x, w))
+    monkeypatch.setattr(L, "add_rms_norm_linear", R.add_rms_norm_linear)
+    monkeypatch.setattr(L, "silu_and_mul_linear", R.silu_and_mul_linear)
+    out, s = L.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w)
+    ref, ref_s = R.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w)
+    assert len(calls) == 1 and torch.equal(out, ref) and torch.equal(s, ref_s)
+
+
+SM90_CHAIN_COMPILE = """
+import json
+from kernels.tma_gemv import GemvInput, choose_config, compile_config
+cfg = choose_config(2048, 2048, chain=(GemvInput(2048, norm=True, add=True), GemvInput(6144, gated=True)))
+ptx = compile_config(cfg, keep_ptx=True).__ptx__
+print(json.dumps({"tma": ptx.count("cp.async.bulk.tensor"), "wait": ptx.count("griddepcontrol.wait"),
+                  "arrive": ptx.count("atom.global.release.add.u64"), "poll": ptx.count("ld.acquire.gpu"),
+                  "rsqrt": ptx.count("rsqrt"), "ex2": ptx.count("ex2.approx")}))
+"""
 
 SM90_COMPILE = """
 import json, sys
@@ -130,6 +182,17 @@ def test_compiles_for_sm90(tmp_path):
         assert row["store_v4"] == steps * row["add"], row
         if not row["norm"]:  # a consumer's tile: one 16-byte shared load per row it owns, plus x's 8 columns
             assert row["shared_v4"] == row["block_n"] // 8 + 1, row
+
+
+@needs_dsl
+def test_chain_compiles_for_sm90(monkeypatch):
+    # a 2B layer's out_proj -> norm -> gate_up -> gated down: three TMA copies, one PDL wait, two grid syncs (a
+    # release add and an acquire poll each), the norm's rsqrt and the gate's exp
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    out = compiled_script_output(SM90_CHAIN_COMPILE, timeout=600)
+    row = json.loads(out.splitlines()[-1])
+    assert row["tma"] == 3 and row["wait"] == 1 and row["arrive"] == row["poll"] == 2, row
+    assert row["rsqrt"] == 1 and row["ex2"] > 0, row
 
 
 def _pair(n, k, seed=0, gated=False):
@@ -232,3 +295,71 @@ def test_replays_in_a_cuda_graph_and_through_linear(monkeypatch):
     L.linear(*_pair(2048, 2048))  # 8 MB: the Triton GEMV
     L.silu_and_mul_linear(*_pair(2048, 6144, gated=True))  # 25 MB, but K 6144: the Triton GEMV
     assert len(calls) == 3
+
+
+def _layer_tail(hidden, width, inter, seed=0):
+    # (o, residual, out_w, norm_w, gate_up_w, down_w) of a dense layer's second stretch at one row
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, device="cuda", generator=g)).to(torch.bfloat16)
+    return (rand(1, width), rand(1, hidden), rand(hidden, width, scale=width ** -0.5), rand(hidden, scale=0.1),
+            rand(2 * inter, hidden, scale=hidden ** -0.5), rand(hidden, inter, scale=inter ** -0.5))
+
+
+def _chain(o, residual, out_w, norm_w, gate_up_w, down_w):
+    s = torch.empty_like(residual)
+    inputs = (T.GemvInput(out_w.shape[1]), T.GemvInput(gate_up_w.shape[1], norm=True, add=True),
+              T.GemvInput(down_w.shape[1], gated=True))
+    assert T.chain_available(o, (out_w, gate_up_w, down_w), inputs, norm_weight=norm_w, residual=residual)
+    return T.tma_gemv_chain(o, (out_w, gate_up_w, down_w), inputs, norm_weight=norm_w, eps=1e-6, residual=residual,
+                            s_out=s), s
+
+
+@pytest.mark.gpu
+@gpu_sm90
+@needs_dsl
+@pytest.mark.parametrize("hidden, width, inter", [(1000, 520, 1384), (1024, 2048, 3584), (2048, 2048, 6144),
+                                                  (4096, 4096, 12288)])
+def test_chain_matches_its_gemvs_and_fp32(hidden, width, inter):
+    # one launch: bit for bit the three TMA GEMVs launched apart (the same sums in the same order), s exactly
+    # torch's bf16 add, and the output against the fp32 reference of the whole stretch
+    o, residual, out_w, norm_w, gate_up_w, down_w = _layer_tail(hidden, width, inter, seed=hidden + inter)
+    out, s = _chain(o, residual, out_w, norm_w, gate_up_w, down_w)
+    y = T.tma_gemv(o, out_w)
+    s_apart = torch.empty_like(s)
+    gate_up = T.tma_gemv(y, gate_up_w, norm_weight=norm_w, eps=1e-6, residual=residual, s_out=s_apart)
+    assert torch.equal(s, y + residual) and torch.equal(s, s_apart)
+    assert torch.equal(out, T.tma_gemv(gate_up, down_w, gated=True))
+    ref, _ = R.out_proj_mlp(o.float(), residual.float(), out_w.float(), norm_w.float(), 1e-6, gate_up_w.float(),
+                            down_w.float())
+    assert_rel(out.float(), ref, 2 * TOL, f"chain hidden {hidden} width {width} inter {inter}")
+
+
+@pytest.mark.gpu
+@gpu_sm90
+@needs_dsl
+def test_chain_replays_in_a_cuda_graph_and_through_out_proj_mlp(monkeypatch):
+    # the grid-sync counter only grows: replays after an eager warm-up and eager calls after them stay exact
+    monkeypatch.setattr(L, "TMA_GEMV", True)
+    monkeypatch.setattr(L, "TMA_CHAIN", True)
+    calls, real = [], T.tma_gemv_chain
+    monkeypatch.setattr(T, "tma_gemv_chain", lambda o, weights, *a, **kw: calls.append(len(weights)) or
+                        real(o, weights, *a, **kw))  # tma_gemv is a chain of one
+    o, residual, out_w, norm_w, gate_up_w, down_w = _layer_tail(2048, 2048, 6144)
+    L.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, s = L.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w)
+    for seed in (1, 2, 3):
+        fresh = _layer_tail(2048, 2048, 6144, seed=seed)
+        o.copy_(fresh[0])
+        residual.copy_(fresh[1])
+        graph.replay()
+        eager, eager_s = _chain(o, residual, out_w, norm_w, gate_up_w, down_w)
+        assert torch.equal(out, eager) and torch.equal(s, eager_s), seed
+    assert calls == [3] * (2 + 3)  # warm-up, capture, the eager calls
+    monkeypatch.setattr(L, "TMA_CHAIN", False)
+    apart, apart_s = L.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w)
+    assert calls.count(3) == 5 and torch.equal(apart_s, s)
+    assert_rel(out.float(), apart.float(), 2 * TOL, "chain against the ops apart")
