@@ -48,9 +48,10 @@ SPLIT_K = True
 # 2048 x 2048 (8.4 MB) 4.0 us against 3.6 on Triton; 2B's down projection (K 6144) 10.7 against 8.6, 9B's (K 12288)
 # 27.7 against 28.4; every plain one of 16 MB and more 4-12% faster. The decode step in its CUDA graph (`python -m
 # profiles.host_time --model M --decode 1 --ab tma_gemv`, gated ones all on TMA): 9B 4.40 against 4.64 ms, 2B 1.44
-# against 1.48, 0.8B 0.899 against 0.910.
+# against 1.48, 0.8B 0.899 against 0.910. TMA_MIN_BYTES 8 MiB since session 17 (with the chain and 8 KiB slots; `--ab
+# tma_min`): 0.8B 0.807 against 0.817 ms with 16 MiB (its 10-13 MB input projections), 2B and 9B unchanged.
 TMA_GEMV = True
-TMA_MIN_BYTES = 16 * 2**20
+TMA_MIN_BYTES = 8 * 2**20
 TMA_GATED_MIN_K = 8192
 # Whether add_rms_norm_linear (one row, K over FUSED_NORM_MAX_K) runs the residual add and RMSNorm inside the
 # TMA-ring GEMV (each CTA stages the normed row once) instead of add_rms_norm and then the plain GEMV. Predicted:
@@ -65,8 +66,8 @@ TMA_NORM = True
 # takes one row at all (TMA_GEMV). Predicted: each GEMV boundary inside a step costs ~2 us of drained DRAM pipe (2B:
 # 88 GEMVs of its GDN layers stream 2.59 GB at 3.2 TB/s in a chain of launches against ~4.3 in one long GEMV); two
 # of them fewer a layer, ~0.1 ms off 2B's step. Measured (H200, session 17, `python -m profiles.host_time --model M
-# --decode 1 --ab tma_chain`, the chain in 8-row blocks): 0.8B 0.839 against 0.874 ms, 9B 4.32 against 4.34, 2B 1.35
-# against 1.35 (its 2048-wide GEMVs in 8-row blocks are slower on the TMA GEMV than on Triton).
+# --decode 1 --ab tma_chain`): 2B 1.31 against 1.35 ms, 0.8B 0.819 against 0.877, 9B 4.32 against 4.33. The first
+# version (8-row blocks in 4 KiB slots, a consumer pass over a slot half as long) gained nothing on 2B (1.35 both).
 TMA_CHAIN = True
 # NORM's sums of squares read up to this many elements of the rows per step: 4096-wide rows in one L2 round trip
 # (in BLOCK_K steps, 2B's gate_up GEMV waited on 16 dependent round trips before its first FMA: +0.3 ms a step)

@@ -9,20 +9,25 @@ programmatic dependent launch the producer starts streaming while the previous k
 consumers wait (griddepcontrol.wait) before they read x.
 
 CTA layout: consumer_warps (8 by default) consume, the warp after them produces. The grid is min(SMs, column
-blocks); CTA c takes column blocks c, c + grid, ... of BLOCK_N weight rows, each as K / BLOCK_K tiles of BLOCK_N x
-BLOCK_K (one TMA box; rows past N and columns past K arrive as zeros). A consumer warp owns BLOCK_N / consumer_warps
-rows of a tile; lane l multiplies columns 8l..8l+7 (a 16-byte shared load a row) by x's, which the consumers stage
-in shared memory once (zero past K). Per row: 8 fp32 partial sums a lane, summed, then a butterfly over the warp;
-lane 0 stores the bf16 result. What is staged: x; with GATED, SwiGLU's silu(gate) * up of [gate | up] (1, 2K),
-rounded to bf16, so the down projection reads [gate | up] itself; with NORM, rms_norm(x (+ residual)), each rounded
-to bf16 as the unfused ops round (a block reduction of the squares; CTA 0 stores the sum, the next residual).
+blocks); CTA c takes column blocks c, c + grid, ... of block_n (16 or 8) weight rows. A ring slot holds 8 KiB: one
+16 x 256 TMA box, or two 8 x 256 boxes along K, so a consumer pass over a slot reads as many bytes either way (rows
+past N and columns past K arrive as zeros). A consumer warp owns block_n / consumer_warps rows of a tile; lane l
+multiplies columns 8l..8l+7 of each box (a 16-byte shared load a row and box) by x's, which the consumers stage in
+shared memory once (zero past K). Per row: 8 fp32 partial sums a lane, summed, then a butterfly over the warp; lane
+0 stores the bf16 result. What is staged: x; with GATED, SwiGLU's silu(gate) * up of [gate | up] (1, 2K), rounded
+to bf16, so the down projection reads [gate | up] itself; with NORM, rms_norm(x (+ residual)), each rounded to bf16
+as the unfused ops round (a block reduction of the squares; CTA 0 stores the sum, the next residual).
+
+A chain (tma_gemv_chain) runs several GEMVs in one launch, each on the previous one's output: the producer streams
+every GEMV's weights in turn, and between two GEMVs the consumers sync over the grid (one CTA an SM, a counter in
+global memory), so the next weights fill the rings while the last outputs land.
 
 Compiled once per TmaGemvConfig (K and the tile are compile-time, N is a runtime value); compiling needs no GPU
 (CUTE_DSL_ARCH=sm_90a). `available(x, weight)` says whether a call can run here.
 """
+import dataclasses
 import functools
 import operator
-from dataclasses import dataclass
 
 import torch
 
@@ -31,14 +36,16 @@ from kernels.cute_runtime import CompileCache, cu_stream, dsl_available
 from kernels.host_math import cdiv
 
 LANE_COLS = 8  # columns a lane multiplies per tile row: one 16-byte load
-BLOCK_K = 32 * LANE_COLS  # a tile's columns (also the TMA box's inner extent: 512 bytes, at most 256 elements)
+BLOCK_K = 32 * LANE_COLS  # a TMA box's columns (its inner extent: 512 bytes, at most 256 elements)
+SLOT_ROWS = 16  # a ring slot holds SLOT_ROWS x BLOCK_K weights (8 KiB): one box of a 16-row block, two of an 8-row one
+SLOT_BYTES = SLOT_ROWS * BLOCK_K * 2
 RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
 SM_SHARED_BYTES = 228 * 1024  # an SM's shared memory (sm_90): a chain's ring must leave no room for a second CTA
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class GemvInput:
     """What one GEMV of a launch multiplies: a row of width k, staged as x, silu(gate) * up of [gate | up] (gated),
     or rms_norm(x (+ residual)) (norm, add)."""
@@ -46,13 +53,24 @@ class GemvInput:
     gated: bool = False
     norm: bool = False
     add: bool = False
+    block_n: int = SLOT_ROWS  # weight rows a column block (see block_rows)
+
+    @property
+    def boxes(self) -> int:
+        """TMA boxes a ring slot: a tile is block_n x (boxes * BLOCK_K)."""
+        return SLOT_ROWS // self.block_n
+
+    @property
+    def width(self) -> int:
+        """The staged row's width: K in whole tiles."""
+        return cdiv(self.k, self.boxes * BLOCK_K) * self.boxes * BLOCK_K
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class TmaGemvConfig:
     k: int  # x's width (the product's; [gate | up] is 2k wide)
-    block_n: int  # weight rows a column block
-    stages: int  # tiles in the ring
+    block_n: int  # weight rows a column block: 16 or 8 (see block_rows)
+    stages: int  # slots in the ring (SLOT_BYTES each)
     gated: bool = False
     ctas_per_sm: int = 1  # the grid: this many CTAs an SM (or one a column block)
     consumer_warps: int = 4  # each owns block_n / consumer_warps rows of every tile
@@ -64,7 +82,7 @@ class TmaGemvConfig:
     @property
     def inputs(self) -> tuple[GemvInput, ...]:
         """Every GEMV's input, in launch order."""
-        return (GemvInput(self.k, self.gated, self.norm, self.add), *self.chain)
+        return (GemvInput(self.k, self.gated, self.norm, self.add, self.block_n), *self.chain)
 
     def validate(self) -> "TmaGemvConfig":
         for g in self.inputs:
@@ -75,33 +93,40 @@ class TmaGemvConfig:
                                  f"norm={g.norm} add={g.add}")
         if sum(g.norm for g in self.inputs) > 1:
             raise ValueError("at most one GEMV of a chain takes a norm input (one norm weight and residual)")
-        if self.chain and (self.ctas_per_sm != 1 or 2 * self.stages * self.block_n * BLOCK_K * 2 <= SM_SHARED_BYTES):
+        if self.chain and (self.ctas_per_sm != 1 or 2 * self.stages * SLOT_BYTES <= SM_SHARED_BYTES):
             raise ValueError(f"a chain syncs its grid, one CTA an SM: ctas_per_sm 1 and a ring over half of "
                              f"{SM_SHARED_BYTES} bytes, got ctas_per_sm={self.ctas_per_sm} stages={self.stages}")
-        if self.block_n not in (4, 8, 16, 32):
-            raise ValueError(f"block_n must be 4, 8, 16 or 32, got {self.block_n}")
-        if self.consumer_warps not in (1, 2, 4, 8) or self.consumer_warps > self.block_n:
-            raise ValueError(f"consumer_warps must be 1, 2, 4 or 8 and at most block_n, got {self.consumer_warps}")
+        for g in self.inputs:
+            if g.block_n not in (8, 16):
+                raise ValueError(f"block_n must be 8 or 16, got {g.block_n}")
+            if self.consumer_warps not in (1, 2, 4, 8) or self.consumer_warps > g.block_n:
+                raise ValueError(f"consumer_warps must be 1, 2, 4 or 8 and at most block_n, got {self.consumer_warps}")
         if not 2 <= self.stages <= 32:
             raise ValueError(f"stages must be 2 to 32, got {self.stages}")
         return self
 
     @property
     def x_width(self) -> int:
-        """sX's width: the widest input, in whole tiles."""
-        return max(cdiv(g.k, BLOCK_K) for g in self.inputs) * BLOCK_K
+        """sX's width: the widest staged row."""
+        return max(g.width for g in self.inputs)
+
+
+def block_rows(n: int, num_sms: int = 132) -> int:
+    """A GEMV's block_n: 16-row blocks unless 8-row ones finish sooner (the most rows a CTA takes: N 1024 on 132
+    SMs, 16 against 8), so a 2048-wide output takes 16 (one 16-row block a CTA, or two 8-row ones)."""
+    def most_rows(bn: int) -> int:
+        return cdiv(cdiv(n, bn), num_sms) * bn
+    return SLOT_ROWS if most_rows(SLOT_ROWS) <= most_rows(SLOT_ROWS // 2) else SLOT_ROWS // 2
 
 
 @functools.cache
 def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, norm: bool = False, add: bool = False,
                   pdl: bool = True, ring_bytes: int = RING_BYTES, consumer_warps: int = 8,
                   ctas_per_sm: int = 1, chain: tuple[GemvInput, ...] = ()) -> TmaGemvConfig:
-    """16-row column blocks, or 8 where 16 would leave SMs without a block (at least one row a consumer warp; n: the
-    narrowest N of a chain); the ring holds ring_bytes. The defaults: H200, session 16, `python -m
-    profiles.bench_decode --sweep-tma`, where a 128 KiB ring and 8 consumer warps were the fastest of 32-128 KiB x
-    4-8 warps x 1-2 CTAs an SM on 10 of the 12 2B / 9B projections."""
-    block_n = max(16 if cdiv(n, 16) >= num_sms else 8, consumer_warps)
-    return TmaGemvConfig(k, block_n, min(32, ring_bytes // (block_n * BLOCK_K * 2)), gated, ctas_per_sm,
+    """The first GEMV's (N n) block_n by block_rows (the chained ones carry theirs); the ring holds ring_bytes. The
+    defaults: H200, session 16, `python -m profiles.bench_decode --sweep-tma`, where a 128 KiB ring and 8 consumer
+    warps were the fastest of 32-128 KiB x 4-8 warps x 1-2 CTAs an SM on 10 of the 12 2B / 9B projections."""
+    return TmaGemvConfig(k, block_rows(n, num_sms), min(32, ring_bytes // SLOT_BYTES), gated, ctas_per_sm,
                          consumer_warps, norm, add, pdl, chain).validate()
 
 
@@ -157,17 +182,17 @@ def _kernel_class():
             add, residual (1, K) and s (1, K), where CTA 0 stores x + residual. sync: a chain's grid barrier, one
             int64 that only grows, a multiple of num_ctas between launches (every chain launches num_ctas CTAs)."""
             cfg = self.cfg
-            bn, stages = cfg.block_n, cfg.stages
-            sW_layout = cute.make_layout((bn, BLOCK_K, stages), stride=(BLOCK_K, 1, bn * BLOCK_K))
+            stages = cfg.stages
             tmas, mWs, mYs, blocks = [], [], [], []
             for g, spec in enumerate(cfg.inputs):
                 mW = cute.make_tensor(w_ptrs[g], cute.make_layout((ns[g], spec.k), stride=(spec.k, 1)))
-                tma, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW,
-                                                          cute.slice_(sW_layout, (None, None, 0)), (bn, BLOCK_K))
+                box = cute.make_layout((spec.block_n, BLOCK_K), stride=(BLOCK_K, 1))
+                tma, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, box,
+                                                          (spec.block_n, BLOCK_K))
                 tmas.append(tma)
                 mWs.append(mW_tma)
                 mYs.append(cute.make_tensor(y_ptrs[g], cute.make_layout(ns[g])))
-                blocks.append((ns[g] + bn - 1) // bn)
+                blocks.append((ns[g] + spec.block_n - 1) // spec.block_n)
             k0 = cfg.k
             mX = cute.make_tensor(x_ptr, cute.make_layout(2 * k0 if cfg.gated else k0))
             norm_k = max([g.k for g in cfg.inputs if g.norm], default=0)
@@ -179,30 +204,27 @@ def _kernel_class():
                 mS = cute.make_tensor(s_ptr, cute.make_layout(norm_k))
             if cutlass.const_expr(len(cfg.chain) > 0):
                 mSync = cute.make_tensor(sync_ptr, cute.make_layout(1))
-            self.tile_bytes = bn * BLOCK_K * 2
-
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
                 sum_sq: cute.struct.MemRange[Float32, cfg.consumer_warps]
                 sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.x_width], 128]
-                sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sW_layout)], 128]
+                sW: cute.struct.Align[cute.struct.MemRange[BFloat16, SLOT_ROWS * BLOCK_K * stages], 128]
 
             self.shared_storage = SharedStorage
             grid = num_ctas  # a chain: every SM's CTA takes part in each grid sync
             if cutlass.const_expr(len(cfg.chain) == 0):
                 grid = cutlass.max(cutlass.min(num_ctas, blocks[0]), 1)
-            self.kernel(tuple(tmas), tuple(mWs), mX, tuple(mYs), mRes, mNormW, mS, mSync, eps, sW_layout,
-                        tuple(blocks), grid).launch(grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1],
-                                                    stream=stream, use_pdl=cfg.pdl)
+            self.kernel(tuple(tmas), tuple(mWs), mX, tuple(mYs), mRes, mNormW, mS, mSync, eps, tuple(blocks),
+                        grid).launch(grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1], stream=stream,
+                                     use_pdl=cfg.pdl)
 
         @cute.kernel
         def kernel(self, tmas: tuple, mWs: tuple, mX: cute.Tensor, mYs: tuple, mRes: cute.Tensor | None,
                    mNormW: cute.Tensor | None, mS: cute.Tensor | None, mSync: cute.Tensor | None, eps: Float32,
-                   sW_layout: cute.Layout, blocks: tuple, grid: Int32):
+                   blocks: tuple, grid: Int32):
             cfg = self.cfg
-            bn, stages, consumers = cfg.block_n, cfg.stages, cfg.consumer_warps
-            rows_per_warp = bn // consumers
+            stages, consumers = cfg.stages, cfg.consumer_warps
             tidx, _, _ = cute.arch.thread_idx()
             bidx, _, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -213,9 +235,12 @@ def _kernel_class():
                 barrier_storage=storage.mbar.data_ptr(), num_stages=stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
-                tx_count=self.tile_bytes, defer_sync=True)
+                tx_count=SLOT_BYTES, defer_sync=True)
             sX = storage.sX.get_tensor(cute.make_layout(cfg.x_width))
-            sW = storage.sW.get_tensor(sW_layout)  # (BLOCK_N, BLOCK_K, stages)
+            # GEMV g's view of the ring: (block_n, BLOCK_K, boxes, stages), each box a dense block_n x BLOCK_K
+            sWs = [storage.sW.get_tensor(cute.make_layout(
+                (g.block_n, BLOCK_K, g.boxes, stages), stride=(BLOCK_K, 1, g.block_n * BLOCK_K, SLOT_ROWS * BLOCK_K)))
+                for g in cfg.inputs]
             if warp == consumers:
                 for g in cutlass.range_constexpr(len(tmas)):
                     cpasync.prefetch_descriptor(tmas[g])
@@ -227,15 +252,17 @@ def _kernel_class():
                 # in a chain no wait for the previous GEMV (the next weights stream in while the grid syncs)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
                 for g in cutlass.range_constexpr(len(tmas)):
-                    gW = cute.local_tile(mWs[g], (bn, BLOCK_K), (None, None))  # (BLOCK_N, BLOCK_K, blocks, k_tiles)
-                    tWsW, tWgW = cpasync.tma_partition(tmas[g], 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
-                                                       cute.group_modes(gW, 0, 2))
+                    spec = cfg.inputs[g]
+                    gW = cute.local_tile(mWs[g], (spec.block_n, BLOCK_K), (None, None))  # (bn, BLOCK_K, blocks, K/BK)
+                    tWsW, tWgW = cpasync.tma_partition(tmas[g], 0, cute.make_layout(1),
+                                                       cute.group_modes(sWs[g], 0, 2), cute.group_modes(gW, 0, 2))
                     block = bidx
                     while block < blocks[g]:
-                        for kt in cutlass.range(cdiv(cfg.inputs[g].k, BLOCK_K), unroll=1):
+                        for kt in cutlass.range(spec.width // (spec.boxes * BLOCK_K), unroll=1):
                             ring.producer_acquire(state)
-                            cute.copy(tmas[g], tWgW[None, block, kt], tWsW[None, state.index],
-                                      tma_bar_ptr=ring.producer_get_barrier(state))
+                            for b in cutlass.range_constexpr(spec.boxes):  # a box past K arrives as zeros
+                                cute.copy(tmas[g], tWgW[None, block, kt * spec.boxes + b], tWsW[None, b, state.index],
+                                          tma_bar_ptr=ring.producer_get_barrier(state))
                             state.advance()
                         block += grid
             else:
@@ -250,25 +277,27 @@ def _kernel_class():
                     self.stage_x(cfg.inputs[g], mX if g == 0 else mYs[g - 1], mRes, mNormW, mS, eps, sX, sSumSq,
                                  tidx, warp, lane, bidx)
                     cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
-                    k_tiles = cdiv(cfg.inputs[g].k, BLOCK_K)
-                    mY = mYs[g]
+                    spec, sW, mY = cfg.inputs[g], sWs[g], mYs[g]
+                    rows_per_warp, boxes = spec.block_n // consumers, spec.boxes
                     acc = cute.make_rmem_tensor((rows_per_warp, LANE_COLS), Float32)
                     block = bidx
                     while block < blocks[g]:
                         acc.fill(0.0)
-                        for kt in cutlass.range(k_tiles, unroll=1):
-                            xs = cute.local_tile(sX, (LANE_COLS,), (kt * 32 + lane,)).load().to(Float32)
+                        for kt in cutlass.range(spec.width // (boxes * BLOCK_K), unroll=1):
+                            xs = [cute.local_tile(sX, (LANE_COLS,), ((kt * boxes + b) * 32 + lane,)).load().to(Float32)
+                                  for b in range(boxes)]
                             ring.consumer_wait(state)
                             for i in cutlass.range_constexpr(rows_per_warp):
                                 row = warp + consumers * i
-                                ws = cute.local_tile(sW[row, None, state.index], (LANE_COLS,), (lane,)).load()
-                                acc[i, None].store(acc[i, None].load() + ws.to(Float32) * xs)
+                                for b in cutlass.range_constexpr(boxes):
+                                    ws = cute.local_tile(sW[row, None, b, state.index], (LANE_COLS,), (lane,)).load()
+                                    acc[i, None].store(acc[i, None].load() + ws.to(Float32) * xs[b])
                             ring.consumer_release(state)
                             state.advance()
                         for i in cutlass.range_constexpr(rows_per_warp):
                             total = acc[i, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                             total = cute.arch.warp_reduction(total, operator.add)
-                            row = block * bn + warp + consumers * i
+                            row = block * spec.block_n + warp + consumers * i
                             if lane == 0 and row < cute.size(mY):
                                 mY[row] = total.to(BFloat16)
                         block += grid
@@ -297,7 +326,7 @@ def _kernel_class():
             """What the product takes into sX, 8 columns a thread a step, zeros past K: x; silu(gate) * up; or
             rms_norm(s) with s = x (+ residual), each rounded to bf16 as the unfused ops round (CTA 0 stores s).
             Every step's loads are issued before the first store (one L2 round trip, not one a step)."""
-            width, threads = cdiv(spec.k, BLOCK_K) * BLOCK_K, 32 * self.cfg.consumer_warps
+            width, threads = spec.width, 32 * self.cfg.consumer_warps
             steps = cdiv(width, threads * LANE_COLS)
             values, norm_ws = [], []
             sum_sq = Float32(0.0)
@@ -423,9 +452,10 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     first, *chain = inputs
-    cfg = config or choose_config(min(w.shape[0] for w in weights), first.k, first.gated, _SMS[index],
-                                  norm=first.norm, add=first.add, pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES,
-                                  chain=tuple(chain))
+    sms = _SMS[index]
+    chain = tuple(dataclasses.replace(g, block_n=block_rows(w.shape[0], sms)) for g, w in zip(chain, weights[1:]))
+    cfg = config or choose_config(weights[0].shape[0], first.k, first.gated, _SMS[index], norm=first.norm,
+                                  add=first.add, pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES, chain=chain)
     outs = [torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights[:-1]] + [out]
     stream = cu_stream(torch.cuda.current_stream(x.device).cuda_stream)
 

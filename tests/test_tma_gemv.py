@@ -29,16 +29,20 @@ TOL = 8e-3  # bf16 output
 def test_choose_config_fills_the_sms_and_the_ring():
     assert T.choose_config(248320, 2048) == T.TmaGemvConfig(2048, 16, 16, consumer_warps=8)
     assert T.choose_config(4096, 4096).block_n == 16  # 256 blocks
-    assert T.choose_config(2048, 2048).block_n == 8  # 16-row blocks would leave 4 SMs idle
+    assert T.choose_config(2048, 2048).block_n == 16  # one 16-row block a CTA, or two 8-row ones: 16
+    assert T.choose_config(1024, 2048).block_n == 8  # 64 16-row blocks would leave 68 SMs idle
     assert T.choose_config(1, 8).block_n == 8
     for cfg in (T.choose_config(n, 2048) for n in (1, 1024, 2048, 8192)):
-        assert cfg.block_n * T.BLOCK_K * 2 * cfg.stages == T.RING_BYTES
+        assert T.SLOT_BYTES * cfg.stages == T.RING_BYTES
+        assert cfg.inputs[0].boxes * cfg.block_n == T.SLOT_ROWS  # a slot: one 16-row box or two 8-row ones
+    assert T.GemvInput(264, block_n=8).width == 512 and T.GemvInput(264).width == 512
+    assert T.GemvInput(520, block_n=8).width == 1024 and T.GemvInput(520).width == 768
 
 
 @pytest.mark.parametrize("fields, match", [((0, 16, 8), "k must"), ((12, 16, 8), "k must"),
                                            ((T.MAX_K + 8, 16, 8), "k must"), ((64, 12, 8), "block_n"),
-                                           ((64, 16, 1), "stages"), ((64, 16, 33), "stages"),
-                                           ((64, 4, 8, False, 1, 8), "consumer_warps"),
+                                           ((64, 4, 8), "block_n"), ((64, 16, 1), "stages"), ((64, 16, 33), "stages"),
+                                           ((64, 8, 8, False, 1, 16), "consumer_warps"),
                                            ((64, 16, 8, True, 1, 4, True), "one of plain, gated, norm"),
                                            ((64, 16, 8, False, 1, 4, False, True), "add only with norm")])
 def test_config_errors_name_the_field(fields, match):
@@ -173,15 +177,17 @@ def test_compiles_for_sm90(tmp_path):
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(rows) == len(cases), out
     for row in rows:
-        assert row["tma"] == 1 and row["wait"] == row["release"] == row["pdl"], row  # QWEN_PDL=0: no PDL
+        assert row["tma"] == T.SLOT_ROWS // row["block_n"], row  # a copy a box of the slot
+        assert row["wait"] == row["release"] == row["pdl"], row  # QWEN_PDL=0: no PDL
         assert (row["ex2"] > 0) == row["gated"] and (row["rsqrt"] == 1) == row["norm"], row  # silu; the norm
         # staging: x's (and [gate | up]'s up, the residual's and the norm weight's) chunks issued at once: one
         # 16-byte load of each a step, a step per 2048 columns; only the sum s stored (CTA 0)
         steps = -(-row["k"] // 2048)
         assert row["global_v4"] == steps * (1 + row["gated"] + row["add"] + row["norm"]), row
         assert row["store_v4"] == steps * row["add"], row
-        if not row["norm"]:  # a consumer's tile: one 16-byte shared load per row it owns, plus x's 8 columns
-            assert row["shared_v4"] == row["block_n"] // 8 + 1, row
+        if not row["norm"]:  # a consumer's slot: a 16-byte shared load per row it owns and box, plus x's a box
+            boxes = T.SLOT_ROWS // row["block_n"]
+            assert row["shared_v4"] == (row["block_n"] // 8 + 1) * boxes, row
 
 
 @needs_dsl
@@ -292,7 +298,7 @@ def test_replays_in_a_cuda_graph_and_through_linear(monkeypatch):
     eager = L.silu_and_mul_linear(x, w)
     assert torch.equal(eager, out)  # the same kernel eager and in the graph
     assert len(calls) == 3 and all(kw["gated"] for kw in calls)  # warm-up, capture, eager
-    L.linear(*_pair(2048, 2048))  # 8 MB: the Triton GEMV
+    L.linear(*_pair(1024, 2048))  # 4 MB: the Triton GEMV
     L.silu_and_mul_linear(*_pair(2048, 6144, gated=True))  # 25 MB, but K 6144: the Triton GEMV
     assert len(calls) == 3
 
