@@ -9,9 +9,9 @@ programmatic dependent launch the producer starts streaming while the previous k
 consumers wait (griddepcontrol.wait) before they read x.
 
 CTA layout: consumer_warps (8 by default) consume, the warp after them produces. The grid is min(SMs, column
-blocks); CTA c takes column blocks c, c + grid, ... of block_n (16 or 8) weight rows. A ring slot holds 8 KiB: one
-16 x 256 TMA box, or two 8 x 256 boxes along K, so a consumer pass over a slot reads as many bytes either way (rows
-past N and columns past K arrive as zeros). A consumer warp owns block_n / consumer_warps rows of a tile; lane l
+blocks); CTA c takes column blocks c, c + grid, ... of block_n (16 or 8) weight rows. A ring slot holds 16 KiB:
+two 16 x 256 TMA boxes along K, or four 8 x 256 ones, so a consumer pass over a slot reads as many bytes either way
+(rows past N and columns past K arrive as zeros). A consumer warp owns block_n / consumer_warps rows of a tile; lane l
 multiplies columns 8l..8l+7 of each box (a 16-byte shared load a row and box) by x's, which the consumers stage in
 shared memory once (zero past K). Per row: 8 fp32 partial sums a lane, summed, then a butterfly over the warp; lane
 0 stores the bf16 result. What is staged: x; with GATED, SwiGLU's silu(gate) * up of [gate | up] (1, 2K), rounded
@@ -37,8 +37,10 @@ from kernels.host_math import cdiv
 
 LANE_COLS = 8  # columns a lane multiplies per tile row: one 16-byte load
 BLOCK_K = 32 * LANE_COLS  # a TMA box's columns (its inner extent: 512 bytes, at most 256 elements)
-SLOT_ROWS = 16  # a ring slot holds SLOT_ROWS x BLOCK_K weights (8 KiB): one box of a 16-row block, two of an 8-row one
-SLOT_BYTES = SLOT_ROWS * BLOCK_K * 2
+# a ring slot holds SLOT_ROWS x BLOCK_K weights (16 KiB): two boxes of a 16-row block, four of 8 rows. Against 8 KiB
+# slots (H200, session 17, `python -m profiles.host_time --model M --decode 1 --ab tma_slot`): 2B 1.29 against 1.30
+# ms, 9B 4.25 against 4.27, 0.8B 0.80 both (a consumer's pass over a slot, its barrier wait and release, is the cost)
+SLOT_ROWS = 32
 RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
@@ -53,24 +55,14 @@ class GemvInput:
     gated: bool = False
     norm: bool = False
     add: bool = False
-    block_n: int = SLOT_ROWS  # weight rows a column block (see block_rows)
-
-    @property
-    def boxes(self) -> int:
-        """TMA boxes a ring slot: a tile is block_n x (boxes * BLOCK_K)."""
-        return SLOT_ROWS // self.block_n
-
-    @property
-    def width(self) -> int:
-        """The staged row's width: K in whole tiles."""
-        return cdiv(self.k, self.boxes * BLOCK_K) * self.boxes * BLOCK_K
+    block_n: int = 16  # weight rows a column block (see block_rows)
 
 
 @dataclasses.dataclass(frozen=True)
 class TmaGemvConfig:
     k: int  # x's width (the product's; [gate | up] is 2k wide)
     block_n: int  # weight rows a column block: 16 or 8 (see block_rows)
-    stages: int  # slots in the ring (SLOT_BYTES each)
+    stages: int  # slots in the ring (slot_bytes each)
     gated: bool = False
     ctas_per_sm: int = 1  # the grid: this many CTAs an SM (or one a column block)
     consumer_warps: int = 4  # each owns block_n / consumer_warps rows of every tile
@@ -78,6 +70,19 @@ class TmaGemvConfig:
     add: bool = False
     pdl: bool = True  # launched with programmatic dependent launch (kernels.pdl.enabled: QWEN_PDL=0 switches it off)
     chain: tuple[GemvInput, ...] = ()  # GEMVs after the first in the same launch, each on the previous one's output
+    slot_rows: int = SLOT_ROWS  # a ring slot: slot_rows x BLOCK_K weights, slot_rows / block_n boxes along K
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slot_rows * BLOCK_K * 2
+
+    def boxes(self, g: GemvInput) -> int:
+        """TMA boxes a ring slot of GEMV g: its tile is block_n x (boxes * BLOCK_K)."""
+        return self.slot_rows // g.block_n
+
+    def width(self, g: GemvInput) -> int:
+        """GEMV g's staged row: K in whole tiles."""
+        return cdiv(g.k, self.boxes(g) * BLOCK_K) * self.boxes(g) * BLOCK_K
 
     @property
     def inputs(self) -> tuple[GemvInput, ...]:
@@ -93,7 +98,9 @@ class TmaGemvConfig:
                                  f"norm={g.norm} add={g.add}")
         if sum(g.norm for g in self.inputs) > 1:
             raise ValueError("at most one GEMV of a chain takes a norm input (one norm weight and residual)")
-        if self.chain and (self.ctas_per_sm != 1 or 2 * self.stages * SLOT_BYTES <= SM_SHARED_BYTES):
+        if self.slot_rows not in (16, 32):
+            raise ValueError(f"slot_rows must be 16 or 32, got {self.slot_rows}")
+        if self.chain and (self.ctas_per_sm != 1 or 2 * self.stages * self.slot_bytes <= SM_SHARED_BYTES):
             raise ValueError(f"a chain syncs its grid, one CTA an SM: ctas_per_sm 1 and a ring over half of "
                              f"{SM_SHARED_BYTES} bytes, got ctas_per_sm={self.ctas_per_sm} stages={self.stages}")
         for g in self.inputs:
@@ -108,7 +115,7 @@ class TmaGemvConfig:
     @property
     def x_width(self) -> int:
         """sX's width: the widest staged row."""
-        return max(g.width for g in self.inputs)
+        return max(self.width(g) for g in self.inputs)
 
 
 def block_rows(n: int, num_sms: int = 132) -> int:
@@ -116,18 +123,19 @@ def block_rows(n: int, num_sms: int = 132) -> int:
     SMs, 16 against 8), so a 2048-wide output takes 16 (one 16-row block a CTA, or two 8-row ones)."""
     def most_rows(bn: int) -> int:
         return cdiv(cdiv(n, bn), num_sms) * bn
-    return SLOT_ROWS if most_rows(SLOT_ROWS) <= most_rows(SLOT_ROWS // 2) else SLOT_ROWS // 2
+    return 16 if most_rows(16) <= most_rows(8) else 8
 
 
 @functools.cache
 def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, norm: bool = False, add: bool = False,
                   pdl: bool = True, ring_bytes: int = RING_BYTES, consumer_warps: int = 8,
-                  ctas_per_sm: int = 1, chain: tuple[GemvInput, ...] = ()) -> TmaGemvConfig:
+                  ctas_per_sm: int = 1, chain: tuple[GemvInput, ...] = (),
+                  slot_rows: int = SLOT_ROWS) -> TmaGemvConfig:
     """The first GEMV's (N n) block_n by block_rows (the chained ones carry theirs); the ring holds ring_bytes. The
     defaults: H200, session 16, `python -m profiles.bench_decode --sweep-tma`, where a 128 KiB ring and 8 consumer
     warps were the fastest of 32-128 KiB x 4-8 warps x 1-2 CTAs an SM on 10 of the 12 2B / 9B projections."""
-    return TmaGemvConfig(k, block_rows(n, num_sms), min(32, ring_bytes // SLOT_BYTES), gated, ctas_per_sm,
-                         consumer_warps, norm, add, pdl, chain).validate()
+    return TmaGemvConfig(k, block_rows(n, num_sms), min(32, ring_bytes // (slot_rows * BLOCK_K * 2)), gated,
+                         ctas_per_sm, consumer_warps, norm, add, pdl, chain, slot_rows).validate()
 
 
 def available(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, *,
@@ -209,7 +217,7 @@ def _kernel_class():
                 mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
                 sum_sq: cute.struct.MemRange[Float32, cfg.consumer_warps]
                 sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.x_width], 128]
-                sW: cute.struct.Align[cute.struct.MemRange[BFloat16, SLOT_ROWS * BLOCK_K * stages], 128]
+                sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.slot_rows * BLOCK_K * stages], 128]
 
             self.shared_storage = SharedStorage
             grid = num_ctas  # a chain: every SM's CTA takes part in each grid sync
@@ -235,12 +243,13 @@ def _kernel_class():
                 barrier_storage=storage.mbar.data_ptr(), num_stages=stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
-                tx_count=SLOT_BYTES, defer_sync=True)
+                tx_count=cfg.slot_bytes, defer_sync=True)
             sX = storage.sX.get_tensor(cute.make_layout(cfg.x_width))
             # GEMV g's view of the ring: (block_n, BLOCK_K, boxes, stages), each box a dense block_n x BLOCK_K
-            sWs = [storage.sW.get_tensor(cute.make_layout(
-                (g.block_n, BLOCK_K, g.boxes, stages), stride=(BLOCK_K, 1, g.block_n * BLOCK_K, SLOT_ROWS * BLOCK_K)))
-                for g in cfg.inputs]
+            sWs = [storage.sW.get_tensor(cute.make_layout((g.block_n, BLOCK_K, cfg.boxes(g), stages),
+                                                          stride=(BLOCK_K, 1, g.block_n * BLOCK_K,
+                                                                  cfg.slot_rows * BLOCK_K)))
+                   for g in cfg.inputs]
             if warp == consumers:
                 for g in cutlass.range_constexpr(len(tmas)):
                     cpasync.prefetch_descriptor(tmas[g])
@@ -258,10 +267,11 @@ def _kernel_class():
                                                        cute.group_modes(sWs[g], 0, 2), cute.group_modes(gW, 0, 2))
                     block = bidx
                     while block < blocks[g]:
-                        for kt in cutlass.range(spec.width // (spec.boxes * BLOCK_K), unroll=1):
+                        boxes = cfg.boxes(spec)
+                        for kt in cutlass.range(cfg.width(spec) // (boxes * BLOCK_K), unroll=1):
                             ring.producer_acquire(state)
-                            for b in cutlass.range_constexpr(spec.boxes):  # a box past K arrives as zeros
-                                cute.copy(tmas[g], tWgW[None, block, kt * spec.boxes + b], tWsW[None, b, state.index],
+                            for b in cutlass.range_constexpr(boxes):  # a box past K arrives as zeros
+                                cute.copy(tmas[g], tWgW[None, block, kt * boxes + b], tWsW[None, b, state.index],
                                           tma_bar_ptr=ring.producer_get_barrier(state))
                             state.advance()
                         block += grid
@@ -278,12 +288,12 @@ def _kernel_class():
                                  tidx, warp, lane, bidx)
                     cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
                     spec, sW, mY = cfg.inputs[g], sWs[g], mYs[g]
-                    rows_per_warp, boxes = spec.block_n // consumers, spec.boxes
+                    rows_per_warp, boxes = spec.block_n // consumers, cfg.boxes(spec)
                     acc = cute.make_rmem_tensor((rows_per_warp, LANE_COLS), Float32)
                     block = bidx
                     while block < blocks[g]:
                         acc.fill(0.0)
-                        for kt in cutlass.range(spec.width // (boxes * BLOCK_K), unroll=1):
+                        for kt in cutlass.range(cfg.width(spec) // (boxes * BLOCK_K), unroll=1):
                             xs = [cute.local_tile(sX, (LANE_COLS,), ((kt * boxes + b) * 32 + lane,)).load().to(Float32)
                                   for b in range(boxes)]
                             ring.consumer_wait(state)
@@ -326,7 +336,7 @@ def _kernel_class():
             """What the product takes into sX, 8 columns a thread a step, zeros past K: x; silu(gate) * up; or
             rms_norm(s) with s = x (+ residual), each rounded to bf16 as the unfused ops round (CTA 0 stores s).
             Every step's loads are issued before the first store (one L2 round trip, not one a step)."""
-            width, threads = spec.width, 32 * self.cfg.consumer_warps
+            width, threads = self.cfg.width(spec), 32 * self.cfg.consumer_warps
             steps = cdiv(width, threads * LANE_COLS)
             values, norm_ws = [], []
             sum_sq = Float32(0.0)
@@ -455,7 +465,8 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
     sms = _SMS[index]
     chain = tuple(dataclasses.replace(g, block_n=block_rows(w.shape[0], sms)) for g, w in zip(chain, weights[1:]))
     cfg = config or choose_config(weights[0].shape[0], first.k, first.gated, _SMS[index], norm=first.norm,
-                                  add=first.add, pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES, chain=chain)
+                                  add=first.add, pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES, chain=chain,
+                                  slot_rows=SLOT_ROWS)
     outs = [torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights[:-1]] + [out]
     stream = cu_stream(torch.cuda.current_stream(x.device).cuda_stream)
 

@@ -27,16 +27,17 @@ TOL = 8e-3  # bf16 output
 
 
 def test_choose_config_fills_the_sms_and_the_ring():
-    assert T.choose_config(248320, 2048) == T.TmaGemvConfig(2048, 16, 16, consumer_warps=8)
+    assert T.choose_config(248320, 2048) == T.TmaGemvConfig(2048, 16, T.RING_BYTES // (T.SLOT_ROWS * 512),
+                                                            consumer_warps=8)
     assert T.choose_config(4096, 4096).block_n == 16  # 256 blocks
     assert T.choose_config(2048, 2048).block_n == 16  # one 16-row block a CTA, or two 8-row ones: 16
     assert T.choose_config(1024, 2048).block_n == 8  # 64 16-row blocks would leave 68 SMs idle
     assert T.choose_config(1, 8).block_n == 8
-    for cfg in (T.choose_config(n, 2048) for n in (1, 1024, 2048, 8192)):
-        assert T.SLOT_BYTES * cfg.stages == T.RING_BYTES
-        assert cfg.inputs[0].boxes * cfg.block_n == T.SLOT_ROWS  # a slot: one 16-row box or two 8-row ones
-    assert T.GemvInput(264, block_n=8).width == 512 and T.GemvInput(264).width == 512
-    assert T.GemvInput(520, block_n=8).width == 1024 and T.GemvInput(520).width == 768
+    for cfg in (T.choose_config(n, 2048, slot_rows=rows) for n in (1, 1024, 2048, 8192) for rows in (16, 32)):
+        assert cfg.slot_bytes * cfg.stages == T.RING_BYTES
+        assert cfg.boxes(cfg.inputs[0]) * cfg.block_n == cfg.slot_rows  # a slot: 16-row boxes or 8-row ones
+    cfg = T.choose_config(1, 8, slot_rows=32)
+    assert [cfg.width(T.GemvInput(k, block_n=bn)) for k in (264, 520) for bn in (8, 16)] == [1024, 512, 1024, 1024]
 
 
 @pytest.mark.parametrize("fields, match", [((0, 16, 8), "k must"), ((12, 16, 8), "k must"),
@@ -53,7 +54,7 @@ def test_config_errors_name_the_field(fields, match):
 @pytest.mark.parametrize("chain, fields, match", [
     ((T.GemvInput(64, norm=True), T.GemvInput(64, norm=True)), {}, "at most one"),
     ((T.GemvInput(12),), {}, "k must"), ((T.GemvInput(64, gated=True, norm=True),), {}, "one of plain"),
-    ((T.GemvInput(64),), {"ctas_per_sm": 2}, "one CTA an SM"), ((T.GemvInput(64),), {"stages": 8}, "one CTA an SM")])
+    ((T.GemvInput(64),), {"ctas_per_sm": 2}, "one CTA an SM"), ((T.GemvInput(64),), {"stages": 4}, "one CTA an SM")])
 def test_chain_config_errors_name_the_field(chain, fields, match):
     with pytest.raises(ValueError, match=match):
         T.TmaGemvConfig(**{**dict(k=64, block_n=16, stages=16, consumer_warps=8, chain=chain), **fields}).validate()
@@ -63,7 +64,7 @@ def test_chain_config_keeps_the_ring_and_the_inputs():
     chain = (T.GemvInput(2048, norm=True, add=True), T.GemvInput(6144, gated=True))
     cfg = T.choose_config(2048, 2048, chain=chain)
     assert cfg.inputs == (T.GemvInput(2048), *chain) and cfg.x_width == 6144
-    assert cfg.block_n * T.BLOCK_K * 2 * cfg.stages == T.RING_BYTES
+    assert cfg.slot_bytes * cfg.stages == T.RING_BYTES
 
 
 def test_available_only_for_one_bf16_row_on_a_gpu():
@@ -177,7 +178,8 @@ def test_compiles_for_sm90(tmp_path):
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(rows) == len(cases), out
     for row in rows:
-        assert row["tma"] == T.SLOT_ROWS // row["block_n"], row  # a copy a box of the slot
+        boxes = T.SLOT_ROWS // row["block_n"]
+        assert row["tma"] == boxes, row  # a copy a box of the slot
         assert row["wait"] == row["release"] == row["pdl"], row  # QWEN_PDL=0: no PDL
         assert (row["ex2"] > 0) == row["gated"] and (row["rsqrt"] == 1) == row["norm"], row  # silu; the norm
         # staging: x's (and [gate | up]'s up, the residual's and the norm weight's) chunks issued at once: one
@@ -186,18 +188,17 @@ def test_compiles_for_sm90(tmp_path):
         assert row["global_v4"] == steps * (1 + row["gated"] + row["add"] + row["norm"]), row
         assert row["store_v4"] == steps * row["add"], row
         if not row["norm"]:  # a consumer's slot: a 16-byte shared load per row it owns and box, plus x's a box
-            boxes = T.SLOT_ROWS // row["block_n"]
             assert row["shared_v4"] == (row["block_n"] // 8 + 1) * boxes, row
 
 
 @needs_dsl
 def test_chain_compiles_for_sm90(monkeypatch):
-    # a 2B layer's out_proj -> norm -> gate_up -> gated down: three TMA copies, one PDL wait, two grid syncs (a
-    # release add and an acquire poll each), the norm's rsqrt and the gate's exp
+    # a 2B layer's out_proj -> norm -> gate_up -> gated down: a TMA copy a box of each GEMV's slot, one PDL wait,
+    # two grid syncs (a release add and an acquire poll each), the norm's rsqrt and the gate's exp
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     out = compiled_script_output(SM90_CHAIN_COMPILE, timeout=600)
     row = json.loads(out.splitlines()[-1])
-    assert row["tma"] == 3 and row["wait"] == 1 and row["arrive"] == row["poll"] == 2, row
+    assert row["tma"] == 3 * T.SLOT_ROWS // 16 and row["wait"] == 1 and row["arrive"] == row["poll"] == 2, row
     assert row["rsqrt"] == 1 and row["ex2"] > 0, row
 
 
