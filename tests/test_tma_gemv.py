@@ -209,6 +209,13 @@ def _pair(n, k, seed=0, gated=False):
     return x, w
 
 
+def _recorded(monkeypatch, name, what):
+    """Wrap T.<name> so that each call also appends what(args, kwargs) to the returned list."""
+    calls, real = [], getattr(T, name)
+    monkeypatch.setattr(T, name, lambda *a, **kw: calls.append(what(a, kw)) or real(*a, **kw))
+    return calls
+
+
 def _reference(x, w, gated):
     return (R.silu_and_mul_linear if gated else R.linear)(x.float(), w.float())
 
@@ -253,8 +260,7 @@ def test_norm_input_matches_fp32(n, k, add):
 def test_add_rms_norm_linear_takes_it_in_one_launch(monkeypatch):
     monkeypatch.setattr(L, "TMA_GEMV", True)
     monkeypatch.setattr(L, "TMA_NORM", True)
-    calls, real = [], T.tma_gemv
-    monkeypatch.setattr(T, "tma_gemv", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    calls = _recorded(monkeypatch, "tma_gemv", lambda a, kw: kw)
     x, w = _pair(8224, 2048)
     residual = torch.randn_like(x)
     norm_w = (0.1 * torch.randn(2048, device="cuda")).to(torch.bfloat16)
@@ -284,8 +290,7 @@ def test_nan_beside_the_weight_does_not_leak():
 @needs_dsl
 def test_replays_in_a_cuda_graph_and_through_linear(monkeypatch):
     monkeypatch.setattr(L, "TMA_GEMV", True)
-    calls, real = [], T.tma_gemv
-    monkeypatch.setattr(T, "tma_gemv", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    calls = _recorded(monkeypatch, "tma_gemv", lambda a, kw: kw)
     x, w = _pair(1024, 8192, gated=True)  # 16.8 MB and K 8192: at least L.TMA_MIN_BYTES and L.TMA_GATED_MIN_K
     out = torch.empty(1, 1024, dtype=torch.bfloat16, device="cuda")
     L.silu_and_mul_linear(x, w)  # compile outside the capture
@@ -350,9 +355,7 @@ def test_chain_replays_in_a_cuda_graph_and_through_out_proj_mlp(monkeypatch):
     # the grid-sync counter only grows: replays after an eager warm-up and eager calls after them stay exact
     monkeypatch.setattr(L, "TMA_GEMV", True)
     monkeypatch.setattr(L, "TMA_CHAIN", True)
-    calls, real = [], T.tma_gemv_chain
-    monkeypatch.setattr(T, "tma_gemv_chain", lambda o, weights, *a, **kw: calls.append(len(weights)) or
-                        real(o, weights, *a, **kw))  # tma_gemv is a chain of one
+    calls = _recorded(monkeypatch, "tma_gemv_chain", lambda a, kw: len(a[1]))  # tma_gemv is a chain of one
     o, residual, out_w, norm_w, gate_up_w, down_w = _layer_tail(2048, 2048, 6144)
     L.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
