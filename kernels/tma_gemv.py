@@ -45,6 +45,7 @@ RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
 SM_SHARED_BYTES = 228 * 1024  # an SM's shared memory (sm_90): a chain's ring must leave no room for a second CTA
+CTA_SHARED_BYTES = 227 * 1024  # the most one CTA may take: the ring, x and the barriers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,9 @@ class TmaGemvConfig:
                 raise ValueError(f"consumer_warps must be 1, 2, 4 or 8 and at most block_n, got {self.consumer_warps}")
         if not 2 <= self.stages <= 32:
             raise ValueError(f"stages must be 2 to 32, got {self.stages}")
+        if self.stages * self.slot_bytes + 2 * self.x_width + 1024 > CTA_SHARED_BYTES:
+            raise ValueError(f"the ring ({self.stages} x {self.slot_bytes} bytes) and x ({self.x_width} wide) take "
+                             f"more than a CTA's {CTA_SHARED_BYTES} bytes of shared memory")
         return self
 
     @property

@@ -44,6 +44,7 @@ def test_choose_config_fills_the_sms_and_the_ring():
                                            ((T.MAX_K + 8, 16, 8), "k must"), ((64, 12, 8), "block_n"),
                                            ((64, 4, 8), "block_n"), ((64, 16, 1), "stages"), ((64, 16, 33), "stages"),
                                            ((64, 8, 8, False, 1, 16), "consumer_warps"),
+                                           ((T.MAX_K, 16, 14, False, 1, 8), "shared memory"),
                                            ((64, 16, 8, True, 1, 4, True), "one of plain, gated, norm"),
                                            ((64, 16, 8, False, 1, 4, False, True), "add only with norm")])
 def test_config_errors_name_the_field(fields, match):
