@@ -97,6 +97,10 @@ class TmaGemvConfig:
             if (g.gated and g.norm) or (g.add and not g.norm):
                 raise ValueError(f"the input is one of plain, gated, norm (add only with norm), got gated={g.gated} "
                                  f"norm={g.norm} add={g.add}")
+            if g.block_n not in (8, 16):
+                raise ValueError(f"block_n must be 8 or 16, got {g.block_n}")
+            if self.consumer_warps not in (1, 2, 4, 8) or self.consumer_warps > g.block_n:
+                raise ValueError(f"consumer_warps must be 1, 2, 4 or 8 and at most block_n, got {self.consumer_warps}")
         if sum(g.norm for g in self.inputs) > 1:
             raise ValueError("at most one GEMV of a chain takes a norm input (one norm weight and residual)")
         if self.slot_rows not in (16, 32):
@@ -104,11 +108,6 @@ class TmaGemvConfig:
         if self.chain and (self.ctas_per_sm != 1 or 2 * self.stages * self.slot_bytes <= SM_SHARED_BYTES):
             raise ValueError(f"a chain syncs its grid, one CTA an SM: ctas_per_sm 1 and a ring over half of "
                              f"{SM_SHARED_BYTES} bytes, got ctas_per_sm={self.ctas_per_sm} stages={self.stages}")
-        for g in self.inputs:
-            if g.block_n not in (8, 16):
-                raise ValueError(f"block_n must be 8 or 16, got {g.block_n}")
-            if self.consumer_warps not in (1, 2, 4, 8) or self.consumer_warps > g.block_n:
-                raise ValueError(f"consumer_warps must be 1, 2, 4 or 8 and at most block_n, got {self.consumer_warps}")
         if not 2 <= self.stages <= 32:
             raise ValueError(f"stages must be 2 to 32, got {self.stages}")
         if self.stages * self.slot_bytes + 2 * self.x_width + 1024 > CTA_SHARED_BYTES:
