@@ -274,11 +274,32 @@ def _each_weight(f, x, ring, out):
         f(x, w, out)
 
 
+def _gemv_layers(layers, inputs, outs, fs):
+    # each layer's projections, one launch each: projection j reads inputs[j] and writes outs[j]
+    for layer in layers:
+        for f, x, w, o in zip(fs, inputs, layer, outs):
+            f(x, w, o)
+
+
+def _chained_layers(layers, inputs, outs, project_in, residual, norm_w, s):
+    # each layer's in-projection, then its out / gate_up / down projections as one chained launch (gate_up's input
+    # is rms_norm(out + residual), s the sum)
+    from kernels import tma_gemv as T
+    specs = (T.GemvInput(layers[0][1].shape[1]), T.GemvInput(layers[0][2].shape[1], norm=True, add=True),
+             T.GemvInput(layers[0][3].shape[1], gated=True))
+    for layer in layers:
+        project_in(inputs[0], layer[0], outs[0])
+        T.tma_gemv_chain(inputs[1], layer[1:], specs, outs[3], norm_weight=norm_w, eps=1e-6, residual=residual,
+                         s_out=s)
+
+
 def sweep_tma(model: str) -> list[dict]:
     """Each of MODEL's projections at one row (SwiGLU's down projection gated, reading [gate | up]) on the Triton GEMV
     and the TMA-ring GEMV's variants, per weight over a ring read from DRAM; then a chain of the GDN layers' four
     projections over every layer's own weights, each projection on the Triton GEMV, on its fastest TMA variant,
-    and on its fastest of all."""
+    and on its fastest of all; and "chained": the in-projection on its fastest TMA variant, then the output
+    projection, gate_up (with the residual add and RMSNorm) and the down projection as one tma_gemv_chain launch,
+    as kernels.linear.out_proj_mlp runs them."""
     shapes = LINEAR_SHAPES[model]
     down = shapes[5]
     rows, fastest = [], {}
@@ -307,13 +328,16 @@ def sweep_tma(model: str) -> list[dict]:
     # a projection's input is the previous one's output (the down projection's [gate | up] is gate_up's)
     inputs = [first, outs[0][:, :four[1][1]], outs[1][:, :four[2][1]], outs[2][:, :2 * down[1]]]
     nbytes = sum(w.numel() * 2 for layer in layers for w in layer)
-    for choice in ("triton", "tma", "best"):
-        fs = [gemv_impl(n, k, (n, k) == down and j == 3, fastest[n, k][choice]) for j, (n, k) in enumerate(four)]
-
-        def step(fs=fs):
-            for layer in layers:
-                for f, x, w, o in zip(fs, inputs, layer, outs):
-                    f(x, w, o)
+    steps = {choice: functools.partial(_gemv_layers, layers, inputs, outs, [
+        gemv_impl(n, k, (n, k) == down and j == 3, fastest[n, k][choice]) for j, (n, k) in enumerate(four)])
+        for choice in ("triton", "tma", "best")}
+    hidden = four[2][1]
+    residual = torch.randn(1, hidden, device="cuda", dtype=BF16)
+    norm_w = (0.1 * torch.randn(hidden, device="cuda")).to(BF16)
+    steps["chained"] = functools.partial(_chained_layers, layers, inputs, outs,
+                                         gemv_impl(*four[0], False, fastest[four[0]]["tma"]), residual, norm_w,
+                                         torch.empty_like(residual))
+    for choice, step in steps.items():
         step()
         us = bench_us(step, graph=True)
         rows.append(progress({"model": model, "N": "chain", "K": choice, "gemvs": 4 * len(layers), "GB": nbytes / 1e9,
