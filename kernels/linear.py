@@ -30,6 +30,7 @@ from kernels.activations import silu_and_mul
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
 from kernels.row_buckets import DOT_MAX_ROWS, GEMV_MAX_ROWS, MATMUL_ROW_BUCKET, padded_operand, padded_rows
+from model import ops
 from reference._checks import check_tensor
 
 MAX_ROWS = GEMV_MAX_ROWS
@@ -373,13 +374,14 @@ def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[in
 
 def out_proj_mlp(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight):
     """reference.out_proj_mlp: (SwiGLU(rms_norm(o @ out_weight^T + residual)), s = o @ out_weight^T + residual).
-    One bf16 row with TMA_CHAIN: one launch of three chained TMA-ring GEMVs; else linear, add_rms_norm_linear and
-    silu_and_mul_linear."""
+    One bf16 row with TMA_CHAIN: one launch of three chained TMA-ring GEMVs; else model.ops.out_proj_mlp_by_ops
+    (linear, add_rms_norm_linear and silu_and_mul_linear, each on the active backend)."""
     weights = (out_weight, gate_up_weight, down_weight)
     inputs = (tma_gemv.GemvInput(out_weight.shape[1]),
               tma_gemv.GemvInput(gate_up_weight.shape[1], norm=True, add=True),
               tma_gemv.GemvInput(down_weight.shape[1], gated=True))
     if (TMA_CHAIN and TMA_GEMV and residual is not None and o.dim() == 2 and o.shape[0] == 1
+            and residual.shape == (1, down_weight.shape[0])
             and tma_gemv.chain_available(o, weights, inputs, norm_weight=norm_weight, residual=residual)):
         check_devices(o=o, residual=residual, out_weight=out_weight, norm_weight=norm_weight,
                       gate_up_weight=gate_up_weight, down_weight=down_weight)
@@ -388,8 +390,7 @@ def out_proj_mlp(o, residual, out_weight, norm_weight, eps, gate_up_weight, down
         tma_gemv.tma_gemv_chain(o, weights, inputs, out, norm_weight=norm_weight, eps=eps, residual=residual,
                                 s_out=s)
         return out, s
-    gate_up, s = add_rms_norm_linear(linear(o, out_weight), residual, norm_weight, eps, gate_up_weight)
-    return silu_and_mul_linear(gate_up, down_weight), s
+    return ops.out_proj_mlp_by_ops(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight)
 
 
 OPS = {"linear": linear, "silu_and_mul_linear": silu_and_mul_linear, "add_rms_norm_linear": add_rms_norm_linear,

@@ -44,8 +44,7 @@ SLOT_ROWS = 32
 RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
-SM_SHARED_BYTES = 228 * 1024  # an SM's shared memory (sm_90): a chain's ring must leave no room for a second CTA
-CTA_SHARED_BYTES = 227 * 1024  # the most one CTA may take: the ring, x and the barriers
+CTA_SHARED_BYTES = 227 * 1024  # the most one CTA may take on sm_90: the ring, x and the barriers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +104,8 @@ class TmaGemvConfig:
             raise ValueError("at most one GEMV of a chain takes a norm input (one norm weight and residual)")
         if self.slot_rows not in (16, 32):
             raise ValueError(f"slot_rows must be 16 or 32, got {self.slot_rows}")
-        if self.chain and (self.ctas_per_sm != 1 or 2 * self.stages * self.slot_bytes <= SM_SHARED_BYTES):
-            raise ValueError(f"a chain syncs its grid, one CTA an SM: ctas_per_sm 1 and a ring over half of "
-                             f"{SM_SHARED_BYTES} bytes, got ctas_per_sm={self.ctas_per_sm} stages={self.stages}")
+        if self.chain and self.ctas_per_sm != 1:  # every CTA of a grid sync must be resident: one an SM
+            raise ValueError(f"a chain syncs its grid: ctas_per_sm must be 1, got {self.ctas_per_sm}")
         if not 2 <= self.stages <= 32:
             raise ValueError(f"stages must be 2 to 32, got {self.stages}")
         if self.stages * self.slot_bytes + 2 * self.x_width + 1024 > CTA_SHARED_BYTES:
@@ -151,11 +149,15 @@ def available(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, *,
 
 def chain_available(x: torch.Tensor, weights, inputs, *, norm_weight: torch.Tensor | None = None,
                     residual: torch.Tensor | None = None) -> bool:
-    """Whether tma_gemv_chain takes this call: as `available` for every GEMV, each input as wide as the previous
-    output (twice the K of a gated one), and norm weight and residual as wide as the norm input."""
+    """Whether tma_gemv_chain takes this call: as `available` for every GEMV (on sm_90), each input as wide as the
+    previous output (twice the K of a gated one), one input for each weight, and a norm weight (and residual) where
+    an input is a norm (with add), as wide as it."""
     widths = [x.shape[-1], *(w.shape[0] for w in weights[:-1])]
     norm_k = [g.k for g in inputs if g.norm]
     extras = [t for t in (norm_weight, residual) if t is not None]
+    if (len(weights) != len(inputs) or not weights or (norm_weight is not None) != bool(norm_k)
+            or (residual is not None) != any(g.add for g in inputs)):
+        return False
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
             and all(w.dtype == torch.bfloat16 and w.is_contiguous() and w.dim() == 2 and w.shape[0] > 0
                     and w.shape[1] == g.k and 0 < g.k <= MAX_K and g.k % LANE_COLS == 0
@@ -163,8 +165,14 @@ def chain_available(x: torch.Tensor, weights, inputs, *, norm_weight: torch.Tens
             and (not extras or len(norm_k) == 1)
             and all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.numel() == norm_k[0] for t in extras)
             and all(t.data_ptr() % 16 == 0 for t in (x, *weights, *extras))
-            and pdl.capable(x.device.index if x.device.index is not None else torch.cuda.current_device())
+            and _is_sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())
             and dsl_available())
+
+
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    # the ring and CTA_SHARED_BYTES are sized for sm_90's 227 KiB a CTA (sm_120 has about 99 KiB)
+    return pdl.capable(index) and torch.cuda.get_device_capability(index)[0] == 9
 
 
 @functools.cache
@@ -416,7 +424,8 @@ _SYNC: dict = {}  # device index -> a chain's grid-sync counter (one int64, neve
 
 def _sync_counter(device: torch.device, index: int) -> torch.Tensor:
     """The device's grid-sync counter, made on first use, which must not be inside a CUDA graph capture (the
-    serving engine warms each graph up eagerly first). Chains on one device share it: launch them on one stream."""
+    serving engine warms each graph up eagerly first). Chains on one device share it, and a grid sync assumes that
+    the chain's CTAs hold every SM in time: launch chains on one stream, with no other process on the GPU (MPS)."""
     if index not in _SYNC:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the first chained TMA GEMV on a device must run outside a CUDA graph capture")

@@ -128,6 +128,13 @@ def out_proj_mlp(o, residual, out_w, norm_w, eps, gate_up_w, down_w):
     return _run("out_proj_mlp", o, residual, out_w, norm_w, eps, gate_up_w, down_w)
 
 
+def out_proj_mlp_by_ops(o, residual, out_w, norm_w, eps, gate_up_w, down_w):
+    """out_proj_mlp as its three ops, each on the active backend: what a backend without its own runs (and what
+    the triton backend runs where its one launch does not apply)."""
+    gate_up, s = add_rms_norm_linear(linear(o, out_w), residual, norm_w, eps, gate_up_w)
+    return silu_and_mul_linear(gate_up, down_w), s
+
+
 def attention_prep(q, k, v, q_norm_w, k_norm_w, step: StepInput, k_pages, v_pages, eps):
     """q: (N, H, D), k, v: (N, KV, D) raw projections. Applies q_norm/k_norm and partial RoPE, writes
     k and v into the layer's pages at step.slot_mapping, and returns the normed, rotated q."""
@@ -249,7 +256,7 @@ _BACKENDS["reference"] = {
     "linear": R.linear,
     "silu_and_mul_linear": R.silu_and_mul_linear,
     "add_rms_norm_linear": R.add_rms_norm_linear,
-    "out_proj_mlp": R.out_proj_mlp,
+    "out_proj_mlp": out_proj_mlp_by_ops,
     "attention_prep": _ref_attention_prep,
     "paged_attention": _ref_paged_attention,
     "gated_deltanet": _ref_gated_deltanet,

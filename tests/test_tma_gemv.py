@@ -55,7 +55,7 @@ def test_config_errors_name_the_field(fields, match):
 @pytest.mark.parametrize("chain, fields, match", [
     ((T.GemvInput(64, norm=True), T.GemvInput(64, norm=True)), {}, "at most one"),
     ((T.GemvInput(12),), {}, "k must"), ((T.GemvInput(64, gated=True, norm=True),), {}, "one of plain"),
-    ((T.GemvInput(64),), {"ctas_per_sm": 2}, "one CTA an SM"), ((T.GemvInput(64),), {"stages": 4}, "one CTA an SM")])
+    ((T.GemvInput(64),), {"ctas_per_sm": 2}, "ctas_per_sm must be 1")])
 def test_chain_config_errors_name_the_field(chain, fields, match):
     with pytest.raises(ValueError, match=match):
         T.TmaGemvConfig(**{**dict(k=64, block_n=16, stages=16, consumer_warps=8, chain=chain), **fields}).validate()
@@ -112,7 +112,8 @@ def test_linear_routes_one_row_by_size_and_input(monkeypatch):
 
 def test_out_proj_mlp_routes_one_row_to_the_chain(monkeypatch):
     """kernels.linear.out_proj_mlp (CPU: chain_available faked, the chained call recorded): one row with TMA_CHAIN
-    is one tma_gemv_chain call of the three weights (plain, norm with the residual, gated); off, the three ops."""
+    is one tma_gemv_chain call of the three weights (plain, norm with the residual, gated); off, the three ops
+    through model.ops."""
     calls = []
     monkeypatch.setattr(L, "TMA_GEMV", True)
     monkeypatch.setattr(T, "chain_available", lambda *a, **kw: True)
@@ -125,10 +126,7 @@ def test_out_proj_mlp_routes_one_row_to_the_chain(monkeypatch):
     assert [w.data_ptr() for w in weights] == [w.data_ptr() for w in (out_w, gate_up_w, down_w)]
     assert inputs == (T.GemvInput(48), T.GemvInput(32, norm=True, add=True), T.GemvInput(64, gated=True))
     assert kw["residual"] is residual and kw["norm_weight"] is norm_w and kw["s_out"] is s and out.shape == (1, 32)
-    monkeypatch.setattr(L, "TMA_CHAIN", False)
-    monkeypatch.setattr(L, "linear", lambda x, w, **kw: R.linear(x, w))
-    monkeypatch.setattr(L, "add_rms_norm_linear", R.add_rms_norm_linear)
-    monkeypatch.setattr(L, "silu_and_mul_linear", R.silu_and_mul_linear)
+    monkeypatch.setattr(L, "TMA_CHAIN", False)  # the three ops on the active (reference) backend
     out, s = L.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w)
     ref, ref_s = R.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w)
     assert len(calls) == 1 and torch.equal(out, ref) and torch.equal(s, ref_s)
@@ -347,6 +345,20 @@ def test_chain_matches_its_gemvs_and_fp32(hidden, width, inter):
     ref, _ = R.out_proj_mlp(o.float(), residual.float(), out_w.float(), norm_w.float(), 1e-6, gate_up_w.float(),
                             down_w.float())
     assert_rel(out.float(), ref, 2 * TOL, f"chain hidden {hidden} width {width} inter {inter}")
+
+
+@pytest.mark.gpu
+@gpu_sm90
+@needs_dsl
+def test_chain_available_refuses_inconsistent_calls():
+    o, residual, out_w, norm_w, gate_up_w, down_w = _layer_tail(2048, 2048, 6144)
+    weights = (out_w, gate_up_w, down_w)
+    inputs = (T.GemvInput(2048), T.GemvInput(2048, norm=True, add=True), T.GemvInput(6144, gated=True))
+    assert T.chain_available(o, weights, inputs, norm_weight=norm_w, residual=residual)
+    assert not T.chain_available(o, weights, inputs, residual=residual)  # a norm input without its weight
+    assert not T.chain_available(o, weights, inputs, norm_weight=norm_w)  # add without the residual
+    assert not T.chain_available(o, weights[:2], inputs, norm_weight=norm_w, residual=residual)  # 2 weights, 3 inputs
+    assert not T.chain_available(o, (out_w, down_w, gate_up_w), inputs, norm_weight=norm_w, residual=residual)
 
 
 @pytest.mark.gpu
