@@ -281,16 +281,13 @@ def _gemv_layers(layers, inputs, outs, fs):
             f(x, w, o)
 
 
-def _chained_layers(layers, inputs, outs, project_in, residual, norm_w, s):
-    # each layer's in-projection, then its out / gate_up / down projections as one chained launch (gate_up's input
-    # is rms_norm(out + residual), s the sum)
-    from kernels import tma_gemv as T
-    specs = (T.GemvInput(layers[0][1].shape[1]), T.GemvInput(layers[0][2].shape[1], norm=True, add=True),
-             T.GemvInput(layers[0][3].shape[1], gated=True))
+def _chained_layers(layers, inputs, outs, project_in, residual, norm_w):
+    # each layer's in-projection, then kernels.linear.out_proj_mlp as the model runs it: the out / gate_up / down
+    # projections as one chained launch (gate_up's input is rms_norm(out + residual))
+    from kernels import linear as L
     for layer in layers:
         project_in(inputs[0], layer[0], outs[0])
-        T.tma_gemv_chain(inputs[1], layer[1:], specs, outs[3], norm_weight=norm_w, eps=1e-6, residual=residual,
-                         s_out=s)
+        L.out_proj_mlp(inputs[1], residual, layer[1], norm_w, 1e-6, layer[2], layer[3])
 
 
 def sweep_tma(model: str) -> list[dict]:
@@ -298,8 +295,8 @@ def sweep_tma(model: str) -> list[dict]:
     and the TMA-ring GEMV's variants, per weight over a ring read from DRAM; then a chain of the GDN layers' four
     projections over every layer's own weights, each projection on the Triton GEMV, on its fastest TMA variant,
     and on its fastest of all; and "chained": the in-projection on its fastest TMA variant, then the output
-    projection, gate_up (with the residual add and RMSNorm) and the down projection as one tma_gemv_chain launch,
-    as kernels.linear.out_proj_mlp runs them."""
+    projection, gate_up (with the residual add and RMSNorm) and the down projection through
+    kernels.linear.out_proj_mlp (one tma_gemv_chain launch)."""
     shapes = LINEAR_SHAPES[model]
     down = shapes[5]
     rows, fastest = [], {}
@@ -335,8 +332,7 @@ def sweep_tma(model: str) -> list[dict]:
     residual = torch.randn(1, hidden, device="cuda", dtype=BF16)
     norm_w = (0.1 * torch.randn(hidden, device="cuda")).to(BF16)
     steps["chained"] = functools.partial(_chained_layers, layers, inputs, outs,
-                                         gemv_impl(*four[0], False, fastest[four[0]]["tma"]), residual, norm_w,
-                                         torch.empty_like(residual))
+                                         gemv_impl(*four[0], False, fastest[four[0]]["tma"]), residual, norm_w)
     for choice, step in steps.items():
         step()
         us = bench_us(step, graph=True)
