@@ -42,6 +42,13 @@ BLOCK_K = 32 * LANE_COLS  # a TMA box's columns (its inner extent: 512 bytes, at
 # ms, 9B 4.25 against 4.27, 0.8B 0.80 both (a consumer's pass over a slot, its barrier wait and release, is the cost)
 SLOT_ROWS = 32
 RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
+# a chain's producer issues this many slots of each GEMV after the first, then waits until its CTA is past the grid
+# sync before it. Without the pause the ring is full of the next weights, in flight or landed, at each sync, and the
+# sync's fence waits 2-3 us (`globaltimer` around it, H200, session 18); with it 80 KiB. H200, session 18, 24
+# layers' out_proj -> gate_up -> down in a graph: 2B 24.2 us a layer against 25.1 (6: 23.8, 4: 24.9, 7: 24.5), 0.8B
+# 11.4 against 12.4 (4: 11.4, 6: 11.8), 9B 84.5 against 84.1; the decode step (`host_time --ab tma_pause`): 2B 1.28
+# ms against 1.30 (6: 1.28), 0.8B 0.780 against 0.806 (6: 0.791)
+BOUNDARY_SLOTS = 5
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
 CTA_SHARED_BYTES = 227 * 1024  # the most one CTA may take on sm_90: the ring, x and the barriers
@@ -71,6 +78,7 @@ class TmaGemvConfig:
     pdl: bool = True  # launched with programmatic dependent launch (kernels.pdl.enabled: QWEN_PDL=0 switches it off)
     chain: tuple[GemvInput, ...] = ()  # GEMVs after the first in the same launch, each on the previous one's output
     slot_rows: int = SLOT_ROWS  # a ring slot: slot_rows x BLOCK_K weights, slot_rows / block_n boxes along K
+    boundary_slots: int = 0  # see BOUNDARY_SLOTS (0: no pause)
 
     @property
     def slot_bytes(self) -> int:
@@ -108,6 +116,8 @@ class TmaGemvConfig:
             raise ValueError(f"a chain syncs its grid: ctas_per_sm must be 1, got {self.ctas_per_sm}")
         if not 2 <= self.stages <= 32:
             raise ValueError(f"stages must be 2 to 32, got {self.stages}")
+        if not 0 <= self.boundary_slots <= self.stages:
+            raise ValueError(f"boundary_slots must be 0 to stages ({self.stages}), got {self.boundary_slots}")
         if self.stages * self.slot_bytes + 2 * self.x_width + 1024 > CTA_SHARED_BYTES:
             raise ValueError(f"the ring ({self.stages} x {self.slot_bytes} bytes) and x ({self.x_width} wide) take "
                              f"more than a CTA's {CTA_SHARED_BYTES} bytes of shared memory")
@@ -131,12 +141,13 @@ def block_rows(n: int, num_sms: int = 132) -> int:
 def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, norm: bool = False, add: bool = False,
                   pdl: bool = True, ring_bytes: int = RING_BYTES, consumer_warps: int = 8,
                   ctas_per_sm: int = 1, chain: tuple[GemvInput, ...] = (),
-                  slot_rows: int = SLOT_ROWS) -> TmaGemvConfig:
+                  slot_rows: int = SLOT_ROWS, boundary_slots: int = 0) -> TmaGemvConfig:
     """The first GEMV's (N n) block_n by block_rows (the chained ones carry theirs); the ring holds ring_bytes. The
     defaults: H200, session 16, `python -m profiles.bench_decode --sweep-tma`, where a 128 KiB ring and 8 consumer
     warps were the fastest of 32-128 KiB x 4-8 warps x 1-2 CTAs an SM on 10 of the 12 2B / 9B projections."""
     return TmaGemvConfig(k, block_rows(n, num_sms), min(32, ring_bytes // (slot_rows * BLOCK_K * 2)), gated,
-                         ctas_per_sm, consumer_warps, norm, add, pdl, chain, slot_rows).validate()
+                         ctas_per_sm, consumer_warps, norm, add, pdl, chain, slot_rows,
+                         boundary_slots if chain else 0).validate()
 
 
 def available(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, *,
@@ -226,6 +237,7 @@ def _kernel_class():
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                synced: cute.struct.MemRange[cutlass.Int64, 1]
                 sum_sq: cute.struct.MemRange[Float32, cfg.consumer_warps]
                 sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.x_width], 128]
                 sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.slot_rows * BLOCK_K * stages], 128]
@@ -261,9 +273,12 @@ def _kernel_class():
                                                           stride=(BLOCK_K, 1, g.block_n * BLOCK_K,
                                                                   cfg.slot_rows * BLOCK_K)))
                    for g in cfg.inputs]
+            synced = storage.synced.data_ptr()
             if warp == consumers:
                 for g in cutlass.range_constexpr(len(tmas)):
                     cpasync.prefetch_descriptor(tmas[g])
+                if lane == 0:
+                    cute.arch.mbarrier_init(synced, 1)
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
 
@@ -277,9 +292,14 @@ def _kernel_class():
                     tWsW, tWgW = cpasync.tma_partition(tmas[g], 0, cute.make_layout(1),
                                                        cute.group_modes(sWs[g], 0, 2), cute.group_modes(gW, 0, 2))
                     block = bidx
+                    issued = Int32(0)
                     while block < blocks[g]:
                         boxes = cfg.boxes(spec)
                         for kt in cutlass.range(cfg.width(spec) // (boxes * BLOCK_K), unroll=1):
+                            if cutlass.const_expr(g > 0 and cfg.boundary_slots > 0):
+                                if issued == cfg.boundary_slots:
+                                    cute.arch.mbarrier_wait(synced, (g - 1) % 2)
+                            issued += 1
                             ring.producer_acquire(state)
                             for b in cutlass.range_constexpr(boxes):  # a box past K arrives as zeros
                                 cute.copy(tmas[g], tWgW[None, block, kt * boxes + b], tWsW[None, b, state.index],
@@ -295,6 +315,9 @@ def _kernel_class():
                 for g in cutlass.range_constexpr(len(tmas)):
                     if cutlass.const_expr(g > 0):  # every CTA's part of the previous output is stored
                         self.grid_sync(mSync, grid, tidx)
+                        if cutlass.const_expr(cfg.boundary_slots > 0):
+                            if tidx == 0:
+                                cute.arch.mbarrier_arrive(synced)
                     self.stage_x(cfg.inputs[g], mX if g == 0 else mYs[g - 1], mRes, mNormW, mS, eps, sX, sSumSq,
                                  tidx, warp, lane, bidx)
                     cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
@@ -478,7 +501,7 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
     chain = tuple(dataclasses.replace(g, block_n=block_rows(w.shape[0], sms)) for g, w in zip(chain, weights[1:]))
     cfg = config or choose_config(weights[0].shape[0], first.k, first.gated, _SMS[index], norm=first.norm,
                                   add=first.add, pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES, chain=chain,
-                                  slot_rows=SLOT_ROWS)
+                                  slot_rows=SLOT_ROWS, boundary_slots=BOUNDARY_SLOTS)
     outs = [torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights[:-1]] + [out]
     stream = cu_stream(torch.cuda.current_stream(x.device).cuda_stream)
 
