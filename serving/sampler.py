@@ -6,7 +6,13 @@ of the result is the step's only sync. Rows with temperature 0 (or top_k 1) are 
 """
 import torch
 
+from kernels.argmax import argmax_rows
 from serving.sequence import SamplingParams
+
+# greedy rows on CUDA through kernels.argmax (two launches, each row over many programs) instead of torch.argmax.
+# Off until measured on the H200: `python -m profiles.host_time --decode 1 --ab argmax` (session 18 wrote it without
+# device time left; its interpreter tests pass, its GPU test has not run)
+TRITON_ARGMAX = False
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -39,7 +45,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams | None],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits: (B, V) -> tokens (B,) int64: argmax where the row is greedy (or its params are None: a row the
     caller will not read), else a draw from the filtered softmax(logits / temperature) with that row's generator."""
-    greedy = logits.argmax(-1)
+    greedy = argmax_rows(logits) if TRITON_ARGMAX and logits.is_cuda else logits.argmax(-1)
     drawn_rows = [i for i, p in enumerate(params) if p is not None and not is_greedy(p)]
     if not drawn_rows:
         return greedy
