@@ -341,6 +341,56 @@ def sweep_tma(model: str) -> list[dict]:
     return rows
 
 
+CHAIN_PAUSES = (0, 4, 5, 6, 7)  # kernels.tma_gemv.BOUNDARY_SLOTS values --sweep-chain times (0: no pause)
+
+
+def sweep_chain(model: str, layers: int = 24) -> list[dict]:
+    """A dense layer's tail at one row as kernels.linear.out_proj_mlp runs it, over `layers` layers' own weights (read
+    from DRAM) in a CUDA graph, us a layer: the chain (one tma_gemv_chain launch) with the producer paused at each
+    grid sync after each of CHAIN_PAUSES slots; "apart": its three TMA GEMVs launched one by one (PDL); "flat": one
+    TMA GEMV of the same bytes (N = the three's rows, K = hidden), what the chain would take without its syncs."""
+    from kernels import tma_gemv as T
+    shapes = LINEAR_SHAPES[model]
+    (hidden, width), (wide, _), (_, inter) = shapes[1], shapes[4], shapes[5]  # out, gate_up, down
+    tails = [(torch.randn(hidden, width, device="cuda", dtype=BF16) / width ** 0.5,
+              torch.randn(wide, hidden, device="cuda", dtype=BF16) / hidden ** 0.5,
+              torch.randn(hidden, inter, device="cuda", dtype=BF16) / inter ** 0.5) for _ in range(layers)]
+    nbytes = sum(w.numel() * 2 for w in tails[0])
+    flat = [torch.randn(nbytes // (2 * hidden), hidden, device="cuda", dtype=BF16) for _ in range(layers)]
+    o = torch.randn(1, width, device="cuda", dtype=BF16)
+    residual = torch.randn(1, hidden, device="cuda", dtype=BF16)
+    norm_w = (0.1 * torch.randn(hidden, device="cuda")).to(BF16)
+    out, s = (torch.empty(1, hidden, device="cuda", dtype=BF16) for _ in range(2))
+    inputs = (T.GemvInput(width), T.GemvInput(hidden, norm=True, add=True), T.GemvInput(inter, gated=True))
+
+    def chain():
+        for weights in tails:
+            T.tma_gemv_chain(o, weights, inputs, out, norm_weight=norm_w, eps=1e-6, residual=residual, s_out=s)
+
+    def apart():
+        for w_out, w_gate_up, w_down in tails:
+            gate_up = T.tma_gemv(T.tma_gemv(o, w_out), w_gate_up, norm_weight=norm_w, eps=1e-6, residual=residual,
+                                 s_out=s)
+            T.tma_gemv(gate_up, w_down, out, gated=True)
+
+    def one_gemv():
+        for w in flat:
+            T.tma_gemv(residual, w)  # (1, hidden) @ (rows, hidden)^T
+
+    steps = {**{f"chain_pause{p}": (chain, p) for p in CHAIN_PAUSES}, "apart": (apart, 0), "flat": (one_gemv, 0)}
+    rows, default = [], T.BOUNDARY_SLOTS
+    try:
+        for name, (step, pause) in steps.items():
+            T.BOUNDARY_SLOTS = pause  # read at each call: a config (and kernel) of its own
+            step()
+            us = bench_us(step, graph=True) / layers
+            rows.append(progress({"model": model, "variant": name, "MB": nbytes / 1e6, "us_a_layer": us,
+                                  "TBps": nbytes / us / 1e6}))
+    finally:
+        T.BOUNDARY_SLOTS = default
+    return rows
+
+
 # ---- plot and main ------------------------------------------------------------------------------------
 
 def plot_curve(curve, path):
@@ -364,6 +414,9 @@ def main(argv=None):
     ap.add_argument("--sweep-tma", metavar="MODEL", nargs="+", choices=sorted(LINEAR_SHAPES),
                     help="only time the TMA-ring GEMV's variants against the Triton GEMV on MODELs' projections and "
                          "in a chain of their GDN layers (decode_tma_gemv_sweep.json)")
+    ap.add_argument("--sweep-chain", metavar="MODEL", nargs="+", choices=sorted(LINEAR_SHAPES),
+                    help="only time a dense layer's chained out_proj / gate_up / down at each producer pause, beside "
+                         "its GEMVs apart and one GEMV of its bytes (decode_chain_sweep.json)")
     ap.add_argument("--sweep-splits", action="store_true", help="only time B1 decode attention (H16/KV4 and H8/KV2, "
                     "d256) at each KV split count (decode_split_sweep.json)")
     ap.add_argument("--plot", metavar="JSON", help="only draw decode_bw.png beside an existing decode.json")
@@ -376,6 +429,11 @@ def main(argv=None):
         rows = sweep_splits(16, 4) + sweep_splits(8, 2)
         print_table(rows, ["H/KV", "ctx", "chosen", *[f"s{s}_us" for s in SPLIT_SWEEP], "best"])
         print(f"wrote {write_result('decode_split_sweep', {'env': environment(), 'sweep': rows}, args.out)}")
+        return
+    if args.sweep_chain:
+        rows = [r for model in args.sweep_chain for r in sweep_chain(model)]
+        print_table(rows, ["model", "variant", "MB", "us_a_layer", "TBps"])
+        print(f"wrote {write_result('decode_chain_sweep', {'env': environment(), 'sweep': rows}, args.out)}")
         return
     if args.sweep_tma:
         rows = [r for model in args.sweep_tma for r in sweep_tma(model)]
