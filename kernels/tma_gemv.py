@@ -45,10 +45,10 @@ RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 # a chain's producer issues this many slots of each GEMV after the first, then waits until its CTA is past the grid
 # sync before it. Without the pause the ring is full of the next weights, in flight or landed, at each sync, and the
 # sync's fence waits 2-3 us (`globaltimer` around it, H200, session 18); with it 80 KiB. H200, session 18, 24
-# layers' out_proj -> gate_up -> down in a graph (a probe that `python -m profiles.bench_decode --sweep-chain M` now
-# repeats, there with 0.8B's out_proj 1024 x 2048 where the probe had 1024 x 1024): 2B 24.2 us a layer against 25.1 (6: 23.8, 4: 24.9, 7: 24.5), 0.8B
-# 11.4 against 12.4 (4: 11.4, 6: 11.8), 9B 84.5 against 84.1; the decode step (`host_time --ab tma_pause`): 2B 1.28
-# ms against 1.30 (6: 1.28), 0.8B 0.780 against 0.806 (6: 0.791)
+# layers' out_proj -> gate_up -> down in a graph (a probe that `python -m profiles.bench_decode --sweep-chain M`
+# repeats, there with 0.8B's out_proj 1024 x 2048 where the probe had 1024 x 1024): 2B 24.2 us a layer against 25.1
+# (6: 23.8, 4: 24.9, 7: 24.5), 0.8B 11.4 against 12.4 (4: 11.4, 6: 11.8), 9B 84.5 against 84.1; the decode step
+# (`host_time --ab tma_pause`): 2B 1.28 ms against 1.30 (6: 1.28), 0.8B 0.780 against 0.806 (6: 0.791)
 BOUNDARY_SLOTS = 5
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
