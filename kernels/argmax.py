@@ -18,7 +18,8 @@ from kernels.norms import check_devices
 from reference._checks import check_tensor
 
 CHUNK = 2048  # a stage-1 program's columns
-NO_POS = tl.constexpr(2**31 - 1)  # past every position
+MAX_COLS = 2**31 - 2  # positions are int32, and NO_POS must lie past them
+NO_POS = tl.constexpr(MAX_COLS + 1)
 
 
 @triton.jit
@@ -62,8 +63,8 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     check_tensor("logits", logits, ndim=2, dtype=(torch.float16, torch.bfloat16, torch.float32))
     check_devices(logits=logits)
     bsz, n = logits.shape
-    if n == 0:
-        raise ValueError("logits must have at least one column")
+    if not 0 < n <= MAX_COLS:
+        raise ValueError(f"logits must have 1 to {MAX_COLS} columns, got {n}")
     if logits.stride(1) != 1:
         raise ValueError(f"logits must have unit stride along its last dim, got strides {logits.stride()}")
     tokens = torch.empty(bsz, dtype=torch.int64, device=logits.device)

@@ -42,14 +42,15 @@ BLOCK_K = 32 * LANE_COLS  # a TMA box's columns (its inner extent: 512 bytes, at
 # ms, 9B 4.25 against 4.27, 0.8B 0.80 both (a consumer's pass over a slot, its barrier wait and release, is the cost)
 SLOT_ROWS = 32
 RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
-# a chain's producer issues this many slots of each GEMV after the first, then waits until its CTA is past the grid
-# sync before it. Without the pause the ring is full of the next weights, in flight or landed, at each sync, and the
-# sync's fence waits 2-3 us (`globaltimer` around it, H200, session 18); with it 80 KiB. H200, session 18, 24
-# layers' out_proj -> gate_up -> down in a graph (a probe that `python -m profiles.bench_decode --sweep-chain M`
-# repeats, there with 0.8B's out_proj 1024 x 2048 where the probe had 1024 x 1024): 2B 24.2 us a layer against 25.1
-# (6: 23.8, 4: 24.9, 7: 24.5), 0.8B 11.4 against 12.4 (4: 11.4, 6: 11.8), 9B 84.5 against 84.1; the decode step
-# (`host_time --ab tma_pause`): 2B 1.28 ms against 1.30 (6: 1.28), 0.8B 0.780 against 0.806 (6: 0.791)
-BOUNDARY_SLOTS = 5
+# a chain's producer issues this many bytes of each GEMV after the first (in whole ring slots: 5 of 16 KiB), then
+# waits until its CTA is past the grid sync before it. Without the pause the ring is full of the next weights, in
+# flight or landed, at each sync, and the sync's fence waits 2-3 us (`globaltimer` around it, H200, session 18). H200,
+# session 18, 24 layers' out_proj -> gate_up -> down in a graph, by slots (a probe that `python -m
+# profiles.bench_decode --sweep-chain M` repeats, there with 0.8B's out_proj 1024 x 2048 where the probe had 1024 x
+# 1024): 2B 24.2 us a layer against 25.1 (6: 23.8, 4: 24.9, 7: 24.5), 0.8B 11.4 against 12.4 (4: 11.4, 6: 11.8), 9B
+# 84.5 against 84.1; the decode step (`host_time --ab tma_pause`): 2B 1.28 ms against 1.30 (6: 1.28), 0.8B 0.780
+# against 0.806 (6: 0.791)
+BOUNDARY_BYTES = 80 * 1024
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
 CTA_SHARED_BYTES = 227 * 1024  # the most one CTA may take on sm_90: the ring, x and the barriers
@@ -79,7 +80,7 @@ class TmaGemvConfig:
     pdl: bool = True  # launched with programmatic dependent launch (kernels.pdl.enabled: QWEN_PDL=0 switches it off)
     chain: tuple[GemvInput, ...] = ()  # GEMVs after the first in the same launch, each on the previous one's output
     slot_rows: int = SLOT_ROWS  # a ring slot: slot_rows x BLOCK_K weights, slot_rows / block_n boxes along K
-    boundary_slots: int = 0  # see BOUNDARY_SLOTS (0: no pause)
+    boundary_slots: int = 0  # see BOUNDARY_BYTES (0: no pause)
 
     @property
     def slot_bytes(self) -> int:
@@ -142,13 +143,15 @@ def block_rows(n: int, num_sms: int = 132) -> int:
 def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, norm: bool = False, add: bool = False,
                   pdl: bool = True, ring_bytes: int = RING_BYTES, consumer_warps: int = 8,
                   ctas_per_sm: int = 1, chain: tuple[GemvInput, ...] = (),
-                  slot_rows: int = SLOT_ROWS, boundary_slots: int = 0) -> TmaGemvConfig:
+                  slot_rows: int = SLOT_ROWS, boundary_bytes: int = 0) -> TmaGemvConfig:
     """The first GEMV's (N n) block_n by block_rows (the chained ones carry theirs); the ring holds ring_bytes. The
     defaults: H200, session 16, `python -m profiles.bench_decode --sweep-tma`, where a 128 KiB ring and 8 consumer
     warps were the fastest of 32-128 KiB x 4-8 warps x 1-2 CTAs an SM on 10 of the 12 2B / 9B projections."""
-    return TmaGemvConfig(k, block_rows(n, num_sms), min(32, ring_bytes // (slot_rows * BLOCK_K * 2)), gated,
-                         ctas_per_sm, consumer_warps, norm, add, pdl, chain, slot_rows,
-                         boundary_slots if chain else 0).validate()
+    slot_bytes = slot_rows * BLOCK_K * 2
+    stages = min(32, ring_bytes // slot_bytes)
+    pause = min(stages, boundary_bytes // slot_bytes) if chain else 0
+    return TmaGemvConfig(k, block_rows(n, num_sms), stages, gated, ctas_per_sm, consumer_warps, norm, add, pdl, chain,
+                         slot_rows, pause).validate()
 
 
 def available(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, *,
@@ -307,6 +310,9 @@ def _kernel_class():
                                           tma_bar_ptr=ring.producer_get_barrier(state))
                             state.advance()
                         block += grid
+                    if cutlass.const_expr(0 < g < len(cfg.chain) and cfg.boundary_slots > 0):
+                        if issued <= cfg.boundary_slots:  # too few slots to reach the wait: wait here, so that the
+                            cute.arch.mbarrier_wait(synced, (g - 1) % 2)  # next GEMV's wait has its phase in step
             else:
                 if cutlass.const_expr(cfg.pdl):
                     cute.arch.griddepcontrol_wait()  # x comes from the previous kernel
@@ -502,7 +508,7 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
     chain = tuple(dataclasses.replace(g, block_n=block_rows(w.shape[0], sms)) for g, w in zip(chain, weights[1:]))
     cfg = config or choose_config(weights[0].shape[0], first.k, first.gated, _SMS[index], norm=first.norm,
                                   add=first.add, pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES, chain=chain,
-                                  slot_rows=SLOT_ROWS, boundary_slots=BOUNDARY_SLOTS)
+                                  slot_rows=SLOT_ROWS, boundary_bytes=BOUNDARY_BYTES)
     outs = [torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights[:-1]] + [out]
     stream = cu_stream(torch.cuda.current_stream(x.device).cuda_stream)
 

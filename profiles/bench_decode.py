@@ -341,13 +341,13 @@ def sweep_tma(model: str) -> list[dict]:
     return rows
 
 
-CHAIN_PAUSES = (0, 4, 5, 6, 7)  # kernels.tma_gemv.BOUNDARY_SLOTS values --sweep-chain times (0: no pause)
+CHAIN_PAUSES = (0, 64, 80, 96, 112)  # kernels.tma_gemv.BOUNDARY_BYTES values in KiB that --sweep-chain times (0: none)
 
 
 def sweep_chain(model: str, layers: int = 24) -> list[dict]:
     """A dense layer's tail at one row as kernels.linear.out_proj_mlp runs it, over `layers` layers' own weights (read
     from DRAM) in a CUDA graph, us a layer: the chain (one tma_gemv_chain launch) with the producer paused at each
-    grid sync after each of CHAIN_PAUSES slots; "apart": its three TMA GEMVs launched one by one (PDL); "flat": one
+    grid sync after each of CHAIN_PAUSES KiB; "apart": its three TMA GEMVs launched one by one (PDL); "flat": one
     TMA GEMV of the same bytes (N = the three's rows, K = hidden), what the chain would take without its syncs."""
     from kernels import tma_gemv as T
     shapes = LINEAR_SHAPES[model]
@@ -378,16 +378,16 @@ def sweep_chain(model: str, layers: int = 24) -> list[dict]:
             T.tma_gemv(residual, w)  # (1, hidden) @ (rows, hidden)^T
 
     steps = {**{f"chain_pause{p}": (chain, p) for p in CHAIN_PAUSES}, "apart": (apart, 0), "flat": (one_gemv, 0)}
-    rows, default = [], T.BOUNDARY_SLOTS
+    rows, default = [], T.BOUNDARY_BYTES
     try:
         for name, (step, pause) in steps.items():
-            T.BOUNDARY_SLOTS = pause  # read at each call: a config (and kernel) of its own
+            T.BOUNDARY_BYTES = pause * 1024  # read at each call: a config (and kernel) of its own
             step()
             us = bench_us(step, graph=True) / layers
             rows.append(progress({"model": model, "variant": name, "MB": nbytes / 1e6, "us_a_layer": us,
                                   "TBps": nbytes / us / 1e6}))
     finally:
-        T.BOUNDARY_SLOTS = default
+        T.BOUNDARY_BYTES = default
     return rows
 
 

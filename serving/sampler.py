@@ -6,7 +6,6 @@ of the result is the step's only sync. Rows with temperature 0 (or top_k 1) are 
 """
 import torch
 
-from kernels.argmax import argmax_rows
 from serving.sequence import SamplingParams
 
 # greedy rows on CUDA through kernels.argmax (two launches, each row over many programs) instead of torch.argmax.
@@ -23,6 +22,11 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     mass_before = probs.cumsum(-1) - probs  # (B, V)
     keep = (rank < k) & ((mass_before < top_p[:, None]) | (rank == 0))
     return probs * keep
+
+
+def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    from kernels.argmax import argmax_rows  # Triton: imported only where it runs (a CPU install may lack it)
+    return argmax_rows(logits)
 
 
 def is_greedy(p: SamplingParams) -> bool:
@@ -45,7 +49,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams | None],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits: (B, V) -> tokens (B,) int64: argmax where the row is greedy (or its params are None: a row the
     caller will not read), else a draw from the filtered softmax(logits / temperature) with that row's generator."""
-    greedy = argmax_rows(logits) if TRITON_ARGMAX and logits.is_cuda else logits.argmax(-1)
+    greedy = _argmax_rows(logits) if TRITON_ARGMAX and logits.is_cuda else logits.argmax(-1)
     drawn_rows = [i for i, p in enumerate(params) if p is not None and not is_greedy(p)]
     if not drawn_rows:
         return greedy

@@ -46,6 +46,7 @@ def test_nan_wins_as_in_torch_and_minus_inf_rows_give_zero():
 
 def test_a_strided_batch_of_rows():
     wide = torch.randn(3, 2 * CHUNK + 300, device=DEV)
+    wide[:, CHUNK + 150:] = float("nan")  # past each row: would win if read
     _check(wide[:, : CHUNK + 150])  # rows a wider stride apart
 
 
@@ -84,7 +85,7 @@ def test_vocabulary_rows_in_a_cuda_graph(rows):
 def test_the_sampler_takes_it_when_switched_on(monkeypatch):
     from serving import sampler
     calls = []
-    monkeypatch.setattr(sampler, "argmax_rows", lambda logits: calls.append(logits.shape) or argmax_rows(logits))
+    monkeypatch.setattr(sampler, "_argmax_rows", lambda logits: calls.append(logits.shape) or argmax_rows(logits))
     logits = torch.randn(3, 248320, device="cuda").to(torch.bfloat16)
     for on in (False, True):
         monkeypatch.setattr(sampler, "TRITON_ARGMAX", on)

@@ -1,4 +1,8 @@
 """sample(): greedy rows, top-k, top-p and per-request seeds."""
+import os
+import subprocess
+import sys
+
 import torch
 
 from serving.sampler import sample
@@ -75,3 +79,20 @@ def test_a_seeded_row_draws_the_same_alone_or_batched():
     batched = sample(logits, [p, SamplingParams(), p, p], gens(100, 101, 102, 103)).tolist()
     assert [batched[i] for i in (0, 2, 3)] == [alone[i] for i in (0, 2, 3)]
     assert batched[1] == logits[1].argmax()
+
+
+def test_the_engine_imports_without_triton():
+    # a CPU install (`pip install -e .`) has no Triton: the sampler imports kernels.argmax only where it runs
+    script = ("import sys, importlib.abc\n"
+              "class NoTriton(importlib.abc.MetaPathFinder):\n"
+              "    def find_spec(self, name, path, target=None):\n"
+              "        if name == 'triton' or name.startswith('triton.'):\n"
+              "            raise ImportError('no triton here')\n"
+              "sys.meta_path.insert(0, NoTriton())\n"
+              "import serving.engine, serving.sampler\n"
+              "print('imported')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # what the CPU tests set
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("imported"), run.stderr[-2000:]
