@@ -262,8 +262,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--prenorm", choices=["auto", "fused", "unfused"], default="auto",
                     help="residual add + RMSNorm inside the following projection's GEMV or as their own launch "
                          "(auto: kernels.linear.FUSED_NORM_MAX_K)")
-    ap.add_argument("--ab", choices=sorted(AB_KNOBS), default=None,
-                    help="with --decode: time this knob's variants in one process, alternated")
+    ap.add_argument("--ab", choices=sorted(AB_KNOBS), action="append", default=None,
+                    help="with --decode: time this knob's variants in one process, alternated (repeatable: each "
+                         "knob in turn, on one loaded model)")
     args = ap.parse_args(argv)
     if args.admission:
         rows = admission_keys(args.ctx, args.new)
@@ -283,10 +284,12 @@ def main(argv=None) -> dict:
         use_prenorm(args.prenorm == "fused")
     model, what = load_model(args.model or ("qwen3.5-2b" if device.type == "cuda" else "tiny"), device)
     if args.ab:
-        rows = decode_ab(model, args, args.ab)
-        print(f"{what} on {device}: a decode step of {args.decode} over {args.ctx}, each {args.ab} variant")
-        print_table(rows, [args.ab, "repeat", "graph_ms"])
-        return {"ab": rows}
+        found = {}
+        for knob in args.ab:
+            found[knob] = decode_ab(model, args, knob)
+            print(f"{what} on {device}: a decode step of {args.decode} over {args.ctx}, each {knob} variant")
+            print_table(found[knob], [knob, "repeat", "graph_ms"])
+        return {"ab": found}
     if args.decode:
         return profile_decode(model, what, device, args)
     engine = make_engine(model, 1, args.ctx + args.new + 64)

@@ -81,20 +81,35 @@ def test_host_time_profiles_a_returning_step_on_the_cpu(capsys):
 
 
 @pytest.mark.parametrize("knob,names", [("prenorm", ("fused", "unfused")), ("split_k", ("off", "on")),
-                                        ("gdn_early", ("off", "on")), ("tma_gemv", ("off", "on")),
-                                        ("tma_norm", ("off", "on"))])
+                                        ("gdn_early", ("off", "on")), ("tma_gemv", ("off", "on"))])
 def test_host_time_ab_alternates_the_variants(capsys, knob, names):
     from kernels import gdn_decode, linear
     from model import ops
     from profiles import host_time
     defaults = (linear.SPLIT_K, gdn_decode.STATE_BEFORE_WAIT, linear.TMA_GEMV, linear.TMA_NORM)
-    rows = host_time.main(["--decode", "1", "--ctx", "24", "--device", "cpu", "--ab", knob])["ab"]
+    rows = host_time.main(["--decode", "1", "--ctx", "24", "--device", "cpu", "--ab", knob])["ab"][knob]
     assert [(r[knob], r["repeat"]) for r in rows] == [(names[0], 0), (names[1], 0), (names[0], 1), (names[1], 1)]
     assert all(r["graph_ms"] > 0 for r in rows) and "graph_ms" in capsys.readouterr().out
     # each knob's default again afterwards: the whole triton backend registered, its pre-norm by its rule
     assert (linear.SPLIT_K, gdn_decode.STATE_BEFORE_WAIT, linear.TMA_GEMV, linear.TMA_NORM) == defaults
     triton_ops = ops._BACKENDS["triton"]
     assert triton_ops["linear"] is linear.linear and triton_ops["add_rms_norm_linear"].keywords == {"fused": None}
+
+
+def test_host_time_ab_takes_several_knobs_in_turn():
+    # two-variant knobs, to keep it short (4 decode engines a knob): each knob's table, then its default again
+    from kernels import linear
+    from profiles import host_time
+    from serving import sampler
+    knobs = ["tma_norm", "argmax"]
+    defaults = (linear.TMA_NORM, sampler.TRITON_ARGMAX)
+    argv = ["--decode", "1", "--ctx", "24", "--device", "cpu", *(a for k in knobs for a in ("--ab", k))]
+    found = host_time.main(argv)["ab"]
+    assert list(found) == knobs
+    for knob in knobs:
+        names = list(host_time.AB_KNOBS[knob][2])
+        assert [(r[knob], r["repeat"]) for r in found[knob]] == [(n, rep) for rep in (0, 1) for n in names]
+    assert (linear.TMA_NORM, sampler.TRITON_ARGMAX) == defaults
 
 
 def test_host_time_admission_keys():
