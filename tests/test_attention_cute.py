@@ -160,7 +160,8 @@ for index, cfg in enumerate(representative_configs()):
     spill = re.search(r"(\\d+) bytes spill stores", info)
     print(json.dumps({"index": index, "seconds": time.time() - start, "wgmma": ptx.count("wgmma.mma_async"),
                       "tma": ptx.count("cp.async.bulk.tensor"), "setmaxnreg": ptx.count("setmaxnreg"),
-                      "ex2": ptx.count("ex2.approx"), "spill_bytes": int(spill.group(1)) if spill else None,
+                      "ex2": ptx.count("ex2.approx"), "o_stores": re.findall(r"st\\.global[.a-z0-9]*", ptx),
+                      "spill_bytes": int(spill.group(1)) if spill else None,
                       "injected_fences": info.count("C7519"), "config": repr(cfg)}), flush=True)
 """
 
@@ -203,6 +204,9 @@ def test_cute_kernel_compiles_for_sm90(index, sm90_compiles):
     assert stats["tma"] == col_boxes * (q_boxes + 2 * kv_boxes) and stats["setmaxnreg"] == 2, stats
     cols = cfg.tile_n // 4  # per thread and row: 2 rows of 64 x tile_n over 128 threads
     assert stats["ex2"] == copies * (2 * cols * (1 - cfg.poly_exp2_fraction) + 2), stats  # + 2 rescale factors
+    # O leaves 16 bytes a store: a thread's 64 x D / 128 values in D / 64 vector stores (the row stride is declared
+    # a multiple of D; undeclared, the copy fell back to one 2-byte store a value)
+    assert stats["o_stores"] == ["st.global.v4.b32"] * (cfg.head_dim // 16), stats
     # ptxas: no register spills, and no wgmma fence of its own (C7519: registers a wgmma reads were written after
     # our fence, as when P's conversion sinks past the next QK^T's issue; softmax.store_p pins it)
     assert stats["spill_bytes"] == 0 and stats["injected_fences"] == 0, stats
