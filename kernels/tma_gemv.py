@@ -51,10 +51,6 @@ RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 # 84.5 against 84.1; the decode step (`host_time --ab tma_pause`): 2B 1.28 ms against 1.30 (6: 1.28), 0.8B 0.780
 # against 0.806 (6: 0.791)
 BOUNDARY_BYTES = 80 * 1024
-# the same pause at a kernel's start: the producer issues this many bytes of the first GEMV before the PDL wait (0:
-# the whole ring). Not measured yet (`python -m profiles.host_time --decode 1 --ab tma_start`): the previous kernel's
-# last stores and its grid's completion may wait behind a full ring of ours, as a grid sync's fence did
-START_BYTES = 0
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
 CTA_SHARED_BYTES = 227 * 1024  # the most one CTA may take on sm_90: the ring, x and the barriers
@@ -85,15 +81,6 @@ class TmaGemvConfig:
     chain: tuple[GemvInput, ...] = ()  # GEMVs after the first in the same launch, each on the previous one's output
     slot_rows: int = SLOT_ROWS  # a ring slot: slot_rows x BLOCK_K weights, slot_rows / block_n boxes along K
     boundary_slots: int = 0  # see BOUNDARY_BYTES (0: no pause)
-    start_slots: int = 0  # see START_BYTES: the first GEMV's slots issued before the consumers are past the PDL wait
-
-    def pauses(self) -> list[tuple[int, int]]:
-        """(slots, phase) of each GEMV's pause: after `slots` of its ring slots (0: none) the producer waits for the
-        consumers' arrival number `phase` on the synced barrier (they arrive past the PDL wait with start_slots, and
-        past each grid sync with boundary_slots)."""
-        arrivals = ([0] if self.start_slots else []) + ([*range(1, len(self.inputs))] if self.boundary_slots else [])
-        slots = [self.start_slots] + [self.boundary_slots] * len(self.chain)
-        return [(s, arrivals.index(g) if s else 0) for g, s in enumerate(slots)]
 
     @property
     def slot_bytes(self) -> int:
@@ -131,9 +118,8 @@ class TmaGemvConfig:
             raise ValueError(f"a chain syncs its grid: ctas_per_sm must be 1, got {self.ctas_per_sm}")
         if not 2 <= self.stages <= 32:
             raise ValueError(f"stages must be 2 to 32, got {self.stages}")
-        for name in ("boundary_slots", "start_slots"):
-            if not 0 <= getattr(self, name) <= self.stages:
-                raise ValueError(f"{name} must be 0 to stages ({self.stages}), got {getattr(self, name)}")
+        if not 0 <= self.boundary_slots <= self.stages:
+            raise ValueError(f"boundary_slots must be 0 to stages ({self.stages}), got {self.boundary_slots}")
         if self.stages * self.slot_bytes + 2 * self.x_width + 1024 > CTA_SHARED_BYTES:
             raise ValueError(f"the ring ({self.stages} x {self.slot_bytes} bytes) and x ({self.x_width} wide) take "
                              f"more than a CTA's {CTA_SHARED_BYTES} bytes of shared memory")
@@ -157,16 +143,15 @@ def block_rows(n: int, num_sms: int = 132) -> int:
 def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, norm: bool = False, add: bool = False,
                   pdl: bool = True, ring_bytes: int = RING_BYTES, consumer_warps: int = 8,
                   ctas_per_sm: int = 1, chain: tuple[GemvInput, ...] = (),
-                  slot_rows: int = SLOT_ROWS, boundary_bytes: int = 0, start_bytes: int = 0) -> TmaGemvConfig:
+                  slot_rows: int = SLOT_ROWS, boundary_bytes: int = 0) -> TmaGemvConfig:
     """The first GEMV's (N n) block_n by block_rows (the chained ones carry theirs); the ring holds ring_bytes. The
     defaults: H200, session 16, `python -m profiles.bench_decode --sweep-tma`, where a 128 KiB ring and 8 consumer
     warps were the fastest of 32-128 KiB x 4-8 warps x 1-2 CTAs an SM on 10 of the 12 2B / 9B projections."""
     slot_bytes = slot_rows * BLOCK_K * 2
     stages = min(32, ring_bytes // slot_bytes)
     pause = min(stages, boundary_bytes // slot_bytes) if chain else 0
-    start = min(stages, start_bytes // slot_bytes) if pdl else 0
     return TmaGemvConfig(k, block_rows(n, num_sms), stages, gated, ctas_per_sm, consumer_warps, norm, add, pdl, chain,
-                         slot_rows, pause, start).validate()
+                         slot_rows, pause).validate()
 
 
 def available(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, *,
@@ -306,7 +291,7 @@ def _kernel_class():
                 # in a chain no wait for the previous GEMV (the next weights stream in while the grid syncs)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
                 for g in cutlass.range_constexpr(len(tmas)):
-                    spec, (pause, phase) = cfg.inputs[g], cfg.pauses()[g]
+                    spec = cfg.inputs[g]
                     gW = cute.local_tile(mWs[g], (spec.block_n, BLOCK_K), (None, None))  # (bn, BLOCK_K, blocks, K/BK)
                     tWsW, tWgW = cpasync.tma_partition(tmas[g], 0, cute.make_layout(1),
                                                        cute.group_modes(sWs[g], 0, 2), cute.group_modes(gW, 0, 2))
@@ -315,9 +300,9 @@ def _kernel_class():
                     while block < blocks[g]:
                         boxes = cfg.boxes(spec)
                         for kt in cutlass.range(cfg.width(spec) // (boxes * BLOCK_K), unroll=1):
-                            if cutlass.const_expr(pause > 0):
-                                if issued == pause:
-                                    cute.arch.mbarrier_wait(synced, phase % 2)
+                            if cutlass.const_expr(g > 0 and cfg.boundary_slots > 0):
+                                if issued == cfg.boundary_slots:
+                                    cute.arch.mbarrier_wait(synced, (g - 1) % 2)
                             issued += 1
                             ring.producer_acquire(state)
                             for b in cutlass.range_constexpr(boxes):  # a box past K arrives as zeros
@@ -325,16 +310,13 @@ def _kernel_class():
                                           tma_bar_ptr=ring.producer_get_barrier(state))
                             state.advance()
                         block += grid
-                    if cutlass.const_expr(pause > 0 and g < len(cfg.chain)):
-                        if issued <= pause:  # too few slots to reach the wait: wait here, so that the next
-                            cute.arch.mbarrier_wait(synced, phase % 2)  # GEMV's wait has its phase in step
+                    if cutlass.const_expr(0 < g < len(cfg.chain) and cfg.boundary_slots > 0):
+                        if issued <= cfg.boundary_slots:  # too few slots to reach the wait: wait here, so that the
+                            cute.arch.mbarrier_wait(synced, (g - 1) % 2)  # next GEMV's wait has its phase in step
             else:
                 if cutlass.const_expr(cfg.pdl):
                     cute.arch.griddepcontrol_wait()  # x comes from the previous kernel
                     cute.arch.griddepcontrol_launch_dependents()
-                if cutlass.const_expr(cfg.start_slots > 0):
-                    if tidx == 0:
-                        cute.arch.mbarrier_arrive(synced)
                 sSumSq = storage.sum_sq.get_tensor(cute.make_layout(consumers))
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
                 for g in cutlass.range_constexpr(len(tmas)):
@@ -526,7 +508,7 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
     chain = tuple(dataclasses.replace(g, block_n=block_rows(w.shape[0], sms)) for g, w in zip(chain, weights[1:]))
     cfg = config or choose_config(weights[0].shape[0], first.k, first.gated, _SMS[index], norm=first.norm,
                                   add=first.add, pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES, chain=chain,
-                                  slot_rows=SLOT_ROWS, boundary_bytes=BOUNDARY_BYTES, start_bytes=START_BYTES)
+                                  slot_rows=SLOT_ROWS, boundary_bytes=BOUNDARY_BYTES)
     outs = [torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights[:-1]] + [out]
     stream = cu_stream(torch.cuda.current_stream(x.device).cuda_stream)
 

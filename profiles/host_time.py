@@ -175,8 +175,6 @@ AB_KNOBS = {"prenorm": None, "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
             "tma_chain_down": ("kernels.linear", "TMA_CHAIN_DOWN", ON_OFF),
             "tma_slot": ("kernels.tma_gemv", "SLOT_ROWS", {"16k": 32, "8k": 16}),
             "tma_pause": ("kernels.tma_gemv", "BOUNDARY_BYTES", {"80k": 80 * KIB, "96k": 96 * KIB, "off": 0}),
-            "tma_start": ("kernels.tma_gemv", "START_BYTES", {"off": 0, "96k": 96 * KIB, "64k": 64 * KIB,
-                                                              "32k": 32 * KIB}),
             "argmax": ("serving.sampler", "TRITON_ARGMAX", {"torch": False, "triton": True}),
             # B1 at 16 key heads: dv in 8, 4, 2 or 1 slices a key head (kernels.gdn_decode._dv_splits); more than
             # one slice ends in a release-acquire ticket, whose fence may wait for the next chain's weights in flight

@@ -53,20 +53,6 @@ def test_config_errors_name_the_field(fields, match):
         T.TmaGemvConfig(*fields).validate()
 
 
-def test_pauses_follow_the_consumers_arrivals():
-    chain = (T.GemvInput(2048, norm=True, add=True), T.GemvInput(6144, gated=True))
-    cfg = T.choose_config(2048, 2048, chain=chain, boundary_bytes=80 * 1024, start_bytes=64 * 1024)
-    assert (cfg.start_slots, cfg.boundary_slots) == (4, 5)
-    assert cfg.pauses() == [(4, 0), (5, 1), (5, 2)]  # arrivals: past the PDL wait, past each grid sync
-    assert T.choose_config(2048, 2048, chain=chain, boundary_bytes=80 * 1024).pauses() == [(0, 0), (5, 0), (5, 1)]
-    assert T.choose_config(2048, 2048, start_bytes=64 * 1024).pauses() == [(4, 0)]
-    assert T.choose_config(2048, 2048, start_bytes=64 * 1024, pdl=False).pauses() == [(0, 0)]  # no wait to pause for
-    assert T.choose_config(2048, 2048, boundary_bytes=80 * 1024).boundary_slots == 0  # no grid sync
-    assert T.choose_config(2048, 2048, chain=chain, boundary_bytes=2**20).boundary_slots == 8  # the whole ring
-    with pytest.raises(ValueError, match="start_slots"):
-        T.TmaGemvConfig(64, 16, 8, start_slots=9).validate()
-
-
 @pytest.mark.parametrize("chain, fields, match", [
     ((T.GemvInput(64, norm=True), T.GemvInput(64, norm=True)), {}, "at most one"),
     ((T.GemvInput(12),), {}, "k must"), ((T.GemvInput(64, gated=True, norm=True),), {}, "one of plain"),
@@ -163,13 +149,10 @@ chain = (GemvInput(2048, norm=True, add=True), GemvInput(6144, gated=True))
 unpaused = compile_config(choose_config(2048, 2048, chain=chain), keep_ptx=True).__ptx__
 cfg = choose_config(2048, 2048, chain=chain, boundary_bytes=BOUNDARY_BYTES)
 ptx = compile_config(cfg, keep_ptx=True).__ptx__
-started = compile_config(choose_config(2048, 2048, chain=chain, boundary_bytes=BOUNDARY_BYTES, start_bytes=65536),
-                         keep_ptx=True).__ptx__
 print(json.dumps({"tma": ptx.count("cp.async.bulk.tensor"), "wait": ptx.count("griddepcontrol.wait"),
                   "arrive": ptx.count("atom.global.release.add.u64"), "poll": ptx.count("ld.acquire.gpu"),
                   "rsqrt": ptx.count("rsqrt"), "ex2": ptx.count("ex2.approx"),
-                  "pause": [ptx.count(op) - unpaused.count(op) for op in ("mbarrier.arrive", "mbarrier.try_wait")],
-                  "start": [started.count(op) - ptx.count(op) for op in ("mbarrier.arrive", "mbarrier.try_wait")]}))
+                  "pause": [ptx.count(op) - unpaused.count(op) for op in ("mbarrier.arrive", "mbarrier.try_wait")]}))
 """
 
 SM90_COMPILE = """
@@ -232,7 +215,6 @@ def test_chain_compiles_for_sm90(monkeypatch):
     # BOUNDARY_BYTES: a consumer's arrive a grid sync; the producer's wait in gate_up's loop and after it (for a CTA
     # with too few of its slots to reach the first), and in down's loop
     assert row["pause"] == [2, 3], row
-    assert row["start"] == [1, 2], row  # START_BYTES: an arrive past the PDL wait; a wait in out_proj's loop and after
 
 
 def _pair(n, k, seed=0, gated=False):
@@ -364,17 +346,15 @@ def _chain(o, residual, out_w, norm_w, gate_up_w, down_w):
 @pytest.mark.gpu
 @gpu_sm90
 @needs_dsl
-@pytest.mark.parametrize("hidden, width, inter, pause, start", [
-    (1000, 520, 1384, 16, 16), (1024, 2048, 3584, 0, 0), (1024, 2048, 3584, None, 32), (2048, 2048, 6144, None, 0),
-    (2048, 2048, 6144, 128, 64), (4096, 4096, 12288, None, 0)])
-def test_chain_matches_its_gemvs_and_fp32(monkeypatch, hidden, width, inter, pause, start):
+@pytest.mark.parametrize("hidden, width, inter, pause", [(1000, 520, 1384, 16), (1024, 2048, 3584, 0),
+                                                         (1024, 2048, 3584, None), (2048, 2048, 6144, None),
+                                                         (2048, 2048, 6144, 128), (4096, 4096, 12288, None)])
+def test_chain_matches_its_gemvs_and_fp32(monkeypatch, hidden, width, inter, pause):
     # one launch: bit for bit the three TMA GEMVs launched apart (the same sums in the same order), s exactly
     # torch's bf16 add, and the output against the fp32 reference of the whole stretch; with the producer's pause
-    # at each grid sync after `pause` KiB (None: BOUNDARY_BYTES; 0: none; 128: the whole ring) and at the start
-    # after `start` KiB (START_BYTES; 0: none), the GEMVs apart too
+    # at each grid sync after `pause` KiB (None: BOUNDARY_BYTES; 0: none; 128: the whole ring)
     if pause is not None:
         monkeypatch.setattr(T, "BOUNDARY_BYTES", pause * 1024)
-    monkeypatch.setattr(T, "START_BYTES", start * 1024)
     o, residual, out_w, norm_w, gate_up_w, down_w = _layer_tail(hidden, width, inter, seed=hidden + inter)
     out, s = _chain(o, residual, out_w, norm_w, gate_up_w, down_w)
     y = T.tma_gemv(o, out_w)
