@@ -70,10 +70,6 @@ TMA_NORM = True
 # --decode 1 --ab tma_chain`): 2B 1.31 against 1.35 ms, 0.8B 0.819 against 0.877, 9B 4.32 against 4.33. The first
 # version (8-row blocks in 4 KiB slots, a consumer pass over a slot half as long) gained nothing on 2B (1.35 both).
 TMA_CHAIN = True
-# Whether the chain takes the gated down projection too, or stops after gate_up and leaves it to silu_and_mul_linear
-# (the Triton GEMV below TMA_GATED_MIN_K: 2B's 8.6 us against 10.7 on TMA, per weight). Not measured yet: `python -m
-# profiles.host_time --decode 1 --ab tma_chain_down` (the chain's second grid sync traded for a launch boundary)
-TMA_CHAIN_DOWN = True
 # NORM's sums of squares read up to this many elements of the rows per step: 4096-wide rows in one L2 round trip
 # (in BLOCK_K steps, 2B's gate_up GEMV waited on 16 dependent round trips before its first FMA: +0.3 ms a step)
 NORM_ELEMENTS = 4096
@@ -380,20 +376,20 @@ def out_proj_mlp(o, residual, out_weight, norm_weight, eps, gate_up_weight, down
     """reference.out_proj_mlp: (SwiGLU(rms_norm(o @ out_weight^T + residual)), s = o @ out_weight^T + residual).
     One bf16 row with TMA_CHAIN: one launch of three chained TMA-ring GEMVs; else model.ops.out_proj_mlp_by_ops
     (linear, add_rms_norm_linear and silu_and_mul_linear, each on the active backend)."""
-    weights = (out_weight, gate_up_weight, down_weight)[:3 if TMA_CHAIN_DOWN else 2]
+    weights = (out_weight, gate_up_weight, down_weight)
     inputs = (tma_gemv.GemvInput(out_weight.shape[1]),
               tma_gemv.GemvInput(gate_up_weight.shape[1], norm=True, add=True),
-              tma_gemv.GemvInput(down_weight.shape[1], gated=True))[:len(weights)]
+              tma_gemv.GemvInput(down_weight.shape[1], gated=True))
     if (TMA_CHAIN and TMA_GEMV and residual is not None and o.dim() == 2 and o.shape[0] == 1
             and residual.shape == (1, down_weight.shape[0])
             and tma_gemv.chain_available(o, weights, inputs, norm_weight=norm_weight, residual=residual)):
         check_devices(o=o, residual=residual, out_weight=out_weight, norm_weight=norm_weight,
                       gate_up_weight=gate_up_weight, down_weight=down_weight)
         s = torch.empty_like(residual)
-        out = torch.empty((1, weights[-1].shape[0]), dtype=o.dtype, device=o.device)
+        out = torch.empty_like(residual)
         tma_gemv.tma_gemv_chain(o, weights, inputs, out, norm_weight=norm_weight, eps=eps, residual=residual,
                                 s_out=s)
-        return (out if TMA_CHAIN_DOWN else silu_and_mul_linear(out, down_weight)), s
+        return out, s
     return ops.out_proj_mlp_by_ops(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight)
 
 

@@ -8,11 +8,6 @@ import torch
 
 from serving.sequence import SamplingParams
 
-# greedy rows on CUDA through kernels.argmax (two launches, each row over many programs) instead of torch.argmax.
-# Off until measured on the H200: `python -m profiles.host_time --decode 1 --ab argmax` (session 18 wrote it without
-# device time left; its interpreter tests pass, its GPU test has not run)
-TRITON_ARGMAX = False
-
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """probs: (B, V) sorted descending; top_k: (B,) int (0 = all); top_p: (B,) -> probs outside the top-k
@@ -22,11 +17,6 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     mass_before = probs.cumsum(-1) - probs  # (B, V)
     keep = (rank < k) & ((mass_before < top_p[:, None]) | (rank == 0))
     return probs * keep
-
-
-def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    from kernels.argmax import argmax_rows  # Triton: imported only where it runs (a CPU install may lack it)
-    return argmax_rows(logits)
 
 
 def is_greedy(p: SamplingParams) -> bool:
@@ -49,7 +39,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams | None],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits: (B, V) -> tokens (B,) int64: argmax where the row is greedy (or its params are None: a row the
     caller will not read), else a draw from the filtered softmax(logits / temperature) with that row's generator."""
-    greedy = _argmax_rows(logits) if TRITON_ARGMAX and logits.is_cuda else logits.argmax(-1)
+    greedy = logits.argmax(-1)
     drawn_rows = [i for i, p in enumerate(params) if p is not None and not is_greedy(p)]
     if not drawn_rows:
         return greedy

@@ -100,16 +100,15 @@ def test_host_time_ab_takes_several_knobs_in_turn():
     # two-variant knobs, to keep it short (4 decode engines a knob): each knob's table, then its default again
     from kernels import linear
     from profiles import host_time
-    from serving import sampler
-    knobs = ["tma_norm", "argmax"]
-    defaults = (linear.TMA_NORM, sampler.TRITON_ARGMAX)
+    knobs = ["tma_norm", "tma_chain"]
+    defaults = (linear.TMA_NORM, linear.TMA_CHAIN)
     argv = ["--decode", "1", "--ctx", "24", "--device", "cpu", *(a for k in knobs for a in ("--ab", k))]
     found = host_time.main(argv)["ab"]
     assert list(found) == knobs
     for knob in knobs:
         names = list(host_time.AB_KNOBS[knob][2])
         assert [(r[knob], r["repeat"]) for r in found[knob]] == [(n, rep) for rep in (0, 1) for n in names]
-    assert (linear.TMA_NORM, sampler.TRITON_ARGMAX) == defaults
+    assert (linear.TMA_NORM, linear.TMA_CHAIN) == defaults
 
 
 def test_host_time_admission_keys():

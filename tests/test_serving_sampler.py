@@ -82,7 +82,7 @@ def test_a_seeded_row_draws_the_same_alone_or_batched():
 
 
 def test_the_engine_imports_without_triton():
-    # a CPU install (`pip install -e .`) has no Triton: the sampler imports kernels.argmax only where it runs
+    # a CPU install (`pip install -e .`) has no Triton: the engine imports it only where a Triton kernel runs
     script = ("import sys, importlib.abc\n"
               "class NoTriton(importlib.abc.MetaPathFinder):\n"
               "    def find_spec(self, name, path, target=None):\n"
