@@ -8,6 +8,8 @@ its base without two processes: each ref's fa4/ becomes its own package (fa4_<re
 its own compile cache and its kernels are timed in alternating rounds with flash-attn-4 in the same process (it moved
 by up to 10% between rounds on the H200, prefill.json 'cute_tree_reduce_ab'). `prepare` needs git (the GPU machine
 gets the working tree without it); ab_refs/ is ignored by git, so pass it in the device run's carry.
+Only fa4/ is taken from the ref: kernels/ (the compile cache, the split-KV kernel) and the rest come from the working
+tree that runs, so a ref that changes them is not what gets timed.
 """
 import argparse
 import functools
@@ -22,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDER = ROOT / "ab_refs"
-IMPORT = re.compile(r"^(\s*)(from|import) fa4(\.| import)", re.M)
+IMPORT = re.compile(r"^(\s*(?:from|import)\s+)fa4\b", re.M)  # from fa4[.x] import / import fa4[.x] [as y]
 
 
 def package_name(ref: str) -> str:
@@ -39,7 +41,7 @@ def prepare(refs: list[str], folder: Path = FOLDER) -> None:
             tar.extractall(folder / "tmp", filter="data")
         (folder / "tmp" / "fa4").rename(folder / name)
         for path in (folder / name).rglob("*.py"):
-            path.write_text(IMPORT.sub(rf"\1\2 {name}\3", path.read_text()))
+            path.write_text(IMPORT.sub(rf"\g<1>{name}", path.read_text()))
         print(f"{ref} -> {folder.name}/{name}")
     (folder / "tmp").rmdir()
 
