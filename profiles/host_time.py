@@ -11,7 +11,9 @@ largest first) and as a CUDA-graph replay (the step's time per token). The gap b
 the eager kernels' sum is what launches and kernel ramps cost inside the graph. `--prenorm fused|unfused` runs each
 block half's residual add and RMSNorm inside its first projection's GEMV, or as its own launch (the A/B of
 kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab KNOB` (AB_KNOBS) times a decode knob's variants
-in one process, alternated, through the CUDA graph only. Predicted for the fusion: 48
+in one process, alternated, through the CUDA graph only; `--ab skip` (timing only, wrong tokens) drops the GDN
+mixer, the attention (prep + paged attention) or both, for the most a kernel fusing them into their neighbours
+could save. Predicted for the fusion: 48
 launches fewer a 2B/0.8B step at ~2.5 us each with its graph gap, minus the GEMVs' extra reads of the rows from L2,
 about 0.1-0.15 ms off 2B's step.
 Measured on the H200 (session 8, the GEMV summing the squares in a first pass over the rows): 0.8B 1.19 ms fused
@@ -165,10 +167,43 @@ def use_prenorm(fused: bool | None) -> None:
     ops.register_backend("triton", {"add_rms_norm_linear": functools.partial(add_rms_norm_linear, fused=fused)})
 
 
+def prenorm_setters() -> tuple[dict, Callable[[], None]]:
+    return ({"fused": functools.partial(use_prenorm, True), "unfused": functools.partial(use_prenorm, False)},
+            functools.partial(use_prenorm, None))
+
+
+# Timing only, the tokens come out wrong: the mixers' ops replaced by their input passed through (no kernel), so the
+# decode step shows what it would cost if the mixer were free: the most a kernel that fuses it away could save
+PASS_THROUGH = {"gated_deltanet": lambda qkv, z, *rest: z, "attention_prep": lambda q, *rest: q,
+                "paged_attention": lambda q, *rest: q}
+SKIPPED = {"none": (), "gdn": ("gated_deltanet",), "attention": ("attention_prep", "paged_attention"),
+           "both": tuple(PASS_THROUGH)}
+
+
+def skip_setters() -> tuple[dict, Callable[[], None]]:
+    """--ab skip: the active backend's mixer ops swapped for PASS_THROUGH per SKIPPED variant; restore puts back
+    what the backend had."""
+    table = ops._BACKENDS[ops.get_backend()]
+    saved = {op: table.get(op) for op in PASS_THROUGH}
+
+    def restore():
+        for op, impl in saved.items():
+            if impl is None:
+                table.pop(op, None)
+            else:
+                table[op] = impl
+
+    def skip(names):
+        restore()
+        table.update({op: PASS_THROUGH[op] for op in names})
+    return {name: functools.partial(skip, names) for name, names in SKIPPED.items()}, restore
+
+
 ON_OFF = {"off": False, "on": True}
 KIB, MIB = 2**10, 2**20
-# --ab knobs: name -> (module, attribute, {variant: value}) of a kernel setting, or the pre-norm rule of use_prenorm
-AB_KNOBS = {"prenorm": None, "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
+# --ab knobs: name -> (module, attribute, {variant: value}) of a kernel setting, or a function that returns
+# ({variant: apply it}, restore): the pre-norm rule of use_prenorm; `skip` (timing only: wrong tokens)
+AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
@@ -183,9 +218,8 @@ AB_KNOBS = {"prenorm": None, "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
 
 def knob_setters(knob: str) -> tuple[dict, Callable[[], None]]:
     """({variant name: apply it}, restore the knob's current setting) of one of AB_KNOBS."""
-    if AB_KNOBS[knob] is None:
-        return ({"fused": functools.partial(use_prenorm, True), "unfused": functools.partial(use_prenorm, False)},
-                functools.partial(use_prenorm, None))
+    if callable(AB_KNOBS[knob]):
+        return AB_KNOBS[knob]()
     module_name, attribute, values = AB_KNOBS[knob]
     module = importlib.import_module(module_name)
     flag = functools.partial(setattr, module, attribute)

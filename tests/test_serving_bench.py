@@ -3,7 +3,9 @@ the prefix cache serves the returning turns."""
 import json
 
 import pytest
+import torch
 
+from model import ops
 from model.model import Qwen35ForCausalLM
 from serving import bench, traces
 from tests.hf_oracle import small_config
@@ -109,6 +111,28 @@ def test_host_time_ab_takes_several_knobs_in_turn():
         names = list(host_time.AB_KNOBS[knob][2])
         assert [(r[knob], r["repeat"]) for r in found[knob]] == [(n, rep) for rep in (0, 1) for n in names]
     assert (linear.TMA_NORM, linear.TMA_CHAIN) == defaults
+
+
+def test_host_time_skip_knob_passes_the_mixers_through_and_restores_them():
+    from profiles import host_time
+    argv = ["--decode", "1", "--ctx", "24", "--device", "cpu", "--ab", "skip"]
+    tables = {name: dict(table) for name, table in ops._BACKENDS.items()}
+    found = host_time.main(argv)["ab"]["skip"]
+    assert [(r["skip"], r["repeat"]) for r in found] == [(n, rep) for rep in (0, 1) for n in host_time.SKIPPED]
+    assert {name: dict(table) for name, table in ops._BACKENDS.items()} == tables  # every op back, none added
+    before = {op: ops._impl(op) for op in host_time.PASS_THROUGH}
+    variants, restore = host_time.skip_setters()
+    try:
+        variants["gdn"]()
+        z = torch.randn(1, 2, 3)
+        assert ops.gated_deltanet(None, z, *[None] * 11) is z  # passed through: no kernel, wrong tokens
+        assert ops._impl("paged_attention") is before["paged_attention"]
+        variants["attention"]()
+        assert ops._impl("gated_deltanet") is before["gated_deltanet"]
+        assert ops.paged_attention(z, None, None, None, 1.0) is z
+    finally:
+        restore()
+    assert {op: ops._impl(op) for op in host_time.PASS_THROUGH} == before
 
 
 def test_host_time_admission_keys():
