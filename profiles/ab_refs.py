@@ -47,9 +47,7 @@ def prepare(refs: list[str], folder: Path = FOLDER) -> None:
 
 
 def run(cases: list[int], rounds: int) -> list[dict]:
-    import torch
-
-    from profiles.bench_prefill import ATTN_CASES, attention_flops
+    from profiles.bench_prefill import ATTN_CASES, attention_flops, attention_inputs
     from profiles.common import bench_us, peer_attention, print_table
     sys.path.insert(0, str(FOLDER))
     names = sorted(p.name for p in FOLDER.iterdir() if p.is_dir())
@@ -59,8 +57,7 @@ def run(cases: list[int], rounds: int) -> list[dict]:
     rows = []
     for case in cases:
         b, s, h, kv, d, causal = ATTN_CASES[case]
-        q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(b, s, kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        q, k, v = attention_inputs(b, s, h, kv, d)
         calls = {n: functools.partial(e.cute_attention, q, k, v, causal=causal, softmax_scale=d ** -0.5)
                  for n, e in entries.items()}
         calls["fa4"] = peer_attention("fa4", q, k, v, causal)

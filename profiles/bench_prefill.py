@@ -70,6 +70,14 @@ def attention_flops(batch, seqlen, heads, dim, causal):
     return 4 * batch * seqlen * seqlen * heads * dim / (2 if causal else 1)
 
 
+def attention_inputs(batch, seqlen, h, kv, d):
+    """Seeded random q (batch, seqlen, h, d) and k, v (batch, seqlen, kv, d), bf16 on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, seqlen, h, d, device="cuda", dtype=BF16, generator=gen)
+    k, v = (torch.randn(batch, seqlen, kv, d, device="cuda", dtype=BF16, generator=gen) for _ in range(2))
+    return q, k, v
+
+
 def time_peers(row: dict, peers, q, k, v, causal: bool, flops: float) -> None:
     """row[<peer>_TFLOPs] for each peer on (q, k, v); a peer that cannot run the case is reported, not fatal."""
     for name in peers:
@@ -81,10 +89,7 @@ def time_peers(row: dict, peers, q, k, v, causal: bool, flops: float) -> None:
 
 def bench_attention_case(batch, seqlen, h, kv, d, causal, variants, peers=("fa4", "cudnn", "fa2"), cute=True):
     from fa4 import flash_attention
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(batch, seqlen, h, d, device="cuda", dtype=BF16, generator=gen)
-    k = torch.randn(batch, seqlen, kv, d, device="cuda", dtype=BF16, generator=gen)
-    v = torch.randn(batch, seqlen, kv, d, device="cuda", dtype=BF16, generator=gen)
+    q, k, v = attention_inputs(batch, seqlen, h, kv, d)
     flops = attention_flops(batch, seqlen, h, d, causal)
     row = {"B": batch, "S": seqlen, "H/KV": f"{h}/{kv}", "D": d, "causal": causal}
     for label, threshold, frac in variants:
@@ -174,9 +179,7 @@ def bench_cute_case(batch, seqlen, h, kv, d, causal, labels=None):
     """The CuTe kernel with each CUTE_VARIANTS entry (those named in labels, when given) against flash-attn-4 and
     cuDNN, TFLOP/s."""
     from fa4.cute.entry import cute_attention
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(batch, seqlen, h, d, device="cuda", dtype=BF16, generator=gen)
-    k, v = (torch.randn(batch, seqlen, kv, d, device="cuda", dtype=BF16, generator=gen) for _ in range(2))
+    q, k, v = attention_inputs(batch, seqlen, h, kv, d)
     flops = attention_flops(batch, seqlen, h, d, causal)
     row = {"B": batch, "S": seqlen, "H/KV": f"{h}/{kv}", "D": d, "causal": causal}
     for label, by_dim in CUTE_VARIANTS:
@@ -204,8 +207,7 @@ def quick(what, case: int = 2):
     if what == "cute":
         from fa4.cute.entry import cute_attention
         batch, seqlen, h, kv, d, causal = ATTN_CASES[case]
-        q = torch.randn(batch, seqlen, h, d, device="cuda", dtype=BF16)
-        k, v = (torch.randn(batch, seqlen, kv, d, device="cuda", dtype=BF16) for _ in range(2))
+        q, k, v = attention_inputs(batch, seqlen, h, kv, d)
         us = bench_us(lambda: cute_attention(q, k, v, causal=causal, softmax_scale=d ** -0.5))
         progress({"cute_TFLOPs": attention_flops(batch, seqlen, h, d, causal) / us / 1e6})
         return
