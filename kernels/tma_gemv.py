@@ -304,10 +304,7 @@ def _kernel_class():
                                 if issued == cfg.boundary_slots:
                                     cute.arch.mbarrier_wait(synced, (g - 1) % 2)
                             issued += 1
-                            ring.producer_acquire(state)
-                            for b in cutlass.range_constexpr(boxes):  # a box past K arrives as zeros
-                                cute.copy(tmas[g], tWgW[None, block, kt * boxes + b], tWsW[None, b, state.index],
-                                          tma_bar_ptr=ring.producer_get_barrier(state))
+                            self.issue_slot(spec, tmas[g], tWgW, tWsW, ring, state, block, kt)
                             state.advance()
                         block += grid
                     if cutlass.const_expr(0 < g < len(cfg.chain) and cfg.boundary_slots > 0):
@@ -328,30 +325,54 @@ def _kernel_class():
                     self.stage_x(cfg.inputs[g], mX if g == 0 else mYs[g - 1], mRes, mNormW, mS, eps, sX, sSumSq,
                                  tidx, warp, lane, bidx)
                     cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
-                    spec, sW, mY = cfg.inputs[g], sWs[g], mYs[g]
-                    rows_per_warp, boxes = spec.block_n // consumers, cfg.boxes(spec)
-                    acc = cute.make_rmem_tensor((rows_per_warp, LANE_COLS), Float32)
+                    spec, mY = cfg.inputs[g], mYs[g]
+                    acc = cute.make_rmem_tensor((spec.block_n // consumers, LANE_COLS), Float32)
                     block = bidx
                     while block < blocks[g]:
-                        acc.fill(0.0)
-                        for kt in cutlass.range(cfg.width(spec) // (boxes * BLOCK_K), unroll=1):
-                            xs = [cute.local_tile(sX, (LANE_COLS,), ((kt * boxes + b) * 32 + lane,)).load().to(Float32)
-                                  for b in range(boxes)]
-                            ring.consumer_wait(state)
-                            for i in cutlass.range_constexpr(rows_per_warp):
-                                row = warp + consumers * i
-                                for b in cutlass.range_constexpr(boxes):
-                                    ws = cute.local_tile(sW[row, None, b, state.index], (LANE_COLS,), (lane,)).load()
-                                    acc[i, None].store(acc[i, None].load() + ws.to(Float32) * xs[b])
-                            ring.consumer_release(state)
-                            state.advance()
-                        for i in cutlass.range_constexpr(rows_per_warp):
-                            total = acc[i, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                            total = cute.arch.warp_reduction(total, operator.add)
+                        self.block_product(spec, sX, sWs[g], ring, state, acc, warp, lane)
+                        for i in cutlass.range_constexpr(spec.block_n // consumers):
+                            total = self.row_total(acc, i)
                             row = block * spec.block_n + warp + consumers * i
                             if lane == 0 and row < cute.size(mY):
                                 mY[row] = total.to(BFloat16)
                         block += grid
+
+        @cute.jit
+        def issue_slot(self, spec: cutlass.Constexpr, tma, tWgW: cute.Tensor, tWsW: cute.Tensor, ring, state,
+                       block: Int32, kt: Int32):
+            """The producer fills the ring's next slot with K tile kt of column block `block` (a box past K
+            arrives as zeros); the caller advances state."""
+            boxes = self.cfg.boxes(spec)
+            ring.producer_acquire(state)
+            for b in cutlass.range_constexpr(boxes):
+                cute.copy(tma, tWgW[None, block, kt * boxes + b], tWsW[None, b, state.index],
+                          tma_bar_ptr=ring.producer_get_barrier(state))
+
+        @cute.jit
+        def block_product(self, spec: cutlass.Constexpr, sX: cute.Tensor, sW: cute.Tensor, ring, state,
+                          acc: cute.Tensor, warp: Int32, lane: Int32):
+            """A consumer warp's rows of one column block times the staged x, over the block's K tiles as they
+            arrive in the ring: acc (rows_per_warp, LANE_COLS) gets each row's per-lane partial sums (row_total
+            finishes them); state advances past the block."""
+            consumers, boxes = self.cfg.consumer_warps, self.cfg.boxes(spec)
+            acc.fill(0.0)
+            for kt in cutlass.range(self.cfg.width(spec) // (boxes * BLOCK_K), unroll=1):
+                xs = [cute.local_tile(sX, (LANE_COLS,), ((kt * boxes + b) * 32 + lane,)).load().to(Float32)
+                      for b in range(boxes)]
+                ring.consumer_wait(state)
+                for i in cutlass.range_constexpr(spec.block_n // consumers):
+                    row = warp + consumers * i
+                    for b in cutlass.range_constexpr(boxes):
+                        ws = cute.local_tile(sW[row, None, b, state.index], (LANE_COLS,), (lane,)).load()
+                        acc[i, None].store(acc[i, None].load() + ws.to(Float32) * xs[b])
+                ring.consumer_release(state)
+                state.advance()
+
+        @cute.jit
+        def row_total(self, acc: cute.Tensor, i: cutlass.Constexpr) -> Float32:
+            """Row i of a warp's block_product: its lanes' partial sums added (every lane gets the total)."""
+            total = acc[i, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            return cute.arch.warp_reduction(total, operator.add)
 
         @cute.jit
         def grid_sync(self, mSync: cute.Tensor, grid: Int32, tidx: Int32):

@@ -175,6 +175,14 @@ class GatedDeltaNet(nn.Module):
                                self.eps)
         return o.reshape(n, self.hv * self.dv)
 
+    def project_and_core(self, x, residual, norm: RMSNorm, step: StepInput, conv_states, recurrent_states):
+        # x, residual: as NormedInput's -> (core(project_in(norm(x + residual))), x + residual), as one op
+        # (ops.in_proj_gated_deltanet: one launch at batch-1 decode on the H200)
+        return ops.in_proj_gated_deltanet(x, residual, norm.weight, norm.eps, self.in_proj.weight,
+                                          tuple(self.in_proj.parts.values()), self.conv1d.weight[:, 0, :],
+                                          self.A_log, self.dt_bias, self.norm.weight, conv_states, recurrent_states,
+                                          step, self.hk)
+
     @property
     def out_weight(self):
         # the output projection's (hidden, width)
@@ -262,6 +270,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, step: StepInput, state_a, state_b):
         # x: the previous layer's output (N, hidden), added to residual (None in layer 0) by the mixer's first
         # projection; state_a/b: this layer's cache views. Returns (this layer's output, its residual).
+        if self.layer_type == "linear_attention":
+            o, residual = self.linear_attn.project_and_core(x, residual, self.input_layernorm, step, state_a, state_b)
+            return self.mixer_out(o, residual)
         proj, residual = self.mixer_in(x, residual)
         return self.mixer_out(self.mixer.core(proj, step, state_a, state_b), residual)
 

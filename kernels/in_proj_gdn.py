@@ -1,0 +1,536 @@
+"""A GDN layer's first stretch at batch-1 decode in one CuTe-DSL launch: the in-projection of the normed hidden row
+and the gated delta step, with a thread-block cluster a key head exchanging through distributed shared memory.
+
+Unfused, the stretch is two kernels (kernels/tma_gemv.py's normed GEMV, then kernels/gdn_decode.py): the GDN kernel
+waits for the whole projection to land in global memory, reads it back, and its dv slices meet again over a
+global-memory ticket for the gated norm. Each of those is a dependent L2 round trip behind a full ring of weights.
+Here the projection rows a key head needs are computed by the CTAs that then use them:
+
+  grid: num_k_heads clusters of CLUSTER (8) CTAs; CTA `rank` of cluster `head` owns rows rank * 16 .. + 16 of the
+  head's q and k (its dk slice) and of each of its G = Hv / Hk value heads' v and z (its dv slice), 2 + 2G blocks of
+  16 in-projection rows. Ranks 0 .. G - 1 also take the heads' b rows, G .. 2G - 1 their a rows (one dot each).
+
+  1. The producer warp streams the CTA's row blocks through the TMA ring (tma_gemv's); the consumers stage
+     rms_norm(x + residual) (tma_gemv's stage_x) and reduce each row as the plain GEMV does, rounded to bf16.
+  2. Each CTA convolves its own channels (the conv is per channel) and pushes its q and k slices (and its b or a)
+     into every CTA of the cluster; one cluster barrier (release / acquire) later, every CTA holds the head's whole q
+     and k, so each computes their L2 norms itself.
+  3. Thread layout of the delta step: the CTA's 16G state columns, 256 / (16G) threads a column, each holding
+     128 / (256 / 16G) rows of the column in registers (loaded before the PDL wait: no kernel of the step writes
+     the states). S^T k and S^T q reduce over the column's threads with shuffles.
+  4. The gated RMSNorm needs each value head's sum of o^2 over all dv: one more push of G partial sums and a
+     second cluster barrier; then each CTA writes its slice of the output row.
+
+Everything else matches kernels/gdn_decode.py's math and roundings (see there). Constraints: bf16 throughout (fp32
+states), dk = dv = 16 * CLUSTER, G in (1, 2, 4), batch 1. Compiled once per InProjGdnConfig; compiling needs no
+GPU (CUTE_DSL_ARCH=sm_90a).
+"""
+import dataclasses
+import functools
+import operator
+
+import torch
+
+from kernels import pdl, tma_gemv
+from kernels.cute_runtime import CompileCache, cu_stream
+from kernels.host_math import cdiv
+from model import ops
+
+CLUSTER = 8  # CTAs a key head
+SLICE = 16  # rows of q, k and of each v and z head a CTA owns: one 16-row block
+GROUPS = (1, 2, 4)  # value heads a key head
+L2NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0  # torch's softplus returns x above it
+
+
+@dataclasses.dataclass(frozen=True)
+class InProjGdnConfig:
+    hidden: int  # the in-projection's K
+    num_k_heads: int
+    num_v_heads: int
+    head_dim: int = 16 * CLUSTER  # dk = dv
+    conv_taps: int = 4
+    add: bool = True  # a residual is added before the norm (every layer but the first)
+    pdl: bool = True
+    ring_bytes: int = tma_gemv.RING_BYTES
+
+    @property
+    def group(self) -> int:
+        return self.num_v_heads // self.num_k_heads
+
+    @property
+    def gemv(self) -> tma_gemv.TmaGemvConfig:
+        """The ring and the staged row: tma_gemv's config of one normed GEMV in 16-row blocks."""
+        return tma_gemv.choose_config(self.num_v_heads * self.head_dim, self.hidden, norm=True, add=self.add,
+                                      pdl=self.pdl, ring_bytes=self.ring_bytes)
+
+    @property
+    def conv_channels(self) -> int:
+        return (2 * self.num_k_heads + self.num_v_heads) * self.head_dim
+
+    @property
+    def blocks(self) -> int:
+        """16-row blocks a CTA projects: q, k, then G of v, then G of z."""
+        return 2 + 2 * self.group
+
+    @property
+    def own_channels(self) -> int:
+        """Conv channels a CTA convolves: its q, k and v slices."""
+        return (2 + self.group) * SLICE
+
+    def validate(self) -> "InProjGdnConfig":
+        if self.head_dim != SLICE * CLUSTER:
+            raise ValueError(f"head_dim must be {SLICE * CLUSTER} (16 rows a CTA of {CLUSTER}), got {self.head_dim}")
+        if self.num_k_heads < 1 or self.num_v_heads % self.num_k_heads or self.group not in GROUPS:
+            raise ValueError(f"num_v_heads / num_k_heads must be one of {GROUPS}, got {self.num_v_heads} / "
+                             f"{self.num_k_heads}")
+        if self.conv_taps < 2:
+            raise ValueError(f"conv_taps must be at least 2, got {self.conv_taps}")
+        gemv = self.gemv
+        if gemv.block_n != SLICE or gemv.consumer_warps * 32 < self.own_channels:
+            raise ValueError(f"the ring's GEMV must take {SLICE}-row blocks and a consumer thread a channel, got "
+                             f"block_n {gemv.block_n}, {gemv.consumer_warps} warps")
+        return self
+
+
+def available(x: torch.Tensor, weight: torch.Tensor, tensors: dict, num_k_heads: int) -> bool:
+    """Whether in_proj_gdn takes this call: one bf16 row, the in-projection (and norm weight, residual) as
+    tma_gemv.available takes them, dk = dv = 128, a supported group, and bf16 parameters, states and conv window
+    of the shapes the layer has (`tensors`: in_proj_gdn's keyword tensors by name)."""
+    states, conv = tensors["recurrent_states"], tensors["conv_states"]
+    if states.dim() != 4 or conv.dim() != 3 or num_k_heads < 1:
+        return False
+    hv, dk, dv = states.shape[1:]
+    cfg = InProjGdnConfig(x.shape[-1], num_k_heads, hv, dk, tensors["conv_w"].shape[-1])
+    try:
+        cfg.validate()
+    except ValueError:
+        return False
+    c = cfg.conv_channels
+    bf16 = ("conv_w", "A_log", "dt_bias", "norm_w", "conv_states")
+    return (dk == dv and weight.shape[0] == c + hv * dv + 2 * hv and tensors["conv_w"].shape == (c, cfg.conv_taps)
+            and conv.shape[1:] == (c, cfg.conv_taps - 1) and states.dtype == torch.float32
+            and all(tensors[n].dtype == torch.bfloat16 and tensors[n].is_contiguous() for n in bf16)
+            and tensors["A_log"].shape == (hv,) and tensors["dt_bias"].shape == (hv,)
+            and tensors["norm_w"].shape == (dv,) and states.is_contiguous()
+            and tensors["state_slots"].shape == (1,) and tensors["state_slots"].dtype == torch.int64
+            and all(t.device == x.device for t in tensors.values())
+            and tma_gemv.available(x, weight, norm_weight=tensors["input_norm_w"], residual=tensors["residual"]))
+
+
+# Who computes what: plain arithmetic (min, no branches), so that the kernel traces it on device integers and the
+# tests check on host ints that the CTAs of every cluster cover the in-projection exactly once.
+
+def row_block(cfg: InProjGdnConfig, b: int, head, rank):
+    """The in-projection's 16-row block index of block b (static) of CTA `rank` of cluster `head`: q, k (key head
+    `head`), then v_0 .. v_{G-1}, then z_0 .. z_{G-1} (its value heads)."""
+    per_head = cfg.head_dim // SLICE
+    if b < 2:
+        return (b * cfg.num_k_heads + head) * per_head + rank
+    first = 2 * cfg.num_k_heads if b < 2 + cfg.group else cfg.conv_channels // cfg.head_dim
+    return (first + head * cfg.group + (b - 2) % cfg.group) * per_head + rank
+
+
+def own_channel(cfg: InProjGdnConfig, tidx, head, rank):
+    """The conv channel of consumer thread tidx < own_channels of CTA `rank` of cluster `head`: its q slice, its k
+    slice, then its slice of each value head's v."""
+    piece = tidx // SLICE
+    is_v = cutlass_min(piece // 2, 1)
+    key_piece = piece * cfg.num_k_heads + head  # q (piece 0) or k (piece 1) of key head `head`, in head_dims
+    v_piece = 2 * cfg.num_k_heads + head * cfg.group + piece - 2
+    return ((1 - is_v) * key_piece + is_v * v_piece) * cfg.head_dim + rank * SLICE + tidx % SLICE
+
+
+def ab_weight_row(cfg: InProjGdnConfig, rank, head):
+    """The in-projection row whose dot rank takes: b of value head head * G + rank (ranks < G), a of head * G + rank
+    - G (G .. 2G - 1); ranks past 2G read the last row and their dot is not used."""
+    first = cfg.conv_channels + cfg.num_v_heads * cfg.head_dim  # b's rows, then a's
+    row = first + (rank // cfg.group) * cfg.num_v_heads + head * cfg.group + rank % cfg.group
+    return cutlass_min(row, first + 2 * cfg.num_v_heads - 1)
+
+
+def cutlass_min(a, b):
+    """min of host ints, or of device integers inside a kernel trace (cutlass.min takes both)."""
+    import cutlass
+    return cutlass.min(a, b)
+
+
+@functools.cache
+def _kernel_class():
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.pipeline as pipeline
+    from cutlass import BFloat16, Float32, Int32, Int64
+    from cutlass.cute.nvgpu import cpasync
+    try:
+        from cutlass.memory import SmemAllocator
+    except ImportError:  # pragma: no cover
+        from cutlass.utils import SmemAllocator
+
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    BLOCK_K, LANE_COLS, X_BARRIER = tma_gemv.BLOCK_K, tma_gemv.LANE_COLS, tma_gemv.X_BARRIER
+
+    @dsl_user_op
+    def _store_remote_f32(smem_ptr: cute.Pointer, value: Float32, peer: Int32, *, loc=None, ip=None):
+        """st.shared::cluster of value at smem_ptr's offset in CTA `peer`'s shared memory (mapa)."""
+        addr = llvm.ptrtoint(T.i32(), smem_ptr.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+        llvm.inline_asm(None, [addr, Int32(peer).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+                        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, $0, $1;\n"
+                        "st.shared::cluster.f32 [remote], $2;\n}", "r,r,f", has_side_effects=True,
+                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+    class InProjGdnSm90(tma_gemv._kernel_class()):
+        def __init__(self, gdn: InProjGdnConfig):
+            super().__init__(gdn.gemv)
+            self.gdn = gdn
+
+        @cute.jit
+        def __call__(self, x_ptr: cute.Pointer, w_ptr: cute.Pointer, res_ptr: cute.Pointer | None,
+                     norm_w_ptr: cute.Pointer, s_ptr: cute.Pointer | None, conv_w_ptr: cute.Pointer,
+                     a_log_ptr: cute.Pointer, dt_bias_ptr: cute.Pointer, gnorm_w_ptr: cute.Pointer,
+                     conv_ptr: cute.Pointer, state_ptr: cute.Pointer, slot_ptr: cute.Pointer, out_ptr: cute.Pointer,
+                     eps: Float32, gdn_eps: Float32, stream: cuda.CUstream):
+            """x (1, K), residual and s (1, K) when add, norm_w (K,), the in-projection w (C + Hv dv + 2 Hv, K);
+            conv_w (C, taps), A_log, dt_bias (Hv,), gnorm_w (dv,), conv (slots, C, taps - 1) bf16, state (slots, Hv,
+            dk, dv) fp32, slot (1,) int64, out (1, Hv dv) bf16; all contiguous."""
+            gdn, cfg = self.gdn, self.cfg
+            rows = gdn.conv_channels + gdn.num_v_heads * gdn.head_dim + 2 * gdn.num_v_heads
+            mW = cute.make_tensor(w_ptr, cute.make_layout((rows, gdn.hidden), stride=(gdn.hidden, 1)))
+            box = cute.make_layout((SLICE, BLOCK_K), stride=(BLOCK_K, 1))
+            tma, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, box, (SLICE, BLOCK_K))
+            mX = cute.make_tensor(x_ptr, cute.make_layout(gdn.hidden))
+            mNormW = cute.make_tensor(norm_w_ptr, cute.make_layout(gdn.hidden))
+            mRes = mS = None
+            if cutlass.const_expr(gdn.add):
+                mRes = cute.make_tensor(res_ptr, cute.make_layout(gdn.hidden))
+                mS = cute.make_tensor(s_ptr, cute.make_layout(gdn.hidden))
+            mConvW = cute.make_tensor(conv_w_ptr, cute.make_layout((gdn.conv_channels, gdn.conv_taps),
+                                                                   stride=(gdn.conv_taps, 1)))
+            mALog = cute.make_tensor(a_log_ptr, cute.make_layout(gdn.num_v_heads))
+            mDtBias = cute.make_tensor(dt_bias_ptr, cute.make_layout(gdn.num_v_heads))
+            mGNormW = cute.make_tensor(gnorm_w_ptr, cute.make_layout(gdn.head_dim))
+            mSlot = cute.make_tensor(slot_ptr, cute.make_layout(1))
+            mOut = cute.make_tensor(out_ptr, cute.make_layout(gdn.num_v_heads * gdn.head_dim))
+            consumers, stages, group = cfg.consumer_warps, cfg.stages, gdn.group
+
+            @cute.struct
+            class SharedStorage:
+                mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+                sum_sq: cute.struct.MemRange[Float32, consumers]
+                proj: cute.struct.MemRange[Float32, gdn.blocks * SLICE]  # the CTA's rows, bf16-rounded
+                conv: cute.struct.MemRange[Float32, gdn.own_channels]  # silu(conv) of its channels
+                qk: cute.struct.MemRange[Float32, 2 * gdn.head_dim]  # the head's q | k, from every CTA
+                ab: cute.struct.MemRange[Float32, 2 * group]  # the heads' b | a, from ranks 0 .. 2G - 1
+                o: cute.struct.MemRange[Float32, group * SLICE]  # o of the CTA's columns, bf16-rounded
+                o_sq: cute.struct.MemRange[Float32, CLUSTER * group]  # each CTA's sums of o^2, a value head
+                sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.x_width], 128]
+                sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.slot_rows * BLOCK_K * stages], 128]
+
+            self.shared_storage = SharedStorage
+            grid = gdn.num_k_heads * CLUSTER
+            self.fused_kernel(tma, mW_tma, mW, mX, mRes, mNormW, mS, mConvW, mALog, mDtBias, mGNormW, conv_ptr,
+                              state_ptr, mSlot, mOut, eps, gdn_eps).launch(
+                grid=[grid, 1, 1], block=[32 * (consumers + 1), 1, 1], cluster=[CLUSTER, 1, 1], stream=stream,
+                use_pdl=cfg.pdl)
+
+        @cute.kernel
+        def fused_kernel(self, tma, mW_tma: cute.Tensor, mW: cute.Tensor, mX: cute.Tensor, mRes: cute.Tensor | None,
+                         mNormW: cute.Tensor, mS: cute.Tensor | None, mConvW: cute.Tensor, mALog: cute.Tensor,
+                         mDtBias: cute.Tensor, mGNormW: cute.Tensor, conv_ptr: cute.Pointer,
+                         state_ptr: cute.Pointer, mSlot: cute.Tensor, mOut: cute.Tensor, eps: Float32,
+                         gdn_eps: Float32):
+            gdn, cfg = self.gdn, self.cfg
+            spec = cfg.inputs[0]
+            stages, consumers = cfg.stages, cfg.consumer_warps
+            tidx, _, _ = cute.arch.thread_idx()
+            bidx, _, _ = cute.arch.block_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = cute.arch.lane_idx()
+            rank = cute.arch.block_idx_in_cluster()
+            head = bidx // CLUSTER
+
+            storage = SmemAllocator().allocate(self.shared_storage)
+            ring = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar.data_ptr(), num_stages=stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
+                tx_count=cfg.slot_bytes, defer_sync=True)
+            sX = storage.sX.get_tensor(cute.make_layout(cfg.x_width))
+            sW = storage.sW.get_tensor(cute.make_layout((SLICE, BLOCK_K, cfg.boxes(spec), stages),
+                                                        stride=(BLOCK_K, 1, SLICE * BLOCK_K, cfg.slot_rows * BLOCK_K)))
+            if warp == consumers:
+                cpasync.prefetch_descriptor(tma)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            cute.arch.cluster_arrive_relaxed()  # every CTA of the cluster has started before any DSMEM store
+
+            if warp == consumers:  # producer: the CTA's row blocks, weights only (no wait for the previous kernel)
+                gW = cute.local_tile(mW_tma, (SLICE, BLOCK_K), (None, None))  # (16, BLOCK_K, row blocks, K tiles)
+                tWsW, tWgW = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
+                                                   cute.group_modes(gW, 0, 2))
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+                for b in cutlass.range_constexpr(gdn.blocks):
+                    block = row_block(gdn, b, head, rank)
+                    for kt in cutlass.range(cfg.width(spec) // (cfg.boxes(spec) * BLOCK_K), unroll=1):
+                        self.issue_slot(spec, tma, tWgW, tWsW, ring, state, block, kt)
+                        state.advance()
+            else:
+                self.consume(spec, ring, storage, sX, sW, mW, mX, mRes, mNormW, mS, mConvW, mALog, mDtBias, mGNormW,
+                             conv_ptr, state_ptr, mSlot, mOut, eps, gdn_eps, tidx, warp, lane, bidx, rank, head)
+
+        @cute.jit
+        def consume(self, spec: cutlass.Constexpr, ring, storage, sX: cute.Tensor, sW: cute.Tensor,
+                    mW: cute.Tensor, mX: cute.Tensor, mRes: cute.Tensor | None, mNormW: cute.Tensor,
+                    mS: cute.Tensor | None, mConvW: cute.Tensor, mALog: cute.Tensor, mDtBias: cute.Tensor,
+                    mGNormW: cute.Tensor, conv_ptr: cute.Pointer, state_ptr: cute.Pointer, mSlot: cute.Tensor,
+                    mOut: cute.Tensor, eps: Float32, gdn_eps: Float32, tidx: Int32, warp: Int32, lane: Int32,
+                    bidx: Int32, rank: Int32, head: Int32):
+            gdn, cfg = self.gdn, self.cfg
+            consumers, group, taps = cfg.consumer_warps, gdn.group, gdn.conv_taps
+            threads = 32 * consumers
+            sProj = storage.proj.get_tensor(cute.make_layout(gdn.blocks * SLICE))
+            sConv = storage.conv.get_tensor(cute.make_layout(gdn.own_channels))
+            sQK = storage.qk.get_tensor(cute.make_layout(2 * gdn.head_dim))
+            sAB = storage.ab.get_tensor(cute.make_layout(2 * group))
+            sO = storage.o.get_tensor(cute.make_layout(group * SLICE))
+            sOSq = storage.o_sq.get_tensor(cute.make_layout(CLUSTER * group))
+            sSumSq = storage.sum_sq.get_tensor(cute.make_layout(consumers))
+
+            # before the PDL wait, what no kernel of the step writes: the slot, the states, the conv windows and
+            # weights, the parameters and the b / a weight row
+            slot = Int64(mSlot[0])
+            cols = group * SLICE  # the CTA's state columns
+            per_col = threads // cols  # threads a column
+            col_rows = gdn.head_dim // per_col  # rows a thread holds
+            col = tidx // per_col
+            part = tidx % per_col
+            j = col // SLICE  # value head in the group
+            vhead = head * group + j
+            dv = gdn.head_dim
+            state_base = state_ptr + ((slot * gdn.num_v_heads + vhead) * gdn.head_dim + part * col_rows) * dv
+            mState = cute.make_tensor(state_base + (rank * SLICE + col % SLICE),
+                                      cute.make_layout(col_rows, stride=dv))
+            s = cute.make_rmem_tensor(cute.make_layout(col_rows), Float32)
+            for i in cutlass.range_constexpr(col_rows):
+                s[i] = mState[i]
+            channel = own_channel(gdn, tidx, head, rank)
+            mConv = cute.make_tensor(conv_ptr + (slot * gdn.conv_channels + channel) * (taps - 1),
+                                     cute.make_layout(taps - 1))
+            window = cute.make_rmem_tensor(cute.make_layout(taps - 1), Float32)
+            conv_w = cute.make_rmem_tensor(cute.make_layout(taps), Float32)
+            if tidx < gdn.own_channels:
+                for t in cutlass.range_constexpr(taps - 1):
+                    window[t] = mConv[t].to(Float32)
+                for t in cutlass.range_constexpr(taps):
+                    conv_w[t] = mConvW[channel, t].to(Float32)
+            a_log = mALog[vhead].to(Float32)
+            dt_bias = mDtBias[vhead].to(Float32)
+            gnorm_w = mGNormW[rank * SLICE + col % SLICE]
+            ab_row = ab_weight_row(gdn, rank, head)
+            ab_steps = cdiv(gdn.hidden, threads * LANE_COLS)
+            ab_w = []
+            for m in cutlass.range_constexpr(ab_steps):
+                src = cutlass.min((m * threads + tidx) * LANE_COLS, gdn.hidden - LANE_COLS) // LANE_COLS
+                ab_w.append(cute.local_tile(mW[ab_row, None], (LANE_COLS,), (src,)).load())
+
+            if cutlass.const_expr(cfg.pdl):
+                cute.arch.griddepcontrol_wait()  # x and the residual come from the previous kernel
+                cute.arch.griddepcontrol_launch_dependents()
+            self.stage_x(spec, mX, mRes, mNormW, mS, eps, sX, sSumSq, tidx, warp, lane, bidx)
+            cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=threads)
+
+            # the b / a row (ranks 0 .. 2G - 1): one dot over every consumer thread, started before the ring's rows
+            ab = Float32(0.0)
+            for m in cutlass.range_constexpr(ab_steps):
+                c = (m * threads + tidx) * LANE_COLS
+                if c < gdn.hidden:
+                    xs = cute.local_tile(sX, (LANE_COLS,), (c // LANE_COLS,)).load().to(Float32)
+                    ab = ab + (ab_w[m].to(Float32) * xs).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            ab = cute.arch.warp_reduction(ab, operator.add)
+
+            # the ring's row blocks, each row rounded to bf16 as the plain GEMV stores it
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+            acc = cute.make_rmem_tensor((SLICE // consumers, LANE_COLS), Float32)
+            for b in cutlass.range_constexpr(gdn.blocks):
+                self.block_product(spec, sX, sW, ring, state, acc, warp, lane)
+                for i in cutlass.range_constexpr(SLICE // consumers):
+                    total = self.row_total(acc, i)
+                    if lane == 0:
+                        sProj[b * SLICE + warp + consumers * i] = total.to(BFloat16).to(Float32)
+            if lane == 0:
+                sSumSq[warp] = ab
+            cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=threads)
+
+            # the CTA's channels: conv, silu, bf16; the window shifts in place
+            if tidx < gdn.own_channels:
+                x_new = sProj[tidx]
+                y = conv_w[taps - 1] * x_new
+                for t in cutlass.range_constexpr(taps - 1):
+                    y = y + conv_w[t] * window[t]
+                y = y / (Float32(1.0) + cute.math.exp(-y))
+                sConv[tidx] = y.to(BFloat16).to(Float32)
+                for t in cutlass.range_constexpr(taps - 2):
+                    mConv[t] = window[t + 1].to(BFloat16)
+                mConv[taps - 2] = x_new.to(BFloat16)
+            cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=threads)
+
+            # push q, k slices and b / a into every CTA of the cluster
+            cute.arch.cluster_wait()
+            if tidx < 2 * SLICE:
+                dst = (tidx // SLICE) * gdn.head_dim + rank * SLICE + tidx % SLICE
+                for peer in cutlass.range_constexpr(CLUSTER):
+                    self.push(sQK.iterator + dst, sConv[tidx], peer)
+            if tidx == 0 and rank < 2 * group:
+                total = Float32(0.0)
+                for w in cutlass.range_constexpr(consumers):
+                    total = total + sSumSq[w]
+                for peer in cutlass.range_constexpr(CLUSTER):
+                    self.push(sAB.iterator + rank, total.to(BFloat16).to(Float32), peer)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+            # the delta step on the thread's rows of its column
+            q = cute.make_rmem_tensor(cute.make_layout(col_rows), Float32)
+            k = cute.make_rmem_tensor(cute.make_layout(col_rows), Float32)
+            q_sq = Float32(0.0)
+            k_sq = Float32(0.0)
+            for i in cutlass.range_constexpr(col_rows):
+                q[i] = sQK[part * col_rows + i]
+                k[i] = sQK[gdn.head_dim + part * col_rows + i]
+                q_sq = q_sq + q[i] * q[i]
+                k_sq = k_sq + k[i] * k[i]
+            q_sq = self.column_sum(q_sq, per_col)
+            k_sq = self.column_sum(k_sq, per_col)
+            q_scale = cute.math.rsqrt(q_sq + Float32(L2NORM_EPS)) * Float32(gdn.head_dim ** -0.5)
+            k_scale = cute.math.rsqrt(k_sq + Float32(L2NORM_EPS))
+            x = sAB[group + j] + dt_bias
+            softplus = x
+            if x <= Float32(SOFTPLUS_THRESHOLD):
+                softplus = cute.math.log(Float32(1.0) + cute.math.exp(x))
+            decay = cute.math.exp(-cute.math.exp(a_log) * softplus)
+            beta = Float32(1.0) / (Float32(1.0) + cute.math.exp(-sAB[j]))
+            kv = Float32(0.0)
+            for i in cutlass.range_constexpr(col_rows):
+                k[i] = k[i] * k_scale
+                s[i] = s[i] * decay
+                kv = kv + s[i] * k[i]
+            kv = self.column_sum(kv, per_col)
+            u = beta * (sConv[(2 + j) * SLICE + col % SLICE] - kv)
+            o = Float32(0.0)
+            for i in cutlass.range_constexpr(col_rows):
+                s[i] = s[i] + k[i] * u
+                o = o + s[i] * (q[i] * q_scale)
+                mState[i] = s[i]
+            o = self.column_sum(o, per_col).to(BFloat16).to(Float32)
+            if part == 0:
+                sO[col] = o
+            cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=threads)
+
+            # the gated norm: each value head's sum of o^2 over its dv, from every CTA
+            if tidx < group:
+                o_sq = Float32(0.0)
+                for c in cutlass.range_constexpr(SLICE):
+                    o_sq = o_sq + sO[tidx * SLICE + c] * sO[tidx * SLICE + c]
+                for peer in cutlass.range_constexpr(CLUSTER):
+                    self.push(sOSq.iterator + rank * group + tidx, o_sq, peer)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            if part == 0:
+                total = Float32(0.0)
+                for r in cutlass.range_constexpr(CLUSTER):
+                    total = total + sOSq[r * group + j]
+                y = (o * cute.math.rsqrt(total / dv + gdn_eps)).to(BFloat16)
+                wy = (gnorm_w.to(Float32) * y.to(Float32)).to(BFloat16).to(Float32)
+                z = sProj[(2 + group + j) * SLICE + col % SLICE]
+                mOut[vhead * dv + rank * SLICE + col % SLICE] = (wy * (z / (Float32(1.0) + cute.math.exp(-z)))
+                                                                 ).to(BFloat16)
+
+        @cute.jit
+        def column_sum(self, value: Float32, per_col: cutlass.Constexpr) -> Float32:
+            """The sum over the per_col adjacent lanes that share a column (every one gets it)."""
+            for step in cutlass.range_constexpr(per_col.bit_length() - 1):
+                value = value + cute.arch.shuffle_sync_bfly(value, offset=per_col >> (step + 1))
+            return value
+
+        def push(self, ptr: cute.Pointer, value: Float32, peer: int):
+            """value into the same shared-memory word of CTA `peer` of the cluster (seen after a cluster barrier)."""
+            _store_remote_f32(ptr, value, Int32(peer))
+
+    return InProjGdnSm90
+
+
+def compile_config(cfg: InProjGdnConfig, keep_ptx: bool = False):
+    """The compiled kernel of cfg (placeholder pointers and stream: no GPU needed)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    def ptr(dtype=cutlass.BFloat16):
+        return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+    cfg.validate()
+    return cute.compile(_kernel_class()(cfg), ptr(), ptr(), ptr() if cfg.add else None, ptr(),
+                        ptr() if cfg.add else None, ptr(), ptr(), ptr(), ptr(), ptr(), ptr(cutlass.Float32),
+                        ptr(cutlass.Int64), ptr(), cutlass.Float32(1e-6), cutlass.Float32(1e-6), make_fake_stream(),
+                        options="--keep-ptx" if keep_ptx else None)
+
+
+_CACHE = CompileCache(compile_config)
+
+
+def in_proj_gdn(x, residual, input_norm_w, eps, weight, conv_w, A_log, dt_bias, norm_w, conv_states,
+                recurrent_states, state_slots, num_k_heads, gdn_eps):
+    """One decode token of a GDN layer's first stretch: s = x + residual (x when residual is None); proj =
+    rms_norm(s, input_norm_w, eps) @ weight^T split into qkv | z | b | a; returns (gated_deltanet's output (1,
+    Hv * dv) bf16, s), the conv window and recurrent state of slot state_slots[0] updated in place. The caller
+    checks `available` first."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    hv, dk = recurrent_states.shape[1:3]
+    cfg = InProjGdnConfig(x.shape[-1], num_k_heads, hv, dk, conv_w.shape[-1], residual is not None,
+                          pdl.enabled(x.device))
+    out = torch.empty((1, hv * dk), dtype=x.dtype, device=x.device)
+    s = x if residual is None else torch.empty_like(x)
+
+    def ptr(t, dtype=cutlass.BFloat16):
+        return None if t is None else make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
+
+    stream = cu_stream(torch.cuda.current_stream(x.device).cuda_stream)
+    args = (ptr(x), ptr(weight), ptr(residual), ptr(input_norm_w), ptr(None if residual is None else s), ptr(conv_w),
+            ptr(A_log), ptr(dt_bias), ptr(norm_w), ptr(conv_states), ptr(recurrent_states, cutlass.Float32),
+            ptr(state_slots, cutlass.Int64), ptr(out), cutlass.Float32(eps), cutlass.Float32(gdn_eps), stream)
+    with torch.cuda.device(x.device):
+        _CACHE.get(cfg)(*args)
+    return out, s
+
+
+# Whether in_proj_gated_deltanet takes the one-launch kernel at batch-1 decode (else the normed GEMV, then the GDN
+# decode kernel). Off until timed: it compiles for sm_90a and its index math is tested on the CPU, but it has not
+# run on a GPU yet. To measure: `pytest -m gpu tests/test_in_proj_gdn.py`, then `python -m profiles.host_time
+# --model M --decode 1 --ab in_proj_gdn`. Predicted: a GDN layer's mixer costs ~10 us between the two projections'
+# weight streams (2B step 1.275 ms against ~1.01 of their bytes at 4.4 TB/s, the attention layers' share taken
+# out); the fused kernel keeps one boundary and two DSMEM exchanges of it, ~4-6 us a layer, 0.07-0.11 ms a step.
+FUSED = False
+
+
+def in_proj_gated_deltanet(x, residual, norm_w, eps, in_w, parts, conv_w, A_log, dt_bias, gdn_norm_w, conv_states,
+                           recurrent_states, step, num_k_heads):
+    """model.ops.in_proj_gated_deltanet: the one-launch kernel for one token of one sequence (FUSED, on an sm_90
+    GPU, shapes it takes), else model.ops.in_proj_gated_deltanet_by_ops."""
+    if FUSED and step.max_seqlen_q == 1 and x.dim() == 2 and x.shape[0] == 1:
+        tensors = dict(residual=residual, input_norm_w=norm_w, conv_w=conv_w, A_log=A_log, dt_bias=dt_bias,
+                       norm_w=gdn_norm_w, conv_states=conv_states, recurrent_states=recurrent_states,
+                       state_slots=step.state_slots)
+        if available(x, in_w, tensors, num_k_heads):
+            return in_proj_gdn(x, residual, norm_w, eps, in_w, conv_w, A_log, dt_bias, gdn_norm_w, conv_states,
+                               recurrent_states, step.state_slots, num_k_heads, eps)
+    return ops.in_proj_gated_deltanet_by_ops(x, residual, norm_w, eps, in_w, parts, conv_w, A_log, dt_bias,
+                                             gdn_norm_w, conv_states, recurrent_states, step, num_k_heads)
+
+
+OPS = {"in_proj_gated_deltanet": in_proj_gated_deltanet}
