@@ -1,0 +1,179 @@
+"""The one-launch GDN first stretch (kernels/in_proj_gdn.py) against its two ops (ops.in_proj_gated_deltanet_by_ops).
+
+CPU: who computes what (every in-projection row, conv channel and b / a row is taken by exactly one CTA of one
+cluster, and each CTA's conv channels are the rows it projected), the config's errors, the routing (off the GPU,
+and with FUSED off, the op is its two ops), and a compile for sm_90a of the 0.8B (first layer: no residual), 2B and
+9B shapes (one subprocess), checking the PTX: the cluster barriers, the DSMEM stores, one PDL wait, a TMA copy a
+box of each row block. `gpu` tests (H200): the output, the new residual (exact), the conv window (exact: the same GEMV rows) and the
+fp32 state over consecutive steps against the two ops, with the slot inside a larger pool; in a CUDA graph.
+"""
+import json
+
+import pytest
+import torch
+from conftest import HAS_CUDA, compiled_script_output, rel_err
+from test_gdn_decode import decode_step, make_layer
+
+import reference as R
+from kernels import in_proj_gdn as F
+from kernels import tma_gemv
+from model import ops
+from model.ops import _ref_gated_deltanet
+
+needs_dsl = pytest.mark.skipif(not tma_gemv.dsl_available(), reason="nvidia-cutlass-dsl is not installed")
+gpu_sm90 = pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() < (9, 0), reason="needs sm_90")
+SHAPES = [(1024, 16, 16), (2048, 16, 16), (4096, 16, 32)]  # hidden, Hk, Hv: 0.8B, 2B, 9B
+EPS = 1e-6
+
+
+@pytest.mark.parametrize("hk, hv", [(16, 16), (16, 32), (4, 16), (1, 1)])
+def test_ctas_take_every_row_once(hk, hv):
+    cfg = F.InProjGdnConfig(2048, hk, hv)
+    rows, channels, ab_rows = [], [], []
+    for head in range(hk):
+        for rank in range(F.CLUSTER):
+            blocks = [F.row_block(cfg, b, head, rank) for b in range(cfg.blocks)]
+            rows += [block * F.SLICE + r for block in blocks for r in range(F.SLICE)]
+            for tidx in range(cfg.own_channels):  # a thread's channel is the row it reads from its projection
+                channel = F.own_channel(cfg, tidx, head, rank)
+                assert channel == blocks[tidx // F.SLICE] * F.SLICE + tidx % F.SLICE, (head, rank, tidx)
+                channels.append(channel)
+            if rank < 2 * cfg.group:
+                ab_rows.append(F.ab_weight_row(cfg, rank, head))
+    first_ab = cfg.conv_channels + hv * cfg.head_dim
+    assert sorted(rows) == list(range(first_ab))  # q | k | v | z, each row once
+    assert sorted(channels) == list(range(cfg.conv_channels))
+    assert sorted(ab_rows) == list(range(first_ab, first_ab + 2 * hv))
+    assert F.ab_weight_row(cfg, F.CLUSTER - 1, hk - 1) < first_ab + 2 * hv  # unused ranks stay in the weight
+
+
+@pytest.mark.parametrize("fields, match", [(dict(head_dim=64), "head_dim"), (dict(num_v_heads=48), "num_v_heads"),
+                                           (dict(num_v_heads=24), "num_v_heads"), (dict(conv_taps=1), "conv_taps")])
+def test_config_errors_name_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        F.InProjGdnConfig(**{**dict(hidden=2048, num_k_heads=16, num_v_heads=16), **fields}).validate()
+
+
+def _layer(hidden, hk, hv, device, seed=0, slots=5, add=True):
+    """Random bf16 weights (the in-projection scaled to keep its outputs O(1)) and pools: the op's arguments
+    without the step, as a dict."""
+    gen = torch.Generator().manual_seed(seed)
+    dk = 128
+    conv_w, a_log, dt_bias, norm_w, conv, rec = make_layer(gen, hk, hv, dk, dk, torch.bfloat16, slots, "cpu")
+    rows = 2 * hk * dk + 2 * hv * dk + 2 * hv
+    bf = lambda t: t.to(torch.bfloat16).to(device)
+    return dict(x=bf(torch.randn(1, hidden, generator=gen)),
+                residual=bf(torch.randn(1, hidden, generator=gen)) if add else None,
+                norm_w=bf(0.1 * torch.randn(hidden, generator=gen)), eps=EPS,
+                in_w=bf(torch.randn(rows, hidden, generator=gen) / hidden ** 0.5),
+                parts=(2 * hk * dk + hv * dk, hv * dk, hv, hv), conv_w=bf(conv_w), A_log=bf(a_log),
+                dt_bias=bf(dt_bias), gdn_norm_w=bf(norm_w), conv_states=bf(conv), recurrent_states=rec.to(device),
+                num_k_heads=hk)
+
+
+def _run(args, step):
+    a = dict(args)
+    return ops.in_proj_gated_deltanet(a.pop("x"), a.pop("residual"), a.pop("norm_w"), a.pop("eps"), a.pop("in_w"),
+                                      a.pop("parts"), a.pop("conv_w"), a.pop("A_log"), a.pop("dt_bias"),
+                                      a.pop("gdn_norm_w"), a.pop("conv_states"), a.pop("recurrent_states"), step,
+                                      a.pop("num_k_heads"))
+
+
+def test_off_the_gpu_it_is_its_two_ops(monkeypatch):
+    # FUSED on, but no sm_90 GPU here: the op runs its two ops (the reference's here), which split the projection
+    # into qkv | z | b | a as the layer's parts say
+    monkeypatch.setattr(F, "FUSED", True)
+    args = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in _layer(256, 2, 4, "cpu").items()}
+    ref_conv, ref_rec = args["conv_states"].clone(), args["recurrent_states"].clone()
+    step = decode_step(torch.tensor([3]))
+    out, s = F.in_proj_gated_deltanet(*_positional(args, step))
+    proj, ref_s = R.add_rms_norm_linear(args["x"], args["residual"], args["norm_w"], EPS, args["in_w"])
+    qkv, z, b, a = proj.split(list(args["parts"]), dim=-1)
+    ref = _ref_gated_deltanet(qkv, z.view(1, 4, 128), b, a, args["conv_w"], args["A_log"], args["dt_bias"],
+                              args["gdn_norm_w"], ref_conv, ref_rec, step, 2, EPS)
+    assert torch.equal(out, ref.reshape(1, -1)) and torch.equal(s, ref_s)
+    assert torch.equal(args["recurrent_states"], ref_rec) and torch.equal(args["conv_states"], ref_conv)
+    assert not torch.equal(ref_rec, _layer(256, 2, 4, "cpu")["recurrent_states"])  # the step moved the state
+
+
+def _positional(a, step):
+    return (a["x"], a["residual"], a["norm_w"], a["eps"], a["in_w"], a["parts"], a["conv_w"], a["A_log"],
+            a["dt_bias"], a["gdn_norm_w"], a["conv_states"], a["recurrent_states"], step, a["num_k_heads"])
+
+
+SM90_COMPILE = """
+import json, sys
+from kernels.in_proj_gdn import InProjGdnConfig, compile_config
+for hidden, hk, hv, add in json.loads(sys.argv[1]):
+    ptx = compile_config(InProjGdnConfig(hidden, hk, hv, add=add), keep_ptx=True).__ptx__
+    print(json.dumps({"group": hv // hk, "cluster_arrive": ptx.count("barrier.cluster.arrive"),
+                      "cluster_wait": ptx.count("barrier.cluster.wait"), "mapa": ptx.count("mapa.shared::cluster"),
+                      "remote_store": ptx.count("st.shared::cluster.f32"), "pdl_wait": ptx.count("griddepcontrol.wait"),
+                      "tma": ptx.count("cp.async.bulk.tensor.2d")}), flush=True)
+"""
+
+
+@needs_dsl
+def test_compiles_for_sm90(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    cases = [(1024, 16, 16, False), (2048, 16, 16, True), (4096, 16, 32, True)]
+    out = compiled_script_output(SM90_COMPILE, json.dumps(cases), timeout=600)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(rows) == len(cases), out
+    for row in rows:
+        # a relaxed arrive at the start, two exchanges (arrive + wait each) after the first wait
+        assert row["cluster_arrive"] == 3 and row["cluster_wait"] == 3, row
+        # q / k, b / a and the norm's sums, each pushed to the 8 CTAs
+        assert row["mapa"] == row["remote_store"] == 3 * F.CLUSTER, row
+        # a copy a box of the slot, in each of the CTA's 2 + 2G row blocks (unrolled)
+        assert row["pdl_wait"] == 1 and row["tma"] == (2 + 2 * row["group"]) * tma_gemv.SLOT_ROWS // F.SLICE, row
+
+
+@pytest.mark.gpu
+@gpu_sm90
+@needs_dsl
+@pytest.mark.parametrize("hidden, hk, hv", SHAPES)
+@pytest.mark.parametrize("add", [True, False])
+def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add):
+    import kernels.backend  # noqa: F401  (registers the triton backend)
+    fused = _layer(hidden, hk, hv, "cuda", seed=hidden + hv, add=add)
+    apart = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in fused.items()}
+    slot = decode_step(torch.tensor([3], device="cuda"))
+    tensors = dict(residual=fused["residual"], input_norm_w=fused["norm_w"], conv_w=fused["conv_w"],
+                   A_log=fused["A_log"], dt_bias=fused["dt_bias"], norm_w=fused["gdn_norm_w"],
+                   conv_states=fused["conv_states"], recurrent_states=fused["recurrent_states"],
+                   state_slots=slot.state_slots)
+    assert F.available(fused["x"], fused["in_w"], tensors, hk)
+    with ops.use_backend("triton"):
+        for step in range(3):  # the same x each step: the states carry the difference
+            monkeypatch.setattr(F, "FUSED", True)
+            out, s = _run(fused, slot)
+            monkeypatch.setattr(F, "FUSED", False)
+            ref, ref_s = _run(apart, slot)
+            what = f"hidden {hidden} Hk {hk} Hv {hv} add={add} step {step}"
+            assert rel_err(out.float(), ref.float()) < 2e-2, what  # b / a dots summed in another order
+            assert torch.equal(s, ref_s), what
+            assert torch.equal(fused["conv_states"], apart["conv_states"]), what
+            assert rel_err(fused["recurrent_states"], apart["recurrent_states"]) < 1e-3, what
+
+
+@pytest.mark.gpu
+@gpu_sm90
+@needs_dsl
+def test_replays_in_a_cuda_graph(monkeypatch):
+    import kernels.backend  # noqa: F401
+    monkeypatch.setattr(F, "FUSED", True)
+    args = _layer(2048, 16, 16, "cuda", seed=7)
+    eager = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    step = decode_step(torch.tensor([1], device="cuda"))
+    with ops.use_backend("triton"):
+        _run({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}, step)  # compile, eager
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, _ = _run(args, step)
+        for _ in range(2):
+            graph.replay()
+            ref, _ = _run(eager, step)
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref)
+            assert torch.equal(args["recurrent_states"], eager["recurrent_states"])
