@@ -4,8 +4,9 @@ CPU: who computes what (every in-projection row, conv channel and b / a row is t
 cluster, and each CTA's conv channels are the rows it projected), the config's errors, the routing (off the GPU,
 and with FUSED off, the op is its two ops), and a compile for sm_90a of the 0.8B (first layer: no residual), 2B and
 9B shapes (one subprocess), checking the PTX: the cluster barriers, the DSMEM stores, one PDL wait, a TMA copy a
-box of each row block. `gpu` tests (H200): the output, the new residual (exact), the conv window (exact: the same GEMV rows) and the
-fp32 state over consecutive steps against the two ops, with the slot inside a larger pool; in a CUDA graph.
+box of each row block. `gpu` tests (H200): the output, the new residual (exact), the conv window (exact: the same
+GEMV rows) and the fp32 state over consecutive steps against the two ops, with the slot inside a larger pool; in a
+CUDA graph.
 """
 import json
 
