@@ -8,7 +8,8 @@ Here the projection rows a key head needs are computed by the CTAs that then use
 
   grid: num_k_heads clusters of CLUSTER (8) CTAs; CTA `rank` of cluster `head` owns rows rank * 16 .. + 16 of the
   head's q and k (its dk slice) and of each of its G = Hv / Hk value heads' v and z (its dv slice), 2 + 2G blocks of
-  16 in-projection rows. Ranks 0 .. G - 1 also take the heads' b rows, G .. 2G - 1 their a rows (one dot each).
+  16 in-projection rows. Ranks 0 .. G - 1 also take the heads' b rows, G .. 2G - 1 their a rows (one dot each,
+  summed in the GEMV's order).
 
   1. The producer warp streams the CTA's row blocks through the TMA ring (tma_gemv's); the consumers stage
      rms_norm(x + residual) (tma_gemv's stage_x) and reduce each row as the plain GEMV does, rounded to bf16.
@@ -27,13 +28,11 @@ GPU (CUTE_DSL_ARCH=sm_90a).
 """
 import dataclasses
 import functools
-import operator
 
 import torch
 
 from kernels import pdl, tma_gemv
 from kernels.cute_runtime import CompileCache, cu_stream
-from kernels.host_math import cdiv
 from model import ops
 
 CLUSTER = 8  # CTAs a key head
@@ -61,8 +60,9 @@ class InProjGdnConfig:
     @property
     def gemv(self) -> tma_gemv.TmaGemvConfig:
         """The ring and the staged row: tma_gemv's config of one normed GEMV in 16-row blocks."""
-        return tma_gemv.choose_config(self.num_v_heads * self.head_dim, self.hidden, norm=True, add=self.add,
-                                      pdl=self.pdl, ring_bytes=self.ring_bytes)
+        slot_bytes = tma_gemv.SLOT_ROWS * tma_gemv.BLOCK_K * 2
+        return tma_gemv.TmaGemvConfig(self.hidden, SLICE, min(32, self.ring_bytes // slot_bytes), consumer_warps=8,
+                                      norm=True, add=self.add, pdl=self.pdl)
 
     @property
     def conv_channels(self) -> int:
@@ -86,10 +86,10 @@ class InProjGdnConfig:
                              f"{self.num_k_heads}")
         if self.conv_taps < 2:
             raise ValueError(f"conv_taps must be at least 2, got {self.conv_taps}")
-        gemv = self.gemv
-        if gemv.block_n != SLICE or gemv.consumer_warps * 32 < self.own_channels:
-            raise ValueError(f"the ring's GEMV must take {SLICE}-row blocks and a consumer thread a channel, got "
-                             f"block_n {gemv.block_n}, {gemv.consumer_warps} warps")
+        gemv = self.gemv.validate()
+        if gemv.consumer_warps * 32 < self.own_channels:
+            raise ValueError(f"a consumer thread a conv channel: {self.own_channels} channels, "
+                             f"{gemv.consumer_warps} warps")
         return self
 
 
@@ -98,7 +98,8 @@ def available(x: torch.Tensor, weight: torch.Tensor, tensors: dict, num_k_heads:
     tma_gemv.available takes them, dk = dv = 128, a supported group, and bf16 parameters, states and conv window
     of the shapes the layer has (`tensors`: in_proj_gdn's keyword tensors by name)."""
     states, conv = tensors["recurrent_states"], tensors["conv_states"]
-    if states.dim() != 4 or conv.dim() != 3 or num_k_heads < 1:
+    if (states.dim() != 4 or conv.dim() != 3 or num_k_heads < 1
+            or not tma_gemv.available(x, weight, norm_weight=tensors["input_norm_w"], residual=tensors["residual"])):
         return False
     hv, dk, dv = states.shape[1:]
     cfg = InProjGdnConfig(x.shape[-1], num_k_heads, hv, dk, tensors["conv_w"].shape[-1])
@@ -114,8 +115,7 @@ def available(x: torch.Tensor, weight: torch.Tensor, tensors: dict, num_k_heads:
             and tensors["A_log"].shape == (hv,) and tensors["dt_bias"].shape == (hv,)
             and tensors["norm_w"].shape == (dv,) and states.is_contiguous()
             and tensors["state_slots"].shape == (1,) and tensors["state_slots"].dtype == torch.int64
-            and all(t.device == x.device for t in tensors.values())
-            and tma_gemv.available(x, weight, norm_weight=tensors["input_norm_w"], residual=tensors["residual"]))
+            and all(t.device == x.device and t.data_ptr() % 16 == 0 for t in tensors.values() if t is not None))
 
 
 # Who computes what: plain arithmetic (min, no branches), so that the kernel traces it on device integers and the
@@ -329,12 +329,12 @@ def _kernel_class():
             a_log = mALog[vhead].to(Float32)
             dt_bias = mDtBias[vhead].to(Float32)
             gnorm_w = mGNormW[rank * SLICE + col % SLICE]
+            # the b / a row, as block_product's lanes cut a row: lane l takes columns 8l .. 8l + 7 of each BLOCK_K
             ab_row = ab_weight_row(gdn, rank, head)
-            ab_steps = cdiv(gdn.hidden, threads * LANE_COLS)
-            ab_w = []
-            for m in cutlass.range_constexpr(ab_steps):
-                src = cutlass.min((m * threads + tidx) * LANE_COLS, gdn.hidden - LANE_COLS) // LANE_COLS
-                ab_w.append(cute.local_tile(mW[ab_row, None], (LANE_COLS,), (src,)).load())
+            ab_chunks = cfg.width(spec) // BLOCK_K
+            ab_w = [cute.local_tile(mW[ab_row, None], (LANE_COLS,),
+                                    (cutlass.min(c * 32 + lane, gdn.hidden // LANE_COLS - 1),)).load()
+                    for c in range(ab_chunks)]
 
             if cutlass.const_expr(cfg.pdl):
                 cute.arch.griddepcontrol_wait()  # x and the residual come from the previous kernel
@@ -342,26 +342,23 @@ def _kernel_class():
             self.stage_x(spec, mX, mRes, mNormW, mS, eps, sX, sSumSq, tidx, warp, lane, bidx)
             cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=threads)
 
-            # the b / a row (ranks 0 .. 2G - 1): one dot over every consumer thread, started before the ring's rows
-            ab = Float32(0.0)
-            for m in cutlass.range_constexpr(ab_steps):
-                c = (m * threads + tidx) * LANE_COLS
-                if c < gdn.hidden:
-                    xs = cute.local_tile(sX, (LANE_COLS,), (c // LANE_COLS,)).load().to(Float32)
-                    ab = ab + (ab_w[m].to(Float32) * xs).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            ab = cute.arch.warp_reduction(ab, operator.add)
+            # the b / a dot (used by ranks 0 .. 2G - 1), summed in the plain GEMV's order: the same bf16 as its row
+            acc = cute.make_rmem_tensor((SLICE // consumers, LANE_COLS), Float32)
+            acc.fill(0.0)
+            for c in cutlass.range_constexpr(ab_chunks):
+                if c * BLOCK_K + lane * LANE_COLS < gdn.hidden:
+                    xs = cute.local_tile(sX, (LANE_COLS,), (c * 32 + lane,)).load().to(Float32)
+                    acc[0, None].store(acc[0, None].load() + ab_w[c].to(Float32) * xs)
+            ab = self.row_total(acc, 0).to(BFloat16).to(Float32)
 
             # the ring's row blocks, each row rounded to bf16 as the plain GEMV stores it
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-            acc = cute.make_rmem_tensor((SLICE // consumers, LANE_COLS), Float32)
             for b in cutlass.range_constexpr(gdn.blocks):
                 self.block_product(spec, sX, sW, ring, state, acc, warp, lane)
                 for i in cutlass.range_constexpr(SLICE // consumers):
                     total = self.row_total(acc, i)
                     if lane == 0:
                         sProj[b * SLICE + warp + consumers * i] = total.to(BFloat16).to(Float32)
-            if lane == 0:
-                sSumSq[warp] = ab
             cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=threads)
 
             # the CTA's channels: conv, silu, bf16; the window shifts in place
@@ -384,11 +381,8 @@ def _kernel_class():
                 for peer in cutlass.range_constexpr(CLUSTER):
                     self.push(sQK.iterator + dst, sConv[tidx], peer)
             if tidx == 0 and rank < 2 * group:
-                total = Float32(0.0)
-                for w in cutlass.range_constexpr(consumers):
-                    total = total + sSumSq[w]
                 for peer in cutlass.range_constexpr(CLUSTER):
-                    self.push(sAB.iterator + rank, total.to(BFloat16).to(Float32), peer)
+                    self.push(sAB.iterator + rank, ab, peer)
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 

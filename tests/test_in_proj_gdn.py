@@ -97,6 +97,16 @@ def test_off_the_gpu_it_is_its_two_ops(monkeypatch):
     assert not torch.equal(ref_rec, _layer(256, 2, 4, "cpu")["recurrent_states"])  # the step moved the state
 
 
+@pytest.mark.parametrize("add", [True, False])
+def test_available_answers_for_every_layer_off_the_gpu(add):
+    # the first layer has no residual: `available` says no here (no GPU) rather than failing on the None
+    a = _layer(256, 2, 4, "cpu", add=add)
+    tensors = dict(residual=a["residual"], input_norm_w=a["norm_w"], conv_w=a["conv_w"], A_log=a["A_log"],
+                   dt_bias=a["dt_bias"], norm_w=a["gdn_norm_w"], conv_states=a["conv_states"],
+                   recurrent_states=a["recurrent_states"], state_slots=torch.tensor([3]))
+    assert F.available(a["x"], a["in_w"], tensors, 2) is False
+
+
 def _positional(a, step):
     return (a["x"], a["residual"], a["norm_w"], a["eps"], a["in_w"], a["parts"], a["conv_w"], a["A_log"],
             a["dt_bias"], a["gdn_norm_w"], a["conv_states"], a["recurrent_states"], step, a["num_k_heads"])
@@ -152,7 +162,7 @@ def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add):
             monkeypatch.setattr(F, "FUSED", False)
             ref, ref_s = _run(apart, slot)
             what = f"hidden {hidden} Hk {hk} Hv {hv} add={add} step {step}"
-            assert rel_err(out.float(), ref.float()) < 2e-2, what  # b / a dots summed in another order
+            assert rel_err(out.float(), ref.float()) < 1e-2, what  # conv, norms and state sums in other orders
             assert torch.equal(s, ref_s), what
             assert torch.equal(fused["conv_states"], apart["conv_states"]), what
             assert rel_err(fused["recurrent_states"], apart["recurrent_states"]) < 1e-3, what
