@@ -253,11 +253,7 @@ def _kernel_class():
             head = bidx // CLUSTER
 
             storage = SmemAllocator().allocate(self.shared_storage)
-            ring = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar.data_ptr(), num_stages=stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
-                tx_count=cfg.slot_bytes, defer_sync=True)
+            ring = self.make_ring(storage)
             sX = storage.sX.get_tensor(cute.make_layout(cfg.x_width))
             sW = storage.sW.get_tensor(cute.make_layout((SLICE, BLOCK_K, cfg.boxes(spec), stages),
                                                         stride=(BLOCK_K, 1, SLICE * BLOCK_K, cfg.slot_rows * BLOCK_K)))

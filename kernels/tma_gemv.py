@@ -266,11 +266,7 @@ def _kernel_class():
             lane = cute.arch.lane_idx()
 
             storage = SmemAllocator().allocate(self.shared_storage)
-            ring = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar.data_ptr(), num_stages=stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
-                tx_count=cfg.slot_bytes, defer_sync=True)
+            ring = self.make_ring(storage)
             sX = storage.sX.get_tensor(cute.make_layout(cfg.x_width))
             # GEMV g's view of the ring: (block_n, BLOCK_K, boxes, stages), each box a dense block_n x BLOCK_K
             sWs = [storage.sW.get_tensor(cute.make_layout((g.block_n, BLOCK_K, cfg.boxes(g), stages),
@@ -336,6 +332,15 @@ def _kernel_class():
                             if lane == 0 and row < cute.size(mY):
                                 mY[row] = total.to(BFloat16)
                         block += grid
+
+        def make_ring(self, storage):
+            """The weight ring's TMA pipeline on storage.mbar: one producer thread fills a slot, each consumer warp
+            releases it."""
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar.data_ptr(), num_stages=self.cfg.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cfg.consumer_warps),
+                tx_count=self.cfg.slot_bytes, defer_sync=True)
 
         @cute.jit
         def issue_slot(self, spec: cutlass.Constexpr, tma, tWgW: cute.Tensor, tWsW: cute.Tensor, ring, state,
