@@ -39,6 +39,31 @@ def _load_weights(qw_ptr, kw_ptr, cols, is_q, mask):
 
 
 @triton.jit
+def rope_coefficients(cos_row, sin_row, d, HALF: tl.constexpr):
+    """Partial NeoX RoPE of one token (cos_row, sin_row: its R/2 = HALF values) at columns d (BD,): returns c, s
+    (1, BD) and partner (BD,) such that out = y c + y[partner] s. Dim d < HALF pairs with d + HALF (y c - y' s),
+    HALF <= d < 2 HALF with d - HALF (y c + y' s); dims >= 2 HALF pass through (c = 1, s = 0, partner = d)."""
+    rotated = d < 2 * HALF
+    first = d < HALF
+    j = tl.where(first, d, d - HALF)
+    c = tl.load(cos_row + j, mask=rotated, other=1.0)[None, :]
+    s = tl.load(sin_row + j, mask=rotated, other=0.0)
+    s = tl.where(first, -s, s)[None, :]
+    return c, s, tl.where(first, d + HALF, tl.where(rotated, d - HALF, d))
+
+
+@triton.jit
+def norm_rope(x, xp, w, wp, c, s, eps, D: tl.constexpr, io: tl.constexpr):
+    """rope(rms_norm(x)) of rows x (R, BD) fp32, zero past D: xp holds x at each column's rope partner, w and wp
+    1 + the zero-centred norm weight at the columns and at their partners, c and s rope_coefficients'. The normed
+    rows are rounded to io before the rope, and the result to io, as the reference rounds."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # (R, 1)
+    y = (x * rstd * w).to(io).to(tl.float32)
+    yp = (xp * rstd * wp).to(io).to(tl.float32)
+    return (y * c + yp * s).to(io)
+
+
+@triton.jit
 def _attention_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr,
                            q_out_ptr, k_pages_ptr, v_pages_ptr,
                            sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, so_n, so_h, cos_stride, sin_stride, eps,
@@ -58,23 +83,11 @@ def _attention_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr
     k_rows = ((head >= H) & (kvh < KV) & (slot >= 0))[:, None] & dm
     q_off = n * sq_n + head[:, None] * sq_h                             # (HEADS, 1) row offsets
     k_off = n * sk_n + kvh[:, None] * sk_h
-    # rope: dim d < HALF pairs with d + HALF (out = y c - y' s), HALF <= d < 2 HALF with d - HALF
-    # (out = y c + y' s); dims >= 2 HALF pass through (c = 1, s = 0, partner = d)
-    rotated = d < 2 * HALF
-    first = d < HALF
-    j = tl.where(first, d, d - HALF)
-    c = tl.load(cos_ptr + n * cos_stride + j, mask=rotated, other=1.0)[None, :]
-    s = tl.load(sin_ptr + n * sin_stride + j, mask=rotated, other=0.0)
-    s = tl.where(first, -s, s)[None, :]
-    partner = tl.where(first, d + HALF, tl.where(rotated, d - HALF, d))
-    # zero-centred RMSNorm over D, rounded to the io dtype before the rope, as the reference does
+    c, s, partner = rope_coefficients(cos_ptr + n * cos_stride, sin_ptr + n * sin_stride, d, HALF)
     x = _load_heads(q_ptr, k_ptr, q_off, k_off, d, q_rows, k_rows)
     xp = _load_heads(q_ptr, k_ptr, q_off, k_off, partner, q_rows, k_rows)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]          # (HEADS, 1)
-    io = q_ptr.dtype.element_ty
-    y = (x * rstd * _load_weights(qw_ptr, kw_ptr, d, is_q, d < D)).to(io).to(tl.float32)
-    yp = (xp * rstd * _load_weights(qw_ptr, kw_ptr, partner, is_q, d < D)).to(io).to(tl.float32)
-    out = (y * c + yp * s).to(io)
+    out = norm_rope(x, xp, _load_weights(qw_ptr, kw_ptr, d, is_q, d < D),
+                    _load_weights(qw_ptr, kw_ptr, partner, is_q, d < D), c, s, eps, D, q_ptr.dtype.element_ty)
     tl.store(q_out_ptr + n * so_n + head[:, None] * so_h + d[None, :], out, mask=q_rows)
     dst = slot * (KV * D) + kvh[:, None] * D + d[None, :]               # pages: contiguous (pages, page_size, KV, D)
     tl.store(k_pages_ptr + dst, out, mask=k_rows)
@@ -91,7 +104,7 @@ def _check_heads(name: str, t, n: int | None, d: int | None) -> None:
         raise ValueError(f"{name} must have unit stride in its last dim, got strides {t.stride()}")
 
 
-def _check_args(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot_mapping, out):
+def check_args(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot_mapping, out):
     _check_heads("q", q, None, None)
     n, h, d = q.shape
     _check_heads("k", k, n, d)
@@ -132,7 +145,7 @@ def attention_prep(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot
     checked, to stay free of host syncs). Returns q_out (N, H, D) in q's dtype (into `out` when given)."""
     if out is None and isinstance(q, torch.Tensor):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _check_args(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot_mapping, out)
+    check_args(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot_mapping, out)
     n, h, d = q.shape
     kv = k.shape[1]
     if n == 0:
