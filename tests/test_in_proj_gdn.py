@@ -157,10 +157,11 @@ def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add):
     assert F.available(fused["x"], fused["in_w"], tensors, hk)
     with ops.use_backend("triton"):
         for step in range(3):  # the same x each step: the states carry the difference
-            monkeypatch.setattr(F, "FUSED", True)
-            out, s = _run(fused, slot)
+            fresh = lambda args: dict(args, residual=None if not add else args["residual"].clone())  # may be summed
+            monkeypatch.setattr(F, "FUSED", True)  # into in place; the states are shared and carry over
+            out, s = _run(fresh(fused), slot)
             monkeypatch.setattr(F, "FUSED", False)
-            ref, ref_s = _run(apart, slot)
+            ref, ref_s = _run(fresh(apart), slot)
             # in the kernel's order, so that the first failure names the stage: the staged row, the projection rows
             # (the conv windows hold them), the exchange of q / k / b / a and the delta step, then the gated norm
             what = f"hidden {hidden} Hk {hk} Hv {hv} add={add} step {step}"
