@@ -17,7 +17,7 @@ import reference as R
 from model import ops
 from model.cache import CachePools, SequenceCache
 from model.config import Qwen35Config, get_preset
-from model.layers import DecoderLayer, FusedLinear, Linear, RMSNorm
+from model.layers import DecoderLayer, FusedLinear, Linear, NormedInput, RMSNorm
 from model.parallel import SINGLE, ParallelContext, ShardPlan, gather_logits, vocab_parallel_embedding
 from model.step import StepInput
 
@@ -160,10 +160,11 @@ class Qwen35ForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, step, *self.layer_caches(i, pools))
             yield None
-        h, _ = ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
-        if not all_logits:
-            h = h[step.last_token_indices]
-        logits = self.lm_head(h)
+        if FINAL_NORM_IN_LM_HEAD and (all_logits or step.max_seqlen_q == 1):  # every row is wanted (a decode
+            logits = self.lm_head(NormedInput(x, residual, self.model.norm))  # row is its sequence's last token)
+        else:
+            h, _ = ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
+            logits = self.lm_head(h[step.last_token_indices])
         yield gather_logits(logits, self.plan) if self.plan.sharded else logits
 
     @torch.no_grad()
@@ -177,6 +178,14 @@ class Qwen35ForCausalLM(nn.Module):
         logits = self.forward_step(step, cache.pools, all_logits=all_logits)
         cache.advance(step)
         return logits.view(input_ids.shape[0], -1, logits.shape[-1])
+
+
+# Whether a step whose every row is wanted (decode; all_logits) runs the final norm inside lm_head's projection
+# (ops.add_rms_norm_linear: at batch-1 decode the TMA GEMV stages the normed row) instead of add_rms_norm, the last
+# tokens' gather (three small torch launches at decode, none with PDL) and the plain projection. Predicted: four
+# dependent launches fewer at the step's end, and lm_head's weights streaming while the last layer drains: ~10-15
+# us a 2B / 0.8B step. Not yet timed (`python -m profiles.host_time --model M --decode 1 --ab final_norm`).
+FINAL_NORM_IN_LM_HEAD = True
 
 
 class _FullShapes:

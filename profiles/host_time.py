@@ -209,6 +209,7 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "split_k": ("kerne
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
             "in_proj_gdn": ("kernels.in_proj_gdn", "FUSED", ON_OFF),
             "prep_split": ("kernels.paged_decode_attention", "FUSED_PREP", ON_OFF),
+            "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),
             "tma_slot": ("kernels.tma_gemv", "SLOT_ROWS", {"16k": 32, "8k": 16}),
             "tma_pause": ("kernels.tma_gemv", "BOUNDARY_BYTES", {"80k": 80 * KIB, "96k": 96 * KIB, "off": 0}),
             # B1 at 16 key heads: dv in 8, 4, 2 or 1 slices a key head (kernels.gdn_decode._dv_splits); more than
