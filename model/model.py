@@ -181,10 +181,10 @@ class Qwen35ForCausalLM(nn.Module):
 
 
 # Whether a step whose every row is wanted (decode; all_logits) runs the final norm inside lm_head's projection
-# (ops.add_rms_norm_linear: at batch-1 decode the TMA GEMV stages the normed row) instead of add_rms_norm, the last
-# tokens' gather (three small torch launches at decode, none with PDL) and the plain projection. Predicted: four
-# dependent launches fewer at the step's end, and lm_head's weights streaming while the last layer drains: ~10-15
-# us a 2B / 0.8B step. Not yet timed (`python -m profiles.host_time --model M --decode 1 --ab final_norm`).
+# (ops.add_rms_norm_linear: at batch-1 decode the TMA GEMV stages the normed row) instead of add_rms_norm (and, for
+# an eager decode step, the last tokens' gather: three small torch launches) and the plain projection. Predicted
+# for the engine's decode graphs (all_logits): one dependent launch fewer at the step's end, ~2-3 us. Not yet timed
+# (`python -m profiles.host_time --model M --decode 1 --ab final_norm`).
 FINAL_NORM_IN_LM_HEAD = True
 
 
