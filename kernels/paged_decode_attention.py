@@ -259,6 +259,8 @@ def _prep_rows(q_ptr, q_rows, row_ok, new_k_ptr, new_v_ptr, qw_ptr, kw_ptr, cos_
     q_rows (M,), and the new k (1, D) normed and rotated and v (1, D), all in q's dtype, rounded as the prep kernel
     rounds them (the same functions)."""
     io = q_ptr.dtype.element_ty
+    has = tl.max(row_ok.to(tl.int32), 0) > 0  # the sequence has its token (a varlen batch may hold one without)
+    token = tl.where(has, token, 0)  # row 0's addresses stand in (masked) for a sequence without one
     c, s, partner = rope_coefficients(cos_ptr + token * stride_cos, sin_ptr + token * stride_sin, d, HALF)
     q_w = 1.0 + tl.load(qw_ptr + d).to(tl.float32)[None, :]
     q_wp = 1.0 + tl.load(qw_ptr + partner).to(tl.float32)[None, :]
@@ -268,9 +270,10 @@ def _prep_rows(q_ptr, q_rows, row_ok, new_k_ptr, new_v_ptr, qw_ptr, kw_ptr, cos_
     k_row = new_k_ptr + token * stride_nkn + kvh * stride_nkh
     k_w = 1.0 + tl.load(kw_ptr + d).to(tl.float32)[None, :]
     k_wp = 1.0 + tl.load(kw_ptr + partner).to(tl.float32)[None, :]
-    new_k = norm_rope(tl.load(k_row + d).to(tl.float32)[None, :], tl.load(k_row + partner).to(tl.float32)[None, :],
-                      k_w, k_wp, c, s, eps, HEAD_DIM, io)
-    new_v = tl.load(new_v_ptr + token * stride_nvn + kvh * stride_nvh + d)[None, :].to(io)
+    new_k = norm_rope(tl.load(k_row + d, mask=has, other=0.0).to(tl.float32)[None, :],
+                      tl.load(k_row + partner, mask=has, other=0.0).to(tl.float32)[None, :], k_w, k_wp, c, s, eps,
+                      HEAD_DIM, io)
+    new_v = tl.load(new_v_ptr + token * stride_nvn + kvh * stride_nvh + d, mask=has, other=0.0)[None, :].to(io)
     return q, new_k, new_v
 
 
@@ -288,9 +291,10 @@ def _split_kernel(
     PDL: tl.constexpr,
 ):
     """PREP (Q_LEN 1): q_ptr holds the raw projections, and the program runs attention_prep's part itself: its q
-    rows normed and rotated, the new token's k (normed, rotated) and v taken from new_k_ptr / new_v_ptr in place of
-    the cache's newest row, which split 0 writes (slot_ptr: the token's slot mapping; negative: no write, and the
-    cache's row is read, as after attention_prep)."""
+    rows normed and rotated, the new token's k (normed, rotated) and v from new_k_ptr / new_v_ptr, which split 0
+    writes into the cache (slot_ptr: the token's slot mapping; negative: no write, and the cache's row is read, as
+    after attention_prep). The split that holds the newest key masks it out of its tiles and folds it in from
+    registers afterwards (_fold_key), so no tile is rebuilt and no program reads a row another may be writing."""
     pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep (PREP: the projection)
     pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
     b = tl.program_id(0)
@@ -315,7 +319,11 @@ def _split_kernel(
         q, new_k, new_v = _prep_rows(q_ptr, q_rows, row_ok, new_k_ptr, new_v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                                      q_start, kvh, d, stride_nkn, stride_nkh, stride_nvn, stride_nvh, stride_cos,
                                      stride_sin, eps, HEAD_DIM, HALF)
-        new_slot = tl.load(slot_ptr + q_start).to(tl.int64)  # negative: no write, and the cache's row is read
+        # negative (or a sequence without a token): no write, and the cache's row is read as any other
+        new_slot = tl.load(slot_ptr + q_start, mask=q_len > 0, other=-1).to(tl.int64)
+        # the new token's key is left out of the tiles (split 0 may still be writing it) and folded in from
+        # registers after them, by the split that holds it
+        new_key = tl.where(new_slot >= 0, seqlen - 1, -1)
         if split == 0:
             slot = new_slot
             if slot >= 0:
@@ -333,15 +341,13 @@ def _split_kernel(
     for start in range(kv_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # (N,) key positions
         n_ok = n < kv_end
+        if PREP:
+            n_ok = n_ok & (n != new_key)
         page, slot = _pages_of(pt_row, start, n, n_ok, PAGE_SIZE, BLOCK_N)
         k = tl.load(k_ptr + kvh * stride_kh + (page * stride_kp + slot * stride_kt)[:, None] + d[None, :],
                     mask=n_ok[:, None], other=0.0)  # (N, D)
         v = tl.load(v_ptr + kvh * stride_vh + (page * stride_vp + slot * stride_vt)[:, None] + d[None, :],
                     mask=n_ok[:, None], other=0.0)  # (N, D)
-        if PREP:  # the newest key is the new token's, which split 0 may still be writing: from registers
-            newest = ((n == seqlen - 1) & (new_slot >= 0))[:, None]
-            k = tl.where(newest, new_k, k)
-            v = tl.where(newest, new_v, v)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N), log2 units
         s = tl.where(n_ok[None, :] & (n[None, :] <= last_key[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -350,9 +356,24 @@ def _split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if PREP:
+        m_i, l_i, acc = _fold_key(q, new_k, new_v, m_i, l_i, acc, qk_scale, (new_key >= kv_start) & (new_key < kv_end))
 
     _finish(acc, l_i, m_i, q_start + qi, head, row_ok, d, split, num_splits, num_heads, gate_ptr, out_ptr, ws_o_ptr,
             ws_lse_ptr, stride_gn, stride_gh, stride_on, stride_oh, HEAD_DIM, DIRECT, HAS_GATE)
+
+
+@triton.jit
+def _fold_key(q, k_row, v_row, m_i, l_i, acc, qk_scale, take):
+    """The online softmax of one more key, k_row and v_row (1, D), for every row of q (M, D) when `take`: its score
+    reduced in fp32, its P rounded to v's dtype as the tiles' PV rounds it. Returns (m_i, l_i, acc)."""
+    s = tl.sum(q.to(tl.float32) * k_row.to(tl.float32), 1) * qk_scale  # (M,)
+    s = tl.where(take, s, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    acc = acc * alpha[:, None] + p.to(v_row.dtype).to(tl.float32)[:, None] * v_row.to(tl.float32)
+    return m_new, l_i * alpha + p, acc
 
 
 @triton.jit

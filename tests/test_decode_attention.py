@@ -22,7 +22,7 @@ from kernels.paged_decode_attention import (
 )
 from model.ops import _BACKENDS
 from model.step import StepInput
-from tests.conftest import HAS_CUDA, rel_err
+from tests.conftest import HAS_CUDA, compiled_script_output, rel_err
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -156,6 +156,7 @@ PREP_CASES = [  # (dtype, head_dim, heads, kv_heads, page, lens, num_splits, gat
     (torch.float32, 64, 2, 2, 16, [1, 65, 300], 1, True),  # GQA 1, one split: direct store
     (torch.float16, 128, 8, 2, 24, [2, 130], 3, False),  # GQA 4, pages that are not a whole tile
     (torch.float32, 64, 4, 1, 64, [300], 9, True),  # GQA 4, empty splits; the newest key in the last tile
+    (torch.float16, 64, 4, 2, 16, [1], 2, False),  # one sequence of one token (its slot written): split 1 empty
 ]
 
 
@@ -250,6 +251,67 @@ def test_prep_takes_the_newest_key_from_registers():
     assert torch.isfinite(out).all() and rel_err(out, ref) <= TOL[dtype]
 
 
+def test_prep_with_a_sequence_without_a_token():
+    # a varlen batch whose second sequence brings no token (cu_seqlens 0, 1, 1): the first is as without prep, and
+    # nothing is read or written for the second
+    from kernels.attention_prep import attention_prep
+    from kernels.paged_decode_attention import DecodePrep
+    dtype, d, h, kv, page, lens = torch.float32, 64, 4, 2, 16, [30, 40]
+    k_pages, v_pages, table, seqused = make_cache(lens, kv, d, page, dtype, seed=51)
+    q, k, v, q_w, k_w, cos, sin, slots = _prep_inputs(lens[:1], h, kv, d, page, dtype, table, seed=52)
+    cu = torch.tensor([0, 1, 1], dtype=torch.int32, device=DEV)
+    k_apart, v_apart = k_pages.clone(), v_pages.clone()
+    ref = paged_decode_attention(attention_prep(q, k, v, q_w, k_w, cos, sin, k_apart, v_apart, slots, 1e-6), k_apart,
+                                 v_apart, table, seqused, cu_seqlens_q=cu, max_seqlen_q=1, num_splits=2)
+    out = paged_decode_attention(q, k_pages, v_pages, table, seqused, cu_seqlens_q=cu, max_seqlen_q=1, num_splits=2,
+                                 prep=DecodePrep(k, v, q_w, k_w, cos, sin, slots, 1e-6))
+    assert rel_err(out, ref) <= TOL[dtype]
+    assert torch.equal(k_pages.nan_to_num(7.0), k_apart.nan_to_num(7.0))
+
+
+SM90_SPLIT_COMPILE = """
+import os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+from kernels import paged_decode_attention as P
+fn = P._split_kernel
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+tile = P.plan(1, 4, 256, 2)
+for prep in (False, True):
+    const = dict(Q_LEN=1, VARLEN=True, GROUP=4, HEAD_DIM=256, PAGE_SIZE=64, BLOCK_M=tile.block_m,
+                 BLOCK_N=P.BLOCK_N, DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", PREP=prep,
+                 HALF=32 if prep else 1, PDL=True)
+    bf16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr", "new_k_ptr", "new_v_ptr", "qw_ptr", "kw_ptr")
+    sig = {n: "constexpr" if n in const else "*bf16" if n in bf16 else
+           "*fp32" if n.startswith("ws_") or n in ("cos_ptr", "sin_ptr") else "*i64" if n == "slot_ptr" else
+           "*i32" if n.endswith("_ptr") else "fp32" if n in ("qk_scale", "eps") else "i32" for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_ptb")}
+    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                          text=True).stderr
+    os.unlink(f.name)
+    regs = re.search(r"Used (\\d+) registers", info).group(1)
+    spill = re.search(r"(\\d+) bytes spill stores", info).group(1)
+    print(int(prep), k.metadata.shared, regs, spill)
+"""
+
+
+def test_prep_keeps_two_split_programs_an_sm():
+    # the decode split kernel at the 2B attention shape (bf16 d256 GQA 4), compiled for sm_90a on the CPU: the prep
+    # adds no tile buffer (the same shared memory, two programs an SM, the measured condition for full bandwidth)
+    # and spills nothing
+    rows = [list(map(int, line.split())) for line in
+            compiled_script_output(SM90_SPLIT_COMPILE, timeout=600).strip().splitlines()]
+    (_, smem, _, spill), (_, prep_smem, prep_regs, prep_spill) = rows
+    assert prep_smem == smem <= 227 * 1024 // 2, rows
+    assert spill == prep_spill == 0 and 2 * 128 * prep_regs <= 65536, rows
+
+
 def test_prep_refuses_more_than_one_new_token():
     from kernels.paged_decode_attention import DecodePrep
     k_pages, v_pages, table, seqused = make_cache([40], 1, 64, 16, torch.float32, seed=1)
@@ -282,6 +344,7 @@ def test_prep_op_with_and_without_the_fusion(monkeypatch):
         out = OPS["prep_paged_attention"](q, k, v, q_w, k_w, step, kp, vp, 1e-6, 0.3, gate)
         assert rel_err(out, ref) <= TOL[dtype], f"fused={fused}: {rel_err(out, ref):.2e}"
         assert rel_err(kp.nan_to_num(0.0), ref_k.nan_to_num(0.0)) <= TOL[dtype], f"fused={fused}: k pages"
+        assert torch.equal(vp.nan_to_num(7.0), ref_v.nan_to_num(7.0)), f"fused={fused}: v pages"
 
 
 def test_split_kv_pays_for_long_chunks_only_when_the_forward_underfills():
