@@ -160,11 +160,11 @@ class Qwen35ForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, step, *self.layer_caches(i, pools))
             yield None
-        if FINAL_NORM_IN_LM_HEAD and (all_logits or step.max_seqlen_q == 1):  # every row is wanted (a decode
-            logits = self.lm_head(NormedInput(x, residual, self.model.norm))  # row is its sequence's last token)
+        if FINAL_NORM_IN_LM_HEAD and x.shape[0] == 1:  # one row (batch-1 decode), wanted either way
+            logits = self.lm_head(NormedInput(x, residual, self.model.norm))
         else:
             h, _ = ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
-            logits = self.lm_head(h[step.last_token_indices])
+            logits = self.lm_head(h if all_logits else h[step.last_token_indices])
         yield gather_logits(logits, self.plan) if self.plan.sharded else logits
 
     @torch.no_grad()
@@ -180,11 +180,12 @@ class Qwen35ForCausalLM(nn.Module):
         return logits.view(input_ids.shape[0], -1, logits.shape[-1])
 
 
-# Whether a step whose every row is wanted (decode; all_logits) runs the final norm inside lm_head's projection
-# (ops.add_rms_norm_linear: at batch-1 decode the TMA GEMV stages the normed row) instead of add_rms_norm (and, for
-# an eager decode step, the last tokens' gather: three small torch launches) and the plain projection. Predicted
-# for the engine's decode graphs (all_logits): one dependent launch fewer at the step's end, ~2-3 us. Not yet timed
-# (`python -m profiles.host_time --model M --decode 1 --ab final_norm`).
+# Whether a one-row step (batch-1 decode) runs the final norm inside lm_head's projection (ops.add_rms_norm_linear:
+# the TMA GEMV stages the normed row, as every layer's pre-norm projection does since session 17) instead of
+# add_rms_norm and the plain projection (and, eagerly, the last token's gather: three small torch launches). Wider
+# steps keep the norm apart (the Triton GEMV's fused norm is measured only for the layers' K). Predicted: one
+# dependent launch fewer at a decode graph's end, ~2-3 us. Not yet timed (`python -m profiles.host_time --model M
+# --decode 1 --ab final_norm`).
 FINAL_NORM_IN_LM_HEAD = True
 
 

@@ -44,21 +44,22 @@ def test_model_decode_with_the_prep_inside_the_split_cpu(monkeypatch):
     assert rel_err(out, ref) < 1e-4, rel_err(out, ref)
 
 
-def test_final_norm_inside_lm_head_changes_no_logit(monkeypatch):
-    # decode rows (and all_logits) take the final norm inside lm_head's projection, other steps gather the last
-    # tokens first: the same logits either way (fp32, references)
+def test_final_norm_inside_lm_head_at_batch_1(monkeypatch):
+    # a one-row decode step takes the final norm inside lm_head's projection (the triton backend's fused-norm GEMV,
+    # interpreter): the logits of the norm apart, within fp32 rounding, and the projection is the normed one
     import model.model as M
     model = Qwen35ForCausalLM.random(SMALL, seed=6)
-    prompt = torch.randint(0, SMALL.vocab_size, (2, 19))
+    prompt = torch.randint(0, SMALL.vocab_size, (1, 19))
     calls = []
     real = ops.add_rms_norm_linear
     monkeypatch.setattr(ops, "add_rms_norm_linear", lambda *a: calls.append(a[-1].shape) or real(*a))
-    fused = decode_logits(model, prompt, 2, "reference", page_size=16)
+    fused = decode_logits(model, prompt, 2, "triton", page_size=16)
     assert calls.count(model.lm_head.weight.shape) == 2  # each decode step's lm_head
     monkeypatch.setattr(M, "FINAL_NORM_IN_LM_HEAD", False)
     calls.clear()
-    assert torch.equal(decode_logits(model, prompt, 2, "reference", page_size=16), fused)
+    apart = decode_logits(model, prompt, 2, "triton", page_size=16)
     assert model.lm_head.weight.shape not in calls
+    assert rel_err(fused, apart) < 1e-5, rel_err(fused, apart)
 
 
 def test_model_decode_triton_equals_reference_cpu():
