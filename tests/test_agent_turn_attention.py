@@ -186,34 +186,18 @@ def test_fa4_auto_routes_short_paged_chunks_here():
 
 
 SM90_COMPILE = """
-import os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler.compiler import ASTSource
 from kernels import paged_decode_attention as P
-fn = P._chunk_kernel
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+from tests.sm90_compile import triton_sm90
 for d in (256,):
     t = P.plan(64, 4, d, 2)
     const = dict(VARLEN=True, GROUP=4, HEAD_DIM=d, PAGE_SIZE=64, BLOCK_M=t.block_m, BLOCK_N=P.BLOCK_N, DIRECT=False,
                  HAS_GATE=False, RESCALE_THRESHOLD=P.RESCALE_THRESHOLD, DOT_PRECISION="tf32", PDL=True, Q_MIN=9,
                  Q_MAX=0)
-    sig = {n: "constexpr" if n in const else "*bf16" if n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr") else
-           "*fp32" if n.startswith("ws_") else "*i32" if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32"
-           for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_ptb")}
-    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": t.num_warps, "num_stages": t.num_stages})
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(k.asm["ptx"])
-    info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                          text=True).stderr
-    os.unlink(f.name)
-    regs = re.search(r"Used (\\d+) registers", info).group(1)
-    spill = re.search(r"(\\d+) bytes spill stores", info).group(1)
-    print(d, k.metadata.shared, k.asm["ttgir"].count("warp_group_dot "),
-          k.asm["ttgir"].count("async_copy_global_to_local"), regs, spill)
+    arg_type = lambda n: ("*bf16" if n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr") else
+                          "*fp32" if n.startswith("ws_") else "*i32" if n.endswith("_ptr") else
+                          "fp32" if n == "qk_scale" else "i32")
+    r = triton_sm90(P._chunk_kernel, const, arg_type, t.num_warps, t.num_stages)
+    print(d, r["smem"], r["wgmma"], r["cp_async"], r["regs"], r["spill"])
 """
 
 

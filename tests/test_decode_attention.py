@@ -270,34 +270,19 @@ def test_prep_with_a_sequence_without_a_token():
 
 
 SM90_SPLIT_COMPILE = """
-import os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler.compiler import ASTSource
 from kernels import paged_decode_attention as P
-fn = P._split_kernel
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+from tests.sm90_compile import triton_sm90
 tile = P.plan(1, 4, 256, 2)
+bf16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr", "new_k_ptr", "new_v_ptr", "qw_ptr", "kw_ptr")
+arg_type = lambda n: ("*bf16" if n in bf16 else "*fp32" if n.startswith("ws_") or n in ("cos_ptr", "sin_ptr") else
+                      "*i64" if n == "slot_ptr" else "*i32" if n.endswith("_ptr") else
+                      "fp32" if n in ("qk_scale", "eps") else "i32")
 for prep in (False, True):
     const = dict(Q_LEN=1, VARLEN=True, GROUP=4, HEAD_DIM=256, PAGE_SIZE=64, BLOCK_M=tile.block_m,
                  BLOCK_N=P.BLOCK_N, DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", PREP=prep,
                  HALF=32 if prep else 1, PDL=True)
-    bf16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr", "new_k_ptr", "new_v_ptr", "qw_ptr", "kw_ptr")
-    sig = {n: "constexpr" if n in const else "*bf16" if n in bf16 else
-           "*fp32" if n.startswith("ws_") or n in ("cos_ptr", "sin_ptr") else "*i64" if n == "slot_ptr" else
-           "*i32" if n.endswith("_ptr") else "fp32" if n in ("qk_scale", "eps") else "i32" for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_ptb")}
-    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(k.asm["ptx"])
-    info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                          text=True).stderr
-    os.unlink(f.name)
-    regs = re.search(r"Used (\\d+) registers", info).group(1)
-    spill = re.search(r"(\\d+) bytes spill stores", info).group(1)
-    print(int(prep), k.metadata.shared, regs, spill)
+    r = triton_sm90(P._split_kernel, const, arg_type, tile.num_warps, tile.num_stages)
+    print(int(prep), r["smem"], r["regs"], r["spill"])
 """
 
 
