@@ -43,12 +43,11 @@ import triton
 import triton.language as tl
 
 from kernels import pdl, split_k
-from kernels.gdn_pointwise import gate_values, gated_norm
+from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm
 from kernels.host_math import next_power_of_2
 from model.ops import _BACKENDS
 from reference._checks import check_tensor
 
-L2NORM_EPS = tl.constexpr(1e-6)
 STATE_PER_PROGRAM = 2 * 128 * 128  # fp32 state values one program holds (128 KiB): 8 warps x 128 a thread
 STATE_PER_THREAD = 128
 FEW_PROGRAMS = 132  # the H200's SM count: below it, programs take several value heads at once

@@ -19,6 +19,7 @@ from kernels.row_buckets import empty_rows
 from reference._checks import check_tensor
 
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch.nn.functional.softplus returns x above it
+L2NORM_EPS = tl.constexpr(1e-6)  # the q / k L2 norms' eps (reference.norms.l2norm's)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 TILE = 2048  # elements a program of either kernel takes
 

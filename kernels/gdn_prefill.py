@@ -72,14 +72,13 @@ import triton.language as tl
 
 from kernels import gdn_decode
 from kernels.causal_conv1d import causal_conv1d_varlen
-from kernels.gdn_pointwise import gate_values, gated_norm, gated_rms_norm
+from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm, gated_rms_norm
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.row_buckets import empty_rows
 from kernels.varlen import CHUNK, chunk_span, host_ints, token_chunks
 from reference._checks import check_cu_seqlens, check_snapshots, check_tensor
 
 SUB = tl.constexpr(16)  # the WY kernel's sub-block: the chunk's T = (I + A)^-1 by 16 x 16 blocks
-L2NORM_EPS = tl.constexpr(1e-6)
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FEW_PROGRAMS = 132  # the H200's SM count: with fewer kernel-2 programs than this, dv is split finer
 STATE_BV, OUTPUT_BV = 64, 128  # dv columns a program of kernel 2 (at most) and of kernel 3

@@ -31,15 +31,13 @@ import functools
 
 import torch
 
-from kernels import pdl, tma_gemv
+from kernels import gdn_pointwise, pdl, tma_gemv
 from kernels.cute_runtime import CompileCache, cu_stream
 from model import ops
 
 CLUSTER = 8  # CTAs a key head
 SLICE = 16  # rows of q, k and of each v and z head a CTA owns: one 16-row block
 GROUPS = (1, 2, 4)  # value heads a key head
-L2NORM_EPS = 1e-6
-SOFTPLUS_THRESHOLD = 20.0  # torch's softplus returns x above it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,11 +392,11 @@ def _kernel_class():
                 k_sq = k_sq + k[i] * k[i]
             q_sq = self.column_sum(q_sq, per_col)
             k_sq = self.column_sum(k_sq, per_col)
-            q_scale = cute.math.rsqrt(q_sq + Float32(L2NORM_EPS)) * Float32(gdn.head_dim ** -0.5)
-            k_scale = cute.math.rsqrt(k_sq + Float32(L2NORM_EPS))
+            q_scale = cute.math.rsqrt(q_sq + Float32(gdn_pointwise.L2NORM_EPS.value)) * Float32(gdn.head_dim ** -0.5)
+            k_scale = cute.math.rsqrt(k_sq + Float32(gdn_pointwise.L2NORM_EPS.value))
             x = sAB[group + j] + dt_bias
             softplus = x
-            if x <= Float32(SOFTPLUS_THRESHOLD):
+            if x <= Float32(gdn_pointwise.SOFTPLUS_THRESHOLD.value):
                 softplus = cute.math.log(Float32(1.0) + cute.math.exp(x))
             decay = cute.math.exp(-cute.math.exp(a_log) * softplus)
             beta = Float32(1.0) / (Float32(1.0) + cute.math.exp(-sAB[j]))
