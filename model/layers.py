@@ -165,23 +165,23 @@ class GatedDeltaNet(nn.Module):
         # x: (N, hidden) or its NormedInput -> (N, qkv|z|b|a widths) in one matmul
         return self.in_proj(x)
 
+    @property
+    def mixer_weights(self) -> tuple:
+        """(the in-projection's part widths, conv_w (C, K), A_log, dt_bias, the output norm's weight)."""
+        return (tuple(self.in_proj.parts.values()), self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias,
+                self.norm.weight)
+
     def core(self, proj, step: StepInput, conv_states, recurrent_states):
         # proj: project_in's (N, width); conv_states: (slots, C, K-1); recurrent_states: (slots, Hv, dk, dv) fp32
         # -> (N, Hv * dv)
-        n = proj.shape[0]
-        qkv, z, b, a = proj.split(list(self.in_proj.parts.values()), dim=-1)
-        o = ops.gated_deltanet(qkv, z.view(n, self.hv, self.dv), b, a, self.conv1d.weight[:, 0, :], self.A_log,
-                               self.dt_bias, self.norm.weight, conv_states, recurrent_states, step, self.hk,
-                               self.eps)
-        return o.reshape(n, self.hv * self.dv)
+        return ops.gated_deltanet_of_projection(proj, *self.mixer_weights, conv_states, recurrent_states, step,
+                                                self.hk, self.eps)
 
     def project_and_core(self, x, residual, norm: RMSNorm, step: StepInput, conv_states, recurrent_states):
         # x, residual: as NormedInput's -> (core(project_in(norm(x + residual))), x + residual), as one op
         # (ops.in_proj_gated_deltanet: one launch at batch-1 decode on the H200)
-        return ops.in_proj_gated_deltanet(x, residual, norm.weight, norm.eps, self.in_proj.weight,
-                                          tuple(self.in_proj.parts.values()), self.conv1d.weight[:, 0, :],
-                                          self.A_log, self.dt_bias, self.norm.weight, conv_states, recurrent_states,
-                                          step, self.hk)
+        return ops.in_proj_gated_deltanet(x, residual, norm.weight, norm.eps, self.in_proj.weight, *self.mixer_weights,
+                                          conv_states, recurrent_states, step, self.hk)
 
     @property
     def out_weight(self):

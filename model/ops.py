@@ -182,11 +182,18 @@ def in_proj_gated_deltanet_by_ops(x, residual, norm_w, eps, in_w, parts, conv_w,
                                   conv_states, recurrent_states, step: StepInput, num_k_heads):
     """in_proj_gated_deltanet as its two ops, each on the active backend."""
     proj, s = add_rms_norm_linear(x, residual, norm_w, eps, in_w)
+    return gated_deltanet_of_projection(proj, parts, conv_w, A_log, dt_bias, gdn_norm_w, conv_states,
+                                        recurrent_states, step, num_k_heads, eps), s
+
+
+def gated_deltanet_of_projection(proj, parts, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
+                                 step: StepInput, num_k_heads, eps):
+    """gated_deltanet of a GDN in-projection's output proj (N, qkv | z | b | a, the widths `parts`): (N, Hv * dv)."""
     n, hv = proj.shape[0], parts[2]
     qkv, z, b, a = proj.split(list(parts), dim=-1)
-    o = gated_deltanet(qkv, z.view(n, hv, -1), b, a, conv_w, A_log, dt_bias, gdn_norm_w, conv_states,
-                       recurrent_states, step, num_k_heads, eps)
-    return o.reshape(n, -1), s
+    o = gated_deltanet(qkv, z.view(n, hv, -1), b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
+                       step, num_k_heads, eps)
+    return o.reshape(n, -1)
 
 
 def gated_deltanet_in_two_passes(op, args, step: StepInput, num_k_heads, eps):
