@@ -73,11 +73,7 @@ def _layer(hidden, hk, hv, device, seed=0, slots=5, add=True):
 
 
 def _run(args, step):
-    a = dict(args)
-    return ops.in_proj_gated_deltanet(a.pop("x"), a.pop("residual"), a.pop("norm_w"), a.pop("eps"), a.pop("in_w"),
-                                      a.pop("parts"), a.pop("conv_w"), a.pop("A_log"), a.pop("dt_bias"),
-                                      a.pop("gdn_norm_w"), a.pop("conv_states"), a.pop("recurrent_states"), step,
-                                      a.pop("num_k_heads"))
+    return ops.in_proj_gated_deltanet(*_positional(args, step))
 
 
 def test_off_the_gpu_it_is_its_two_ops(monkeypatch):
