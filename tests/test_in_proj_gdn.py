@@ -97,10 +97,14 @@ def test_off_the_gpu_it_is_its_two_ops(monkeypatch):
 def test_available_answers_for_every_layer_off_the_gpu(add):
     # the first layer has no residual: `available` says no here (no GPU) rather than failing on the None
     a = _layer(256, 2, 4, "cpu", add=add)
-    tensors = dict(residual=a["residual"], input_norm_w=a["norm_w"], conv_w=a["conv_w"], A_log=a["A_log"],
-                   dt_bias=a["dt_bias"], norm_w=a["gdn_norm_w"], conv_states=a["conv_states"],
-                   recurrent_states=a["recurrent_states"], state_slots=torch.tensor([3]))
-    assert F.available(a["x"], a["in_w"], tensors, 2) is False
+    assert F.available(a["x"], a["in_w"], _available_tensors(a, torch.tensor([3])), 2) is False
+
+
+def _available_tensors(a, state_slots):
+    """in_proj_gdn.available's keyword tensors of _layer's arguments."""
+    return dict(residual=a["residual"], input_norm_w=a["norm_w"], conv_w=a["conv_w"], A_log=a["A_log"],
+                dt_bias=a["dt_bias"], norm_w=a["gdn_norm_w"], conv_states=a["conv_states"],
+                recurrent_states=a["recurrent_states"], state_slots=state_slots)
 
 
 def _positional(a, step):
@@ -146,11 +150,7 @@ def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add):
     fused = _layer(hidden, hk, hv, "cuda", seed=hidden + hv, add=add)
     apart = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in fused.items()}
     slot = decode_step(torch.tensor([3], device="cuda"))
-    tensors = dict(residual=fused["residual"], input_norm_w=fused["norm_w"], conv_w=fused["conv_w"],
-                   A_log=fused["A_log"], dt_bias=fused["dt_bias"], norm_w=fused["gdn_norm_w"],
-                   conv_states=fused["conv_states"], recurrent_states=fused["recurrent_states"],
-                   state_slots=slot.state_slots)
-    assert F.available(fused["x"], fused["in_w"], tensors, hk)
+    assert F.available(fused["x"], fused["in_w"], _available_tensors(fused, slot.state_slots), hk)
     with ops.use_backend("triton"):
         for step in range(3):  # the same x each step: the states carry the difference
             fresh = lambda args: dict(args, residual=None if not add else args["residual"].clone())  # may be summed
