@@ -100,6 +100,19 @@ def test_available_answers_for_every_layer_off_the_gpu(add):
     assert F.available(a["x"], a["in_w"], _available_tensors(a, torch.tensor([3])), 2) is False
 
 
+@pytest.mark.parametrize("resident", [16, 15])
+def test_available_only_where_every_cluster_is_resident(monkeypatch, resident):
+    # the shape checks pass (tma_gemv's GPU check patched away); then the driver's count of resident 8-CTA clusters
+    # decides: 16 key heads need 16 at once, else the two ops run (a second wave would double the kernel's time)
+    monkeypatch.setattr(tma_gemv, "available", lambda *a, **kw: True)
+    asked = []
+    monkeypatch.setattr(F, "clusters_fit", lambda device, clusters: asked.append((device, clusters)) or
+                        resident >= clusters)
+    a = _layer(256, 16, 16, "cpu")
+    assert F.available(a["x"], a["in_w"], _available_tensors(a, torch.tensor([3])), 16) is (resident == 16)
+    assert asked == [(0, 16)]
+
+
 def _available_tensors(a, state_slots):
     """in_proj_gdn.available's keyword tensors of _layer's arguments."""
     return dict(residual=a["residual"], input_norm_w=a["norm_w"], conv_w=a["conv_w"], A_log=a["A_log"],
