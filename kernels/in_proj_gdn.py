@@ -114,17 +114,17 @@ def available(x: torch.Tensor, weight: torch.Tensor, tensors: dict, num_k_heads:
             and tensors["norm_w"].shape == (dv,) and states.is_contiguous()
             and tensors["state_slots"].shape == (1,) and tensors["state_slots"].dtype == torch.int64
             and all(t.device == x.device and t.data_ptr() % 16 == 0 for t in tensors.values() if t is not None)
-            and clusters_fit(x.device.index or 0, num_k_heads))
+            and resident_clusters(x.device.index or 0) >= num_k_heads)
 
 
 @functools.cache
-def clusters_fit(device_index: int, num_clusters: int) -> bool:
-    """Whether num_clusters clusters of CLUSTER CTAs are resident at once on the device, one CTA an SM (each holds a
-    128 KiB ring), as the driver's occupancy calculator counts them (cuOccupancyMaxActiveClusters, through the DSL's
-    HardwareInfo, which asks it for a kernel of that shape). A cluster that does not fit waits for a whole earlier
-    one to finish, which would double the kernel's time in the step: the two ops run instead."""
+def resident_clusters(device_index: int) -> int:
+    """How many clusters of CLUSTER CTAs the device holds at once, one CTA an SM (each holds a 128 KiB ring), as the
+    driver's occupancy calculator counts them (cuOccupancyMaxActiveClusters, through the DSL's HardwareInfo, which
+    asks it for a kernel of that shape). `available` wants one for every key head: a cluster that does not fit waits
+    for a whole earlier one to finish, which would double the kernel's time in the step."""
     from cutlass.utils import HardwareInfo
-    return HardwareInfo(device_index).get_max_active_clusters(CLUSTER) >= num_clusters
+    return HardwareInfo(device_index).get_max_active_clusters(CLUSTER)
 
 
 # Who computes what: plain arithmetic (min, no branches), so that the kernel traces it on device integers and the

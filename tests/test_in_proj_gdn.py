@@ -106,11 +106,10 @@ def test_available_only_where_every_cluster_is_resident(monkeypatch, resident):
     # decides: 16 key heads need 16 at once, else the two ops run (a second wave would double the kernel's time)
     monkeypatch.setattr(tma_gemv, "available", lambda *a, **kw: True)
     asked = []
-    monkeypatch.setattr(F, "clusters_fit", lambda device, clusters: asked.append((device, clusters)) or
-                        resident >= clusters)
+    monkeypatch.setattr(F, "resident_clusters", lambda device: asked.append(device) or resident)
     a = _layer(256, 16, 16, "cpu")
     assert F.available(a["x"], a["in_w"], _available_tensors(a, torch.tensor([3])), 16) is (resident == 16)
-    assert asked == [(0, 16)]
+    assert asked == [0]
 
 
 def _available_tensors(a, state_slots):
@@ -163,6 +162,7 @@ def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add):
     fused = _layer(hidden, hk, hv, "cuda", seed=hidden + hv, add=add)
     apart = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in fused.items()}
     slot = decode_step(torch.tensor([3], device="cuda"))
+    assert F.resident_clusters(0) >= hk, f"{F.resident_clusters(0)} clusters of {F.CLUSTER} resident, {hk} key heads"
     assert F.available(fused["x"], fused["in_w"], _available_tensors(fused, slot.state_slots), hk)
     with ops.use_backend("triton"):
         for step in range(3):  # the same x each step: the states carry the difference
