@@ -733,25 +733,32 @@ def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, launch
 
 
 def compile_variants(num_heads: int, k_pages: torch.Tensor, v_pages: torch.Tensor, width: int,
-                     gated: bool = True) -> int:
+                     gated: bool = True, rotary_dim: int = 0) -> int:
     """Compile every launch variant a server meets, before requests pay for it (seconds each): the decode variant
     (q_len 1..8 is a constant of it) and the chunk variant's M-blocks, each with one split (DIRECT) and several,
-    a mixed step's two launches, and both combines at every power-of-two split tile (BLOCK_S 2..MAX_SPLITS).
+    a mixed step's two launches, both combines at every power-of-two split tile (BLOCK_S 2..MAX_SPLITS), and with
+    FUSED_PREP and the model's rotary_dim, the decode variant that runs the prep (one split and several).
     Runs on a pool's first page with no keys (k_pages, v_pages: a real layer's pools, so strides and alignment
-    match; width: the page tables' width). Returns the number of calls made."""
-    dev, dtype, head_dim = k_pages.device, k_pages.dtype, k_pages.shape[3]
-    group = num_heads // k_pages.shape[2]
+    match; width: the page tables' width); the prep's calls read one key and write none (slot -1). Returns the
+    number of calls made."""
+    dev, dtype, head_dim, kv_heads = k_pages.device, k_pages.dtype, k_pages.shape[3], k_pages.shape[2]
+    group = num_heads // kv_heads
     calls = 0
 
-    def run(q_lens, splits):
+    def run(q_lens, splits, prep=False):
         nonlocal calls
         n = sum(q_lens)
         q = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=dev)
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
         table = torch.zeros(len(q_lens), width, dtype=torch.int32, device=dev)
-        seqused = torch.zeros(len(q_lens), dtype=torch.int32, device=dev)
+        seqused = torch.full((len(q_lens),), int(prep), dtype=torch.int32, device=dev)  # the prep's newest key
+        new_kv = torch.zeros(n, kv_heads, head_dim, dtype=dtype, device=dev)
+        norm_w = torch.zeros(head_dim, dtype=dtype, device=dev)
+        cos_sin = torch.zeros(n, rotary_dim // 2, dtype=torch.float32, device=dev)
+        decode_prep = DecodePrep(new_kv, new_kv, norm_w, norm_w, cos_sin, cos_sin,
+                                 torch.full((n,), -1, dtype=torch.int64, device=dev), 1e-6) if prep else None
         paged_decode_attention(q, k_pages, v_pages, table, seqused, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
-                               gate=q if gated else None, num_splits=splits)
+                               gate=q if gated else None, num_splits=splits, prep=decode_prep)
         calls += 1
 
     firsts = {}  # one q_len per compiled variant: the decode variant's q_len, the chunk variant's M-block
@@ -767,6 +774,9 @@ def compile_variants(num_heads: int, k_pages: torch.Tensor, v_pages: torch.Tenso
     for block_s in range(1, int(math.log2(MAX_SPLITS)) + 1):
         run([1], 2 ** block_s)
         run([max(firsts.values())], 2 ** block_s)
+    if FUSED_PREP and rotary_dim:
+        for splits in (1, 2):
+            run([1], splits, prep=True)
     return calls
 
 
