@@ -173,11 +173,14 @@ def prenorm_setters() -> tuple[dict, Callable[[], None]]:
 
 
 # Timing only, the tokens come out wrong: the mixers' ops replaced by their input passed through (no kernel), so the
-# decode step shows what it would cost if the mixer were free: the most a kernel that fuses it away could save
+# decode step shows what it would cost if the mixer were free: the most a kernel that fuses it away could save. The
+# fused ops that hold a mixer run as their parts (the in-projection still streams), whatever the fusion flags say
 PASS_THROUGH = {"gated_deltanet": lambda qkv, z, *rest: z, "attention_prep": lambda q, *rest: q,
-                "paged_attention": lambda q, *rest: q}
-SKIPPED = {"none": (), "gdn": ("gated_deltanet",), "attention": ("attention_prep", "paged_attention"),
-           "both": tuple(PASS_THROUGH)}
+                "paged_attention": lambda q, *rest: q,
+                "in_proj_gated_deltanet": ops.in_proj_gated_deltanet_by_ops,
+                "prep_paged_attention": ops.prep_paged_attention_by_ops}
+SKIPPED = {"none": (), "gdn": ("gated_deltanet", "in_proj_gated_deltanet"),
+           "attention": ("attention_prep", "paged_attention", "prep_paged_attention"), "both": tuple(PASS_THROUGH)}
 
 
 def skip_setters() -> tuple[dict, Callable[[], None]]:
