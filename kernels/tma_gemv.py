@@ -51,6 +51,13 @@ RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 # 84.5 against 84.1; the decode step (`host_time --ab tma_pause`): 2B 1.28 ms against 1.30 (6: 1.28), 0.8B 0.780
 # against 0.806 (6: 0.791)
 BOUNDARY_BYTES = 80 * 1024
+# ... and, while paused there, asks L2 for this many bytes of its next slots of that GEMV (TMA prefetches: no shared
+# memory, no barrier), so that DRAM streams them during the sync instead of idling while the CTAs that arrived first
+# wait for the last (arrival spread 3.5-4 us at 2B, host_time.json 'chain_boundaries_session18'); after the sync
+# those slots' loads hit L2. Off until timed (`python -m profiles.bench_decode --sweep-chain M`, `python -m
+# profiles.host_time --model M --decode 1 --ab tma_prefetch`): a prefetch may lengthen the sync's fence as ring
+# loads did. Predicted: up to ~1 us of each sync's 2.5-3 us, 2 syncs x 24 layers, ~0.03-0.05 ms off a 2B step.
+PREFETCH_BYTES = 0
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
 CTA_SHARED_BYTES = 227 * 1024  # the most one CTA may take on sm_90: the ring, x and the barriers
@@ -81,6 +88,7 @@ class TmaGemvConfig:
     chain: tuple[GemvInput, ...] = ()  # GEMVs after the first in the same launch, each on the previous one's output
     slot_rows: int = SLOT_ROWS  # a ring slot: slot_rows x BLOCK_K weights, slot_rows / block_n boxes along K
     boundary_slots: int = 0  # see BOUNDARY_BYTES (0: no pause)
+    prefetch_slots: int = 0  # see PREFETCH_BYTES: slots asked of L2 at each pause
 
     @property
     def slot_bytes(self) -> int:
@@ -120,6 +128,9 @@ class TmaGemvConfig:
             raise ValueError(f"stages must be 2 to 32, got {self.stages}")
         if not 0 <= self.boundary_slots <= self.stages:
             raise ValueError(f"boundary_slots must be 0 to stages ({self.stages}), got {self.boundary_slots}")
+        if not 0 <= self.prefetch_slots <= 64 or (self.prefetch_slots and not self.boundary_slots):
+            raise ValueError(f"prefetch_slots must be 0 to 64, and 0 without a pause (boundary_slots), got "
+                             f"{self.prefetch_slots}")
         if self.stages * self.slot_bytes + 2 * self.x_width + 1024 > CTA_SHARED_BYTES:
             raise ValueError(f"the ring ({self.stages} x {self.slot_bytes} bytes) and x ({self.x_width} wide) take "
                              f"more than a CTA's {CTA_SHARED_BYTES} bytes of shared memory")
@@ -143,15 +154,16 @@ def block_rows(n: int, num_sms: int = 132) -> int:
 def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, norm: bool = False, add: bool = False,
                   pdl: bool = True, ring_bytes: int = RING_BYTES, consumer_warps: int = 8,
                   ctas_per_sm: int = 1, chain: tuple[GemvInput, ...] = (),
-                  slot_rows: int = SLOT_ROWS, boundary_bytes: int = 0) -> TmaGemvConfig:
+                  slot_rows: int = SLOT_ROWS, boundary_bytes: int = 0, prefetch_bytes: int = 0) -> TmaGemvConfig:
     """The first GEMV's (N n) block_n by block_rows (the chained ones carry theirs); the ring holds ring_bytes. The
     defaults: H200, session 16, `python -m profiles.bench_decode --sweep-tma`, where a 128 KiB ring and 8 consumer
     warps were the fastest of 32-128 KiB x 4-8 warps x 1-2 CTAs an SM on 10 of the 12 2B / 9B projections."""
     slot_bytes = slot_rows * BLOCK_K * 2
     stages = min(32, ring_bytes // slot_bytes)
     pause = min(stages, boundary_bytes // slot_bytes) if chain else 0
+    prefetch = min(64, prefetch_bytes // slot_bytes) if pause else 0
     return TmaGemvConfig(k, block_rows(n, num_sms), stages, gated, ctas_per_sm, consumer_warps, norm, add, pdl, chain,
-                         slot_rows, pause).validate()
+                         slot_rows, pause, prefetch).validate()
 
 
 def available(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, *,
@@ -298,6 +310,8 @@ def _kernel_class():
                         for kt in cutlass.range(cfg.width(spec) // (boxes * BLOCK_K), unroll=1):
                             if cutlass.const_expr(g > 0 and cfg.boundary_slots > 0):
                                 if issued == cfg.boundary_slots:
+                                    if cutlass.const_expr(cfg.prefetch_slots > 0):
+                                        self.prefetch_ahead(spec, tmas[g], tWgW, block, kt, blocks[g], grid)
                                     cute.arch.mbarrier_wait(synced, (g - 1) % 2)
                             issued += 1
                             self.issue_slot(spec, tmas[g], tWgW, tWsW, ring, state, block, kt)
@@ -352,6 +366,19 @@ def _kernel_class():
             for b in cutlass.range_constexpr(boxes):
                 cute.copy(tma, tWgW[None, block, kt * boxes + b], tWsW[None, b, state.index],
                           tma_bar_ptr=ring.producer_get_barrier(state))
+
+        @cute.jit
+        def prefetch_ahead(self, spec: cutlass.Constexpr, tma, tWgW: cute.Tensor, block: Int32, kt: Int32,
+                           num_blocks: Int32, grid: Int32):
+            """Ask L2 for the CTA's next prefetch_slots slots of this GEMV, from (block, kt) on in issue order (a TMA
+            prefetch a box: no shared memory, no barrier, nothing to wait for)."""
+            boxes = self.cfg.boxes(spec)
+            tiles = self.cfg.width(spec) // (boxes * BLOCK_K)  # K tiles of a column block
+            for j in cutlass.range_constexpr(self.cfg.prefetch_slots):
+                at = block + grid * ((kt + j) // tiles)
+                if at < num_blocks:
+                    for b in cutlass.range_constexpr(boxes):
+                        cute.prefetch(tma, tWgW[None, at, ((kt + j) % tiles) * boxes + b])
 
         @cute.jit
         def block_product(self, spec: cutlass.Constexpr, sX: cute.Tensor, sW: cute.Tensor, ring, state,
@@ -534,7 +561,8 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
     chain = tuple(dataclasses.replace(g, block_n=block_rows(w.shape[0], sms)) for g, w in zip(chain, weights[1:]))
     cfg = config or choose_config(weights[0].shape[0], first.k, first.gated, _SMS[index], norm=first.norm,
                                   add=first.add, pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES, chain=chain,
-                                  slot_rows=SLOT_ROWS, boundary_bytes=BOUNDARY_BYTES)
+                                  slot_rows=SLOT_ROWS, boundary_bytes=BOUNDARY_BYTES,
+                                  prefetch_bytes=PREFETCH_BYTES)
     outs = [torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights[:-1]] + [out]
     stream = cu_stream(torch.cuda.current_stream(x.device).cuda_stream)
 

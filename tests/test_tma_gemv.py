@@ -56,7 +56,9 @@ def test_config_errors_name_the_field(fields, match):
 @pytest.mark.parametrize("chain, fields, match", [
     ((T.GemvInput(64, norm=True), T.GemvInput(64, norm=True)), {}, "at most one"),
     ((T.GemvInput(12),), {}, "k must"), ((T.GemvInput(64, gated=True, norm=True),), {}, "one of plain"),
-    ((T.GemvInput(64),), {"ctas_per_sm": 2}, "ctas_per_sm must be 1")])
+    ((T.GemvInput(64),), {"ctas_per_sm": 2}, "ctas_per_sm must be 1"),
+    ((T.GemvInput(64),), {"prefetch_slots": 4}, "prefetch_slots must be"),
+    ((T.GemvInput(64),), {"boundary_slots": 5, "prefetch_slots": 65}, "prefetch_slots must be")])
 def test_chain_config_errors_name_the_field(chain, fields, match):
     with pytest.raises(ValueError, match=match):
         T.TmaGemvConfig(**{**dict(k=64, block_n=16, stages=16, consumer_warps=8, chain=chain), **fields}).validate()
@@ -67,6 +69,14 @@ def test_chain_config_keeps_the_ring_and_the_inputs():
     cfg = T.choose_config(2048, 2048, chain=chain)
     assert cfg.inputs == (T.GemvInput(2048), *chain) and cfg.x_width == 6144
     assert cfg.slot_bytes * cfg.stages == T.RING_BYTES
+    assert cfg.boundary_slots == cfg.prefetch_slots == 0
+    paused = T.choose_config(2048, 2048, chain=chain, boundary_bytes=80 * 1024, prefetch_bytes=128 * 1024)
+    assert (paused.boundary_slots, paused.prefetch_slots) == (5, 8)
+    assert T.choose_config(2048, 2048, chain=chain, prefetch_bytes=128 * 1024).prefetch_slots == 0  # no pause, none
+    assert cfg.boundary_slots == cfg.prefetch_slots == 0
+    paused = T.choose_config(2048, 2048, chain=chain, boundary_bytes=80 * 1024, prefetch_bytes=128 * 1024)
+    assert (paused.boundary_slots, paused.prefetch_slots) == (5, 8)
+    assert T.choose_config(2048, 2048, chain=chain, prefetch_bytes=128 * 1024).prefetch_slots == 0  # no pause, none
 
 
 def test_available_only_for_one_bf16_row_on_a_gpu():
@@ -140,7 +150,11 @@ chain = (GemvInput(2048, norm=True, add=True), GemvInput(6144, gated=True))
 unpaused = compile_config(choose_config(2048, 2048, chain=chain), keep_ptx=True).__ptx__
 cfg = choose_config(2048, 2048, chain=chain, boundary_bytes=BOUNDARY_BYTES)
 ptx = compile_config(cfg, keep_ptx=True).__ptx__
-print(json.dumps({"tma": ptx.count("cp.async.bulk.tensor"), "wait": ptx.count("griddepcontrol.wait"),
+fetching = compile_config(choose_config(2048, 2048, chain=chain, boundary_bytes=BOUNDARY_BYTES,
+                                        prefetch_bytes=128 * 1024), keep_ptx=True).__ptx__
+print(json.dumps({"tma": ptx.count("cp.async.bulk.tensor."), "wait": ptx.count("griddepcontrol.wait"),
+                  "prefetch": [p.count("cp.async.bulk.prefetch.tensor") for p in (ptx, fetching)],
+                  "fetching_tma": fetching.count("cp.async.bulk.tensor."),
                   "arrive": ptx.count("atom.global.release.add.u64"), "poll": ptx.count("ld.acquire.gpu"),
                   "rsqrt": ptx.count("rsqrt"), "ex2": ptx.count("ex2.approx"),
                   "pause": [ptx.count(op) - unpaused.count(op) for op in ("mbarrier.arrive", "mbarrier.try_wait")]}))
@@ -206,6 +220,8 @@ def test_chain_compiles_for_sm90(monkeypatch):
     # BOUNDARY_BYTES: a consumer's arrive a grid sync; the producer's wait in gate_up's loop and after it (for a CTA
     # with too few of its slots to reach the first), and in down's loop
     assert row["pause"] == [2, 3], row
+    # PREFETCH_BYTES (128 KiB: 8 slots of 2 boxes): asked of L2 at the pause in gate_up's loop and in down's
+    assert row["prefetch"] == [0, 2 * 8 * T.SLOT_ROWS // 16] and row["fetching_tma"] == row["tma"], row
 
 
 def _pair(n, k, seed=0, gated=False):
