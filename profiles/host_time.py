@@ -216,6 +216,7 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "split_k": ("kerne
             "tma_slot": ("kernels.tma_gemv", "SLOT_ROWS", {"16k": 32, "8k": 16}),
             "tma_pause": ("kernels.tma_gemv", "BOUNDARY_BYTES", {"80k": 80 * KIB, "96k": 96 * KIB, "off": 0}),
             "tma_prefetch": ("kernels.tma_gemv", "PREFETCH_BYTES", {"off": 0, "128k": 128 * KIB, "256k": 256 * KIB}),
+            "tma_warm": ("kernels.tma_gemv", "WARM_BYTES", {"off": 0, "8m": 8 * MIB, "16m": 16 * MIB}),
             # B1 at 16 key heads: dv in 8, 4, 2 or 1 slices a key head (kernels.gdn_decode._dv_splits); more than
             # one slice ends in a release-acquire ticket. H200, 2B step (session 19): 1.27-1.29 ms for all four
             "gdn_programs": ("kernels.gdn_decode", "PROGRAMS_PER_SM", {"2": 2, "0.5": 0.5, "0.25": 0.25, "0": 0}),

@@ -143,6 +143,39 @@ def test_out_proj_mlp_routes_one_row_to_the_chain(monkeypatch):
     assert len(calls) == 1 and torch.equal(out, ref) and torch.equal(s, ref_s)
 
 
+def test_launch_order_names_each_launchs_successor(monkeypatch):
+    # the registry maps a launch's last weight to the next launch's first (the first again after the last); the
+    # bytes to warm are WARM_BYTES at most, a multiple of 16, and none with WARM_BYTES off or an unknown launch
+    a, b, c, d = (torch.randn(n, 8, dtype=torch.bfloat16) for n in (3, 5, 7, 1))
+    monkeypatch.setattr(T, "_NEXT_WEIGHT", {})
+    T.set_launch_order([(a,), (b, c)])
+    monkeypatch.setattr(T, "WARM_BYTES", 0)
+    assert T._warm_target([a]) == (None, 0)
+    monkeypatch.setattr(T, "WARM_BYTES", 100)
+    nxt, nbytes = T._warm_target([a])
+    assert nxt is b and nbytes == 80  # b is 80 bytes
+    nxt, nbytes = T._warm_target([b, c])
+    assert nxt is a and nbytes == 48  # all of a's 48 bytes
+    assert T._warm_target([b]) == (None, 0) and T._warm_target([d]) == (None, 0)  # not a launch's last weight
+    T.set_launch_order([])
+    assert T._warm_target([a]) == (None, 0)
+
+
+def test_decode_launches_follow_the_step():
+    from model.config import get_preset
+    from model.model import Qwen35ForCausalLM
+    model = Qwen35ForCausalLM(get_preset("tiny"))
+    launches = model.decode_launches()
+    layers = model.model.layers
+    assert len(launches) == 2 * len(layers) + 1 and launches[-1] == (model.lm_head.weight,)
+    for i, layer in enumerate(layers):
+        first = layer.self_attn.qkv_proj if layer.layer_type == "full_attention" else layer.linear_attn.in_proj
+        assert launches[2 * i] == (first.weight,)
+        assert launches[2 * i + 1] == (layer.mixer.out_weight, layer.mlp.gate_up_proj.weight,
+                                       layer.mlp.down_proj.weight)
+    assert Qwen35ForCausalLM(get_preset("tiny-moe")).decode_launches() == []
+
+
 SM90_CHAIN_COMPILE = """
 import json
 from kernels.tma_gemv import BOUNDARY_BYTES, GemvInput, choose_config, compile_config
@@ -152,9 +185,12 @@ cfg = choose_config(2048, 2048, chain=chain, boundary_bytes=BOUNDARY_BYTES)
 ptx = compile_config(cfg, keep_ptx=True).__ptx__
 fetching = compile_config(choose_config(2048, 2048, chain=chain, boundary_bytes=BOUNDARY_BYTES,
                                         prefetch_bytes=128 * 1024), keep_ptx=True).__ptx__
+warming = [compile_config(choose_config(2048, 2048, chain=c, boundary_bytes=BOUNDARY_BYTES, warm=True),
+                          keep_ptx=True).__ptx__ for c in (chain, ())]
 print(json.dumps({"tma": ptx.count("cp.async.bulk.tensor."), "wait": ptx.count("griddepcontrol.wait"),
                   "prefetch": [p.count("cp.async.bulk.prefetch.tensor") for p in (ptx, fetching)],
                   "fetching_tma": fetching.count("cp.async.bulk.tensor."),
+                  "warm": [p.count("cp.async.bulk.prefetch.L2.global") for p in (ptx, *warming)],
                   "arrive": ptx.count("atom.global.release.add.u64"), "poll": ptx.count("ld.acquire.gpu"),
                   "rsqrt": ptx.count("rsqrt"), "ex2": ptx.count("ex2.approx"),
                   "pause": [ptx.count(op) - unpaused.count(op) for op in ("mbarrier.arrive", "mbarrier.try_wait")]}))
@@ -222,6 +258,8 @@ def test_chain_compiles_for_sm90(monkeypatch):
     assert row["pause"] == [2, 3], row
     # PREFETCH_BYTES (128 KiB: 8 slots of 2 boxes): asked of L2 at the pause in gate_up's loop and in down's
     assert row["prefetch"] == [0, 2 * 8 * T.SLOT_ROWS // 16] and row["fetching_tma"] == row["tma"], row
+    # WARM_BYTES: one bulk L2 prefetch a CTA after its producer's last slot, chained or not; none without
+    assert row["warm"] == [0, 1, 1], row
 
 
 def _pair(n, k, seed=0, gated=False):
