@@ -550,7 +550,7 @@ def set_launch_order(launches: list[tuple[torch.Tensor, ...]]) -> None:
         _NEXT_WEIGHT[launch[-1].data_ptr()] = following[0]
 
 
-def _warm_target(weights) -> tuple[torch.Tensor | None, int]:
+def warm_target(weights) -> tuple[torch.Tensor | None, int]:
     """(the next launch's first weight, the bytes of it to warm: WARM_BYTES at most, a multiple of 16)."""
     following = _NEXT_WEIGHT.get(weights[-1].data_ptr()) if WARM_BYTES else None
     if following is None:
@@ -612,7 +612,7 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
     first, *chain = inputs
     sms = _SMS[index]
     chain = tuple(dataclasses.replace(g, block_n=block_rows(w.shape[0], sms)) for g, w in zip(chain, weights[1:]))
-    following, warm_bytes = _warm_target(weights)
+    following, warm_bytes = warm_target(weights)
     cfg = config or choose_config(weights[0].shape[0], first.k, first.gated, _SMS[index], norm=first.norm,
                                   add=first.add, pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES, chain=chain,
                                   slot_rows=SLOT_ROWS, boundary_bytes=BOUNDARY_BYTES,

@@ -127,9 +127,10 @@ def _positional(a, step):
 SM90_COMPILE = """
 import json, sys
 from kernels.in_proj_gdn import InProjGdnConfig, compile_config
-for hidden, hk, hv, add in json.loads(sys.argv[1]):
-    ptx = compile_config(InProjGdnConfig(hidden, hk, hv, add=add), keep_ptx=True).__ptx__
-    print(json.dumps({"group": hv // hk, "cluster_arrive": ptx.count("barrier.cluster.arrive"),
+for hidden, hk, hv, add, warm in json.loads(sys.argv[1]):
+    ptx = compile_config(InProjGdnConfig(hidden, hk, hv, add=add, warm=warm), keep_ptx=True).__ptx__
+    print(json.dumps({"group": hv // hk, "warm": warm, "cluster_arrive": ptx.count("barrier.cluster.arrive"),
+                      "l2_prefetch": ptx.count("cp.async.bulk.prefetch.L2.global"),
                       "cluster_wait": ptx.count("barrier.cluster.wait"), "mapa": ptx.count("mapa.shared::cluster"),
                       "remote_store": ptx.count("st.shared::cluster.f32"), "pdl_wait": ptx.count("griddepcontrol.wait"),
                       "tma": ptx.count("cp.async.bulk.tensor.2d")}), flush=True)
@@ -139,7 +140,8 @@ for hidden, hk, hv, add in json.loads(sys.argv[1]):
 @needs_dsl
 def test_compiles_for_sm90(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    cases = [(1024, 16, 16, False), (2048, 16, 16, True), (4096, 16, 32, True)]
+    cases = [(1024, 16, 16, False, False), (2048, 16, 16, True, False), (4096, 16, 32, True, False),
+             (2048, 16, 16, True, True)]
     out = compiled_script_output(SM90_COMPILE, json.dumps(cases), timeout=600)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(rows) == len(cases), out
@@ -150,6 +152,7 @@ def test_compiles_for_sm90(monkeypatch):
         assert row["mapa"] == row["remote_store"] == 3 * F.CLUSTER, row
         # a copy a box of the slot, in each of the CTA's 2 + 2G row blocks (unrolled)
         assert row["pdl_wait"] == 1 and row["tma"] == (2 + 2 * row["group"]) * tma_gemv.SLOT_ROWS // F.SLICE, row
+        assert row["l2_prefetch"] == row["warm"], row  # tma_gemv.WARM_BYTES: one after the producer's last slot
 
 
 @pytest.mark.gpu

@@ -150,15 +150,15 @@ def test_launch_order_names_each_launchs_successor(monkeypatch):
     monkeypatch.setattr(T, "_NEXT_WEIGHT", {})
     T.set_launch_order([(a,), (b, c)])
     monkeypatch.setattr(T, "WARM_BYTES", 0)
-    assert T._warm_target([a]) == (None, 0)
+    assert T.warm_target([a]) == (None, 0)
     monkeypatch.setattr(T, "WARM_BYTES", 100)
-    nxt, nbytes = T._warm_target([a])
+    nxt, nbytes = T.warm_target([a])
     assert nxt is b and nbytes == 80  # b is 80 bytes
-    nxt, nbytes = T._warm_target([b, c])
+    nxt, nbytes = T.warm_target([b, c])
     assert nxt is a and nbytes == 48  # all of a's 48 bytes
-    assert T._warm_target([b]) == (None, 0) and T._warm_target([d]) == (None, 0)  # not a launch's last weight
+    assert T.warm_target([b]) == (None, 0) and T.warm_target([d]) == (None, 0)  # not a launch's last weight
     T.set_launch_order([])
-    assert T._warm_target([a]) == (None, 0)
+    assert T.warm_target([a]) == (None, 0)
 
 
 def test_decode_launches_follow_the_step():
