@@ -415,6 +415,29 @@ def test_chain_matches_its_gemvs_and_fp32(monkeypatch, hidden, width, inter, pau
 @pytest.mark.gpu
 @gpu_sm90
 @needs_dsl
+def test_l2_prefetch_and_warm_change_no_result(monkeypatch):
+    # PREFETCH_BYTES (the next slots at each sync's pause) and WARM_BYTES (the next launch's weight after the last
+    # slot, here a chain -> a plain GEMV -> the chain again) only ask L2 for bytes: the outputs stay bit for bit
+    o, residual, out_w, norm_w, gate_up_w, down_w = _layer_tail(2048, 2048, 6144, seed=5)
+    in_w = (torch.randn(8224, 2048, device="cuda") / 2048 ** 0.5).to(torch.bfloat16)
+    monkeypatch.setattr(T, "_NEXT_WEIGHT", {})
+
+    def step():
+        out, s = _chain(o, residual, out_w, norm_w, gate_up_w, down_w)
+        return out, s, T.tma_gemv(out, in_w)
+
+    plain = step()
+    T.set_launch_order([(in_w,), (out_w, gate_up_w, down_w)])
+    monkeypatch.setattr(T, "PREFETCH_BYTES", 256 * 1024)
+    monkeypatch.setattr(T, "WARM_BYTES", 16 * 2**20)
+    assert T.warm_target([down_w])[1] == 16 * 2**20 and T.warm_target([in_w])[1] == out_w.numel() * 2
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(step(), plain))
+
+
+@pytest.mark.gpu
+@gpu_sm90
+@needs_dsl
 def test_chain_available_refuses_inconsistent_calls():
     o, residual, out_w, norm_w, gate_up_w, down_w = _layer_tail(2048, 2048, 6144)
     weights = (out_w, gate_up_w, down_w)
