@@ -510,7 +510,7 @@ def in_proj_gdn(x, residual, input_norm_w, eps, weight, conv_w, A_log, dt_bias, 
     args = (ptr(x), ptr(weight), ptr(residual), ptr(input_norm_w), ptr(None if residual is None else s), ptr(conv_w),
             ptr(A_log), ptr(dt_bias), ptr(norm_w), ptr(conv_states), ptr(recurrent_states, cutlass.Float32),
             ptr(state_slots, cutlass.Int64), ptr(out), cutlass.Float32(eps), cutlass.Float32(gdn_eps),
-            ptr(following), warm_bytes, stream)
+            ptr(following) if cfg.warm else None, warm_bytes, stream)
     with torch.cuda.device(x.device):
         _CACHE.get(cfg)(*args)
     return out, s

@@ -28,6 +28,7 @@ Compiled once per TmaGemvConfig (K and the tile are compile-time, N is a runtime
 import dataclasses
 import functools
 import operator
+import weakref
 
 import torch
 
@@ -66,6 +67,7 @@ PREFETCH_BYTES = 0
 # a boundary leaves DRAM idle ~1.5-2.5 us (the chain's "apart" probe: 3 launches 23.9 us a 2B layer against 19.2
 # for one GEMV of the same bytes); warming hides part of it at ~50 boundaries a 2B step, up to ~0.05-0.1 ms.
 WARM_BYTES = 0
+MAX_BULK_PREFETCH = 0xFFFF * 16  # sm_90 encodes a bulk prefetch's size in 16-byte units in 16 bits (ptxas truncates)
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
 CTA_SHARED_BYTES = 227 * 1024  # the most one CTA may take on sm_90: the ring, x and the barriers
@@ -335,7 +337,8 @@ def _kernel_class():
                             if cutlass.const_expr(g > 0 and cfg.boundary_slots > 0):
                                 if issued == cfg.boundary_slots:
                                     if cutlass.const_expr(cfg.prefetch_slots > 0):
-                                        self.prefetch_ahead(spec, tmas[g], tWgW, block, kt, blocks[g], grid)
+                                        if lane == 0:
+                                            self.prefetch_ahead(spec, tmas[g], tWgW, block, kt, blocks[g], grid)
                                     cute.arch.mbarrier_wait(synced, (g - 1) % 2)
                             issued += 1
                             self.issue_slot(spec, tmas[g], tWgW, tWsW, ring, state, block, kt)
@@ -395,8 +398,9 @@ def _kernel_class():
 
         @cute.jit
         def warm_next(self, warm_ptr: cute.Pointer, warm_bytes: Int32, bidx: Int32, grid: Int32, lane: Int32):
-            """This CTA's share of the next launch's first warm_bytes, asked of L2 by one lane (WARM_BYTES)."""
-            share = (warm_bytes + 16 * grid - 1) // (16 * grid) * 16
+            """This CTA's share of the next launch's first warm_bytes, asked of L2 by one lane (WARM_BYTES); a share
+            is at most MAX_BULK_PREFETCH bytes (a small grid warms less)."""
+            share = cutlass.min((warm_bytes + 16 * grid - 1) // (16 * grid) * 16, MAX_BULK_PREFETCH)
             start = bidx * share
             if lane == 0 and start < warm_bytes:
                 _prefetch_l2(warm_ptr, start, cutlass.min(share, warm_bytes - start))
@@ -405,7 +409,7 @@ def _kernel_class():
         def prefetch_ahead(self, spec: cutlass.Constexpr, tma, tWgW: cute.Tensor, block: Int32, kt: Int32,
                            num_blocks: Int32, grid: Int32):
             """Ask L2 for the CTA's next prefetch_slots slots of this GEMV, from (block, kt) on in issue order (a TMA
-            prefetch a box: no shared memory, no barrier, nothing to wait for)."""
+            prefetch a box: no shared memory, no barrier, nothing to wait for); one lane calls it."""
             boxes = self.cfg.boxes(spec)
             tiles = self.cfg.width(spec) // (boxes * BLOCK_K)  # K tiles of a column block
             for j in cutlass.range_constexpr(self.cfg.prefetch_slots):
@@ -538,22 +542,33 @@ def compile_config(cfg: TmaGemvConfig, keep_ptx: bool = False):
 
 _CACHE = CompileCache(compile_config)
 _SYNC: dict = {}  # device index -> a chain's grid-sync counter (one int64, never reset)
-_NEXT_WEIGHT: dict[int, torch.Tensor] = {}  # a launch's last weight's data_ptr -> the next launch's first weight
+# a launch's last weight (data_ptr, shape) -> a weak reference to the next launch's first weight
+_NEXT_WEIGHT: dict[tuple, weakref.ref] = {}
+
+
+def _launch_key(weight: torch.Tensor) -> tuple:
+    return weight.data_ptr(), tuple(weight.shape)
 
 
 def set_launch_order(launches: list[tuple[torch.Tensor, ...]]) -> None:
     """A decode step's weight-streaming launches in order, each the tuple of the weights it streams; the first comes
-    again after the last (the next step's). With WARM_BYTES, each launch warms L2 with the next one's first weight.
-    Replaces the order set before; an empty list forgets it. The weights stay referenced until then."""
+    again after the last (the next step's). With WARM_BYTES, each launch warms L2 with the next one's first weight,
+    which must be contiguous on 16-byte aligned memory (a launch on another device warms nothing). Replaces the
+    order set before (an empty list forgets it); a weight freed since warms nothing."""
+    for i, launch in enumerate(launches):
+        if not launch[0].is_contiguous() or launch[0].data_ptr() % 16:
+            raise ValueError(f"launches[{i}][0] must be contiguous on 16-byte aligned memory")
     _NEXT_WEIGHT.clear()
     for launch, following in zip(launches, [*launches[1:], *launches[:1]]):
-        _NEXT_WEIGHT[launch[-1].data_ptr()] = following[0]
+        _NEXT_WEIGHT[_launch_key(launch[-1])] = weakref.ref(following[0])
 
 
 def warm_target(weights) -> tuple[torch.Tensor | None, int]:
-    """(the next launch's first weight, the bytes of it to warm: WARM_BYTES at most, a multiple of 16)."""
-    following = _NEXT_WEIGHT.get(weights[-1].data_ptr()) if WARM_BYTES else None
-    if following is None:
+    """(the next launch's first weight, the bytes of it to warm: WARM_BYTES at most, a multiple of 16; 0 warms
+    nothing)."""
+    ref = _NEXT_WEIGHT.get(_launch_key(weights[-1])) if WARM_BYTES else None
+    following = ref() if ref is not None else None
+    if following is None or following.device != weights[-1].device:
         return None, 0
     return following, min(WARM_BYTES, following.numel() * following.element_size()) // 16 * 16
 

@@ -381,7 +381,7 @@ def sweep_chain(model: str, layers: int = 24) -> list[dict]:
 
     pause = T.BOUNDARY_BYTES // 1024
     steps = {**{f"chain_pause{p}": (chain, p, 0) for p in CHAIN_PAUSES},
-             **{f"chain_pause{pause}_prefetch{f}": (chain, pause, f) for f in CHAIN_PREFETCHES},
+             **{f"chain_pause{pause}_prefetch{f}": (chain, pause, f) for f in CHAIN_PREFETCHES if pause},
              "apart": (apart, 0, 0), "flat": (one_gemv, 0, 0)}
     rows, defaults = [], (T.BOUNDARY_BYTES, T.PREFETCH_BYTES)
     try:

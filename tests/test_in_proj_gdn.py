@@ -188,6 +188,29 @@ def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add):
 @pytest.mark.gpu
 @gpu_sm90
 @needs_dsl
+def test_warming_the_next_weight_changes_no_result(monkeypatch):
+    # tma_gemv.WARM_BYTES: after its last slot the producer asks L2 for the next launch's weight; bit for bit the same
+    import kernels.backend  # noqa: F401
+    monkeypatch.setattr(F, "FUSED", True)
+    args = _layer(2048, 16, 16, "cuda", seed=11)
+    copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    step = decode_step(torch.tensor([2], device="cuda"))
+    with ops.use_backend("triton"):
+        plain = _run(args, step)
+        following = torch.randn(2048, 2048, device="cuda").to(torch.bfloat16)
+        monkeypatch.setattr(tma_gemv, "_NEXT_WEIGHT", {})
+        tma_gemv.set_launch_order([(copy["in_w"],), (following,)])
+        monkeypatch.setattr(tma_gemv, "WARM_BYTES", 16 * 2**20)
+        assert tma_gemv.warm_target([copy["in_w"]]) == (following, following.numel() * 2)
+        warmed = _run(copy, step)
+    assert all(torch.equal(a, b) for a, b in zip(warmed, plain))
+    assert torch.equal(copy["recurrent_states"], args["recurrent_states"])
+    assert torch.equal(copy["conv_states"], args["conv_states"])
+
+
+@pytest.mark.gpu
+@gpu_sm90
+@needs_dsl
 def test_replays_in_a_cuda_graph(monkeypatch):
     import kernels.backend  # noqa: F401
     monkeypatch.setattr(F, "FUSED", True)

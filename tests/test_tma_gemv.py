@@ -73,10 +73,6 @@ def test_chain_config_keeps_the_ring_and_the_inputs():
     paused = T.choose_config(2048, 2048, chain=chain, boundary_bytes=80 * 1024, prefetch_bytes=128 * 1024)
     assert (paused.boundary_slots, paused.prefetch_slots) == (5, 8)
     assert T.choose_config(2048, 2048, chain=chain, prefetch_bytes=128 * 1024).prefetch_slots == 0  # no pause, none
-    assert cfg.boundary_slots == cfg.prefetch_slots == 0
-    paused = T.choose_config(2048, 2048, chain=chain, boundary_bytes=80 * 1024, prefetch_bytes=128 * 1024)
-    assert (paused.boundary_slots, paused.prefetch_slots) == (5, 8)
-    assert T.choose_config(2048, 2048, chain=chain, prefetch_bytes=128 * 1024).prefetch_slots == 0  # no pause, none
 
 
 def test_available_only_for_one_bf16_row_on_a_gpu():
@@ -157,8 +153,13 @@ def test_launch_order_names_each_launchs_successor(monkeypatch):
     nxt, nbytes = T.warm_target([b, c])
     assert nxt is a and nbytes == 48  # all of a's 48 bytes
     assert T.warm_target([b]) == (None, 0) and T.warm_target([d]) == (None, 0)  # not a launch's last weight
+    T.set_launch_order([(d,), (c,)])
+    del d  # the registry holds no weight: a freed one warms nothing
+    assert T.warm_target([c]) == (None, 0) and T.warm_target([a]) == (None, 0)
     T.set_launch_order([])
-    assert T.warm_target([a]) == (None, 0)
+    assert T._NEXT_WEIGHT == {}
+    with pytest.raises(ValueError, match=r"launches\[1\]\[0\] must be contiguous"):
+        T.set_launch_order([(a,), (b.t(), c)])
 
 
 def test_decode_launches_follow_the_step():
