@@ -47,3 +47,11 @@ def cu_stream(handle: int):
         from cuda.bindings import driver
         stream = _STREAMS[handle] = driver.CUstream(handle)
     return stream
+
+
+def ptx_statement(text: str, constraints: str, operands: list, *, loc=None, ip=None) -> None:
+    """Inline PTX without a result inside a CuTe-DSL kernel trace, kept where it stands (side effects); operands:
+    MLIR values in the order of constraints."""
+    from cutlass._mlir.dialects import llvm
+    llvm.inline_asm(None, operands, text, constraints, has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

@@ -32,7 +32,7 @@ import functools
 import torch
 
 from kernels import gdn_pointwise, pdl, tma_gemv
-from kernels.cute_runtime import CompileCache, cu_stream
+from kernels.cute_runtime import CompileCache, cu_stream, ptx_statement
 from model import ops
 
 CLUSTER = 8  # CTAs a key head
@@ -187,10 +187,10 @@ def _kernel_class():
     def _store_remote_f32(smem_ptr: cute.Pointer, value: Float32, peer: Int32, *, loc=None, ip=None):
         """st.shared::cluster of value at smem_ptr's offset in CTA `peer`'s shared memory (mapa)."""
         addr = llvm.ptrtoint(T.i32(), smem_ptr.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-        llvm.inline_asm(None, [addr, Int32(peer).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
-                        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, $0, $1;\n"
-                        "st.shared::cluster.f32 [remote], $2;\n}", "r,r,f", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+        ptx_statement("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, $0, $1;\n"
+                      "st.shared::cluster.f32 [remote], $2;\n}", "r,r,f",
+                      [addr, Int32(peer).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+                      loc=loc, ip=ip)
 
     class InProjGdnSm90(tma_gemv._kernel_class()):
         def __init__(self, gdn: InProjGdnConfig):

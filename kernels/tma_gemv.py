@@ -33,7 +33,7 @@ import weakref
 import torch
 
 from kernels import pdl
-from kernels.cute_runtime import CompileCache, cu_stream, dsl_available
+from kernels.cute_runtime import CompileCache, cu_stream, dsl_available, ptx_statement
 from kernels.host_math import cdiv
 
 LANE_COLS = 8  # columns a lane multiplies per tile row: one 16-byte load
@@ -234,10 +234,10 @@ def _kernel_class():
     def _prefetch_l2(base: cute.Pointer, offset: Int32, size: Int32, *, loc=None, ip=None):
         """cp.async.bulk.prefetch.L2 of `size` bytes (a multiple of 16) at byte `offset` from base."""
         addr = llvm.ptrtoint(T.i64(), base.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-        llvm.inline_asm(None, [addr, Int32(offset).ir_value(loc=loc, ip=ip), Int32(size).ir_value(loc=loc, ip=ip)],
-                        "{\n.reg .u64 a;\ncvt.u64.u32 a, $1;\nadd.u64 a, a, $0;\n"
-                        "cp.async.bulk.prefetch.L2.global [a], $2;\n}", "l,r,r", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+        ptx_statement("{\n.reg .u64 a;\ncvt.u64.u32 a, $1;\nadd.u64 a, a, $0;\n"
+                      "cp.async.bulk.prefetch.L2.global [a], $2;\n}", "l,r,r",
+                      [addr, Int32(offset).ir_value(loc=loc, ip=ip), Int32(size).ir_value(loc=loc, ip=ip)],
+                      loc=loc, ip=ip)
 
     class TmaGemvSm90:
         def __init__(self, cfg: TmaGemvConfig):

@@ -72,6 +72,11 @@ def _layer(hidden, hk, hv, device, seed=0, slots=5, add=True):
                 num_k_heads=hk)
 
 
+def _cloned(args):
+    """_layer's arguments with every tensor cloned (the op updates the states in place)."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
 def _run(args, step):
     return ops.in_proj_gated_deltanet(*_positional(args, step))
 
@@ -163,7 +168,7 @@ def test_compiles_for_sm90(monkeypatch):
 def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add):
     import kernels.backend  # noqa: F401  (registers the triton backend)
     fused = _layer(hidden, hk, hv, "cuda", seed=hidden + hv, add=add)
-    apart = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in fused.items()}
+    apart = _cloned(fused)
     slot = decode_step(torch.tensor([3], device="cuda"))
     assert F.resident_clusters(0) >= hk, f"{F.resident_clusters(0)} clusters of {F.CLUSTER} resident, {hk} key heads"
     assert F.available(fused["x"], fused["in_w"], _available_tensors(fused, slot.state_slots), hk)
@@ -185,16 +190,21 @@ def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add):
             assert err < 1e-2, f"{what}: output (o, the norm's exchange, z): {err:.2e}"
 
 
+def _fused_2b_layer(monkeypatch, seed, slot):
+    """FUSED on, the triton backend registered, a 2B GDN layer's arguments on the GPU, a clone of them, and a decode
+    step of state slot `slot`."""
+    import kernels.backend  # noqa: F401
+    monkeypatch.setattr(F, "FUSED", True)
+    args = _layer(2048, 16, 16, "cuda", seed=seed)
+    return args, _cloned(args), decode_step(torch.tensor([slot], device="cuda"))
+
+
 @pytest.mark.gpu
 @gpu_sm90
 @needs_dsl
 def test_warming_the_next_weight_changes_no_result(monkeypatch):
     # tma_gemv.WARM_BYTES: after its last slot the producer asks L2 for the next launch's weight; bit for bit the same
-    import kernels.backend  # noqa: F401
-    monkeypatch.setattr(F, "FUSED", True)
-    args = _layer(2048, 16, 16, "cuda", seed=11)
-    copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    step = decode_step(torch.tensor([2], device="cuda"))
+    args, copy, step = _fused_2b_layer(monkeypatch, seed=11, slot=2)
     with ops.use_backend("triton"):
         plain = _run(args, step)
         following = torch.randn(2048, 2048, device="cuda").to(torch.bfloat16)
@@ -212,13 +222,9 @@ def test_warming_the_next_weight_changes_no_result(monkeypatch):
 @gpu_sm90
 @needs_dsl
 def test_replays_in_a_cuda_graph(monkeypatch):
-    import kernels.backend  # noqa: F401
-    monkeypatch.setattr(F, "FUSED", True)
-    args = _layer(2048, 16, 16, "cuda", seed=7)
-    eager = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    step = decode_step(torch.tensor([1], device="cuda"))
+    args, eager, step = _fused_2b_layer(monkeypatch, seed=7, slot=1)
     with ops.use_backend("triton"):
-        _run({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}, step)  # compile, eager
+        _run(_cloned(args), step)  # compile, eager
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out, _ = _run(args, step)
