@@ -178,18 +178,15 @@ def _kernel_class():
     except ImportError:  # pragma: no cover
         from cutlass.utils import SmemAllocator
 
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T, dsl_user_op
+    from cutlass.cutlass_dsl import dsl_user_op
 
     BLOCK_K, LANE_COLS, X_BARRIER = tma_gemv.BLOCK_K, tma_gemv.LANE_COLS, tma_gemv.X_BARRIER
 
     @dsl_user_op
     def _store_remote_f32(smem_ptr: cute.Pointer, value: Float32, peer: Int32, *, loc=None, ip=None):
         """st.shared::cluster of value at smem_ptr's offset in CTA `peer`'s shared memory (mapa)."""
-        addr = llvm.ptrtoint(T.i32(), smem_ptr.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
         ptx_statement("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, $0, $1;\n"
-                      "st.shared::cluster.f32 [remote], $2;\n}", "r,r,f",
-                      [addr, Int32(peer).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+                      "st.shared::cluster.f32 [remote], $2;\n}", "r,r,f", [smem_ptr, Int32(peer), Float32(value)],
                       loc=loc, ip=ip)
 
     class InProjGdnSm90(tma_gemv._kernel_class()):

@@ -227,16 +227,13 @@ def _kernel_class():
     except ImportError:  # pragma: no cover
         from cutlass.utils import SmemAllocator
 
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T, dsl_user_op
+    from cutlass.cutlass_dsl import dsl_user_op
 
     @dsl_user_op
     def _prefetch_l2(base: cute.Pointer, offset: Int32, size: Int32, *, loc=None, ip=None):
         """cp.async.bulk.prefetch.L2 of `size` bytes (a multiple of 16) at byte `offset` from base."""
-        addr = llvm.ptrtoint(T.i64(), base.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
         ptx_statement("{\n.reg .u64 a;\ncvt.u64.u32 a, $1;\nadd.u64 a, a, $0;\n"
-                      "cp.async.bulk.prefetch.L2.global [a], $2;\n}", "l,r,r",
-                      [addr, Int32(offset).ir_value(loc=loc, ip=ip), Int32(size).ir_value(loc=loc, ip=ip)],
+                      "cp.async.bulk.prefetch.L2.global [a], $2;\n}", "l,r,r", [base, Int32(offset), Int32(size)],
                       loc=loc, ip=ip)
 
     class TmaGemvSm90:
