@@ -30,3 +30,8 @@ def triton_sm90(fn, const: dict, arg_type, num_warps: int, num_stages: int) -> d
     return dict(smem=k.metadata.shared, regs=int(re.search(r"Used (\d+) registers", info).group(1)),
                 spill=int(re.search(r"(\d+) bytes spill stores", info).group(1)),
                 wgmma=ttgir.count("warp_group_dot "), cp_async=ttgir.count("async_copy_global_to_local"))
+
+
+def ptx_counts(ptx: str, patterns: dict[str, str]) -> dict[str, int]:
+    """How often each pattern stands in a kernel's PTX, by name: what the compile tests check of a CuTe kernel."""
+    return {name: ptx.count(text) for name, text in patterns.items()}

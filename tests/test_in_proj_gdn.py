@@ -132,13 +132,14 @@ def _positional(a, step):
 SM90_COMPILE = """
 import json, sys
 from kernels.in_proj_gdn import InProjGdnConfig, compile_config
+from tests.sm90_compile import ptx_counts
 for hidden, hk, hv, add, warm in json.loads(sys.argv[1]):
     ptx = compile_config(InProjGdnConfig(hidden, hk, hv, add=add, warm=warm), keep_ptx=True).__ptx__
-    print(json.dumps({"group": hv // hk, "warm": warm, "cluster_arrive": ptx.count("barrier.cluster.arrive"),
-                      "l2_prefetch": ptx.count("cp.async.bulk.prefetch.L2.global"),
-                      "cluster_wait": ptx.count("barrier.cluster.wait"), "mapa": ptx.count("mapa.shared::cluster"),
-                      "remote_store": ptx.count("st.shared::cluster.f32"), "pdl_wait": ptx.count("griddepcontrol.wait"),
-                      "tma": ptx.count("cp.async.bulk.tensor.2d")}), flush=True)
+    print(json.dumps({"group": hv // hk, "warm": warm, **ptx_counts(ptx, {
+        "cluster_arrive": "barrier.cluster.arrive", "cluster_wait": "barrier.cluster.wait",
+        "l2_prefetch": "cp.async.bulk.prefetch.L2.global", "mapa": "mapa.shared::cluster",
+        "remote_store": "st.shared::cluster.f32", "pdl_wait": "griddepcontrol.wait",
+        "tma": "cp.async.bulk.tensor.2d"})}), flush=True)
 """
 
 

@@ -200,15 +200,15 @@ print(json.dumps({"tma": ptx.count("cp.async.bulk.tensor."), "wait": ptx.count("
 SM90_COMPILE = """
 import json, sys
 from kernels.tma_gemv import TmaGemvConfig, choose_config, compile_config
+from tests.sm90_compile import ptx_counts
 for n, k, gated, norm, add, pdl in json.loads(sys.argv[1]):
     cfg = choose_config(n, k, gated, norm=norm, add=add, pdl=pdl)
     ptx = compile_config(cfg, keep_ptx=True).__ptx__
     print(json.dumps({"n": n, "k": k, "gated": gated, "norm": norm, "add": add, "pdl": pdl, "block_n": cfg.block_n,
-                      "tma": ptx.count("cp.async.bulk.tensor"), "wait": ptx.count("griddepcontrol.wait"),
-                      "release": ptx.count("griddepcontrol.launch_dependents"),
-                      "shared_v4": ptx.count("ld.shared.v4"), "ex2": ptx.count("ex2.approx"),
-                      "rsqrt": ptx.count("rsqrt"), "global_v4": ptx.count("ld.global.v4"),
-                      "store_v4": ptx.count("st.global.v4")}), flush=True)
+                      **ptx_counts(ptx, {"tma": "cp.async.bulk.tensor", "wait": "griddepcontrol.wait",
+                                         "release": "griddepcontrol.launch_dependents", "shared_v4": "ld.shared.v4",
+                                         "ex2": "ex2.approx", "rsqrt": "rsqrt", "global_v4": "ld.global.v4",
+                                         "store_v4": "st.global.v4"})}), flush=True)
 """
 
 
