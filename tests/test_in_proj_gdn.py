@@ -171,7 +171,9 @@ def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add):
     fused = _layer(hidden, hk, hv, "cuda", seed=hidden + hv, add=add)
     apart = _cloned(fused)
     slot = decode_step(torch.tensor([3], device="cuda"))
-    assert F.resident_clusters(0) >= hk, f"{F.resident_clusters(0)} clusters of {F.CLUSTER} resident, {hk} key heads"
+    # where fewer clusters fit at once (15 of 8 CTAs on session 22's H200) the kernel runs in two waves: slower, and
+    # refused by `available`, but as exact (the clusters share nothing); its outputs are checked either way
+    monkeypatch.setattr(F, "resident_clusters", lambda device_index: hk)
     assert F.available(fused["x"], fused["in_w"], _available_tensors(fused, slot.state_slots), hk)
     with ops.use_backend("triton"):
         for step in range(3):  # the same x each step: the states carry the difference
@@ -191,11 +193,23 @@ def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add):
             assert err < 1e-2, f"{what}: output (o, the norm's exchange, z): {err:.2e}"
 
 
+@pytest.mark.gpu
+@gpu_sm90
+@needs_dsl
+def test_available_only_where_every_cluster_fits():
+    args = _layer(2048, 16, 16, "cuda", seed=5)
+    slot = decode_step(torch.tensor([1], device="cuda"))
+    resident = F.resident_clusters(0)
+    assert 1 <= resident <= torch.cuda.get_device_properties(0).multi_processor_count // F.CLUSTER, resident
+    assert F.available(args["x"], args["in_w"], _available_tensors(args, slot.state_slots), 16) == (resident >= 16)
+
+
 def _fused_2b_layer(monkeypatch, seed, slot):
-    """FUSED on, the triton backend registered, a 2B GDN layer's arguments on the GPU, a clone of them, and a decode
-    step of state slot `slot`."""
+    """FUSED on (in two waves where the 16 clusters do not fit at once), the triton backend registered, a 2B GDN
+    layer's arguments on the GPU, a clone of them, and a decode step of state slot `slot`."""
     import kernels.backend  # noqa: F401
     monkeypatch.setattr(F, "FUSED", True)
+    monkeypatch.setattr(F, "resident_clusters", lambda device_index: 16)
     args = _layer(2048, 16, 16, "cuda", seed=seed)
     return args, _cloned(args), decode_step(torch.tensor([slot], device="cuda"))
 
