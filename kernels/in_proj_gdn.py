@@ -361,7 +361,7 @@ def _kernel_class():
             # the ring's row blocks, each row rounded to bf16 as the plain GEMV stores it
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
             for b in cutlass.range_constexpr(gdn.blocks):
-                self.block_product(spec, sX, sW, ring, state, acc, warp, lane)
+                state = self.block_product(spec, sX, sW, ring, state, acc, warp, lane)
                 for i in cutlass.range_constexpr(SLICE // consumers):
                     total = self.row_total(acc, i)
                     if lane == 0:

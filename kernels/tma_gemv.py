@@ -365,7 +365,7 @@ def _kernel_class():
                     acc = cute.make_rmem_tensor((spec.block_n // consumers, LANE_COLS), Float32)
                     block = bidx
                     while block < blocks[g]:
-                        self.block_product(spec, sX, sWs[g], ring, state, acc, warp, lane)
+                        state = self.block_product(spec, sX, sWs[g], ring, state, acc, warp, lane)
                         for i in cutlass.range_constexpr(spec.block_n // consumers):
                             total = self.row_total(acc, i)
                             row = block * spec.block_n + warp + consumers * i
@@ -420,7 +420,9 @@ def _kernel_class():
                           acc: cute.Tensor, warp: Int32, lane: Int32):
             """A consumer warp's rows of one column block times the staged x, over the block's K tiles as they
             arrive in the ring: acc (rows_per_warp, LANE_COLS) gets each row's per-lane partial sums (row_total
-            finishes them); state advances past the block."""
+            finishes them). Returns state advanced past the block: a caller in a dynamic loop must assign it, as
+            the DSL carries through a loop only what the loop body assigns or calls a method of (passed along, the
+            state restarted at slot 0 with every block: session 22's hang)."""
             consumers, boxes = self.cfg.consumer_warps, self.cfg.boxes(spec)
             acc.fill(0.0)
             for kt in cutlass.range(self.cfg.width(spec) // (boxes * BLOCK_K), unroll=1):
@@ -434,6 +436,7 @@ def _kernel_class():
                         acc[i, None].store(acc[i, None].load() + ws.to(Float32) * xs[b])
                 ring.consumer_release(state)
                 state.advance()
+            return state
 
         @cute.jit
         def row_total(self, acc: cute.Tensor, i: cutlass.Constexpr) -> Float32:
