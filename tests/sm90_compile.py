@@ -35,3 +35,18 @@ def triton_sm90(fn, const: dict, arg_type, num_warps: int, num_stages: int) -> d
 def ptx_counts(ptx: str, patterns: dict[str, str]) -> dict[str, int]:
     """How often each pattern stands in a kernel's PTX, by name: what the compile tests check of a CuTe kernel."""
     return {name: ptx.count(text) for name, text in patterns.items()}
+
+
+def parity_resets_in_loops(ptx: str) -> int:
+    """How many zeroings (`mov.b32 %rN, 0;`) of an mbarrier wait's parity register stand inside a loop of the
+    kernel's PTX (a later branch jumps back over them). A ring's pipeline state starts once and is carried from there
+    on; a reset inside the loop over a CTA's blocks re-waits slot 0 at phase 0, as the DSL made of tma_gemv's
+    consumer state when a helper advanced it without the loop assigning it (session 22)."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\$\w+):", line))}
+    back_edges = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+                  if (m := re.search(r"\bbra(?:\.uni)?\s+(\$\w+);", line)) and labels.get(m.group(1), i) < i]
+    parities = set(re.findall(r"mbarrier\.try_wait\.parity[\w.]*\s+\w+,\s*\[[^\]]+\],\s*(%r\d+)", ptx))
+    zeroings = [i for i, line in enumerate(lines)
+                if (m := re.match(r"\s*mov\.b32\s+(%r\d+),\s*0;", line)) and m.group(1) in parities]
+    return sum(any(top < i < bottom for top, bottom in back_edges) for i in zeroings)

@@ -144,6 +144,7 @@ import json, os, re, subprocess, sys, tempfile, time, traceback
 import nvidia.cuda_nvcc
 from fa4.cute.config import representative_configs
 from fa4.cute.compile_cache import compile_config
+from tests.sm90_compile import parity_resets_in_loops
 ptxas = os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
 for index, cfg in enumerate(representative_configs()):
     start = time.time()
@@ -161,7 +162,7 @@ for index, cfg in enumerate(representative_configs()):
     print(json.dumps({"index": index, "seconds": time.time() - start, "wgmma": ptx.count("wgmma.mma_async"),
                       "tma": ptx.count("cp.async.bulk.tensor"), "setmaxnreg": ptx.count("setmaxnreg"),
                       "ex2": ptx.count("ex2.approx"), "o_stores": re.findall(r"st\\.global[.a-z0-9]*", ptx),
-                      "spill_bytes": int(spill.group(1)) if spill else None,
+                      "spill_bytes": int(spill.group(1)) if spill else None, "resets": parity_resets_in_loops(ptx),
                       "injected_fences": info.count("C7519"), "config": repr(cfg)}), flush=True)
 """
 
@@ -210,6 +211,7 @@ def test_cute_kernel_compiles_for_sm90(index, sm90_compiles):
     # ptxas: no register spills, and no wgmma fence of its own (C7519: registers a wgmma reads were written after
     # our fence, as when P's conversion sinks past the next QK^T's issue; softmax.store_p pins it)
     assert stats["spill_bytes"] == 0 and stats["injected_fences"] == 0, stats
+    assert stats["resets"] == 0, stats  # the Q, K and V ring states carried across tiles (not restarted at slot 0)
 
 
 @needs_dsl

@@ -132,10 +132,10 @@ def _positional(a, step):
 SM90_COMPILE = """
 import json, sys
 from kernels.in_proj_gdn import InProjGdnConfig, compile_config
-from tests.sm90_compile import ptx_counts
+from tests.sm90_compile import parity_resets_in_loops, ptx_counts
 for hidden, hk, hv, add, warm in json.loads(sys.argv[1]):
     ptx = compile_config(InProjGdnConfig(hidden, hk, hv, add=add, warm=warm), keep_ptx=True).__ptx__
-    print(json.dumps({"group": hv // hk, "warm": warm, **ptx_counts(ptx, {
+    print(json.dumps({"group": hv // hk, "warm": warm, "resets": parity_resets_in_loops(ptx), **ptx_counts(ptx, {
         "cluster_arrive": "barrier.cluster.arrive", "cluster_wait": "barrier.cluster.wait",
         "l2_prefetch": "cp.async.bulk.prefetch.L2.global", "mapa": "mapa.shared::cluster",
         "remote_store": "st.shared::cluster.f32", "pdl_wait": "griddepcontrol.wait",
@@ -152,6 +152,7 @@ def test_compiles_for_sm90(monkeypatch):
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(rows) == len(cases), out
     for row in rows:
+        assert row["resets"] == 0, row  # the ring's state carried across the CTA's row blocks
         # a relaxed arrive at the start, two exchanges (arrive + wait each) after the first wait
         assert row["cluster_arrive"] == 3 and row["cluster_wait"] == 3, row
         # q / k, b / a and the norm's sums, each pushed to the 8 CTAs

@@ -180,6 +180,7 @@ def test_decode_launches_follow_the_step():
 SM90_CHAIN_COMPILE = """
 import json
 from kernels.tma_gemv import BOUNDARY_BYTES, GemvInput, choose_config, compile_config
+from tests.sm90_compile import parity_resets_in_loops
 chain = (GemvInput(2048, norm=True, add=True), GemvInput(6144, gated=True))
 unpaused = compile_config(choose_config(2048, 2048, chain=chain), keep_ptx=True).__ptx__
 cfg = choose_config(2048, 2048, chain=chain, boundary_bytes=BOUNDARY_BYTES)
@@ -194,17 +195,19 @@ print(json.dumps({"tma": ptx.count("cp.async.bulk.tensor."), "wait": ptx.count("
                   "warm": [p.count("cp.async.bulk.prefetch.L2.global") for p in (ptx, *warming)],
                   "arrive": ptx.count("atom.global.release.add.u64"), "poll": ptx.count("ld.acquire.gpu"),
                   "rsqrt": ptx.count("rsqrt"), "ex2": ptx.count("ex2.approx"),
+                  "resets": [parity_resets_in_loops(p) for p in (unpaused, ptx, fetching, *warming)],
                   "pause": [ptx.count(op) - unpaused.count(op) for op in ("mbarrier.arrive", "mbarrier.try_wait")]}))
 """
 
 SM90_COMPILE = """
 import json, sys
 from kernels.tma_gemv import TmaGemvConfig, choose_config, compile_config
-from tests.sm90_compile import ptx_counts
+from tests.sm90_compile import parity_resets_in_loops, ptx_counts
 for n, k, gated, norm, add, pdl in json.loads(sys.argv[1]):
     cfg = choose_config(n, k, gated, norm=norm, add=add, pdl=pdl)
     ptx = compile_config(cfg, keep_ptx=True).__ptx__
     print(json.dumps({"n": n, "k": k, "gated": gated, "norm": norm, "add": add, "pdl": pdl, "block_n": cfg.block_n,
+                      "resets": parity_resets_in_loops(ptx),
                       **ptx_counts(ptx, {"tma": "cp.async.bulk.tensor", "wait": "griddepcontrol.wait",
                                          "release": "griddepcontrol.launch_dependents", "shared_v4": "ld.shared.v4",
                                          "ex2": "ex2.approx", "rsqrt": "rsqrt", "global_v4": "ld.global.v4",
@@ -233,6 +236,7 @@ def test_compiles_for_sm90(tmp_path):
     assert len(rows) == len(cases), out
     for row in rows:
         boxes = T.SLOT_ROWS // row["block_n"]
+        assert row["resets"] == 0, row  # the ring's state carried across a CTA's blocks (not restarted at slot 0)
         assert row["tma"] == boxes, row  # a copy a box of the slot
         assert row["wait"] == row["release"] == row["pdl"], row  # QWEN_PDL=0: no PDL
         assert (row["ex2"] > 0) == row["gated"] and (row["rsqrt"] == 1) == row["norm"], row  # silu; the norm
@@ -254,6 +258,7 @@ def test_chain_compiles_for_sm90(monkeypatch):
     row = json.loads(out.splitlines()[-1])
     assert row["tma"] == 3 * T.SLOT_ROWS // 16 and row["wait"] == 1 and row["arrive"] == row["poll"] == 2, row
     assert row["rsqrt"] == 1 and row["ex2"] > 0, row
+    assert row["resets"] == [0] * 5, row  # each ring state carried across blocks and GEMVs
     # BOUNDARY_BYTES: a consumer's arrive a grid sync; the producer's wait in gate_up's loop and after it (for a CTA
     # with too few of its slots to reach the first), and in down's loop
     assert row["pause"] == [2, 3], row
