@@ -284,6 +284,9 @@ def _kernel_class():
                         state.advance()
                 if cutlass.const_expr(gdn.warm):
                     self.warm_next(warm_ptr, warm_bytes, bidx, gdn.num_k_heads * CLUSTER, lane)
+                # the start's phase waited before the warp exits, as every thread of the cluster does (an exited
+                # thread no longer counts, but CUTLASS never relies on that; review, session 22)
+                cute.arch.cluster_wait()
             else:
                 self.consume(spec, ring, storage, sX, sW, mW, mX, mRes, mNormW, mS, mConvW, mALog, mDtBias, mGNormW,
                              conv_ptr, state_ptr, mSlot, mOut, eps, gdn_eps, tidx, warp, lane, bidx, rank, head)
