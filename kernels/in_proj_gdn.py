@@ -125,7 +125,8 @@ def resident_clusters(device_index: int) -> int:
     asks it for a kernel of that shape). `available` wants one for every key head: a cluster that does not fit waits
     for a whole earlier one to finish, which would double the kernel's time in the step."""
     from cutlass.utils import HardwareInfo
-    return HardwareInfo(device_index).get_max_active_clusters(CLUSTER)
+    with torch.cuda.device(device_index):  # its probe kernel loads into the current context
+        return HardwareInfo(device_index).get_max_active_clusters(CLUSTER)
 
 
 # Who computes what: plain arithmetic (min, no branches), so that the kernel traces it on device integers and the
