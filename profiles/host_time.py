@@ -202,15 +202,30 @@ def skip_setters() -> tuple[dict, Callable[[], None]]:
     return {name: functools.partial(skip, names) for name, names in SKIPPED.items()}, restore
 
 
+def in_proj_gdn_setters() -> tuple[dict, Callable[[], None]]:
+    """--ab in_proj_gdn: the fused GDN in-projection off, on where in_proj_gdn.available takes it (every key head's
+    cluster resident at once), and on in any case ('waves': a GPU that holds fewer clusters runs it in two waves;
+    15 of 8 CTAs on session 22's H200, against 16 key heads)."""
+    from kernels import in_proj_gdn
+    saved = in_proj_gdn.FUSED, in_proj_gdn.resident_clusters
+
+    def use(fused: bool, any_waves: bool):
+        in_proj_gdn.FUSED = fused
+        in_proj_gdn.resident_clusters = (lambda device_index: 1 << 30) if any_waves else saved[1]
+
+    return ({"off": functools.partial(use, False, False), "on": functools.partial(use, True, False),
+             "waves": functools.partial(use, True, True)}, functools.partial(use, saved[0], False))
+
+
 ON_OFF = {"off": False, "on": True}
 KIB, MIB = 2**10, 2**20
 # --ab knobs: name -> (module, attribute, {variant: value}) of a kernel setting, or a function that returns
-# ({variant: apply it}, restore): the pre-norm rule of use_prenorm; `skip` (timing only: wrong tokens)
+# ({variant: apply it}, restore): the pre-norm rule of use_prenorm; `skip` (timing only: wrong tokens); in_proj_gdn
 AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
-            "in_proj_gdn": ("kernels.in_proj_gdn", "FUSED", ON_OFF),
+            "in_proj_gdn": in_proj_gdn_setters,
             "prep_split": ("kernels.paged_decode_attention", "FUSED_PREP", ON_OFF),
             "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),
             "tma_slot": ("kernels.tma_gemv", "SLOT_ROWS", {"16k": 32, "8k": 16}),

@@ -113,6 +113,25 @@ def test_host_time_ab_takes_several_knobs_in_turn():
     assert (linear.TMA_NORM, linear.TMA_CHAIN) == defaults
 
 
+def test_host_time_in_proj_gdn_knob_runs_it_in_waves_and_restores():
+    from kernels import in_proj_gdn
+    from profiles import host_time
+    fused, clusters = in_proj_gdn.FUSED, in_proj_gdn.resident_clusters
+    variants, restore = host_time.in_proj_gdn_setters()
+    assert list(variants) == ["off", "on", "waves"]
+    try:
+        variants["on"]()
+        assert in_proj_gdn.FUSED and in_proj_gdn.resident_clusters is clusters  # available counts the clusters
+        variants["waves"]()
+        assert in_proj_gdn.FUSED and in_proj_gdn.resident_clusters(0) >= 16  # every key head taken, in two waves
+        variants["off"]()
+        assert not in_proj_gdn.FUSED and in_proj_gdn.resident_clusters is clusters
+        variants["waves"]()
+    finally:
+        restore()
+    assert (in_proj_gdn.FUSED, in_proj_gdn.resident_clusters) == (fused, clusters)
+
+
 def test_host_time_skip_knob_passes_the_mixers_through_and_restores_them():
     from profiles import host_time
     argv = ["--decode", "1", "--ctx", "24", "--device", "cpu", "--ab", "skip"]
