@@ -523,6 +523,8 @@ def in_proj_gdn(x, residual, input_norm_w, eps, weight, conv_w, A_log, dt_bias, 
 # --model M --decode 1 --ab in_proj_gdn`. Predicted: a GDN layer's mixer costs ~10 us between the two projections'
 # weight streams (2B step 1.275 ms against ~1.01 of their bytes at 4.4 TB/s, the attention layers' share taken
 # out); the fused kernel keeps one boundary and two DSMEM exchanges of it, ~4-6 us a layer, 0.07-0.11 ms a step.
+# Session 22's H200 held only 15 clusters of 8 at once (the driver's count, resident_clusters) against 2B's 16 key
+# heads, so `available` refuses it there; `host_time --ab in_proj_gdn` times it in two waves too ('waves').
 FUSED = False
 
 
