@@ -53,6 +53,7 @@ def test_final_norm_inside_lm_head_at_batch_1(monkeypatch):
     calls = []
     real = ops.add_rms_norm_linear
     monkeypatch.setattr(ops, "add_rms_norm_linear", lambda *a: calls.append(a[-1].shape) or real(*a))
+    monkeypatch.setattr(M, "FINAL_NORM_IN_LM_HEAD", True)
     fused = decode_logits(model, prompt, 2, "triton", page_size=16)
     assert calls.count(model.lm_head.weight.shape) == 2  # each decode step's lm_head
     monkeypatch.setattr(M, "FINAL_NORM_IN_LM_HEAD", False)
