@@ -324,36 +324,43 @@ class FlashAttentionForwardSm90:
                             S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
                                                     cfg.rescale_threshold, cfg.poly_exp2_fraction)  # O is 0 yet
                             S.store_p(acc_s, tOrP_as_s)
-                            for i in cutlass.range(1, n_max, unroll=1):
-                                n_block = n_max - 1 - i
-                                k_pipe.consumer_wait(k_state)
-                                v_pipe.consumer_wait(v_state)
-                                self.zero_ragged_v(sV, v_state.index, n_block + 1, seqlen_k, tid, cwg)
-                                P.pingpong_wait(cwg, pingpong)
-                                warpgroup.fence()
-                                tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index],
-                                                     True)
-                                warpgroup.commit_group()
-                                tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index],
-                                                     False)
-                                warpgroup.commit_group()
-                                P.pingpong_pass(cwg, False, pingpong)
-                                warpgroup.wait_group(1)  # S_i is ready; PV_{i-1} may still run
-                                k_pipe.consumer_release(k_state)
-                                k_state.advance()
-                                if n_block >= n_nomask:
-                                    M.apply_mask(acc_s, coords, row_base, n_block, seqlen_q, seqlen_k, cfg.causal,
-                                                 pack, n_tile)
-                                need = S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
-                                                               cfg.rescale_threshold, cfg.poly_exp2_fraction)
-                                warpgroup.wait_group(0)  # PV_{i-1} done: O and P_{i-1} are free
-                                v_pipe.consumer_release(v_state)
-                                v_state.advance()
-                                # P before the rescale: no branch between the exps and P's conversion, so the
-                                # conversions interleave with the exps' tail instead of trailing the iteration
-                                S.store_p(acc_s, tOrP_as_s)
-                                if need:
-                                    S.rescale_o(acc_o, row_scale)
+                            # the tiles that need a mask (n_block >= n_nomask: the diagonal and the ragged last
+                            # key tile) come first; the rest run a loop without the mask's branch, so the
+                            # softmax is one basic block from the QK^T wait to P's conversion
+                            first_nomask = cutlass.max(cutlass.min(n_max - n_nomask, n_max), 1)
+                            for phase in cutlass.range_constexpr(2):
+                                masked = phase == 0
+                                lo, hi = (1, first_nomask) if masked else (first_nomask, n_max)
+                                for i in cutlass.range(lo, hi, unroll=1):
+                                    n_block = n_max - 1 - i
+                                    k_pipe.consumer_wait(k_state)
+                                    v_pipe.consumer_wait(v_state)
+                                    self.zero_ragged_v(sV, v_state.index, n_block + 1, seqlen_k, tid, cwg)
+                                    P.pingpong_wait(cwg, pingpong)
+                                    warpgroup.fence()
+                                    tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ,
+                                                         tSrK[None, None, None, k_state.index], True)
+                                    warpgroup.commit_group()
+                                    tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP,
+                                                         tOrV[None, None, None, v_state.index], False)
+                                    warpgroup.commit_group()
+                                    P.pingpong_pass(cwg, False, pingpong)
+                                    warpgroup.wait_group(1)  # S_i is ready; PV_{i-1} may still run
+                                    k_pipe.consumer_release(k_state)
+                                    k_state.advance()
+                                    if cutlass.const_expr(masked):
+                                        M.apply_mask(acc_s, coords, row_base, n_block, seqlen_q, seqlen_k, cfg.causal,
+                                                     pack, n_tile)
+                                    need = S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
+                                                                   cfg.rescale_threshold, cfg.poly_exp2_fraction)
+                                    warpgroup.wait_group(0)  # PV_{i-1} done: O and P_{i-1} are free
+                                    v_pipe.consumer_release(v_state)
+                                    v_state.advance()
+                                    # P before the rescale: no branch between the exps and P's conversion, so the
+                                    # conversions interleave with the exps' tail instead of trailing the iteration
+                                    S.store_p(acc_s, tOrP_as_s)
+                                    if need:
+                                        S.rescale_o(acc_o, row_scale)
                             v_pipe.consumer_wait(v_state)
                             self.zero_ragged_v(sV, v_state.index, 0, seqlen_k, tid, cwg)
                             P.pingpong_wait(cwg, pingpong)
