@@ -324,6 +324,10 @@ class FlashAttentionForwardSm90:
                             S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
                                                     cfg.rescale_threshold, cfg.poly_exp2_fraction)  # O is 0 yet
                             S.store_p(acc_s, tOrP_as_s)
+                            # only the first tile (n_max - 1) can reach past the keys: its V is zeroed here, so
+                            # the loops below hold no branch for it (their waits on this V slot pass at once)
+                            v_pipe.consumer_wait(v_state)
+                            self.zero_ragged_v(sV, v_state.index, n_max - 1, seqlen_k, tid, cwg)
                             # the tiles that need a mask (n_block >= n_nomask: the diagonal and the ragged last
                             # key tile) come first; the rest run a loop without the mask's branch, so the
                             # softmax is one basic block from the QK^T wait to P's conversion
@@ -335,7 +339,6 @@ class FlashAttentionForwardSm90:
                                     n_block = n_max - 1 - i
                                     k_pipe.consumer_wait(k_state)
                                     v_pipe.consumer_wait(v_state)
-                                    self.zero_ragged_v(sV, v_state.index, n_block + 1, seqlen_k, tid, cwg)
                                     P.pingpong_wait(cwg, pingpong)
                                     warpgroup.fence()
                                     tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ,
@@ -362,7 +365,6 @@ class FlashAttentionForwardSm90:
                                     if need:
                                         S.rescale_o(acc_o, row_scale)
                             v_pipe.consumer_wait(v_state)
-                            self.zero_ragged_v(sV, v_state.index, 0, seqlen_k, tid, cwg)
                             P.pingpong_wait(cwg, pingpong)
                             warpgroup.fence()
                             tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, v_state.index],
