@@ -46,6 +46,13 @@ def prepare(refs: list[str], folder: Path = FOLDER) -> None:
     (folder / "tmp").rmdir()
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """The timing order of round r: rotated by r, so that no code is always timed first, or always right after
+    the same one (session 23: flash-attn-4, always last, read 617 TFLOP/s here and 671 in bench_prefill)."""
+    r %= len(names)
+    return names[r:] + names[:r]
+
+
 def run(cases: list[int], rounds: int) -> list[dict]:
     from profiles.bench_prefill import ATTN_CASES, attention_flops, attention_inputs
     from profiles.common import bench_us, peer_attention, print_table
@@ -65,9 +72,9 @@ def run(cases: list[int], rounds: int) -> list[dict]:
         peer = first(calls["fa4"]())
         errors = {n: ((first(calls[n]()) - peer).norm() / peer.norm()).item() for n in names}
         tflops = {n: [] for n in calls}
-        for _ in range(rounds):
-            for n, call in calls.items():
-                tflops[n].append(attention_flops(b, s, h, d, causal) / bench_us(call) / 1e6)
+        for r in range(rounds):
+            for n in round_order(list(calls), r):
+                tflops[n].append(attention_flops(b, s, h, d, causal) / bench_us(calls[n]) / 1e6)
         for n in calls:
             rows.append({"case": f"B{b} S{s} {h}/{kv} d{d}{' causal' if causal else ''}", "code": n,
                          "TFLOPs_best": max(tflops[n]), "vs_fa4": max(tflops[n]) / max(tflops["fa4"]),

@@ -43,3 +43,10 @@ def test_the_rename_covers_every_import_form():
     assert ab_refs.IMPORT.sub(r"\g<1>fa4_r", source) == (
         "import fa4_r\nimport fa4_r.cute as C\n    from fa4_r import softmax\nfrom fa4_r.cute.config import X\n"
         "import fa4x\n")
+
+
+def test_each_round_starts_one_later():
+    names = ["fa4_a", "fa4_b", "fa4"]
+    orders = [ab_refs.round_order(names, r) for r in range(4)]
+    assert orders == [names, ["fa4_b", "fa4", "fa4_a"], ["fa4", "fa4_a", "fa4_b"], names]
+    assert {o[0] for o in orders[:3]} == set(names)  # every code leads one round of three
