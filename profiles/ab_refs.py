@@ -46,16 +46,9 @@ def prepare(refs: list[str], folder: Path = FOLDER) -> None:
     (folder / "tmp").rmdir()
 
 
-def round_order(names: list[str], r: int) -> list[str]:
-    """The timing order of round r: rotated by r, so that no code is always timed first, or always right after
-    the same one (session 23: flash-attn-4, always last, read 617 TFLOP/s here and 671 in bench_prefill)."""
-    r %= len(names)
-    return names[r:] + names[:r]
-
-
 def run(cases: list[int], rounds: int) -> list[dict]:
     from profiles.bench_prefill import ATTN_CASES, attention_flops, attention_inputs
-    from profiles.common import bench_us, peer_attention, print_table
+    from profiles.common import peer_attention, print_table, timed_rounds
     sys.path.insert(0, str(FOLDER))
     names = sorted(p.name for p in FOLDER.iterdir() if p.is_dir())
     if not names:
@@ -71,10 +64,8 @@ def run(cases: list[int], rounds: int) -> list[dict]:
         first = lambda out: (out[0] if isinstance(out, tuple) else out).float()  # noqa: E731
         peer = first(calls["fa4"]())
         errors = {n: ((first(calls[n]()) - peer).norm() / peer.norm()).item() for n in names}
-        tflops = {n: [] for n in calls}
-        for r in range(rounds):
-            for n in round_order(list(calls), r):
-                tflops[n].append(attention_flops(b, s, h, d, causal) / bench_us(calls[n]) / 1e6)
+        flops = attention_flops(b, s, h, d, causal)
+        tflops = {n: [flops / us / 1e6 for us in times] for n, times in timed_rounds(calls, rounds).items()}
         for n in calls:
             rows.append({"case": f"B{b} S{s} {h}/{kv} d{d}{' causal' if causal else ''}", "code": n,
                          "TFLOPs_best": max(tflops[n]), "vs_fa4": max(tflops[n]) / max(tflops["fa4"]),

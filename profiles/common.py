@@ -19,6 +19,23 @@ def bench_us(fn: Callable[[], object], *, graph: bool = False, rep_ms: int = 200
     return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """The timing order of round r: rotated by r, so that no call is always timed first, or always right after
+    the same one (session 23: flash-attn-4, always timed last, read 617 TFLOP/s in one harness and 671 in another,
+    in one run on one H200)."""
+    r %= len(names)
+    return names[r:] + names[:r]
+
+
+def timed_rounds(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Microseconds of each call in each of `rounds` rounds (bench_us), the calls of a round in round_order."""
+    times = {name: [] for name in calls}
+    for r in range(rounds):
+        for name in round_order(list(calls), r):
+            times[name].append(bench_us(calls[name]))
+    return times
+
+
 def peer_attention(name: str, q, k, v, causal: bool) -> Callable[[], object]:
     """A call of a peer library's attention over dense (B, S, H, D) / (B, S_k, KV, D) tensors: "cudnn" or "fa2"
     (torch SDPA with that backend; its causal mask is top-left, so only right for S == S_k) or "fa4"

@@ -46,7 +46,17 @@ def test_the_rename_covers_every_import_form():
 
 
 def test_each_round_starts_one_later():
+    from profiles.common import round_order
     names = ["fa4_a", "fa4_b", "fa4"]
-    orders = [ab_refs.round_order(names, r) for r in range(4)]
+    orders = [round_order(names, r) for r in range(4)]
     assert orders == [names, ["fa4_b", "fa4", "fa4_a"], ["fa4", "fa4_a", "fa4_b"], names]
     assert {o[0] for o in orders[:3]} == set(names)  # every code leads one round of three
+
+
+def test_timed_rounds_rotates_the_calls(monkeypatch):
+    from profiles import common
+    seen = []
+    monkeypatch.setattr(common, "bench_us", lambda call: seen.append(call()) or 10.0 * len(seen))
+    times = common.timed_rounds({n: (lambda n=n: n) for n in ("a", "b", "c")}, rounds=2)
+    assert seen == ["a", "b", "c", "b", "c", "a"]
+    assert times == {"a": [10.0, 60.0], "b": [20.0, 40.0], "c": [30.0, 50.0]}
