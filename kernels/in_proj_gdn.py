@@ -6,25 +6,25 @@ waits for the whole projection to land in global memory, reads it back, and its 
 global-memory ticket for the gated norm. Each of those is a dependent L2 round trip behind a full ring of weights.
 Here the projection rows a key head needs are computed by the CTAs that then use them:
 
-  grid: num_k_heads clusters of CLUSTER (8) CTAs; CTA `rank` of cluster `head` owns rows rank * 16 .. + 16 of the
-  head's q and k (its dk slice) and of each of its G = Hv / Hk value heads' v and z (its dv slice), 2 + 2G blocks of
-  16 in-projection rows. Ranks 0 .. G - 1 also take the heads' b rows, G .. 2G - 1 their a rows (one dot each,
-  summed in the GEMV's order).
+  grid: num_k_heads clusters of `cluster` (8, or 4) CTAs; CTA `rank` of cluster `head` owns rows rank * slice ..
+  + slice (slice = 128 / cluster: 16, or 32) of the head's q and k (its dk slice) and of each of its G = Hv / Hk
+  value heads' v and z (its dv slice), (2 + 2G) * slice / 16 blocks of 16 in-projection rows. Ranks 0 .. G - 1 also
+  take the heads' b rows, G .. 2G - 1 their a rows (one dot each, summed in the GEMV's order).
 
   1. The producer warp streams the CTA's row blocks through the TMA ring (tma_gemv's); the consumers stage
      rms_norm(x + residual) (tma_gemv's stage_x) and reduce each row as the plain GEMV does, rounded to bf16.
   2. Each CTA convolves its own channels (the conv is per channel) and pushes its q and k slices (and its b or a)
      into every CTA of the cluster; one cluster barrier (release / acquire) later, every CTA holds the head's whole q
      and k, so each computes their L2 norms itself.
-  3. Thread layout of the delta step: the CTA's 16G state columns, 256 / (16G) threads a column, each holding
-     128 / (256 / 16G) rows of the column in registers (loaded before the PDL wait: no kernel of the step writes
-     the states). S^T k and S^T q reduce over the column's threads with shuffles.
+  3. Thread layout of the delta step: the CTA's G * slice state columns, 256 / (G * slice) threads a column, each
+     holding 128 / (256 / (G * slice)) rows of the column in registers (loaded before the PDL wait: no kernel of
+     the step writes the states). S^T k and S^T q reduce over the column's threads with shuffles.
   4. The gated RMSNorm needs each value head's sum of o^2 over all dv: one more push of G partial sums and a
      second cluster barrier; then each CTA writes its slice of the output row.
 
 Everything else matches kernels/gdn_decode.py's math and roundings (see there). Constraints: bf16 throughout (fp32
-states), dk = dv = 16 * CLUSTER, G in (1, 2, 4), batch 1. Compiled once per InProjGdnConfig; compiling needs no
-GPU (CUTE_DSL_ARCH=sm_90a).
+states), dk = dv = slice * cluster = 128, G in (1, 2, 4) with 2G <= cluster, batch 1. Compiled once per
+InProjGdnConfig; compiling needs no GPU (CUTE_DSL_ARCH=sm_90a).
 """
 import dataclasses
 import functools
@@ -35,8 +35,13 @@ from kernels import gdn_pointwise, pdl, tma_gemv
 from kernels.cute_runtime import CompileCache, cu_stream, ptx_statement
 from model import ops
 
-CLUSTER = 8  # CTAs a key head
-SLICE = 16  # rows of q, k and of each v and z head a CTA owns: one 16-row block
+BLOCK_ROWS = 16  # in-projection rows of one TMA box and one consumer pass (tma_gemv's block_n)
+CLUSTER_SIZES = (8, 4)  # CTAs a key head that the kernel is built for
+# The cluster sizes `available` tries, in order: the first whose clusters (one a key head) the GPU holds at once.
+# Clusters of 4 take half the SMs (2B: 64), each CTA streaming twice the rows; session 22's and 23's H200 held only
+# 15 clusters of 8 against 2B's 16 key heads, and 33 of 4 (assumed from the GPC layout: not yet asked). Untimed, so
+# only 8 until `python -m profiles.bench_decode --sweep-in-proj-gdn qwen3.5-2b` ('fused_c4') says 4 pays.
+CLUSTERS = (8,)
 GROUPS = (1, 2, 4)  # value heads a key head
 
 
@@ -45,12 +50,13 @@ class InProjGdnConfig:
     hidden: int  # the in-projection's K
     num_k_heads: int
     num_v_heads: int
-    head_dim: int = 16 * CLUSTER  # dk = dv
+    head_dim: int = 128  # dk = dv
     conv_taps: int = 4
     add: bool = True  # a residual is added before the norm (every layer but the first)
     pdl: bool = True
     ring_bytes: int = tma_gemv.RING_BYTES
     warm: bool = False  # the producer warms L2 with the next launch's weight (tma_gemv.WARM_BYTES)
+    cluster: int = 8  # CTAs a key head (CLUSTER_SIZES)
 
     @property
     def group(self) -> int:
@@ -60,7 +66,7 @@ class InProjGdnConfig:
     def gemv(self) -> tma_gemv.TmaGemvConfig:
         """The ring and the staged row: tma_gemv's config of one normed GEMV in 16-row blocks."""
         slot_bytes = tma_gemv.SLOT_ROWS * tma_gemv.BLOCK_K * 2
-        return tma_gemv.TmaGemvConfig(self.hidden, SLICE, min(32, self.ring_bytes // slot_bytes), consumer_warps=8,
+        return tma_gemv.TmaGemvConfig(self.hidden, BLOCK_ROWS, min(32, self.ring_bytes // slot_bytes), consumer_warps=8,
                                       norm=True, add=self.add, pdl=self.pdl)
 
     @property
@@ -68,21 +74,36 @@ class InProjGdnConfig:
         return (2 * self.num_k_heads + self.num_v_heads) * self.head_dim
 
     @property
+    def slice(self) -> int:
+        """Rows of q, of k and of each value head's v and z that a CTA owns."""
+        return self.head_dim // self.cluster
+
+    @property
+    def sub_blocks(self) -> int:
+        """BLOCK_ROWS-row blocks in a slice."""
+        return self.slice // BLOCK_ROWS
+
+    @property
     def blocks(self) -> int:
-        """16-row blocks a CTA projects: q, k, then G of v, then G of z."""
-        return 2 + 2 * self.group
+        """BLOCK_ROWS-row blocks a CTA projects: its slices of q, k, then G of v, then G of z."""
+        return (2 + 2 * self.group) * self.sub_blocks
 
     @property
     def own_channels(self) -> int:
         """Conv channels a CTA convolves: its q, k and v slices."""
-        return (2 + self.group) * SLICE
+        return (2 + self.group) * self.slice
 
     def validate(self) -> "InProjGdnConfig":
-        if self.head_dim != SLICE * CLUSTER:
-            raise ValueError(f"head_dim must be {SLICE * CLUSTER} (16 rows a CTA of {CLUSTER}), got {self.head_dim}")
-        if self.num_k_heads < 1 or self.num_v_heads % self.num_k_heads or self.group not in GROUPS:
-            raise ValueError(f"num_v_heads / num_k_heads must be one of {GROUPS}, got {self.num_v_heads} / "
-                             f"{self.num_k_heads}")
+        if self.cluster not in CLUSTER_SIZES:
+            raise ValueError(f"cluster must be one of {CLUSTER_SIZES}, got {self.cluster}")
+        if self.head_dim != 128:
+            raise ValueError(f"head_dim must be 128 (a slice of {BLOCK_ROWS} rows or more a CTA), got "
+                             f"{self.head_dim}")
+        if (self.num_k_heads < 1 or self.num_v_heads % self.num_k_heads or self.group not in GROUPS
+                or 2 * self.group > self.cluster):
+            raise ValueError(f"num_v_heads / num_k_heads must be one of {GROUPS} and at most cluster / 2 (a rank "
+                             f"takes each b and a row), got {self.num_v_heads} / {self.num_k_heads} with cluster "
+                             f"{self.cluster}")
         if self.conv_taps < 2:
             raise ValueError(f"conv_taps must be at least 2, got {self.conv_taps}")
         gemv = self.gemv.validate()
@@ -115,41 +136,53 @@ def available(x: torch.Tensor, weight: torch.Tensor, tensors: dict, num_k_heads:
             and tensors["norm_w"].shape == (dv,) and states.is_contiguous()
             and tensors["state_slots"].shape == (1,) and tensors["state_slots"].dtype == torch.int64
             and all(t.device == x.device and t.data_ptr() % 16 == 0 for t in tensors.values() if t is not None)
-            and resident_clusters(x.device.index or 0) >= num_k_heads)
+            and fitting_cluster(num_k_heads, cfg.group, x.device.index or 0) > 0)
+
+
+def fitting_cluster(num_k_heads: int, group: int, device_index: int) -> int:
+    """The first cluster size of CLUSTERS that the group allows (2G <= cluster) and whose num_k_heads clusters the
+    device holds at once, else 0."""
+    for cluster in CLUSTERS:
+        if 2 * group <= cluster and resident_clusters(device_index, cluster) >= num_k_heads:
+            return cluster
+    return 0
 
 
 @functools.cache
-def resident_clusters(device_index: int) -> int:
-    """How many clusters of CLUSTER CTAs the device holds at once, one CTA an SM (each holds a 128 KiB ring), as the
-    driver's occupancy calculator counts them (cuOccupancyMaxActiveClusters, through the DSL's HardwareInfo, which
+def resident_clusters(device_index: int, cluster: int = 8) -> int:
+    """How many clusters of `cluster` CTAs the device holds at once, one CTA an SM (each holds a 128 KiB ring), as
+    the driver's occupancy calculator counts them (cuOccupancyMaxActiveClusters, through the DSL's HardwareInfo, which
     asks it for a kernel of that shape). `available` wants one for every key head: a cluster that does not fit waits
     for a whole earlier one to finish, which would double the kernel's time in the step."""
     from cutlass.utils import HardwareInfo
     with torch.cuda.device(device_index):  # its probe kernel loads into the current context
-        return HardwareInfo(device_index).get_max_active_clusters(CLUSTER)
+        return HardwareInfo(device_index).get_max_active_clusters(cluster)
 
 
 # Who computes what: plain arithmetic (min, no branches), so that the kernel traces it on device integers and the
 # tests check on host ints that the CTAs of every cluster cover the in-projection exactly once.
 
 def row_block(cfg: InProjGdnConfig, b: int, head, rank):
-    """The in-projection's 16-row block index of block b (static) of CTA `rank` of cluster `head`: q, k (key head
-    `head`), then v_0 .. v_{G-1}, then z_0 .. z_{G-1} (its value heads)."""
-    per_head = cfg.head_dim // SLICE
-    if b < 2:
-        return (b * cfg.num_k_heads + head) * per_head + rank
-    first = 2 * cfg.num_k_heads if b < 2 + cfg.group else cfg.conv_channels // cfg.head_dim
-    return (first + head * cfg.group + (b - 2) % cfg.group) * per_head + rank
+    """The in-projection's BLOCK_ROWS-row block index of block b (static) of CTA `rank` of cluster `head`: its
+    slices of q, k (key head `head`), then of v_0 .. v_{G-1}, then of z_0 .. z_{G-1} (its value heads), each slice
+    sub_blocks blocks."""
+    piece, sub = divmod(b, cfg.sub_blocks)
+    per_head = cfg.head_dim // BLOCK_ROWS
+    within = rank * cfg.sub_blocks + sub
+    if piece < 2:
+        return (piece * cfg.num_k_heads + head) * per_head + within
+    first = 2 * cfg.num_k_heads if piece < 2 + cfg.group else cfg.conv_channels // cfg.head_dim
+    return (first + head * cfg.group + (piece - 2) % cfg.group) * per_head + within
 
 
 def own_channel(cfg: InProjGdnConfig, tidx, head, rank):
     """The conv channel of consumer thread tidx < own_channels of CTA `rank` of cluster `head`: its q slice, its k
     slice, then its slice of each value head's v."""
-    piece = tidx // SLICE
+    piece = tidx // cfg.slice
     is_v = cutlass_min(piece // 2, 1)
     key_piece = piece * cfg.num_k_heads + head  # q (piece 0) or k (piece 1) of key head `head`, in head_dims
     v_piece = 2 * cfg.num_k_heads + head * cfg.group + piece - 2
-    return ((1 - is_v) * key_piece + is_v * v_piece) * cfg.head_dim + rank * SLICE + tidx % SLICE
+    return ((1 - is_v) * key_piece + is_v * v_piece) * cfg.head_dim + rank * cfg.slice + tidx % cfg.slice
 
 
 def ab_weight_row(cfg: InProjGdnConfig, rank, head):
@@ -209,8 +242,8 @@ def _kernel_class():
             gdn, cfg = self.gdn, self.cfg
             rows = gdn.conv_channels + gdn.num_v_heads * gdn.head_dim + 2 * gdn.num_v_heads
             mW = cute.make_tensor(w_ptr, cute.make_layout((rows, gdn.hidden), stride=(gdn.hidden, 1)))
-            box = cute.make_layout((SLICE, BLOCK_K), stride=(BLOCK_K, 1))
-            tma, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, box, (SLICE, BLOCK_K))
+            box = cute.make_layout((BLOCK_ROWS, BLOCK_K), stride=(BLOCK_K, 1))
+            tma, mW_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, box, (BLOCK_ROWS, BLOCK_K))
             mX = cute.make_tensor(x_ptr, cute.make_layout(gdn.hidden))
             mNormW = cute.make_tensor(norm_w_ptr, cute.make_layout(gdn.hidden))
             mRes = mS = None
@@ -224,26 +257,26 @@ def _kernel_class():
             mGNormW = cute.make_tensor(gnorm_w_ptr, cute.make_layout(gdn.head_dim))
             mSlot = cute.make_tensor(slot_ptr, cute.make_layout(1))
             mOut = cute.make_tensor(out_ptr, cute.make_layout(gdn.num_v_heads * gdn.head_dim))
-            consumers, stages, group = cfg.consumer_warps, cfg.stages, gdn.group
+            consumers, stages, group, cluster = cfg.consumer_warps, cfg.stages, gdn.group, gdn.cluster
 
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
                 sum_sq: cute.struct.MemRange[Float32, consumers]
-                proj: cute.struct.MemRange[Float32, gdn.blocks * SLICE]  # the CTA's rows, bf16-rounded
+                proj: cute.struct.MemRange[Float32, gdn.blocks * BLOCK_ROWS]  # the CTA's rows, bf16-rounded
                 conv: cute.struct.MemRange[Float32, gdn.own_channels]  # silu(conv) of its channels
                 qk: cute.struct.MemRange[Float32, 2 * gdn.head_dim]  # the head's q | k, from every CTA
                 ab: cute.struct.MemRange[Float32, 2 * group]  # the heads' b | a, from ranks 0 .. 2G - 1
-                o: cute.struct.MemRange[Float32, group * SLICE]  # o of the CTA's columns, bf16-rounded
-                o_sq: cute.struct.MemRange[Float32, CLUSTER * group]  # each CTA's sums of o^2, a value head
+                o: cute.struct.MemRange[Float32, group * gdn.slice]  # o of the CTA's columns, bf16-rounded
+                o_sq: cute.struct.MemRange[Float32, cluster * group]  # each CTA's sums of o^2, a value head
                 sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.x_width], 128]
                 sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.slot_rows * BLOCK_K * stages], 128]
 
             self.shared_storage = SharedStorage
-            grid = gdn.num_k_heads * CLUSTER
+            grid = gdn.num_k_heads * cluster
             self.fused_kernel(tma, mW_tma, mW, mX, mRes, mNormW, mS, mConvW, mALog, mDtBias, mGNormW, conv_ptr,
                               state_ptr, mSlot, mOut, eps, gdn_eps, warm_ptr, warm_bytes).launch(
-                grid=[grid, 1, 1], block=[32 * (consumers + 1), 1, 1], cluster=[CLUSTER, 1, 1], stream=stream,
+                grid=[grid, 1, 1], block=[32 * (consumers + 1), 1, 1], cluster=[cluster, 1, 1], stream=stream,
                 use_pdl=cfg.pdl)
 
         @cute.kernel
@@ -260,13 +293,14 @@ def _kernel_class():
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             lane = cute.arch.lane_idx()
             rank = cute.arch.block_idx_in_cluster()
-            head = bidx // CLUSTER
+            head = bidx // gdn.cluster
 
             storage = SmemAllocator().allocate(self.shared_storage)
             ring = self.make_ring(storage)
             sX = storage.sX.get_tensor(cute.make_layout(cfg.x_width))
-            sW = storage.sW.get_tensor(cute.make_layout((SLICE, BLOCK_K, cfg.boxes(spec), stages),
-                                                        stride=(BLOCK_K, 1, SLICE * BLOCK_K, cfg.slot_rows * BLOCK_K)))
+            sW = storage.sW.get_tensor(cute.make_layout((BLOCK_ROWS, BLOCK_K, cfg.boxes(spec), stages),
+                                                        stride=(BLOCK_K, 1, BLOCK_ROWS * BLOCK_K,
+                                                                cfg.slot_rows * BLOCK_K)))
             if warp == consumers:
                 cpasync.prefetch_descriptor(tma)
             cute.arch.mbarrier_init_fence()
@@ -274,7 +308,7 @@ def _kernel_class():
             cute.arch.cluster_arrive_relaxed()  # every CTA of the cluster has started before any DSMEM store
 
             if warp == consumers:  # producer: the CTA's row blocks, weights only (no wait for the previous kernel)
-                gW = cute.local_tile(mW_tma, (SLICE, BLOCK_K), (None, None))  # (16, BLOCK_K, row blocks, K tiles)
+                gW = cute.local_tile(mW_tma, (BLOCK_ROWS, BLOCK_K), (None, None))  # (16, BLOCK_K, blocks, K tiles)
                 tWsW, tWgW = cpasync.tma_partition(tma, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
                                                    cute.group_modes(gW, 0, 2))
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
@@ -284,7 +318,7 @@ def _kernel_class():
                         self.issue_slot(spec, tma, tWgW, tWsW, ring, state, block, kt)
                         state.advance()
                 if cutlass.const_expr(gdn.warm):
-                    self.warm_next(warm_ptr, warm_bytes, bidx, gdn.num_k_heads * CLUSTER, lane)
+                    self.warm_next(warm_ptr, warm_bytes, bidx, gdn.num_k_heads * gdn.cluster, lane)
                 # the start's phase waited before the warp exits, as every thread of the cluster does (an exited
                 # thread no longer counts, but CUTLASS never relies on that; review, session 22)
                 cute.arch.cluster_wait()
@@ -301,28 +335,29 @@ def _kernel_class():
                     bidx: Int32, rank: Int32, head: Int32):
             gdn, cfg = self.gdn, self.cfg
             consumers, group, taps = cfg.consumer_warps, gdn.group, gdn.conv_taps
+            cluster, slice_ = gdn.cluster, gdn.slice
             threads = 32 * consumers
-            sProj = storage.proj.get_tensor(cute.make_layout(gdn.blocks * SLICE))
+            sProj = storage.proj.get_tensor(cute.make_layout(gdn.blocks * BLOCK_ROWS))
             sConv = storage.conv.get_tensor(cute.make_layout(gdn.own_channels))
             sQK = storage.qk.get_tensor(cute.make_layout(2 * gdn.head_dim))
             sAB = storage.ab.get_tensor(cute.make_layout(2 * group))
-            sO = storage.o.get_tensor(cute.make_layout(group * SLICE))
-            sOSq = storage.o_sq.get_tensor(cute.make_layout(CLUSTER * group))
+            sO = storage.o.get_tensor(cute.make_layout(group * slice_))
+            sOSq = storage.o_sq.get_tensor(cute.make_layout(cluster * group))
             sSumSq = storage.sum_sq.get_tensor(cute.make_layout(consumers))
 
             # before the PDL wait, what no kernel of the step writes: the slot, the states, the conv windows and
             # weights, the parameters and the b / a weight row
             slot = Int64(mSlot[0])
-            cols = group * SLICE  # the CTA's state columns
+            cols = group * slice_  # the CTA's state columns
             per_col = threads // cols  # threads a column
             col_rows = gdn.head_dim // per_col  # rows a thread holds
             col = tidx // per_col
             part = tidx % per_col
-            j = col // SLICE  # value head in the group
+            j = col // slice_  # value head in the group
             vhead = head * group + j
             dv = gdn.head_dim
             state_base = state_ptr + ((slot * gdn.num_v_heads + vhead) * gdn.head_dim + part * col_rows) * dv
-            mState = cute.make_tensor(state_base + (rank * SLICE + col % SLICE),
+            mState = cute.make_tensor(state_base + (rank * slice_ + col % slice_),
                                       cute.make_layout(col_rows, stride=dv))
             s = cute.make_rmem_tensor(cute.make_layout(col_rows), Float32)
             for i in cutlass.range_constexpr(col_rows):
@@ -339,7 +374,7 @@ def _kernel_class():
                     conv_w[t] = mConvW[channel, t].to(Float32)
             a_log = mALog[vhead].to(Float32)
             dt_bias = mDtBias[vhead].to(Float32)
-            gnorm_w = mGNormW[rank * SLICE + col % SLICE]
+            gnorm_w = mGNormW[rank * slice_ + col % slice_]
             # the b / a row, as block_product's lanes cut a row: lane l takes columns 8l .. 8l + 7 of each BLOCK_K
             ab_row = ab_weight_row(gdn, rank, head)
             ab_chunks = cfg.width(spec) // BLOCK_K
@@ -354,7 +389,7 @@ def _kernel_class():
             cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=threads)
 
             # the b / a dot (used by ranks 0 .. 2G - 1), summed in the plain GEMV's order: the same bf16 as its row
-            acc = cute.make_rmem_tensor((SLICE // consumers, LANE_COLS), Float32)
+            acc = cute.make_rmem_tensor((BLOCK_ROWS // consumers, LANE_COLS), Float32)
             acc.fill(0.0)
             for c in cutlass.range_constexpr(ab_chunks):
                 if c * BLOCK_K + lane * LANE_COLS < gdn.hidden:
@@ -366,10 +401,10 @@ def _kernel_class():
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
             for b in cutlass.range_constexpr(gdn.blocks):
                 state = self.block_product(spec, sX, sW, ring, state, acc, warp, lane)
-                for i in cutlass.range_constexpr(SLICE // consumers):
+                for i in cutlass.range_constexpr(BLOCK_ROWS // consumers):
                     total = self.row_total(acc, i)
                     if lane == 0:
-                        sProj[b * SLICE + warp + consumers * i] = total.to(BFloat16).to(Float32)
+                        sProj[b * BLOCK_ROWS + warp + consumers * i] = total.to(BFloat16).to(Float32)
             cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=threads)
 
             # the CTA's channels: conv, silu, bf16; the window shifts in place
@@ -387,12 +422,12 @@ def _kernel_class():
 
             # push q, k slices and b / a into every CTA of the cluster
             cute.arch.cluster_wait()
-            if tidx < 2 * SLICE:
-                dst = (tidx // SLICE) * gdn.head_dim + rank * SLICE + tidx % SLICE
-                for peer in cutlass.range_constexpr(CLUSTER):
+            if tidx < 2 * slice_:
+                dst = (tidx // slice_) * gdn.head_dim + rank * slice_ + tidx % slice_
+                for peer in cutlass.range_constexpr(cluster):
                     self.push(sQK.iterator + dst, sConv[tidx], peer)
             if tidx == 0 and rank < 2 * group:
-                for peer in cutlass.range_constexpr(CLUSTER):
+                for peer in cutlass.range_constexpr(cluster):
                     self.push(sAB.iterator + rank, ab, peer)
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
@@ -423,7 +458,7 @@ def _kernel_class():
                 s[i] = s[i] * decay
                 kv = kv + s[i] * k[i]
             kv = self.column_sum(kv, per_col)
-            u = beta * (sConv[(2 + j) * SLICE + col % SLICE] - kv)
+            u = beta * (sConv[(2 + j) * slice_ + col % slice_] - kv)
             o = Float32(0.0)
             for i in cutlass.range_constexpr(col_rows):
                 s[i] = s[i] + k[i] * u
@@ -437,21 +472,21 @@ def _kernel_class():
             # the gated norm: each value head's sum of o^2 over its dv, from every CTA
             if tidx < group:
                 o_sq = Float32(0.0)
-                for c in cutlass.range_constexpr(SLICE):
-                    o_sq = o_sq + sO[tidx * SLICE + c] * sO[tidx * SLICE + c]
-                for peer in cutlass.range_constexpr(CLUSTER):
+                for c in cutlass.range_constexpr(slice_):
+                    o_sq = o_sq + sO[tidx * slice_ + c] * sO[tidx * slice_ + c]
+                for peer in cutlass.range_constexpr(cluster):
                     self.push(sOSq.iterator + rank * group + tidx, o_sq, peer)
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
             if part == 0:
                 total = Float32(0.0)
-                for r in cutlass.range_constexpr(CLUSTER):
+                for r in cutlass.range_constexpr(cluster):
                     total = total + sOSq[r * group + j]
                 y = (o * cute.math.rsqrt(total / dv + gdn_eps)).to(BFloat16)
                 wy = (gnorm_w.to(Float32) * y.to(Float32)).to(BFloat16).to(Float32)
-                z = sProj[(2 + group + j) * SLICE + col % SLICE]
-                mOut[vhead * dv + rank * SLICE + col % SLICE] = (wy * (z / (Float32(1.0) + cute.math.exp(-z)))
-                                                                 ).to(BFloat16)
+                z = sProj[(2 + group + j) * slice_ + col % slice_]
+                mOut[vhead * dv + rank * slice_ + col % slice_] = (wy * (z / (Float32(1.0) + cute.math.exp(-z)))
+                                                                   ).to(BFloat16)
 
         @cute.jit
         def column_sum(self, value: Float32, per_col: cutlass.Constexpr) -> Float32:
@@ -500,7 +535,8 @@ def in_proj_gdn(x, residual, input_norm_w, eps, weight, conv_w, A_log, dt_bias, 
     hv, dk = recurrent_states.shape[1:3]
     following, warm_bytes = tma_gemv.warm_target([weight])
     cfg = InProjGdnConfig(x.shape[-1], num_k_heads, hv, dk, conv_w.shape[-1], residual is not None,
-                          pdl.enabled(x.device), warm=warm_bytes > 0)
+                          pdl.enabled(x.device), warm=warm_bytes > 0,
+                          cluster=fitting_cluster(num_k_heads, hv // num_k_heads, x.device.index or 0))
     out = torch.empty((1, hv * dk), dtype=x.dtype, device=x.device)
     s = x if residual is None else torch.empty_like(x)
 
@@ -518,13 +554,15 @@ def in_proj_gdn(x, residual, input_norm_w, eps, weight, conv_w, A_log, dt_bias, 
 
 
 # Whether in_proj_gated_deltanet takes the one-launch kernel at batch-1 decode (else the normed GEMV, then the GDN
-# decode kernel). Off until timed: it compiles for sm_90a and its index math is tested on the CPU, but it has not
-# run on a GPU yet. To measure: `pytest -m gpu tests/test_in_proj_gdn.py`, then `python -m profiles.host_time
-# --model M --decode 1 --ab in_proj_gdn`. Predicted: a GDN layer's mixer costs ~10 us between the two projections'
-# weight streams (2B step 1.275 ms against ~1.01 of their bytes at 4.4 TB/s, the attention layers' share taken
-# out); the fused kernel keeps one boundary and two DSMEM exchanges of it, ~4-6 us a layer, 0.07-0.11 ms a step.
-# Session 22's H200 held only 15 clusters of 8 at once (the driver's count, resident_clusters) against 2B's 16 key
-# heads, so `available` refuses it there; `host_time --ab in_proj_gdn` times it in two waves too ('waves').
+# decode kernel). Off: it is GPU-tested in clusters of 8 (session 23: `pytest -m gpu tests/test_in_proj_gdn.py`,
+# in two waves) but not faster yet. Predicted: a GDN layer's mixer costs ~10 us between the two projections' weight
+# streams (2B step 1.275 ms against ~1.01 of their bytes at 4.4 TB/s, the attention layers' share taken out); the
+# fused kernel keeps one boundary and two DSMEM exchanges of it, ~4-6 us a layer, 0.07-0.11 ms a step. Measured
+# (H200, session 23, `python -m profiles.host_time --model M --decode 1 --ab in_proj_gdn`): that H200 held only 15
+# clusters of 8 at once against 2B's and 0.8B's 16 key heads, so `available` refused it ('on' = 'off', 1.27 ms);
+# in two waves ('waves') it tied the two ops (1.27-1.28 ms at 2B, 0.775-0.778 at 0.8B). Next: `python -m
+# profiles.bench_decode --sweep-in-proj-gdn qwen3.5-2b` times one wave (8 and 15 key heads) against two (16), and
+# clusters of 4 (CLUSTERS), which fit in one wave
 FUSED = False
 
 

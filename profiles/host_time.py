@@ -204,17 +204,19 @@ def skip_setters() -> tuple[dict, Callable[[], None]]:
 
 def in_proj_gdn_setters() -> tuple[dict, Callable[[], None]]:
     """--ab in_proj_gdn: the fused GDN in-projection off, on where in_proj_gdn.available takes it (every key head's
-    cluster resident at once), and on in any case ('waves': a GPU that holds fewer clusters runs it in two waves;
-    15 of 8 CTAs on session 22's H200, against 16 key heads)."""
+    cluster of 8 resident at once), on in any case ('waves': a GPU that holds fewer clusters runs it in two waves;
+    15 of 8 CTAs on session 22's H200, against 16 key heads), and on in clusters of 4 ('c4': half the CTAs, each
+    streaming twice the rows, where the GPU holds them at once)."""
     from kernels import in_proj_gdn
-    saved = in_proj_gdn.FUSED, in_proj_gdn.resident_clusters
+    saved = in_proj_gdn.FUSED, in_proj_gdn.resident_clusters, in_proj_gdn.CLUSTERS
 
-    def use(fused: bool, any_waves: bool):
-        in_proj_gdn.FUSED = fused
-        in_proj_gdn.resident_clusters = (lambda device_index: 1 << 30) if any_waves else saved[1]
+    def use(fused: bool, any_waves: bool, clusters: tuple):
+        in_proj_gdn.FUSED, in_proj_gdn.CLUSTERS = fused, clusters
+        in_proj_gdn.resident_clusters = (lambda device_index, cluster=8: 1 << 30) if any_waves else saved[1]
 
-    return ({"off": functools.partial(use, False, False), "on": functools.partial(use, True, False),
-             "waves": functools.partial(use, True, True)}, functools.partial(use, saved[0], False))
+    return ({"off": functools.partial(use, False, False, saved[2]), "on": functools.partial(use, True, False, (8,)),
+             "waves": functools.partial(use, True, True, (8,)), "c4": functools.partial(use, True, False, (4,))},
+            functools.partial(use, saved[0], False, saved[2]))
 
 
 ON_OFF = {"off": False, "on": True}

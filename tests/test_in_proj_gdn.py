@@ -2,11 +2,11 @@
 
 CPU: who computes what (every in-projection row, conv channel and b / a row is taken by exactly one CTA of one
 cluster, and each CTA's conv channels are the rows it projected), the config's errors, the routing (off the GPU,
-and with FUSED off, the op is its two ops), and a compile for sm_90a of the 0.8B (first layer: no residual), 2B and
-9B shapes (one subprocess), checking the PTX: the cluster barriers, the DSMEM stores, one PDL wait, a TMA copy a
+and with FUSED off, the op is its two ops), the choice of cluster size, and a compile for sm_90a of the 0.8B (first
+layer: no residual), 2B and 9B shapes in clusters of 8, and of 2B and 9B in clusters of 4 (one subprocess), checking the PTX: the cluster barriers, the DSMEM stores, one PDL wait, a TMA copy a
 box of each row block. `gpu` tests (H200): the output, the new residual (exact), the conv window (exact: the same
-GEMV rows) and the fp32 state over consecutive steps against the two ops, with the slot inside a larger pool; in a
-CUDA graph.
+GEMV rows) and the fp32 state over consecutive steps against the two ops, in clusters of 8 and of 4, with the slot
+inside a larger pool; in a CUDA graph.
 """
 import json
 
@@ -27,17 +27,18 @@ SHAPES = [(1024, 16, 16), (2048, 16, 16), (4096, 16, 32)]  # hidden, Hk, Hv: 0.8
 EPS = 1e-6
 
 
-@pytest.mark.parametrize("hk, hv", [(16, 16), (16, 32), (4, 16), (1, 1)])
-def test_ctas_take_every_row_once(hk, hv):
-    cfg = F.InProjGdnConfig(2048, hk, hv)
+@pytest.mark.parametrize("hk, hv, cluster", [(16, 16, 8), (16, 32, 8), (4, 16, 8), (1, 1, 8), (16, 16, 4),
+                                             (16, 32, 4), (3, 3, 4)])
+def test_ctas_take_every_row_once(hk, hv, cluster):
+    cfg = F.InProjGdnConfig(2048, hk, hv, cluster=cluster).validate()
     rows, channels, ab_rows = [], [], []
     for head in range(hk):
-        for rank in range(F.CLUSTER):
+        for rank in range(cluster):
             blocks = [F.row_block(cfg, b, head, rank) for b in range(cfg.blocks)]
-            rows += [block * F.SLICE + r for block in blocks for r in range(F.SLICE)]
+            rows += [block * F.BLOCK_ROWS + r for block in blocks for r in range(F.BLOCK_ROWS)]
             for tidx in range(cfg.own_channels):  # a thread's channel is the row it reads from its projection
                 channel = F.own_channel(cfg, tidx, head, rank)
-                assert channel == blocks[tidx // F.SLICE] * F.SLICE + tidx % F.SLICE, (head, rank, tidx)
+                assert channel == blocks[tidx // F.BLOCK_ROWS] * F.BLOCK_ROWS + tidx % F.BLOCK_ROWS, (head, rank, tidx)
                 channels.append(channel)
             if rank < 2 * cfg.group:
                 ab_rows.append(F.ab_weight_row(cfg, rank, head))
@@ -45,11 +46,13 @@ def test_ctas_take_every_row_once(hk, hv):
     assert sorted(rows) == list(range(first_ab))  # q | k | v | z, each row once
     assert sorted(channels) == list(range(cfg.conv_channels))
     assert sorted(ab_rows) == list(range(first_ab, first_ab + 2 * hv))
-    assert F.ab_weight_row(cfg, F.CLUSTER - 1, hk - 1) < first_ab + 2 * hv  # unused ranks stay in the weight
+    assert F.ab_weight_row(cfg, cluster - 1, hk - 1) < first_ab + 2 * hv  # unused ranks stay in the weight
 
 
 @pytest.mark.parametrize("fields, match", [(dict(head_dim=64), "head_dim"), (dict(num_v_heads=48), "num_v_heads"),
-                                           (dict(num_v_heads=24), "num_v_heads"), (dict(conv_taps=1), "conv_taps")])
+                                           (dict(num_v_heads=24), "num_v_heads"), (dict(conv_taps=1), "conv_taps"),
+                                           (dict(cluster=2), "cluster"),
+                                           (dict(num_v_heads=64, cluster=4), "num_v_heads")])
 def test_config_errors_name_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
         F.InProjGdnConfig(**{**dict(hidden=2048, num_k_heads=16, num_v_heads=16), **fields}).validate()
@@ -111,10 +114,22 @@ def test_available_only_where_every_cluster_is_resident(monkeypatch, resident):
     # decides: 16 key heads need 16 at once, else the two ops run (a second wave would double the kernel's time)
     monkeypatch.setattr(tma_gemv, "available", lambda *a, **kw: True)
     asked = []
-    monkeypatch.setattr(F, "resident_clusters", lambda device: asked.append(device) or resident)
+    monkeypatch.setattr(F, "resident_clusters", lambda device, cluster: asked.append((device, cluster)) or resident)
     a = _layer(256, 16, 16, "cpu")
     assert F.available(a["x"], a["in_w"], _available_tensors(a, torch.tensor([3])), 16) is (resident == 16)
-    assert asked == [0]
+    assert asked == [(0, 8)]
+
+
+@pytest.mark.parametrize("clusters, group, resident, chosen", [
+    ((8,), 1, {8: 15, 4: 33}, 0),  # 2B's 16 key heads on session 22's H200: refused
+    ((8, 4), 1, {8: 15, 4: 33}, 4),  # clusters of 4 fit
+    ((8, 4), 1, {8: 16, 4: 33}, 8),  # the first that fits
+    ((8, 4), 4, {8: 15, 4: 33}, 0),  # G = 4 needs 8 ranks for its b and a rows
+    ((4,), 2, {8: 0, 4: 16}, 4)])
+def test_the_first_cluster_size_that_fits(monkeypatch, clusters, group, resident, chosen):
+    monkeypatch.setattr(F, "CLUSTERS", clusters)
+    monkeypatch.setattr(F, "resident_clusters", lambda device, cluster: resident[cluster])
+    assert F.fitting_cluster(16, group, 0) == chosen
 
 
 def _available_tensors(a, state_slots):
@@ -133,9 +148,11 @@ SM90_COMPILE = """
 import json, sys
 from kernels.in_proj_gdn import InProjGdnConfig, compile_config
 from tests.sm90_compile import parity_resets_in_loops, ptx_counts
-for hidden, hk, hv, add, warm in json.loads(sys.argv[1]):
-    ptx = compile_config(InProjGdnConfig(hidden, hk, hv, add=add, warm=warm), keep_ptx=True).__ptx__
-    print(json.dumps({"group": hv // hk, "warm": warm, "resets": parity_resets_in_loops(ptx), **ptx_counts(ptx, {
+for hidden, hk, hv, add, warm, cluster in json.loads(sys.argv[1]):
+    cfg = InProjGdnConfig(hidden, hk, hv, add=add, warm=warm, cluster=cluster)
+    ptx = compile_config(cfg, keep_ptx=True).__ptx__
+    print(json.dumps({"blocks": cfg.blocks, "cluster": cluster, "warm": warm, "resets": parity_resets_in_loops(ptx),
+                      **ptx_counts(ptx, {
         "cluster_arrive": "barrier.cluster.arrive", "cluster_wait": "barrier.cluster.wait",
         "l2_prefetch": "cp.async.bulk.prefetch.L2.global", "mapa": "mapa.shared::cluster",
         "remote_store": "st.shared::cluster.f32", "pdl_wait": "griddepcontrol.wait",
@@ -146,8 +163,8 @@ for hidden, hk, hv, add, warm in json.loads(sys.argv[1]):
 @needs_dsl
 def test_compiles_for_sm90(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    cases = [(1024, 16, 16, False, False), (2048, 16, 16, True, False), (4096, 16, 32, True, False),
-             (2048, 16, 16, True, True)]
+    cases = [(1024, 16, 16, False, False, 8), (2048, 16, 16, True, False, 8), (4096, 16, 32, True, False, 8),
+             (2048, 16, 16, True, True, 8), (2048, 16, 16, True, False, 4), (4096, 16, 32, True, False, 4)]
     out = compiled_script_output(SM90_COMPILE, json.dumps(cases), timeout=600)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(rows) == len(cases), out
@@ -156,10 +173,10 @@ def test_compiles_for_sm90(monkeypatch):
         # a relaxed arrive at the start (waited by the producer warp and by the consumers), two exchanges (arrive +
         # wait each) after the first wait
         assert row["cluster_arrive"] == 3 and row["cluster_wait"] == 4, row
-        # q / k, b / a and the norm's sums, each pushed to the 8 CTAs
-        assert row["mapa"] == row["remote_store"] == 3 * F.CLUSTER, row
-        # a copy a box of the slot, in each of the CTA's 2 + 2G row blocks (unrolled)
-        assert row["pdl_wait"] == 1 and row["tma"] == (2 + 2 * row["group"]) * tma_gemv.SLOT_ROWS // F.SLICE, row
+        # q / k, b / a and the norm's sums, each pushed to every CTA of the cluster
+        assert row["mapa"] == row["remote_store"] == 3 * row["cluster"], row
+        # a copy a box of the slot, in each of the CTA's (2 + 2G) * slice / 16 row blocks (unrolled)
+        assert row["pdl_wait"] == 1 and row["tma"] == row["blocks"] * tma_gemv.SLOT_ROWS // F.BLOCK_ROWS, row
         assert row["l2_prefetch"] == row["warm"], row  # tma_gemv.WARM_BYTES: one after the producer's last slot
 
 
@@ -168,14 +185,16 @@ def test_compiles_for_sm90(monkeypatch):
 @needs_dsl
 @pytest.mark.parametrize("hidden, hk, hv", SHAPES)
 @pytest.mark.parametrize("add", [True, False])
-def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add):
+@pytest.mark.parametrize("cluster", [8, 4])
+def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add, cluster):
     import kernels.backend  # noqa: F401  (registers the triton backend)
     fused = _layer(hidden, hk, hv, "cuda", seed=hidden + hv, add=add)
     apart = _cloned(fused)
     slot = decode_step(torch.tensor([3], device="cuda"))
     # where fewer clusters fit at once (15 of 8 CTAs on session 22's H200) the kernel runs in two waves: slower, and
     # refused by `available`, but as exact (the clusters share nothing); its outputs are checked either way
-    monkeypatch.setattr(F, "resident_clusters", lambda device_index: hk)
+    monkeypatch.setattr(F, "resident_clusters", lambda device_index, cluster: hk)
+    monkeypatch.setattr(F, "CLUSTERS", (cluster,))
     assert F.available(fused["x"], fused["in_w"], _available_tensors(fused, slot.state_slots), hk)
     with ops.use_backend("triton"):
         for step in range(3):  # the same x each step: the states carry the difference
@@ -186,7 +205,7 @@ def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add):
             ref, ref_s = _run(fresh(apart), slot)
             # in the kernel's order, so that the first failure names the stage: the staged row, the projection rows
             # (the conv windows hold them), the exchange of q / k / b / a and the delta step, then the gated norm
-            what = f"hidden {hidden} Hk {hk} Hv {hv} add={add} step {step}"
+            what = f"hidden {hidden} Hk {hk} Hv {hv} add={add} cluster {cluster} step {step}"
             assert torch.equal(s, ref_s), f"{what}: s = x + residual"
             assert torch.equal(fused["conv_states"], apart["conv_states"]), f"{what}: conv windows (projection rows)"
             err = rel_err(fused["recurrent_states"], apart["recurrent_states"])
@@ -202,7 +221,7 @@ def test_available_only_where_every_cluster_fits():
     args = _layer(2048, 16, 16, "cuda", seed=5)
     slot = decode_step(torch.tensor([1], device="cuda"))
     resident = F.resident_clusters(0)
-    assert 1 <= resident <= torch.cuda.get_device_properties(0).multi_processor_count // F.CLUSTER, resident
+    assert 1 <= resident <= torch.cuda.get_device_properties(0).multi_processor_count // 8, resident
     assert F.available(args["x"], args["in_w"], _available_tensors(args, slot.state_slots), 16) == (resident >= 16)
 
 
@@ -211,7 +230,7 @@ def _fused_2b_layer(monkeypatch, seed, slot):
     layer's arguments on the GPU, a clone of them, and a decode step of state slot `slot`."""
     import kernels.backend  # noqa: F401
     monkeypatch.setattr(F, "FUSED", True)
-    monkeypatch.setattr(F, "resident_clusters", lambda device_index: 16)
+    monkeypatch.setattr(F, "resident_clusters", lambda device_index, cluster: 16)
     args = _layer(2048, 16, 16, "cuda", seed=seed)
     return args, _cloned(args), decode_step(torch.tensor([slot], device="cuda"))
 

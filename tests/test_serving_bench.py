@@ -116,20 +116,24 @@ def test_host_time_ab_takes_several_knobs_in_turn():
 def test_host_time_in_proj_gdn_knob_runs_it_in_waves_and_restores():
     from kernels import in_proj_gdn
     from profiles import host_time
-    fused, clusters = in_proj_gdn.FUSED, in_proj_gdn.resident_clusters
+    saved = in_proj_gdn.FUSED, in_proj_gdn.resident_clusters, in_proj_gdn.CLUSTERS
+    clusters = saved[1]
     variants, restore = host_time.in_proj_gdn_setters()
-    assert list(variants) == ["off", "on", "waves"]
+    assert list(variants) == ["off", "on", "waves", "c4"]
     try:
         variants["on"]()
         assert in_proj_gdn.FUSED and in_proj_gdn.resident_clusters is clusters  # available counts the clusters
+        assert in_proj_gdn.CLUSTERS == (8,)
         variants["waves"]()
         assert in_proj_gdn.FUSED and in_proj_gdn.resident_clusters(0) >= 16  # every key head taken, in two waves
+        variants["c4"]()
+        assert in_proj_gdn.FUSED and in_proj_gdn.CLUSTERS == (4,) and in_proj_gdn.resident_clusters is clusters
         variants["off"]()
         assert not in_proj_gdn.FUSED and in_proj_gdn.resident_clusters is clusters
         variants["waves"]()
     finally:
         restore()
-    assert (in_proj_gdn.FUSED, in_proj_gdn.resident_clusters) == (fused, clusters)
+    assert (in_proj_gdn.FUSED, in_proj_gdn.resident_clusters, in_proj_gdn.CLUSTERS) == saved
 
 
 def test_host_time_skip_knob_passes_the_mixers_through_and_restores_them():
