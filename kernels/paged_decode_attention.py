@@ -829,9 +829,10 @@ def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
 
 
 # Whether prep_paged_attention runs attention_prep inside the split kernel at decode (one token per sequence): one
-# launch and one dependent boundary fewer in each attention layer. Off until timed on the H200 (`python -m
-# profiles.host_time --model M --decode 1 --ab prep_split`); interpreter-tested against the two kernels. Predicted:
-# ~2 us a boundary under PDL, less the split programs' own prep (two dependent loads): ~10 us a 2B / 0.8B step.
+# launch and one dependent boundary fewer in each attention layer; interpreter-tested against the two kernels.
+# Predicted: ~2 us a boundary under PDL, less the split programs' own prep (two dependent loads): ~10 us a 2B / 0.8B
+# step. Measured, off: slower (H200, session 23, `python -m profiles.host_time --model M --decode 1 --ab
+# prep_split`): 2B 1.29 ms against 1.27, 0.8B 0.784-0.793 against 0.775: every split program repeats the prep.
 FUSED_PREP = False
 
 

@@ -55,17 +55,19 @@ BOUNDARY_BYTES = 80 * 1024
 # ... and, while paused there, asks L2 for this many bytes of its next slots of that GEMV (TMA prefetches: no shared
 # memory, no barrier), so that DRAM streams them during the sync instead of idling while the CTAs that arrived first
 # wait for the last (arrival spread 3.5-4 us at 2B, host_time.json 'chain_boundaries_session18'); after the sync
-# those slots' loads hit L2. Off until timed (`python -m profiles.bench_decode --sweep-chain M`, `python -m
-# profiles.host_time --model M --decode 1 --ab tma_prefetch`): a prefetch may lengthen the sync's fence as ring
-# loads did. Predicted: up to ~1 us of each sync's 2.5-3 us, 2 syncs x 24 layers, ~0.03-0.05 ms off a 2B step.
+# those slots' loads hit L2. Predicted: up to ~1 us of each sync's 2.5-3 us, 2 syncs x 24 layers, ~0.03-0.05 ms off a
+# 2B step. Measured, off: it lengthens the step (H200, session 23, `python -m profiles.host_time --model M --decode 1
+# --ab tma_prefetch`): 2B 1.34-1.35 ms at 128 KiB and 1.36-1.37 at 256 against 1.27, 0.8B 0.778-0.788 against 0.775
+# (host_time.json 'decode_knobs_session23'), as ring loads lengthened the sync's fence.
 PREFETCH_BYTES = 0
 # When the launches of a decode step are known (set_launch_order), each launch's producer, once it has issued its
 # last ring slot, asks L2 for the first WARM_BYTES of the next launch's first weight (cp.async.bulk.prefetch.L2, a
 # share a CTA), so that DRAM goes on streaming while this launch's ring drains, its CTAs exit and the next one starts
 # and waits on PDL: those first bytes are exactly what the next launch's rings load first (CTA b's first blocks are
-# b and b + grid). Off until timed (`python -m profiles.host_time --model M --decode 1 --ab tma_warm`). Predicted:
-# a boundary leaves DRAM idle ~1.5-2.5 us (the chain's "apart" probe: 3 launches 23.9 us a 2B layer against 19.2
-# for one GEMV of the same bytes); warming hides part of it at ~50 boundaries a 2B step, up to ~0.05-0.1 ms.
+# b and b + grid). Predicted: a boundary leaves DRAM idle ~1.5-2.5 us (the chain's "apart" probe: 3 launches 23.9 us
+# a 2B layer against 19.2 for one GEMV of the same bytes); warming hides part of it at ~50 boundaries a 2B step, up
+# to ~0.05-0.1 ms. Measured, off: it lengthens the step (H200, session 23, `python -m profiles.host_time --model M
+# --decode 1 --ab tma_warm`): 2B 1.30 ms at 8 MiB and 1.32 at 16 against 1.27-1.28, 0.8B 0.787-0.807 against 0.775.
 WARM_BYTES = 0
 MAX_BULK_PREFETCH = 0xFFFF * 16  # sm_90 encodes a bulk prefetch's size in 16-byte units in 16 bits (ptxas truncates)
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
