@@ -832,7 +832,7 @@ def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
 # launch and one dependent boundary fewer in each attention layer; interpreter-tested against the two kernels.
 # Predicted: ~2 us a boundary under PDL, less the split programs' own prep (two dependent loads): ~10 us a 2B / 0.8B
 # step. Measured, off: slower (H200, session 23, `python -m profiles.host_time --model M --decode 1 --ab
-# prep_split`): 2B 1.29 ms against 1.27, 0.8B 0.784-0.793 against 0.775: every split program repeats the prep.
+# prep_split`): 2B 1.29 ms against 1.27, 0.8B 0.784-0.793 against 0.775 (why is not measured).
 FUSED_PREP = False
 
 
