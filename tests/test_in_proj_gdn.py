@@ -1,12 +1,13 @@
 """The one-launch GDN first stretch (kernels/in_proj_gdn.py) against its two ops (ops.in_proj_gated_deltanet_by_ops).
 
 CPU: who computes what (every in-projection row, conv channel and b / a row is taken by exactly one CTA of one
-cluster, and each CTA's conv channels are the rows it projected), the config's errors, the routing (off the GPU,
-and with FUSED off, the op is its two ops), the choice of cluster size, and a compile for sm_90a of the 0.8B (first
-layer: no residual), 2B and 9B shapes in clusters of 8, and of 2B and 9B in clusters of 4 (one subprocess), checking the PTX: the cluster barriers, the DSMEM stores, one PDL wait, a TMA copy a
-box of each row block. `gpu` tests (H200): the output, the new residual (exact), the conv window (exact: the same
-GEMV rows) and the fp32 state over consecutive steps against the two ops, in clusters of 8 and of 4, with the slot
-inside a larger pool; in a CUDA graph.
+cluster, and each CTA's conv channels are the rows it projected), the config's errors, the routing (off the GPU, and
+with FUSED off, the op is its two ops), the choice of cluster size, and a compile for sm_90a of the 0.8B (first
+layer: no residual), 2B and 9B shapes in clusters of 8, and of 2B and 9B in clusters of 4 (one subprocess), checking
+the PTX: the cluster barriers, the DSMEM stores, one PDL wait, a TMA copy a box of each row block. `gpu` tests
+(H200): the output, the new residual (exact), the conv window (exact: the same GEMV rows) and the fp32 state over
+consecutive steps against the two ops, in clusters of 8 and of 4, with the slot inside a larger pool; in a CUDA
+graph.
 """
 import json
 
