@@ -50,6 +50,31 @@ def test_ctas_take_every_row_once(hk, hv, cluster):
     assert F.ab_weight_row(cfg, cluster - 1, hk - 1) < first_ab + 2 * hv  # unused ranks stay in the weight
 
 
+@pytest.mark.parametrize("hk, hv, cluster", [(16, 16, 8), (16, 32, 8), (16, 64, 8), (16, 16, 4), (16, 32, 4),
+                                             (3, 6, 4)])
+def test_the_delta_step_reads_its_heads_rows(hk, hv, cluster):
+    # what the kernel's delta step reads, by position in the CTA's shared memory, is the math's q, k (key head h,
+    # all dk, pushed by every rank), and v, z of value head h * G + j at the CTA's dv columns
+    cfg = F.InProjGdnConfig(2048, hk, hv, cluster=cluster).validate()
+    d, sl = cfg.head_dim, cfg.slice
+
+    def proj_row(i, head, rank):  # the in-projection row of sProj[i]
+        return F.row_block(cfg, i // F.BLOCK_ROWS, head, rank) * F.BLOCK_ROWS + i % F.BLOCK_ROWS
+    for head in range(hk):
+        qk = {}  # sQK position -> the channel pushed there
+        for rank in range(cluster):
+            for t in range(2 * sl):  # sQK[(t // slice) * dk + rank * slice + t % slice] = silu(conv) of channel t
+                qk[(t // sl) * d + rank * sl + t % sl] = F.own_channel(cfg, t, head, rank)
+            for col in range(cfg.group * sl):
+                j, c = divmod(col, sl)
+                vhead, dv_col = head * cfg.group + j, rank * sl + c
+                v = F.own_channel(cfg, (2 + j) * sl + c, head, rank)  # sConv[(2 + j) * slice + col % slice]
+                assert v == (2 * hk + vhead) * d + dv_col, (head, rank, col)
+                z = proj_row((2 + cfg.group + j) * sl + c, head, rank)  # sProj[(2 + G + j) * slice + col % slice]
+                assert z == cfg.conv_channels + vhead * d + dv_col, (head, rank, col)
+        assert qk == {piece * d + i: (piece * hk + head) * d + i for piece in (0, 1) for i in range(d)}
+
+
 @pytest.mark.parametrize("fields, match", [(dict(head_dim=64), "head_dim"), (dict(num_v_heads=48), "num_v_heads"),
                                            (dict(num_v_heads=24), "num_v_heads"), (dict(conv_taps=1), "conv_taps"),
                                            (dict(cluster=2), "cluster"),
@@ -196,6 +221,8 @@ def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add, cluste
     # refused by `available`, but as exact (the clusters share nothing); its outputs are checked either way
     monkeypatch.setattr(F, "resident_clusters", lambda device_index, cluster: hk)
     monkeypatch.setattr(F, "CLUSTERS", (cluster,))
+    compiled, get = [], F._CACHE.get
+    monkeypatch.setattr(F._CACHE, "get", lambda cfg: compiled.append(cfg) or get(cfg))  # no silent fallback
     assert F.available(fused["x"], fused["in_w"], _available_tensors(fused, slot.state_slots), hk)
     with ops.use_backend("triton"):
         for step in range(3):  # the same x each step: the states carry the difference
@@ -213,6 +240,7 @@ def test_matches_its_two_ops_over_steps(monkeypatch, hidden, hk, hv, add, cluste
             assert err < 1e-3, f"{what}: recurrent state (q / k / b / a exchange, delta step): {err:.2e}"
             err = rel_err(out.float(), ref.float())  # conv, norm and state sums in other orders than Triton's
             assert err < 1e-2, f"{what}: output (o, the norm's exchange, z): {err:.2e}"
+            assert [c.cluster for c in compiled] == [cluster] * (step + 1), what  # the kernel ran, in this cluster
 
 
 @pytest.mark.gpu
