@@ -42,6 +42,10 @@ CLUSTER_SIZES = (8, 4)  # CTAs a key head that the kernel is built for
 # 15 clusters of 8 against 2B's 16 key heads, and 33 of 4 (assumed from the GPC layout: not yet asked). Untimed, so
 # only 8 until `python -m profiles.bench_decode --sweep-in-proj-gdn qwen3.5-2b` ('fused_c4') says 4 pays.
 CLUSTERS = (8,)
+# The weight ring of a CTA, by cluster size: clusters of 4 stream the in-projection from half the SMs, so each may
+# need more bytes in flight to keep DRAM busy (Little's law: 64 SMs x 128 KiB over a ~2 us loaded round trip is
+# ~4 TB/s, the edge). `--sweep-in-proj-gdn` times 4 with 192 KiB too ('fused_c4_ring192k'); untimed, both 128 KiB.
+RING_BYTES = {8: tma_gemv.RING_BYTES, 4: tma_gemv.RING_BYTES}
 GROUPS = (1, 2, 4)  # value heads a key head
 
 
@@ -534,9 +538,10 @@ def in_proj_gdn(x, residual, input_norm_w, eps, weight, conv_w, A_log, dt_bias, 
 
     hv, dk = recurrent_states.shape[1:3]
     following, warm_bytes = tma_gemv.warm_target([weight])
+    cluster = fitting_cluster(num_k_heads, hv // num_k_heads, x.device.index or 0)
     cfg = InProjGdnConfig(x.shape[-1], num_k_heads, hv, dk, conv_w.shape[-1], residual is not None,
-                          pdl.enabled(x.device), warm=warm_bytes > 0,
-                          cluster=fitting_cluster(num_k_heads, hv // num_k_heads, x.device.index or 0))
+                          pdl.enabled(x.device), ring_bytes=RING_BYTES.get(cluster, tma_gemv.RING_BYTES),
+                          warm=warm_bytes > 0, cluster=cluster)
     out = torch.empty((1, hv * dk), dtype=x.dtype, device=x.device)
     s = x if residual is None else torch.empty_like(x)
 

@@ -442,15 +442,19 @@ def _time_gdn_stretch(model: str, hk: int, layers: int, resident: int, read_tbps
     nbytes = stack[0]["in_w"].numel() * 2 + 2 * stack[0]["recurrent_states"].numel() * 4
     row = {"model": model, "Hk": hk, "Hv": hv, "waves": math.ceil(hk / resident), "MB": nbytes / 1e6,
            "bound_us": nbytes / read_tbps / 1e6}
-    for name, fused, clusters in (("two_ops", False, (8,)), ("fused", True, (8,)), ("fused_c4", True, (4,))):
-        F.FUSED, F.CLUSTERS = fused, clusters
+    ring = F.RING_BYTES[4]
+    variants = [("two_ops", False, (8,), ring), ("fused", True, (8,), ring), ("fused_c4", True, (4,), ring),
+                ("fused_c4_ring192k", True, (4,), 192 << 10)]  # name, FUSED, CLUSTERS, RING_BYTES[4]
+    for name, fused, clusters, c4_ring in variants:
+        F.FUSED, F.CLUSTERS, F.RING_BYTES[4] = fused, clusters, c4_ring
         ours()  # compiles outside the graph
         row[f"{name}_us"] = bench_us(ours, graph=True) / layers
+    F.RING_BYTES[4] = ring
     peers()
     row["peers_us"] = bench_us(peers, graph=True) / layers
     row["fused_over_two_ops"] = row["fused_us"] / row["two_ops_us"]
     row["fused_c4_over_two_ops"] = row["fused_c4_us"] / row["two_ops_us"]
-    row["fused_vs_peers"] = row["peers_us"] / min(row["fused_us"], row["fused_c4_us"])
+    row["fused_vs_peers"] = row["peers_us"] / min(row["fused_us"], row["fused_c4_us"], row["fused_c4_ring192k_us"])
     return row
 
 
@@ -460,20 +464,21 @@ def sweep_in_proj_gdn(model: str, layers: int = 18) -> list[dict]:
     head count of IN_PROJ_GDN_HEADS: "two_ops" (kernels.tma_gemv's normed GEMV, then kernels.gdn_decode), "fused"
     (kernels.in_proj_gdn's one launch in clusters of 8, here let run in waves where the device holds fewer clusters
     than there are key heads, which in_proj_gdn.available refuses: the second wave's cost is what this measures) and
-    "fused_c4" (clusters of 4: half the CTAs, each streaming twice the rows). Peers: the
+    "fused_c4" (clusters of 4: half the CTAs, each streaming twice the rows; "fused_c4_ring192k": with a 192 KiB
+    ring, in_proj_gdn.RING_BYTES). Peers: the
     stretch's two main parts, cuBLAS's in-projection (torch's linear, no norm) then fla's fused recurrent step (no
     conv, no gated norm). bound: the weight and the fp32 state (read and written) at the read ceiling."""
     from kernels import in_proj_gdn as F
     from model import ops
     read_tbps = bandwidth_ceilings()["read_TBps"]
     resident = F.resident_clusters(torch.cuda.current_device())
-    saved = F.FUSED, F.resident_clusters, F.CLUSTERS
+    saved = F.FUSED, F.resident_clusters, F.CLUSTERS, dict(F.RING_BYTES)
     F.resident_clusters = lambda device_index, cluster=8: 1 << 30  # waves allowed
     try:
         with ops.use_backend("triton"):
             return [progress(_time_gdn_stretch(model, hk, layers, resident, read_tbps)) for hk in IN_PROJ_GDN_HEADS]
     finally:
-        F.FUSED, F.resident_clusters, F.CLUSTERS = saved
+        F.FUSED, F.resident_clusters, F.CLUSTERS, F.RING_BYTES = saved
 
 
 # ---- plot and main ------------------------------------------------------------------------------------
@@ -521,7 +526,8 @@ def main(argv=None):
     if args.sweep_in_proj_gdn:
         rows = [r for model in args.sweep_in_proj_gdn for r in sweep_in_proj_gdn(model)]
         print_table(rows, ["model", "Hk", "Hv", "waves", "MB", "bound_us", "two_ops_us", "fused_us", "fused_c4_us",
-                           "peers_us", "fused_over_two_ops", "fused_c4_over_two_ops", "fused_vs_peers"])
+                           "fused_c4_ring192k_us", "peers_us", "fused_over_two_ops", "fused_c4_over_two_ops",
+                           "fused_vs_peers"])
         print(f"wrote {write_result('decode_in_proj_gdn_sweep', {'env': environment(), 'sweep': rows}, args.out)}")
         return
     if args.sweep_chain:

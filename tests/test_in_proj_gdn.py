@@ -174,8 +174,8 @@ SM90_COMPILE = """
 import json, sys
 from kernels.in_proj_gdn import InProjGdnConfig, compile_config
 from tests.sm90_compile import parity_resets_in_loops, ptx_counts
-for hidden, hk, hv, add, warm, cluster in json.loads(sys.argv[1]):
-    cfg = InProjGdnConfig(hidden, hk, hv, add=add, warm=warm, cluster=cluster)
+for hidden, hk, hv, add, warm, cluster, ring_kib in json.loads(sys.argv[1]):
+    cfg = InProjGdnConfig(hidden, hk, hv, add=add, warm=warm, cluster=cluster, ring_bytes=ring_kib * 1024)
     ptx = compile_config(cfg, keep_ptx=True).__ptx__
     print(json.dumps({"blocks": cfg.blocks, "cluster": cluster, "warm": warm, "resets": parity_resets_in_loops(ptx),
                       **ptx_counts(ptx, {
@@ -189,8 +189,9 @@ for hidden, hk, hv, add, warm, cluster in json.loads(sys.argv[1]):
 @needs_dsl
 def test_compiles_for_sm90(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    cases = [(1024, 16, 16, False, False, 8), (2048, 16, 16, True, False, 8), (4096, 16, 32, True, False, 8),
-             (2048, 16, 16, True, True, 8), (2048, 16, 16, True, False, 4), (4096, 16, 32, True, False, 4)]
+    cases = [(1024, 16, 16, False, False, 8, 128), (2048, 16, 16, True, False, 8, 128),
+             (4096, 16, 32, True, False, 8, 128), (2048, 16, 16, True, True, 8, 128),
+             (2048, 16, 16, True, False, 4, 128), (4096, 16, 32, True, False, 4, 192)]  # in_proj_gdn.RING_BYTES
     out = compiled_script_output(SM90_COMPILE, json.dumps(cases), timeout=600)
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(rows) == len(cases), out
