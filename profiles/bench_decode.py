@@ -418,8 +418,8 @@ def _gdn_stretch_layer(hidden: int, hk: int, hv: int, d: int = 128, taps: int = 
                 num_k_heads=hk)
 
 
-def _time_gdn_stretch(model: str, hk: int, layers: int, resident: int, read_tbps: float) -> dict:
-    """sweep_in_proj_gdn's row for `hk` key heads (in_proj_gdn's FUSED and resident_clusters set by the caller)."""
+def _time_gdn_stretch(model: str, hk: int, layers: int, knob: dict, read_tbps: float) -> dict:
+    """sweep_in_proj_gdn's row for `hk` key heads; knob: host_time's in_proj_gdn variants ({name: apply it})."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     from kernels import in_proj_gdn as F
@@ -440,16 +440,20 @@ def _time_gdn_stretch(model: str, hk: int, layers: int, resident: int, read_tbps
             fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=a["recurrent_states"],
                                              output_final_state=True, use_qk_l2norm_in_kernel=True)
     nbytes = stack[0]["in_w"].numel() * 2 + 2 * stack[0]["recurrent_states"].numel() * 4
-    row = {"model": model, "Hk": hk, "Hv": hv, "waves": math.ceil(hk / resident), "MB": nbytes / 1e6,
-           "bound_us": nbytes / read_tbps / 1e6}
+    device = torch.cuda.current_device()
+    row = {"model": model, "Hk": hk, "Hv": hv, "waves": math.ceil(hk / F.resident_clusters(device, 8)),
+           "c4_fits": F.resident_clusters(device, 4) >= hk, "MB": nbytes / 1e6, "bound_us": nbytes / read_tbps / 1e6}
     ring = F.RING_BYTES[4]
-    variants = [("two_ops", False, (8,), ring), ("fused", True, (8,), ring), ("fused_c4", True, (4,), ring),
-                ("fused_c4_ring192k", True, (4,), 192 << 10)]  # name, FUSED, CLUSTERS, RING_BYTES[4]
-    for name, fused, clusters, c4_ring in variants:
-        F.FUSED, F.CLUSTERS, F.RING_BYTES[4] = fused, clusters, c4_ring
-        ours()  # compiles outside the graph
-        row[f"{name}_us"] = bench_us(ours, graph=True) / layers
-    F.RING_BYTES[4] = ring
+    # name, host_time's variant, clusters of 4's ring
+    try:
+        for name, variant, c4_ring in (("two_ops", "off", ring), ("fused", "waves", ring), ("fused_c4", "c4", ring),
+                                       ("fused_c4_ring192k", "c4", 192 << 10)):
+            knob[variant]()
+            F.RING_BYTES[4] = c4_ring
+            ours()  # compiles outside the graph
+            row[f"{name}_us"] = bench_us(ours, graph=True) / layers
+    finally:
+        F.RING_BYTES[4] = ring
     peers()
     row["peers_us"] = bench_us(peers, graph=True) / layers
     row["fused_over_two_ops"] = row["fused_us"] / row["two_ops_us"]
@@ -461,24 +465,23 @@ def _time_gdn_stretch(model: str, hk: int, layers: int, resident: int, read_tbps
 def sweep_in_proj_gdn(model: str, layers: int = 18) -> list[dict]:
     """A GDN layer's first stretch at one row (residual add + RMSNorm, the in-projection, the gated delta step) over
     `layers` layers' own weights and states in a CUDA graph, us a layer, at MODEL's hidden size and group for each key
-    head count of IN_PROJ_GDN_HEADS: "two_ops" (kernels.tma_gemv's normed GEMV, then kernels.gdn_decode), "fused"
-    (kernels.in_proj_gdn's one launch in clusters of 8, here let run in waves where the device holds fewer clusters
-    than there are key heads, which in_proj_gdn.available refuses: the second wave's cost is what this measures) and
-    "fused_c4" (clusters of 4: half the CTAs, each streaming twice the rows; "fused_c4_ring192k": with a 192 KiB
-    ring, in_proj_gdn.RING_BYTES). Peers: the
-    stretch's two main parts, cuBLAS's in-projection (torch's linear, no norm) then fla's fused recurrent step (no
-    conv, no gated norm). bound: the weight and the fp32 state (read and written) at the read ceiling."""
-    from kernels import in_proj_gdn as F
+    head count of IN_PROJ_GDN_HEADS, in host_time's in_proj_gdn variants: "two_ops" ('off': kernels.tma_gemv's normed
+    GEMV, then kernels.gdn_decode), "fused" ('waves': kernels.in_proj_gdn's one launch in clusters of 8, in waves
+    where the device holds fewer clusters than there are key heads, which in_proj_gdn.available refuses: the second
+    wave's cost is what this measures) and "fused_c4" ('c4': clusters of 4, half the CTAs, each streaming twice the
+    rows; the two ops where they do not fit at once, c4_fits), also with a 192 KiB ring ("fused_c4_ring192k",
+    in_proj_gdn.RING_BYTES). Peers: the stretch's two main parts, cuBLAS's in-projection (torch's linear, no norm)
+    then fla's fused recurrent step (no conv, no gated norm). bound: the weight and the fp32 state (read and written)
+    at the read ceiling."""
     from model import ops
+    from profiles.host_time import in_proj_gdn_setters
     read_tbps = bandwidth_ceilings()["read_TBps"]
-    resident = F.resident_clusters(torch.cuda.current_device())
-    saved = F.FUSED, F.resident_clusters, F.CLUSTERS, dict(F.RING_BYTES)
-    F.resident_clusters = lambda device_index, cluster=8: 1 << 30  # waves allowed
+    knob, restore = in_proj_gdn_setters()
     try:
         with ops.use_backend("triton"):
-            return [progress(_time_gdn_stretch(model, hk, layers, resident, read_tbps)) for hk in IN_PROJ_GDN_HEADS]
+            return [progress(_time_gdn_stretch(model, hk, layers, knob, read_tbps)) for hk in IN_PROJ_GDN_HEADS]
     finally:
-        F.FUSED, F.resident_clusters, F.CLUSTERS, F.RING_BYTES = saved
+        restore()
 
 
 # ---- plot and main ------------------------------------------------------------------------------------
@@ -525,9 +528,9 @@ def main(argv=None):
         return
     if args.sweep_in_proj_gdn:
         rows = [r for model in args.sweep_in_proj_gdn for r in sweep_in_proj_gdn(model)]
-        print_table(rows, ["model", "Hk", "Hv", "waves", "MB", "bound_us", "two_ops_us", "fused_us", "fused_c4_us",
-                           "fused_c4_ring192k_us", "peers_us", "fused_over_two_ops", "fused_c4_over_two_ops",
-                           "fused_vs_peers"])
+        print_table(rows, ["model", "Hk", "Hv", "waves", "c4_fits", "MB", "bound_us", "two_ops_us", "fused_us",
+                           "fused_c4_us", "fused_c4_ring192k_us", "peers_us", "fused_over_two_ops",
+                           "fused_c4_over_two_ops", "fused_vs_peers"])
         print(f"wrote {write_result('decode_in_proj_gdn_sweep', {'env': environment(), 'sweep': rows}, args.out)}")
         return
     if args.sweep_chain:
