@@ -59,7 +59,6 @@ class InProjGdnConfig:
     add: bool = True  # a residual is added before the norm (every layer but the first)
     pdl: bool = True
     ring_bytes: int = tma_gemv.RING_BYTES
-    warm: bool = False  # the producer warms L2 with the next launch's weight (tma_gemv.WARM_BYTES)
     cluster: int = 8  # CTAs a key head (CLUSTER_SIZES)
 
     @property
@@ -237,12 +236,10 @@ def _kernel_class():
                      norm_w_ptr: cute.Pointer, s_ptr: cute.Pointer | None, conv_w_ptr: cute.Pointer,
                      a_log_ptr: cute.Pointer, dt_bias_ptr: cute.Pointer, gnorm_w_ptr: cute.Pointer,
                      conv_ptr: cute.Pointer, state_ptr: cute.Pointer, slot_ptr: cute.Pointer, out_ptr: cute.Pointer,
-                     eps: Float32, gdn_eps: Float32, warm_ptr: cute.Pointer | None, warm_bytes: Int32,
-                     stream: cuda.CUstream):
+                     eps: Float32, gdn_eps: Float32, stream: cuda.CUstream):
             """x (1, K), residual and s (1, K) when add, norm_w (K,), the in-projection w (C + Hv dv + 2 Hv, K);
             conv_w (C, taps), A_log, dt_bias (Hv,), gnorm_w (dv,), conv (slots, C, taps - 1) bf16, state (slots, Hv,
-            dk, dv) fp32, slot (1,) int64, out (1, Hv dv) bf16; all contiguous. warm_ptr, warm_bytes: as
-            tma_gemv's (gdn.warm)."""
+            dk, dv) fp32, slot (1,) int64, out (1, Hv dv) bf16; all contiguous."""
             gdn, cfg = self.gdn, self.cfg
             rows = gdn.conv_channels + gdn.num_v_heads * gdn.head_dim + 2 * gdn.num_v_heads
             mW = cute.make_tensor(w_ptr, cute.make_layout((rows, gdn.hidden), stride=(gdn.hidden, 1)))
@@ -279,7 +276,7 @@ def _kernel_class():
             self.shared_storage = SharedStorage
             grid = gdn.num_k_heads * cluster
             self.fused_kernel(tma, mW_tma, mW, mX, mRes, mNormW, mS, mConvW, mALog, mDtBias, mGNormW, conv_ptr,
-                              state_ptr, mSlot, mOut, eps, gdn_eps, warm_ptr, warm_bytes).launch(
+                              state_ptr, mSlot, mOut, eps, gdn_eps).launch(
                 grid=[grid, 1, 1], block=[32 * (consumers + 1), 1, 1], cluster=[cluster, 1, 1], stream=stream,
                 use_pdl=cfg.pdl)
 
@@ -288,7 +285,7 @@ def _kernel_class():
                          mNormW: cute.Tensor, mS: cute.Tensor | None, mConvW: cute.Tensor, mALog: cute.Tensor,
                          mDtBias: cute.Tensor, mGNormW: cute.Tensor, conv_ptr: cute.Pointer,
                          state_ptr: cute.Pointer, mSlot: cute.Tensor, mOut: cute.Tensor, eps: Float32,
-                         gdn_eps: Float32, warm_ptr: cute.Pointer | None, warm_bytes: Int32):
+                         gdn_eps: Float32):
             gdn, cfg = self.gdn, self.cfg
             spec = cfg.inputs[0]
             stages, consumers = cfg.stages, cfg.consumer_warps
@@ -321,8 +318,6 @@ def _kernel_class():
                     for kt in cutlass.range(cfg.width(spec) // (cfg.boxes(spec) * BLOCK_K), unroll=1):
                         self.issue_slot(spec, tma, tWgW, tWsW, ring, state, block, kt)
                         state.advance()
-                if cutlass.const_expr(gdn.warm):
-                    self.warm_next(warm_ptr, warm_bytes, bidx, gdn.num_k_heads * gdn.cluster, lane)
                 # the start's phase waited before the warp exits, as every thread of the cluster does (an exited
                 # thread no longer counts, but CUTLASS never relies on that; review, session 22)
                 cute.arch.cluster_wait()
@@ -519,7 +514,7 @@ def compile_config(cfg: InProjGdnConfig, keep_ptx: bool = False):
     return cute.compile(_kernel_class()(cfg), ptr(), ptr(), ptr() if cfg.add else None, ptr(),
                         ptr() if cfg.add else None, ptr(), ptr(), ptr(), ptr(), ptr(), ptr(cutlass.Float32),
                         ptr(cutlass.Int64), ptr(), cutlass.Float32(1e-6), cutlass.Float32(1e-6),
-                        ptr() if cfg.warm else None, cutlass.Int32(0), make_fake_stream(),
+                        make_fake_stream(),
                         options="--keep-ptx" if keep_ptx else None)
 
 
@@ -537,11 +532,10 @@ def in_proj_gdn(x, residual, input_norm_w, eps, weight, conv_w, A_log, dt_bias, 
     from cutlass.cute.runtime import make_ptr
 
     hv, dk = recurrent_states.shape[1:3]
-    following, warm_bytes = tma_gemv.warm_target([weight])
     cluster = fitting_cluster(num_k_heads, hv // num_k_heads, x.device.index or 0)
     cfg = InProjGdnConfig(x.shape[-1], num_k_heads, hv, dk, conv_w.shape[-1], residual is not None,
                           pdl.enabled(x.device), ring_bytes=RING_BYTES.get(cluster, tma_gemv.RING_BYTES),
-                          warm=warm_bytes > 0, cluster=cluster)
+                          cluster=cluster)
     out = torch.empty((1, hv * dk), dtype=x.dtype, device=x.device)
     s = x if residual is None else torch.empty_like(x)
 
@@ -552,7 +546,7 @@ def in_proj_gdn(x, residual, input_norm_w, eps, weight, conv_w, A_log, dt_bias, 
     args = (ptr(x), ptr(weight), ptr(residual), ptr(input_norm_w), ptr(None if residual is None else s), ptr(conv_w),
             ptr(A_log), ptr(dt_bias), ptr(norm_w), ptr(conv_states), ptr(recurrent_states, cutlass.Float32),
             ptr(state_slots, cutlass.Int64), ptr(out), cutlass.Float32(eps), cutlass.Float32(gdn_eps),
-            ptr(following) if cfg.warm else None, warm_bytes, stream)
+            stream)
     with torch.cuda.device(x.device):
         _CACHE.get(cfg)(*args)
     return out, s

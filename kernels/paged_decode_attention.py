@@ -93,11 +93,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import attention_prep, pdl
-from kernels.attention_prep import norm_rope, rope_coefficients
+from kernels import pdl
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.varlen import sequence_span
-from model import ops
 from reference._checks import check_same_device, check_tensor
 
 MAX_Q_LEN = 2048  # query tokens per sequence the kernel takes (a whole prefill chunk of the engine's default budget)
@@ -123,20 +121,6 @@ class DecodeWorkspace(NamedTuple):
     """Flat fp32 scratch for the splits: o holds N*H*S*D partial outputs, lse N*H*S log-sum-exps."""
     o: torch.Tensor
     lse: torch.Tensor
-
-
-class DecodePrep(NamedTuple):
-    """attention_prep's inputs, for a decode call that runs the prep itself (paged_decode_attention's `prep`): the
-    raw new k, v (N, KV, D), the zero-centred q / k norm weights (D,), the rope's cos, sin (N, R/2) fp32, the new
-    tokens' slot_mapping (N,) (negative: not written) and the norm's eps."""
-    k: torch.Tensor
-    v: torch.Tensor
-    q_norm_w: torch.Tensor
-    k_norm_w: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    slot_mapping: torch.Tensor
-    eps: float
 
 
 class Plan(NamedTuple):
@@ -251,51 +235,17 @@ def _finish(acc, l_i, m_i, token, head, row_ok, d, split, num_splits, num_heads,
         tl.store(ws_o_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], o, mask=(row_ok & seen)[:, None])
 
 
-@triton.jit
-def _prep_rows(q_ptr, q_rows, row_ok, new_k_ptr, new_v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, token, kvh, d,
-               stride_nkn, stride_nkh, stride_nvn, stride_nvh, stride_cos, stride_sin, eps,
-               HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
-    """attention_prep's work for one token's KV head: its q rows (M, D) normed and rotated from the raw ones at
-    q_rows (M,), and the new k (1, D) normed and rotated and v (1, D), all in q's dtype, rounded as the prep kernel
-    rounds them (the same functions)."""
-    io = q_ptr.dtype.element_ty
-    has = tl.max(row_ok.to(tl.int32), 0) > 0  # the sequence has its token (a varlen batch may hold one without)
-    token = tl.where(has, token, 0)  # row 0's addresses stand in (masked) for a sequence without one
-    c, s, partner = rope_coefficients(cos_ptr + token * stride_cos, sin_ptr + token * stride_sin, d, HALF)
-    q_w = 1.0 + tl.load(qw_ptr + d).to(tl.float32)[None, :]
-    q_wp = 1.0 + tl.load(qw_ptr + partner).to(tl.float32)[None, :]
-    x = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    xp = tl.load(q_ptr + q_rows[:, None] + partner[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q = norm_rope(x, xp, q_w, q_wp, c, s, eps, HEAD_DIM, io)
-    k_row = new_k_ptr + token * stride_nkn + kvh * stride_nkh
-    k_w = 1.0 + tl.load(kw_ptr + d).to(tl.float32)[None, :]
-    k_wp = 1.0 + tl.load(kw_ptr + partner).to(tl.float32)[None, :]
-    new_k = norm_rope(tl.load(k_row + d, mask=has, other=0.0).to(tl.float32)[None, :],
-                      tl.load(k_row + partner, mask=has, other=0.0).to(tl.float32)[None, :], k_w, k_wp, c, s, eps,
-                      HEAD_DIM, io)
-    new_v = tl.load(new_v_ptr + token * stride_nvn + kvh * stride_nvh + d, mask=has, other=0.0)[None, :].to(io)
-    return q, new_k, new_v
-
-
 @triton.jit(do_not_specialize=["num_splits", "capacity"])
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, pt_ptr, seqused_ptr, cu_q_ptr, gate_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
     stride_qn, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ptb,
     stride_gn, stride_gh, stride_on, stride_oh,
     qk_scale, num_splits, capacity,
-    new_k_ptr, new_v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, stride_nkn, stride_nkh, stride_nvn, stride_nvh,
-    stride_cos, stride_sin, eps,
     Q_LEN: tl.constexpr, VARLEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREP: tl.constexpr, HALF: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    """PREP (Q_LEN 1): q_ptr holds the raw projections, and the program runs attention_prep's part itself: its q
-    rows normed and rotated, the new token's k (normed, rotated) and v from new_k_ptr / new_v_ptr, which split 0
-    writes into the cache (slot_ptr: the token's slot mapping; negative: no write, and the cache's row is read, as
-    after attention_prep). The split that holds the newest key masks it out of its tiles and folds it in from
-    registers afterwards (_fold_key), so no tile is rebuilt and no program reads a row another may be writing."""
-    pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep (PREP: the projection)
+    pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
     pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -315,24 +265,7 @@ def _split_kernel(
     last_key = seqlen - q_len + qi  # (M,) causal limit, aligned at the end
     d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + qi) * stride_qn + head * stride_qh  # (M,)
-    if PREP:
-        q, new_k, new_v = _prep_rows(q_ptr, q_rows, row_ok, new_k_ptr, new_v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
-                                     q_start, kvh, d, stride_nkn, stride_nkh, stride_nvn, stride_nvh, stride_cos,
-                                     stride_sin, eps, HEAD_DIM, HALF)
-        # negative (or a sequence without a token): no write, and the cache's row is read as any other
-        new_slot = tl.load(slot_ptr + q_start, mask=q_len > 0, other=-1).to(tl.int64)
-        # the new token's key is left out of the tiles (split 0 may still be writing it) and folded in from
-        # registers after them, by the split that holds it
-        new_key = tl.where(new_slot >= 0, seqlen - 1, -1)
-        if split == 0:
-            slot = new_slot
-            if slot >= 0:
-                tl.store(k_ptr + kvh * stride_kh + (slot // PAGE_SIZE) * stride_kp + (slot % PAGE_SIZE) * stride_kt
-                         + d, tl.reshape(new_k, (HEAD_DIM,)))
-                tl.store(v_ptr + kvh * stride_vh + (slot // PAGE_SIZE) * stride_vp + (slot % PAGE_SIZE) * stride_vt
-                         + d, tl.reshape(new_v, (HEAD_DIM,)))
-    else:
-        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)  # (M, D)
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)  # (M, D)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -341,8 +274,6 @@ def _split_kernel(
     for start in range(kv_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # (N,) key positions
         n_ok = n < kv_end
-        if PREP:
-            n_ok = n_ok & (n != new_key)
         page, slot = _pages_of(pt_row, start, n, n_ok, PAGE_SIZE, BLOCK_N)
         k = tl.load(k_ptr + kvh * stride_kh + (page * stride_kp + slot * stride_kt)[:, None] + d[None, :],
                     mask=n_ok[:, None], other=0.0)  # (N, D)
@@ -356,24 +287,9 @@ def _split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    if PREP:
-        m_i, l_i, acc = _fold_key(q, new_k, new_v, m_i, l_i, acc, qk_scale, (new_key >= kv_start) & (new_key < kv_end))
 
     _finish(acc, l_i, m_i, q_start + qi, head, row_ok, d, split, num_splits, num_heads, gate_ptr, out_ptr, ws_o_ptr,
             ws_lse_ptr, stride_gn, stride_gh, stride_on, stride_oh, HEAD_DIM, DIRECT, HAS_GATE)
-
-
-@triton.jit
-def _fold_key(q, k_row, v_row, m_i, l_i, acc, qk_scale, take):
-    """The online softmax of one more key, k_row and v_row (1, D), for every row of q (M, D) when `take`: its score
-    reduced in fp32, its P rounded to v's dtype as the tiles' PV rounds it. Returns (m_i, l_i, acc)."""
-    s = tl.sum(q.to(tl.float32) * k_row.to(tl.float32), 1) * qk_scale  # (M,)
-    s = tl.where(take, s, float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new)
-    acc = acc * alpha[:, None] + p.to(v_row.dtype).to(tl.float32)[:, None] * v_row.to(tl.float32)
-    return m_new, l_i * alpha + p, acc
 
 
 @triton.jit
@@ -610,8 +526,7 @@ def _check_workspace(workspace, rows: int, head_dim: int, device):
 
 def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softmax_scale=None, cu_seqlens_q=None,
                            max_seqlen_q=None, gate=None, num_splits=None, max_seqlen_k=None, out=None,
-                           workspace=None, block_m=None, rescale_threshold=RESCALE_THRESHOLD, split_decode_rows=True,
-                           prep: DecodePrep | None = None):
+                           workspace=None, block_m=None, rescale_threshold=RESCALE_THRESHOLD, split_decode_rows=True):
     """Causal attention of 1..512 new queries per sequence over its paged KV cache (decode steps, speculative
     verification, agent-turn chunks; mixed in one varlen batch).
 
@@ -624,9 +539,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     variant) and rescale_threshold (0: rescale O whenever the max grows; both exact). split_decode_rows: in a
     varlen batch of 2+ sequences on the chunk variant, first run the sequences of at most SHORT_ROWS // group
     tokens (decode rows) in SHORT_ROWS-row tiles, then the rest in the big tiles (one more launch; the same
-    splits and combine). prep (one new token per sequence): q is the raw q projection, and the split kernel runs
-    attention_prep (kernels/attention_prep.py) on it and on prep's k, v itself, writing the new K/V into the pages
-    (one launch fewer). Returns out.
+    splits and combine). Returns out.
     """
     _check_tensors(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, gate, out)
     batch, q_len = _check_shapes(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, gate, out)
@@ -639,12 +552,6 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     group = num_heads // kv_heads
     capacity = page_table.shape[1] * page_size
     tile = plan(q_len, group, head_dim, q.element_size(), block_m)
-    if prep is not None:
-        if q_len != 1 or tile.chunk:
-            raise ValueError(f"prep takes one new token per sequence (the decode variant), got q_len {q_len}")
-        prep_args = (prep.k, prep.v, prep.q_norm_w, prep.k_norm_w, prep.cos, prep.sin, k_pages, v_pages,
-                     prep.slot_mapping)
-        attention_prep.check_args(q.flatten(0, -3), *prep_args, q.flatten(0, -3))
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_seqlen_k or capacity, _num_sms(q.device),
                                        m_blocks=tile.m_blocks, programs_per_sm=tile.programs_per_sm)
@@ -687,23 +594,12 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         _chunk_kernel[(batch * tile.m_blocks, kv_heads, num_splits)](
             *args, q_len, tile.m_blocks, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=q_min, Q_MAX=0, **common)
     else:
-        _split_kernel[(batch, kv_heads, num_splits)](*args, *_prep_args(prep, q3), Q_LEN=q_len, PREP=prep is not None,
-                                                     HALF=1 if prep is None else prep.cos.shape[1], **common)
+        _split_kernel[(batch, kv_heads, num_splits)](*args, Q_LEN=q_len, **common)
     if num_splits > 1 and tile.chunk:
         _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     elif num_splits > 1:
         _combine(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     return out
-
-
-def _prep_args(prep: DecodePrep | None, q3: torch.Tensor) -> tuple:
-    """The split kernel's prep arguments: new k, v, q / k norm weights, cos, sin, slot mapping, the strides of k,
-    v (token, head) and of cos, sin, eps (q3 and zeros stand in without prep)."""
-    if prep is None:
-        return (q3,) * 7 + (0,) * 6 + (0.0,)
-    k, v = prep.k, prep.v
-    return (k, v, prep.q_norm_w, prep.k_norm_w, prep.cos, prep.sin, prep.slot_mapping, k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), prep.cos.stride(0), prep.sin.stride(0), float(prep.eps))
 
 
 def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, launch: dict) -> None:
@@ -733,32 +629,25 @@ def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, launch
 
 
 def compile_variants(num_heads: int, k_pages: torch.Tensor, v_pages: torch.Tensor, width: int,
-                     gated: bool = True, rotary_dim: int = 0) -> int:
+                     gated: bool = True) -> int:
     """Compile every launch variant a server meets, before requests pay for it (seconds each): the decode variant
     (q_len 1..8 is a constant of it) and the chunk variant's M-blocks, each with one split (DIRECT) and several,
-    a mixed step's two launches, both combines at every power-of-two split tile (BLOCK_S 2..MAX_SPLITS), and with
-    FUSED_PREP and the model's rotary_dim, the decode variant that runs the prep (one split and several).
+    a mixed step's two launches, and both combines at every power-of-two split tile (BLOCK_S 2..MAX_SPLITS).
     Runs on a pool's first page with no keys (k_pages, v_pages: a real layer's pools, so strides and alignment
-    match; width: the page tables' width); the prep's calls read one key and write none (slot -1). Returns the
-    number of calls made."""
+    match; width: the page tables' width). Returns the number of calls made."""
     dev, dtype, head_dim, kv_heads = k_pages.device, k_pages.dtype, k_pages.shape[3], k_pages.shape[2]
     group = num_heads // kv_heads
     calls = 0
 
-    def run(q_lens, splits, prep=False):
+    def run(q_lens, splits):
         nonlocal calls
         n = sum(q_lens)
         q = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=dev)
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
         table = torch.zeros(len(q_lens), width, dtype=torch.int32, device=dev)
-        seqused = torch.full((len(q_lens),), int(prep), dtype=torch.int32, device=dev)  # the prep's newest key
-        new_kv = torch.zeros(n, kv_heads, head_dim, dtype=dtype, device=dev)
-        norm_w = torch.zeros(head_dim, dtype=dtype, device=dev)
-        cos_sin = torch.zeros(n, rotary_dim // 2, dtype=torch.float32, device=dev)
-        decode_prep = DecodePrep(new_kv, new_kv, norm_w, norm_w, cos_sin, cos_sin,
-                                 torch.full((n,), -1, dtype=torch.int64, device=dev), 1e-6) if prep else None
+        seqused = torch.zeros(len(q_lens), dtype=torch.int32, device=dev)
         paged_decode_attention(q, k_pages, v_pages, table, seqused, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
-                               gate=q if gated else None, num_splits=splits, prep=decode_prep)
+                               gate=q if gated else None, num_splits=splits)
         calls += 1
 
     firsts = {}  # one q_len per compiled variant: the decode variant's q_len, the chunk variant's M-block
@@ -774,9 +663,6 @@ def compile_variants(num_heads: int, k_pages: torch.Tensor, v_pages: torch.Tenso
     for block_s in range(1, int(math.log2(MAX_SPLITS)) + 1):
         run([1], 2 ** block_s)
         run([max(firsts.values())], 2 ** block_s)
-    if FUSED_PREP and rotary_dim:
-        for splits in (1, 2):
-            run([1], splits, prep=True)
     return calls
 
 
@@ -828,25 +714,6 @@ def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
                                   max_seqlen_k=step.max_seqlen_k)
 
 
-# Whether prep_paged_attention runs attention_prep inside the split kernel at decode (one token per sequence): one
-# launch and one dependent boundary fewer in each attention layer; interpreter-tested against the two kernels.
-# Predicted: ~2 us a boundary under PDL, less the split programs' own prep (two dependent loads): ~10 us a 2B / 0.8B
-# step. Measured, off: slower (H200, session 23, `python -m profiles.host_time --model M --decode 1 --ab
-# prep_split`): 2B 1.29 ms against 1.27, 0.8B 0.784-0.793 against 0.775 (why is not measured).
-FUSED_PREP = False
-
-
-def prep_paged_attention_op(q, k, v, q_norm_w, k_norm_w, step, k_pages, v_pages, eps, scale, gate):
-    """model.ops' prep_paged_attention: with FUSED_PREP, for one new token per sequence, the split kernel runs the
-    prep itself; else attention_prep then paged_attention."""
-    if FUSED_PREP and step.max_seqlen_q == 1:
-        prep = DecodePrep(k, v, q_norm_w, k_norm_w, step.cos, step.sin, step.slot_mapping, eps)
-        return paged_decode_attention(q, k_pages, v_pages, step.page_table, step.seqused_k, softmax_scale=scale,
-                                      cu_seqlens_q=step.cu_seqlens, max_seqlen_q=1, gate=gate,
-                                      max_seqlen_k=step.max_seqlen_k, prep=prep)
-    return ops.prep_paged_attention_by_ops(q, k, v, q_norm_w, k_norm_w, step, k_pages, v_pages, eps, scale, gate)
-
-
 def long_chunk_attention(q, k_pages, v_pages, step, scale, gate):
     """Long prefill chunks (see split_kv_pays): the CuTe-DSL forward (fa4/cute: bf16 d128/d256 on sm_90a, 0.9-1.0x
     flash-attn-4) over the paged prefix where it runs, else fa4's Triton forward; one CTA or program per (query
@@ -867,4 +734,6 @@ def long_chunk_attention(q, k_pages, v_pages, step, scale, gate):
     return o if gate is None else sigmoid_gate_mul(o, gate)
 
 
-OPS = {"paged_attention": paged_attention_op, "prep_paged_attention": prep_paged_attention_op}
+# (Tried and removed in session 24: the decode split kernel running attention_prep itself, one launch fewer an
+# attention layer; the step took 1.29 ms against 1.27 at 2B, host_time.json 'decode_knobs_session23'.)
+OPS = {"paged_attention": paged_attention_op}

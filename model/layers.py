@@ -130,8 +130,8 @@ class GatedAttention(nn.Module):
         q_gate, k, v = qkv.split(list(self.qkv_proj.parts.values()), dim=-1)
         q, gate = q_gate.view(n, self.h, 2 * self.d).chunk(2, dim=-1)
         k, v = k.view(n, self.kv, self.d), v.view(n, self.kv, self.d)
-        o = ops.prep_paged_attention(q, k, v, self.q_norm.weight, self.k_norm.weight, step, k_pages, v_pages,
-                                     self.eps, self.d ** -0.5, gate)  # (N, H, D)
+        q = ops.attention_prep(q, k, v, self.q_norm.weight, self.k_norm.weight, step, k_pages, v_pages, self.eps)
+        o = ops.paged_attention(q, k_pages, v_pages, step, self.d ** -0.5, gate)  # (N, H, D)
         return o.reshape(n, self.h * self.d)
 
     @property

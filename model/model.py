@@ -117,19 +117,6 @@ class Qwen35ForCausalLM(nn.Module):
         return SequenceCache(self.cache_config, batch, max_tokens, page_size=page_size, dtype=p.dtype, device=p.device,
                              shuffle_pages=shuffle_pages, seed=seed)
 
-    def decode_launches(self) -> list[tuple[torch.Tensor, ...]]:
-        """The weights a one-sequence decode step streams, launch by launch, in step order: each layer's
-        in-projection, then its out_proj -> gate_up -> down (one chained launch); lm_head last (for
-        kernels.tma_gemv.set_launch_order). Empty where the step is not such a sequence (MoE, tensor parallel)."""
-        if self.config.is_moe or self.plan.sharded:
-            return []
-        launches = []
-        for layer in self.model.layers:
-            mixer = layer.mixer
-            first = mixer.qkv_proj if layer.layer_type == "full_attention" else mixer.in_proj
-            launches += [(first.weight,), (mixer.out_weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
-        return launches + [(self.lm_head.weight,)]
-
     # ---- forward -----------------------------------------------------------------------------------------
 
     def check_token_ids(self, token_ids: torch.Tensor) -> None:

@@ -147,19 +147,6 @@ def paged_attention(q, k_pages, v_pages, step: StepInput, scale, gate=None):
     return _run("paged_attention", q, k_pages, v_pages, step, scale, gate)
 
 
-def prep_paged_attention(q, k, v, q_norm_w, k_norm_w, step: StepInput, k_pages, v_pages, eps, scale, gate=None):
-    """attention_prep, then paged_attention of its q (gated): (N, H, D). The split kernel runs the prep itself at
-    decode where the kernels take it (kernels/paged_decode_attention.py, FUSED_PREP)."""
-    return _run("prep_paged_attention", q, k, v, q_norm_w, k_norm_w, step, k_pages, v_pages, eps, scale, gate)
-
-
-def prep_paged_attention_by_ops(q, k, v, q_norm_w, k_norm_w, step: StepInput, k_pages, v_pages, eps, scale,
-                                gate=None):
-    """prep_paged_attention as its two ops, each on the active backend."""
-    q = attention_prep(q, k, v, q_norm_w, k_norm_w, step, k_pages, v_pages, eps)
-    return paged_attention(q, k_pages, v_pages, step, scale, gate)
-
-
 def gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
                    step: StepInput, num_k_heads, eps):
     """The GDN mixer between its projections. qkv: (N, C); z: (N, Hv, dv); b, a: (N, Hv); conv_w: (C, K);
@@ -301,6 +288,5 @@ _BACKENDS["reference"] = {
     "paged_attention": _ref_paged_attention,
     "gated_deltanet": _ref_gated_deltanet,
     "in_proj_gated_deltanet": in_proj_gated_deltanet_by_ops,
-    "prep_paged_attention": prep_paged_attention_by_ops,
     "moe": R.moe,
 }

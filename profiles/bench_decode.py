@@ -342,15 +342,13 @@ def sweep_tma(model: str) -> list[dict]:
 
 
 CHAIN_PAUSES = (0, 64, 80, 96, 112)  # kernels.tma_gemv.BOUNDARY_BYTES values in KiB that --sweep-chain times (0: none)
-CHAIN_PREFETCHES = (128, 256)  # kernels.tma_gemv.PREFETCH_BYTES values in KiB it times at the default pause
 
 
 def sweep_chain(model: str, layers: int = 24) -> list[dict]:
     """A dense layer's tail at one row as kernels.linear.out_proj_mlp runs it, over `layers` layers' own weights (read
     from DRAM) in a CUDA graph, us a layer: the chain (one tma_gemv_chain launch) with the producer paused at each
-    grid sync after each of CHAIN_PAUSES KiB, and at the default pause asking L2 for each of CHAIN_PREFETCHES KiB of
-    its next slots; "apart": its three TMA GEMVs launched one by one (PDL); "flat": one TMA GEMV of the same bytes
-    (N = the three's rows, K = hidden), what the chain would take without its syncs."""
+    grid sync after each of CHAIN_PAUSES KiB; "apart": its three TMA GEMVs launched one by one (PDL); "flat": one
+    TMA GEMV of the same bytes (N = the three's rows, K = hidden), what the chain would take without its syncs."""
     from kernels import tma_gemv as T
     shapes = LINEAR_SHAPES[model]
     (hidden, width), (wide, _), (_, inter) = shapes[1], shapes[4], shapes[5]  # out, gate_up, down
@@ -379,20 +377,17 @@ def sweep_chain(model: str, layers: int = 24) -> list[dict]:
         for w in flat:
             T.tma_gemv(residual, w)  # (1, hidden) @ (rows, hidden)^T
 
-    pause = T.BOUNDARY_BYTES // 1024
-    steps = {**{f"chain_pause{p}": (chain, p, 0) for p in CHAIN_PAUSES},
-             **{f"chain_pause{pause}_prefetch{f}": (chain, pause, f) for f in CHAIN_PREFETCHES if pause},
-             "apart": (apart, 0, 0), "flat": (one_gemv, 0, 0)}
-    rows, defaults = [], (T.BOUNDARY_BYTES, T.PREFETCH_BYTES)
+    steps = {**{f"chain_pause{p}": (chain, p) for p in CHAIN_PAUSES}, "apart": (apart, 0), "flat": (one_gemv, 0)}
+    rows, default = [], T.BOUNDARY_BYTES
     try:
-        for name, (step, pause_kib, prefetch_kib) in steps.items():
-            T.BOUNDARY_BYTES, T.PREFETCH_BYTES = pause_kib * 1024, prefetch_kib * 1024  # read at each call: a
-            step()  # config (and kernel) of their own
+        for name, (step, pause_kib) in steps.items():
+            T.BOUNDARY_BYTES = pause_kib * 1024  # read at each call: a config (and kernel) of its own
+            step()
             us = bench_us(step, graph=True) / layers
             rows.append(progress({"model": model, "variant": name, "MB": nbytes / 1e6, "us_a_layer": us,
                                   "TBps": nbytes / us / 1e6}))
     finally:
-        T.BOUNDARY_BYTES, T.PREFETCH_BYTES = defaults
+        T.BOUNDARY_BYTES = default
     return rows
 
 

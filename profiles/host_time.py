@@ -177,10 +177,9 @@ def prenorm_setters() -> tuple[dict, Callable[[], None]]:
 # fused ops that hold a mixer run as their parts (the in-projection still streams), whatever the fusion flags say
 PASS_THROUGH = {"gated_deltanet": lambda qkv, z, *rest: z, "attention_prep": lambda q, *rest: q,
                 "paged_attention": lambda q, *rest: q,
-                "in_proj_gated_deltanet": ops.in_proj_gated_deltanet_by_ops,
-                "prep_paged_attention": ops.prep_paged_attention_by_ops}
+                "in_proj_gated_deltanet": ops.in_proj_gated_deltanet_by_ops}
 SKIPPED = {"none": (), "gdn": ("gated_deltanet", "in_proj_gated_deltanet"),
-           "attention": ("attention_prep", "paged_attention", "prep_paged_attention"), "both": tuple(PASS_THROUGH)}
+           "attention": ("attention_prep", "paged_attention"), "both": tuple(PASS_THROUGH)}
 
 
 def skip_setters() -> tuple[dict, Callable[[], None]]:
@@ -228,12 +227,9 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "split_k": ("kerne
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
             "in_proj_gdn": in_proj_gdn_setters,
-            "prep_split": ("kernels.paged_decode_attention", "FUSED_PREP", ON_OFF),
             "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),
             "tma_slot": ("kernels.tma_gemv", "SLOT_ROWS", {"16k": 32, "8k": 16}),
             "tma_pause": ("kernels.tma_gemv", "BOUNDARY_BYTES", {"80k": 80 * KIB, "96k": 96 * KIB, "off": 0}),
-            "tma_prefetch": ("kernels.tma_gemv", "PREFETCH_BYTES", {"off": 0, "128k": 128 * KIB, "256k": 256 * KIB}),
-            "tma_warm": ("kernels.tma_gemv", "WARM_BYTES", {"off": 0, "8m": 8 * MIB, "16m": 16 * MIB}),
             # B1 at 16 key heads: dv in 8, 4, 2 or 1 slices a key head (kernels.gdn_decode._dv_splits); more than
             # one slice ends in a release-acquire ticket. H200, 2B step (session 19): 1.27-1.29 ms for all four
             "gdn_programs": ("kernels.gdn_decode", "PROGRAMS_PER_SM", {"2": 2, "0.5": 0.5, "0.25": 0.25, "0": 0}),

@@ -318,7 +318,7 @@ class LLMEngine:
             # the split counts real contexts pick, which short warm-up prompts never reach
             from kernels.paged_decode_attention import compile_variants
             compile_variants(self.model.cache_config.num_attention_heads, self.pools.k_pages[0],
-                             self.pools.v_pages[0], self.runner.width, rotary_dim=self.model.config.rotary_dim)
+                             self.pools.v_pages[0], self.runner.width)
         if ops.backend_table()["gated_deltanet"] == "triton" and self.model.config.linear_attention_layers:
             from kernels import gdn_prefill  # the state pass at each dv split, with and without snapshots
             gdn_prefill.compile_variants(self.model.cache_config.linear_num_key_heads,

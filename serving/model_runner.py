@@ -102,8 +102,6 @@ class ModelRunner:
         if cuda:
             pos = torch.arange(max_model_len, device=dev)
             self.rope = R.rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
-            from kernels import tma_gemv  # each launch may warm L2 with the next one's weights (WARM_BYTES)
-            tma_gemv.set_launch_order(model.decode_launches())
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.prefill_graphs = prefill_graphs
         self.num_graph_steps = self.num_eager_decode_steps = self.num_eager_steps = self.num_graph_prefill_steps = 0

@@ -314,22 +314,18 @@ def test_gpu_fa4_auto_matches_reference():
 
 
 
-@pytest.mark.parametrize("fused_prep", [False, True])
-def test_compile_variants_runs_every_launch_variant(monkeypatch, fused_prep):
+def test_compile_variants_runs_every_launch_variant(monkeypatch):
     """compile_variants (LLMEngine.warm_up on the GPU) calls the kernel once per decode q_len, chunk M-block, with
-    one and two splits, a mixed step, and every power-of-two split count up to MAX_SPLITS; with FUSED_PREP, the
-    decode variant that runs the prep, with one split and two, writing nothing into the pool. Each call runs."""
+    one and two splits, a mixed step, and every power-of-two split count up to MAX_SPLITS, writing nothing into
+    the pool. Each call runs."""
     from kernels import paged_decode_attention as P
-    monkeypatch.setattr(P, "FUSED_PREP", fused_prep)
     calls, kernel = [], P.paged_decode_attention
     monkeypatch.setattr(P, "paged_decode_attention", lambda q, *a, **kw: calls.append(
-        (kw["max_seqlen_q"], kw["num_splits"], kw["prep"] is not None)) or kernel(q, *a, **kw))
+        (kw["max_seqlen_q"], kw["num_splits"])) or kernel(q, *a, **kw))
     pool = torch.randn(2, 16, 2, 64, generator=torch.Generator().manual_seed(3)).to(torch.float16).to(DEV)
     before = pool.clone()
-    n = P.compile_variants(8, pool, pool.clone(), width=5, rotary_dim=16)
+    n = P.compile_variants(8, pool, pool.clone(), width=5)
     assert n == len(calls) and torch.equal(pool, before)
-    plain = [(q, s) for q, s, prep in calls if not prep]
-    assert {(q, s) for q, s in plain if q <= 8} >= {(q, s) for q in range(1, 9) for s in (1, 2)}
-    assert {s for _, s in plain} == {1, 2, 4, 8, 16, 32, 64, 128}
-    assert {P.plan(q, 4, 64, 2).block_m for q, _ in plain if q > 8} == {64, 128}
-    assert [(q, s) for q, s, prep in calls if prep] == ([(1, 1), (1, 2)] if fused_prep else [])
+    assert {(q, s) for q, s in calls if q <= 8} >= {(q, s) for q in range(1, 9) for s in (1, 2)}
+    assert {s for _, s in calls} == {1, 2, 4, 8, 16, 32, 64, 128}
+    assert {P.plan(q, 4, 64, 2).block_m for q, _ in calls if q > 8} == {64, 128}

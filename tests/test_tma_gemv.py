@@ -57,8 +57,7 @@ def test_config_errors_name_the_field(fields, match):
     ((T.GemvInput(64, norm=True), T.GemvInput(64, norm=True)), {}, "at most one"),
     ((T.GemvInput(12),), {}, "k must"), ((T.GemvInput(64, gated=True, norm=True),), {}, "one of plain"),
     ((T.GemvInput(64),), {"ctas_per_sm": 2}, "ctas_per_sm must be 1"),
-    ((T.GemvInput(64),), {"prefetch_slots": 4}, "prefetch_slots must be"),
-    ((T.GemvInput(64),), {"boundary_slots": 5, "prefetch_slots": 65}, "prefetch_slots must be")])
+    ((T.GemvInput(64),), {"boundary_slots": 17}, "boundary_slots must be")])
 def test_chain_config_errors_name_the_field(chain, fields, match):
     with pytest.raises(ValueError, match=match):
         T.TmaGemvConfig(**{**dict(k=64, block_n=16, stages=16, consumer_warps=8, chain=chain), **fields}).validate()
@@ -69,10 +68,9 @@ def test_chain_config_keeps_the_ring_and_the_inputs():
     cfg = T.choose_config(2048, 2048, chain=chain)
     assert cfg.inputs == (T.GemvInput(2048), *chain) and cfg.x_width == 6144
     assert cfg.slot_bytes * cfg.stages == T.RING_BYTES
-    assert cfg.boundary_slots == cfg.prefetch_slots == 0
-    paused = T.choose_config(2048, 2048, chain=chain, boundary_bytes=80 * 1024, prefetch_bytes=128 * 1024)
-    assert (paused.boundary_slots, paused.prefetch_slots) == (5, 8)
-    assert T.choose_config(2048, 2048, chain=chain, prefetch_bytes=128 * 1024).prefetch_slots == 0  # no pause, none
+    assert cfg.boundary_slots == 0
+    assert T.choose_config(2048, 2048, chain=chain, boundary_bytes=80 * 1024).boundary_slots == 5
+    assert T.choose_config(2048, 2048, boundary_bytes=80 * 1024).boundary_slots == 0  # no chain, no pause
 
 
 def test_available_only_for_one_bf16_row_on_a_gpu():
@@ -139,44 +137,6 @@ def test_out_proj_mlp_routes_one_row_to_the_chain(monkeypatch):
     assert len(calls) == 1 and torch.equal(out, ref) and torch.equal(s, ref_s)
 
 
-def test_launch_order_names_each_launchs_successor(monkeypatch):
-    # the registry maps a launch's last weight to the next launch's first (the first again after the last); the
-    # bytes to warm are WARM_BYTES at most, a multiple of 16, and none with WARM_BYTES off or an unknown launch
-    a, b, c, d = (torch.randn(n, 8, dtype=torch.bfloat16) for n in (3, 5, 7, 1))
-    monkeypatch.setattr(T, "_NEXT_WEIGHT", {})
-    T.set_launch_order([(a,), (b, c)])
-    monkeypatch.setattr(T, "WARM_BYTES", 0)
-    assert T.warm_target([a]) == (None, 0)
-    monkeypatch.setattr(T, "WARM_BYTES", 100)
-    nxt, nbytes = T.warm_target([a])
-    assert nxt is b and nbytes == 80  # b is 80 bytes
-    nxt, nbytes = T.warm_target([b, c])
-    assert nxt is a and nbytes == 48  # all of a's 48 bytes
-    assert T.warm_target([b]) == (None, 0) and T.warm_target([d]) == (None, 0)  # not a launch's last weight
-    T.set_launch_order([(d,), (c,)])
-    del d  # the registry holds no weight: a freed one warms nothing
-    assert T.warm_target([c]) == (None, 0) and T.warm_target([a]) == (None, 0)
-    T.set_launch_order([])
-    assert T._NEXT_WEIGHT == {}
-    with pytest.raises(ValueError, match=r"launches\[1\]\[0\] must be contiguous"):
-        T.set_launch_order([(a,), (b.t(), c)])
-
-
-def test_decode_launches_follow_the_step():
-    from model.config import get_preset
-    from model.model import Qwen35ForCausalLM
-    model = Qwen35ForCausalLM(get_preset("tiny"))
-    launches = model.decode_launches()
-    layers = model.model.layers
-    assert len(launches) == 2 * len(layers) + 1 and launches[-1] == (model.lm_head.weight,)
-    for i, layer in enumerate(layers):
-        first = layer.self_attn.qkv_proj if layer.layer_type == "full_attention" else layer.linear_attn.in_proj
-        assert launches[2 * i] == (first.weight,)
-        assert launches[2 * i + 1] == (layer.mixer.out_weight, layer.mlp.gate_up_proj.weight,
-                                       layer.mlp.down_proj.weight)
-    assert Qwen35ForCausalLM(get_preset("tiny-moe")).decode_launches() == []
-
-
 SM90_CHAIN_COMPILE = """
 import json
 from kernels.tma_gemv import BOUNDARY_BYTES, GemvInput, choose_config, compile_config
@@ -185,17 +145,10 @@ chain = (GemvInput(2048, norm=True, add=True), GemvInput(6144, gated=True))
 unpaused = compile_config(choose_config(2048, 2048, chain=chain), keep_ptx=True).__ptx__
 cfg = choose_config(2048, 2048, chain=chain, boundary_bytes=BOUNDARY_BYTES)
 ptx = compile_config(cfg, keep_ptx=True).__ptx__
-fetching = compile_config(choose_config(2048, 2048, chain=chain, boundary_bytes=BOUNDARY_BYTES,
-                                        prefetch_bytes=128 * 1024), keep_ptx=True).__ptx__
-warming = [compile_config(choose_config(2048, 2048, chain=c, boundary_bytes=BOUNDARY_BYTES, warm=True),
-                          keep_ptx=True).__ptx__ for c in (chain, ())]
 print(json.dumps({"tma": ptx.count("cp.async.bulk.tensor."), "wait": ptx.count("griddepcontrol.wait"),
-                  "prefetch": [p.count("cp.async.bulk.prefetch.tensor") for p in (ptx, fetching)],
-                  "fetching_tma": fetching.count("cp.async.bulk.tensor."),
-                  "warm": [p.count("cp.async.bulk.prefetch.L2.global") for p in (ptx, *warming)],
                   "arrive": ptx.count("atom.global.release.add.u64"), "poll": ptx.count("ld.acquire.gpu"),
                   "rsqrt": ptx.count("rsqrt"), "ex2": ptx.count("ex2.approx"),
-                  "resets": [parity_resets_in_loops(p) for p in (unpaused, ptx, fetching, *warming)],
+                  "resets": [parity_resets_in_loops(p) for p in (unpaused, ptx)],
                   "pause": [ptx.count(op) - unpaused.count(op) for op in ("mbarrier.arrive", "mbarrier.try_wait")]}))
 """
 
@@ -258,14 +211,10 @@ def test_chain_compiles_for_sm90(monkeypatch):
     row = json.loads(out.splitlines()[-1])
     assert row["tma"] == 3 * T.SLOT_ROWS // 16 and row["wait"] == 1 and row["arrive"] == row["poll"] == 2, row
     assert row["rsqrt"] == 1 and row["ex2"] > 0, row
-    assert row["resets"] == [0] * 5, row  # each ring state carried across blocks and GEMVs
+    assert row["resets"] == [0] * 2, row  # each ring state carried across blocks and GEMVs
     # BOUNDARY_BYTES: a consumer's arrive a grid sync; the producer's wait in gate_up's loop and after it (for a CTA
     # with too few of its slots to reach the first), and in down's loop
     assert row["pause"] == [2, 3], row
-    # PREFETCH_BYTES (128 KiB: 8 slots of 2 boxes): asked of L2 at the pause in gate_up's loop and in down's
-    assert row["prefetch"] == [0, 2 * 8 * T.SLOT_ROWS // 16] and row["fetching_tma"] == row["tma"], row
-    # WARM_BYTES: one bulk L2 prefetch a CTA after its producer's last slot, chained or not; none without
-    assert row["warm"] == [0, 1, 1], row
 
 
 def _pair(n, k, seed=0, gated=False):
@@ -416,29 +365,6 @@ def test_chain_matches_its_gemvs_and_fp32(monkeypatch, hidden, width, inter, pau
     ref, _ = R.out_proj_mlp(o.float(), residual.float(), out_w.float(), norm_w.float(), 1e-6, gate_up_w.float(),
                             down_w.float())
     assert_rel(out.float(), ref, 2 * TOL, f"chain hidden {hidden} width {width} inter {inter}")
-
-
-@pytest.mark.gpu
-@gpu_sm90
-@needs_dsl
-def test_l2_prefetch_and_warm_change_no_result(monkeypatch):
-    # PREFETCH_BYTES (the next slots at each sync's pause) and WARM_BYTES (the next launch's weight after the last
-    # slot, here a chain -> a plain GEMV -> the chain again) only ask L2 for bytes: the outputs stay bit for bit
-    o, residual, out_w, norm_w, gate_up_w, down_w = _layer_tail(2048, 2048, 6144, seed=5)
-    in_w = (torch.randn(8224, 2048, device="cuda") / 2048 ** 0.5).to(torch.bfloat16)
-    monkeypatch.setattr(T, "_NEXT_WEIGHT", {})
-
-    def step():
-        out, s = _chain(o, residual, out_w, norm_w, gate_up_w, down_w)
-        return out, s, T.tma_gemv(out, in_w)
-
-    plain = step()
-    T.set_launch_order([(in_w,), (out_w, gate_up_w, down_w)])
-    monkeypatch.setattr(T, "PREFETCH_BYTES", 256 * 1024)
-    monkeypatch.setattr(T, "WARM_BYTES", 16 * 2**20)
-    assert T.warm_target([down_w])[1] == 16 * 2**20 and T.warm_target([in_w])[1] == out_w.numel() * 2
-    for _ in range(2):
-        assert all(torch.equal(a, b) for a, b in zip(step(), plain))
 
 
 @pytest.mark.gpu
