@@ -19,7 +19,7 @@ import reference as R
 from fa4 import triton_forward as TF
 from fa4.cute import entry as CE
 from kernels import paged_decode_attention as PD
-from reference._checks import check_cu_seqlens, check_same_device, check_tensor
+from reference._checks import check_cu_seqlens, check_page_table, check_real, check_same_device, check_tensor
 
 BACKENDS = ("auto", "triton", "reference", "cute")
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -32,7 +32,7 @@ def _check_kv(q, k, v):
         raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share head_dim, got {q.shape[-1]} and {k.shape[-1]}")
-    if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2] != 0:
+    if k.shape[-2] == 0 or q.shape[-2] == 0 or q.shape[-2] % k.shape[-2] != 0:
         raise ValueError(f"q heads ({q.shape[-2]}) must be a multiple of kv heads ({k.shape[-2]})")
 
 
@@ -44,6 +44,8 @@ def _check_paged(q, k, page_table, seqused_k, cu_seqlens_q, cu_seqlens_k) -> Non
     check_tensor("k", k, ndim=4)
     check_tensor("page_table", page_table, ndim=2, dtype=INDEX_DTYPES)
     check_tensor("seqused_k", seqused_k, ndim=1, dtype=INDEX_DTYPES)
+    if k.shape[1] == 0:
+        raise ValueError(f"k's pages must hold at least one token, got page_size 0 (k {tuple(k.shape)})")
     batch = page_table.shape[0]
     if seqused_k.shape[0] != batch:
         raise ValueError(f"seqused_k has {seqused_k.shape[0]} entries for a page_table of batch {batch}")
@@ -51,14 +53,7 @@ def _check_paged(q, k, page_table, seqused_k, cu_seqlens_q, cu_seqlens_k) -> Non
         raise ValueError(f"q has batch {q.shape[0]} for a page_table of batch {batch}")
     if cu_seqlens_q is not None and cu_seqlens_q.shape[0] != batch + 1:
         raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries for a page_table of batch {batch}")
-    page_size = k.shape[1]
-    lens = seqused_k.tolist()
-    if any(n < 0 or n > page_table.shape[1] * page_size for n in lens):
-        raise ValueError(f"seqused_k {lens} exceeds the page_table's capacity of {page_table.shape[1] * page_size}")
-    used = [page_table[b, :(n + page_size - 1) // page_size] for b, n in enumerate(lens)]
-    used = torch.cat(used) if used else page_table.new_zeros(0)
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= k.shape[0]):
-        raise ValueError(f"page_table names pages outside the pool of {k.shape[0]}")
+    check_page_table(page_table, seqused_k, k.shape[1], k.shape[0])
 
 
 def _check_inputs(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k, backend):
@@ -66,11 +61,15 @@ def _check_inputs(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, pa
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive number, got {softmax_scale!r}")
+    if softmax_scale is not None:
+        check_real("softmax_scale", softmax_scale, positive=True)
     check_tensor("q", q, ndim=3 if cu_seqlens_q is not None else 4, dtype=TF.DTYPES)
     check_tensor("k", k)
     check_tensor("v", v)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("page_table", page_table),
+                    ("seqused_k", seqused_k)):
+        if t is not None:
+            check_tensor(name, t)
     _check_kv(q, k, v)
     check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, page_table=page_table,
                       seqused_k=seqused_k)
@@ -163,7 +162,7 @@ def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=N
             return PD.paged_decode_attention(q, k, v, _int32(page_table), _int32(seqused_k), softmax_scale=scale,
                                              cu_seqlens_q=_int32(cu_seqlens_q),
                                              max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else None,
-                                             rescale_threshold=rescale_threshold)
+                                             rescale_threshold=rescale_threshold, check_metadata=False)
     if backend in ("auto", "cute"):  # fa4/cute: bf16, d128/d256, sm_90a; asked for by name, it never falls back
         why = CE.cute_unsupported(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                   page_table=page_table, seqused_k=seqused_k)

@@ -19,7 +19,7 @@ import triton.language as tl
 from kernels import pdl
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, check_devices
-from reference._checks import check_tensor
+from reference._checks import check_no_self_overlap, check_real, check_tensor
 
 
 @triton.jit
@@ -128,12 +128,13 @@ def check_args(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot_map
         if p.shape != k_pages.shape or p.shape[2:] != k.shape[1:] or not p.is_contiguous():
             raise ValueError(f"{name} must be contiguous (pages, page_size, {k.shape[1]}, {d}), got "
                              f"{tuple(p.shape)} (k_pages {tuple(k_pages.shape)})")
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtype=(torch.int32, torch.int64))
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtype=(torch.int32, torch.int64), contiguous=True)
     if slot_mapping.shape[0] != n:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {n} tokens")
     check_tensor("out", out, dtype=q.dtype)
     if out.shape != q.shape or out.stride(2) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} with unit inner stride, got {tuple(out.shape)}")
+    check_no_self_overlap("out", out)
     check_devices(q=q, k=k, v=v, q_norm_w=q_norm_w, k_norm_w=k_norm_w, cos=cos, sin=sin, k_pages=k_pages,
                   v_pages=v_pages, slot_mapping=slot_mapping, out=out)
 
@@ -146,6 +147,7 @@ def attention_prep(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot
     if out is None and isinstance(q, torch.Tensor):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     check_args(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot_mapping, out)
+    eps = check_real("eps", eps)
     n, h, d = q.shape
     kv = k.shape[1]
     if n == 0:
@@ -155,7 +157,7 @@ def attention_prep(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot
     _attention_prep_kernel[(n, cdiv(h + kv, heads))](
         q, k, v, q_norm_w, k_norm_w, cos, sin, slot_mapping, out, k_pages, v_pages,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        cos.stride(0), sin.stride(0), float(eps),
+        cos.stride(0), sin.stride(0), eps,
         H=h, KV=kv, D=d, HALF=cos.shape[1], BLOCK_D=block_d, HEADS=heads, num_warps=4, **pdl.launch_options(q.device))
     return out
 

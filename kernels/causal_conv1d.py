@@ -87,10 +87,11 @@ def _window_kernel(x_ptr, state_ptr, slots_ptr, dst_slots_ptr, cu_ptr, lens_ptr,
 
 def _check(x, weight, conv_states, state_slots, cu_seqlens, cu_seqlens_host):
     check_tensor("x", x, ndim=2, dtype=IO_DTYPES)
-    check_tensor("weight", weight, ndim=2, device=x.device)
-    check_tensor("conv_states", conv_states, ndim=3, device=x.device)
-    check_tensor("state_slots", state_slots, ndim=1, dtype=(torch.int32, torch.int64), device=x.device)
-    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtype=(torch.int32, torch.int64), device=x.device)
+    check_tensor("weight", weight, ndim=2, dtype=IO_DTYPES, device=x.device)
+    check_tensor("conv_states", conv_states, ndim=3, dtype=IO_DTYPES, device=x.device)
+    index = dict(ndim=1, dtype=(torch.int32, torch.int64), device=x.device, contiguous=True)
+    check_tensor("state_slots", state_slots, **index)
+    check_tensor("cu_seqlens", cu_seqlens, **index)
     c, k = weight.shape
     if x.shape[1] != c or not weight.is_contiguous():
         raise ValueError(f"weight must be a contiguous ({x.shape[1]}, K) tensor for x's channels, "

@@ -36,7 +36,6 @@ CUDA-graph capturable: no host sync, shapes fixed by the inputs, `out=` reusable
 on the host (that would sync): they must be distinct and in range.
 """
 import functools
-import os
 
 import torch
 import triton
@@ -45,8 +44,9 @@ import triton.language as tl
 from kernels import pdl, split_k
 from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm
 from kernels.host_math import next_power_of_2
+from kernels.norms import triton_runs_on
 from model.ops import _BACKENDS
-from reference._checks import check_tensor
+from reference._checks import check_real, check_tensor
 
 STATE_PER_PROGRAM = 2 * 128 * 128  # fp32 state values one program holds (128 KiB): 8 warps x 128 a thread
 STATE_PER_THREAD = 128
@@ -216,6 +216,8 @@ def _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recur
     check_tensor("conv_w", conv_w, ndim=2)
     (bsz, hv, dv), io = z.shape, (qkv.dtype,)
     slots, dk, kw = recurrent_states.shape[0], recurrent_states.shape[2], conv_w.shape[1]
+    if dk < 1 or dv < 1:
+        raise ValueError(f"recurrent_states and z need head dims dk, dv >= 1, got dk {dk}, dv {dv}")
     if not isinstance(num_k_heads, int) or num_k_heads < 1 or hv % num_k_heads:
         raise ValueError(f"num_k_heads must be a positive int dividing Hv={hv}, got {num_k_heads!r}")
     c = 2 * num_k_heads * dk + hv * dv  # q | k | v channels
@@ -231,7 +233,7 @@ def _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recur
     _expect("norm_w", norm_w, (dv,), (*io, torch.float32))
     _expect("conv_states", conv_states, (slots, c, kw - 1), io, contiguous=True)
     _expect("recurrent_states", recurrent_states, (slots, hv, dk, dv), (torch.float32,), contiguous=True)
-    _expect("state_slots", state_slots, (bsz,), (torch.int32, torch.int64))
+    _expect("state_slots", state_slots, (bsz,), (torch.int32, torch.int64), contiguous=True)
     if out is not None:
         _expect("out", out, (bsz, hv, dv), io, contiguous=True)
     dev = qkv.device
@@ -240,7 +242,7 @@ def _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recur
     if any(t is not None and t.device != dev for t in tensors.values()):
         raise ValueError(f"tensors must share one device, got qkv on {dev} and "
                          f"{ {n: str(t.device) for n, t in tensors.items() if t is not None} }")
-    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(dev):
         raise ValueError(f"qkv must be on a CUDA device (or run with TRITON_INTERPRET=1), got {dev}")
     return bsz, num_k_heads, hv, dk, dv, kw
 
@@ -278,6 +280,7 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     (slots, Hv, dk, dv) fp32, both updated in place at state_slots (B,) int32 or int64. Returns out (B, Hv, dv)."""
     bsz, hk, hv, dk, dv, kw = _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
                                           recurrent_states, state_slots, num_k_heads, out)
+    eps = check_real("eps", eps)
     if out is None:
         out = torch.empty_like(z, memory_format=torch.contiguous_format)
     if bsz == 0:
@@ -289,7 +292,7 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     ws_o, arrivals = _split_workspace(qkv.device, bsz, hk, hv, dv) if ns > 1 else (out, state_slots)
     _gdn_decode_kernel[(hk, bsz, ns)](
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, ws_o, arrivals,
-        qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, float(eps), HK=hk, HV=hv, DK=dk, DV=dv,
+        qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
         K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), NS=ns, GP=next_power_of_2(hv // hk),
         EARLY=STATE_BEFORE_WAIT and g == hv // hk,
         num_warps=max(MIN_WARPS, min(8, g * bk * bv // ns // STATE_PER_THREAD // 32)), **pdl.launch_options(qkv.device))

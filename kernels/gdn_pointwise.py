@@ -16,7 +16,7 @@ import triton.language as tl
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import check_devices
 from kernels.row_buckets import empty_rows
-from reference._checks import check_tensor
+from reference._checks import check_real, check_tensor
 
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch.nn.functional.softplus returns x above it
 L2NORM_EPS = tl.constexpr(1e-6)  # the q / k L2 norms' eps (reference.norms.l2norm's)
@@ -106,6 +106,7 @@ def gated_rms_norm(x, z, weight, eps):
     check_tensor("z", z, ndim=3, dtype=x.dtype)
     check_tensor("weight", weight, ndim=1, dtype=FLOATS)
     check_devices(x=x, z=z, weight=weight)
+    eps = check_real("eps", eps)
     n, h, dv = x.shape
     if z.shape != x.shape or weight.shape != (dv,):
         raise ValueError(f"z {tuple(z.shape)} and weight {tuple(weight.shape)} must match x {tuple(x.shape)}")
@@ -117,6 +118,6 @@ def gated_rms_norm(x, z, weight, eps):
     rows = max(1, TILE // bv)
     if n:
         _gated_norm_kernel[(cdiv(n * h, rows),)](
-            x, z, weight, out, float(eps), n * h, x.stride(0), x.stride(1), z.stride(0), z.stride(1),
+            x, z, weight, out, eps, n * h, x.stride(0), x.stride(1), z.stride(0), z.stride(1),
             out.stride(0), out.stride(1), H=h, DV=dv, BV=bv, ROWS=rows, num_warps=4)
     return out

@@ -64,7 +64,6 @@ A Neumann / doubling product on the diagonal blocks was rejected: 3.1e-4 on corr
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
 distinct and in range (not checked: that would read them on the host).
 """
-import os
 
 import torch
 import triton
@@ -74,9 +73,10 @@ from kernels import gdn_decode
 from kernels.causal_conv1d import causal_conv1d_varlen
 from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm, gated_rms_norm
 from kernels.host_math import cdiv, next_power_of_2
+from kernels.norms import triton_runs_on
 from kernels.row_buckets import empty_rows
 from kernels.varlen import CHUNK, chunk_span, host_ints, token_chunks
-from reference._checks import check_cu_seqlens, check_snapshots, check_tensor
+from reference._checks import check_cu_seqlens, check_real, check_snapshots, check_tensor
 
 SUB = tl.constexpr(16)  # the WY kernel's sub-block: the chunk's T = (I + A)^-1 by 16 x 16 blocks
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -321,8 +321,8 @@ def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_
             if t.shape != (v.shape[1],) or t.stride(0) != 1:
                 raise ValueError(f"{name} must be a contiguous ({v.shape[1]},) tensor, got {tuple(t.shape)}")
     check_tensor("recurrent_states", recurrent_states, ndim=4, dtype=torch.float32)
-    check_tensor("state_slots", state_slots, ndim=1, dtype=(torch.int32, torch.int64))
-    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtype=(torch.int32, torch.int64))
+    check_tensor("state_slots", state_slots, ndim=1, dtype=(torch.int32, torch.int64), contiguous=True)
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtype=(torch.int32, torch.int64), contiguous=True)
     total, hk, dk = q.shape
     _, hv, dv = v.shape
     if k.shape != q.shape or k.dtype != q.dtype:
@@ -351,7 +351,7 @@ def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_
     if any(t is not None and t.device != dev for t in tensors.values()):
         raise ValueError(f"tensors must share one device, got q on {dev} and "
                          f"{ {n: str(t.device) for n, t in tensors.items() if t is not None} }")
-    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(dev):
         raise ValueError(f"q must be on a CUDA device (or run with TRITON_INTERPRET=1), got {dev}")
     return cu
 
@@ -393,10 +393,12 @@ def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlen
         out = empty_rows(v.shape, v.dtype, v.device, row_dims=1)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
-    scale = q.shape[2] ** -0.5 if scale is None else float(scale)
+    scale = q.shape[2] ** -0.5 if scale is None else check_real("scale", scale, positive=True)
     cuts = check_snapshots(cu, snapshot_offsets, snapshot_slots, state_slots)
     chunks, first_chunk = token_chunks(tuple(cu), q.device, cuts)
     cuts_dev = host_ints(cuts, q.device) if cuts else None
+    if not isinstance(use_qk_l2norm, bool):
+        raise ValueError(f"use_qk_l2norm must be a bool, got {use_qk_l2norm!r}")
     common = _constexprs(q, v, k.shape[1], use_qk_l2norm)
     if gate_params is None:
         g, beta = g.contiguous(), beta.contiguous()
@@ -431,6 +433,7 @@ def _check_output_gate(v, out, z, weight, eps):
     if z.shape != v.shape or z.stride(2) != 1 or weight.shape != (dv,) or weight.stride(0) != 1:
         raise ValueError(f"z {tuple(z.shape)} (contiguous rows) and weight {tuple(weight.shape)} must match v "
                          f"{tuple(v.shape)}")
+    check_real("eps", eps)
 
 
 def _constexprs(q, v, hk, use_qk_l2norm) -> dict:

@@ -31,7 +31,7 @@ from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
 from kernels.row_buckets import DOT_MAX_ROWS, GEMV_MAX_ROWS, MATMUL_ROW_BUCKET, padded_operand, padded_rows
 from model import ops
-from reference._checks import check_tensor
+from reference._checks import check_real, check_tensor
 
 MAX_ROWS = GEMV_MAX_ROWS
 # what the GEMV multiplies (its INPUT): x, silu(gate) * up of x = [gate | up], rms_norm(x [+ residual])
@@ -229,6 +229,19 @@ def _check_weight(name, x, weight, k_factor: int = 1):
         raise ValueError(f"weight must have unit stride along K, got strides {weight.stride()}")
 
 
+def _checked_plan(plan, fields: tuple[str, ...]):
+    """A benchmark's plan: None, or a tuple of positive ints, one per field, the block sizes and num_warps powers of
+    two."""
+    if plan is None:
+        return None
+    if (not isinstance(plan, tuple) or len(plan) != len(fields)
+            or not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in plan)
+            or any(p & (p - 1) for p, f in zip(plan, fields) if f.startswith("BLOCK") or f == "num_warps")):
+        raise ValueError(f"plan must be None or ({', '.join(fields)}), positive ints (powers of two but STAGES and "
+                         f"SPLIT), got {plan!r}"[:300])
+    return plan
+
+
 def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=None):
     """Launch the GEMV on (m <= MAX_ROWS, K) rows x2 into o2 (m, N); NORM reads res2 and writes s2 when given."""
     m, (n, k) = x2.shape[0], weight.shape
@@ -237,7 +250,7 @@ def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=
     if k == 0:
         o2.zero_()
         return
-    block_n, block_k, warps = plan or launch_plan(m, n, k)
+    block_n, block_k, warps = _checked_plan(plan, ("BLOCK_N", "BLOCK_K", "num_warps")) or launch_plan(m, n, k)
     rows = next_power_of_2(m)
     res2 = x2 if res2 is None else res2
     _linear_kernel[(cdiv(n, block_n),)](
@@ -256,7 +269,8 @@ def _rows_dot(x2, weight, o2, plan):
     if k == 0:
         o2.zero_()
         return
-    block_n, block_k, stages, warps, split = plan or dot_plan(n, k)
+    fields = ("BLOCK_N", "BLOCK_K", "STAGES", "num_warps", "SPLIT")
+    block_n, block_k, stages, warps, split = _checked_plan(plan, fields) or dot_plan(n, k)
     rows = max(16, next_power_of_2(m))
     if not 1 <= split <= split_k.MAX_SPLIT:
         raise ValueError(f"the skinny GEMM's SPLIT must be 1 to {split_k.MAX_SPLIT}, got {split}")
@@ -353,6 +367,7 @@ def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[in
         raise ValueError(f"norm_weight must be contiguous with {x.shape[-1]} entries (x's width), got "
                          f"{norm_weight.shape[0]}")
     check_devices(x=x, residual=residual, norm_weight=norm_weight, weight=weight)
+    eps = check_real("eps", eps)
     x2 = rows_view("x", x)
     res2 = None if residual is None else rows_view("residual", residual)
     tma = TMA_NORM and plan is None and fused is not False and _tma_takes(x2, weight, None, False, norm_weight, res2)
@@ -376,6 +391,9 @@ def out_proj_mlp(o, residual, out_weight, norm_weight, eps, gate_up_weight, down
     """reference.out_proj_mlp: (SwiGLU(rms_norm(o @ out_weight^T + residual)), s = o @ out_weight^T + residual).
     One bf16 row with TMA_CHAIN: one launch of three chained TMA-ring GEMVs; else model.ops.out_proj_mlp_by_ops
     (linear, add_rms_norm_linear and silu_and_mul_linear, each on the active backend)."""
+    for name, t in (("o", o), ("out_weight", out_weight), ("norm_weight", norm_weight),
+                     ("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
+        check_tensor(name, t)
     weights = (out_weight, gate_up_weight, down_weight)
     inputs = (tma_gemv.GemvInput(out_weight.shape[1]),
               tma_gemv.GemvInput(gate_up_weight.shape[1], norm=True, add=True),

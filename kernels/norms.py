@@ -15,9 +15,14 @@ import triton.language as tl
 from kernels import pdl
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.row_buckets import empty_rows
-from reference._checks import check_same_device, check_tensor
+from reference._checks import check_no_self_overlap, check_real, check_same_device, check_tensor
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Where the Triton kernels run: a CUDA device, or the CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def check_devices(**tensors) -> None:
@@ -25,9 +30,9 @@ def check_devices(**tensors) -> None:
     at every launch of an eager step)."""
     check_same_device(**tensors)
     first = next((t for t in tensors.values() if t is not None), None)
-    if first is not None and first.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if first is not None and not triton_runs_on(first.device):
         name = next(n for n, t in tensors.items() if t is first)
-        raise ValueError(f"{name} must be on a CUDA device, got {first.device}")
+        raise ValueError(f"{name} must be on a CUDA device (or the CPU with TRITON_INTERPRET=1), got {first.device}")
 
 
 def rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -50,6 +55,7 @@ def output_for(out, shape, like: torch.Tensor) -> torch.Tensor:
     check_tensor("out", out, dtype=like.dtype, device=like.device)
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    check_no_self_overlap("out", out)
     return out
 
 
@@ -86,11 +92,15 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_rows, n, x_stride, res_st
 def _norm(x, residual, weight, eps, out):
     """Shared checks and launch; residual is None for the plain norm."""
     check_tensor("x", x, dtype=FLOATS)
+    if x.ndim == 0:
+        raise ValueError("x must have at least 1 dim (..., n), got a 0-dim tensor")
     check_tensor("weight", weight, ndim=1, dtype=FLOATS)
     if residual is not None:
         check_tensor("residual", residual, dtype=x.dtype)
         if residual.shape != x.shape:
             raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+        check_no_self_overlap("residual", residual)  # x + residual is written into it
+    check_real("eps", eps)
     if weight.shape[0] != x.shape[-1] or weight.stride(0) != 1:
         raise ValueError(f"weight must be contiguous with {x.shape[-1]} entries (x's width), got {weight.shape[0]}")
     out = output_for(out, x.shape, x)  # fresh: a projection's input, with room for its padded rows

@@ -86,7 +86,6 @@ x GQA 4 and L2 for the second K/V read. The split count aims at one program per 
 """
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -95,8 +94,9 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.host_math import cdiv, next_power_of_2
+from kernels.norms import triton_runs_on
 from kernels.varlen import sequence_span
-from reference._checks import check_same_device, check_tensor
+from reference._checks import check_cu_seqlens, check_page_table, check_real, check_same_device, check_tensor
 
 MAX_Q_LEN = 2048  # query tokens per sequence the kernel takes (a whole prefill chunk of the engine's default budget)
 ALWAYS_Q_LEN = 512  # chunks up to this always run here; longer ones only where the split pays (`split_kv_pays`)
@@ -114,7 +114,6 @@ COMBINE_TILE = 4096  # splits x head dims one combine program reduces
 COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk variant's combine reduces
 LOG2E = 1.4426950408889634
 H200_SMS = 132
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class DecodeWorkspace(NamedTuple):
@@ -135,6 +134,10 @@ class Plan(NamedTuple):
 
 def alloc_workspace(max_tokens: int, num_heads: int, max_splits: int, head_dim: int, device) -> DecodeWorkspace:
     """Scratch for any call with N <= max_tokens query tokens and num_splits <= max_splits."""
+    for name, value in (("max_tokens", max_tokens), ("num_heads", num_heads), ("max_splits", max_splits),
+                        ("head_dim", head_dim)):
+        if not _is_int(value) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     rows = max_tokens * num_heads * max_splits
     return DecodeWorkspace(torch.empty(rows * head_dim, device=device, dtype=torch.float32),
                            torch.empty(rows, device=device, dtype=torch.float32))
@@ -472,7 +475,7 @@ def _check_tensors(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, gat
         check_tensor("out", out, dtype=q.dtype)
     check_same_device(q=q, k_pages=k_pages, v_pages=v_pages, page_table=page_table, seqused_k=seqused_k,
                       cu_seqlens_q=cu_seqlens_q, gate=gate, out=out)
-    if q.device.type != "cuda" and not INTERPRET:
+    if not triton_runs_on(q.device):
         raise ValueError(f"q must be on a CUDA device (or run under TRITON_INTERPRET=1), got {q.device}")
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("page_table", page_table),
                     ("seqused_k", seqused_k), ("cu_seqlens_q", cu_seqlens_q), ("gate", gate)):
@@ -490,8 +493,10 @@ def _check_shapes(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, max_
     if head_dim not in HEAD_DIMS or q.shape[-1] != head_dim:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS} and shared by q {tuple(q.shape)} "
                          f"and k_pages {tuple(k_pages.shape)}")
-    if q.shape[-2] % kv_heads != 0:
-        raise ValueError(f"q heads ({q.shape[-2]}) must be a multiple of kv heads ({kv_heads})")
+    if kv_heads == 0 or q.shape[-2] == 0 or q.shape[-2] % kv_heads != 0:
+        raise ValueError(f"q heads ({q.shape[-2]}) must be a positive multiple of kv heads ({kv_heads})")
+    if k_pages.shape[1] == 0:
+        raise ValueError(f"k_pages' pages must hold at least one token, got page_size 0 ({tuple(k_pages.shape)})")
     batch = page_table.shape[0]
     if seqused_k.shape[0] != batch:
         raise ValueError(f"seqused_k has {seqused_k.shape[0]} entries for a page_table of batch {batch}")
@@ -502,7 +507,7 @@ def _check_shapes(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, max_
     else:
         if cu_seqlens_q.shape[0] != batch + 1:
             raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries for a page_table of batch {batch}")
-        if not isinstance(max_seqlen_q, int) or max_seqlen_q < 1:
+        if not _is_int(max_seqlen_q) or max_seqlen_q < 1:
             raise ValueError(f"max_seqlen_q must be a positive host int with cu_seqlens_q, got {max_seqlen_q!r}")
         q_len = max_seqlen_q
     if not 1 <= q_len <= MAX_Q_LEN:
@@ -511,6 +516,22 @@ def _check_shapes(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, max_
         if t is not None and t.shape != q.shape:
             raise ValueError(f"{name} {tuple(t.shape)} must have q's shape {tuple(q.shape)}")
     return batch, q_len
+
+
+def _check_metadata(q, k_pages, page_table, seqused_k, cu_seqlens_q, q_len: int) -> None:
+    """paged_decode_attention's check_metadata (host reads)."""
+    if cu_seqlens_q is not None:
+        c = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+        longest = max(b - a for a, b in zip(c, c[1:]))
+        if longest > q_len:
+            raise ValueError(f"max_seqlen_q {q_len} is below the longest sequence's {longest} tokens (cu_seqlens_q)")
+    page_size = k_pages.shape[1]
+    lens = seqused_k.clamp(0, page_table.shape[1] * page_size)  # the kernels clamp seqused_k so
+    check_page_table(page_table, lens, page_size, k_pages.shape[0])
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_workspace(workspace, rows: int, head_dim: int, device):
@@ -526,7 +547,8 @@ def _check_workspace(workspace, rows: int, head_dim: int, device):
 
 def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softmax_scale=None, cu_seqlens_q=None,
                            max_seqlen_q=None, gate=None, num_splits=None, max_seqlen_k=None, out=None,
-                           workspace=None, block_m=None, rescale_threshold=RESCALE_THRESHOLD, split_decode_rows=True):
+                           workspace=None, block_m=None, rescale_threshold=RESCALE_THRESHOLD, split_decode_rows=True,
+                           check_metadata=True):
     """Causal attention of 1..512 new queries per sequence over its paged KV cache (decode steps, speculative
     verification, agent-turn chunks; mixed in one varlen batch).
 
@@ -539,7 +561,10 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     variant) and rescale_threshold (0: rescale O whenever the max grows; both exact). split_decode_rows: in a
     varlen batch of 2+ sequences on the chunk variant, first run the sequences of at most SHORT_ROWS // group
     tokens (decode rows) in SHORT_ROWS-row tiles, then the rest in the big tiles (one more launch; the same
-    splits and combine). Returns out.
+    splits and combine). check_metadata: read cu_seqlens_q, seqused_k and the page table on the host (one sync) to
+    refuse a cu_seqlens_q that does not rise from 0 to q's tokens, a max_seqlen_q below its longest sequence, and
+    pages outside the pool; skipped inside a CUDA graph capture. Callers that build these themselves (the model's
+    op, fa4.flash_attention, which checks them first) pass False. Returns out.
     """
     _check_tensors(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, gate, out)
     batch, q_len = _check_shapes(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, gate, out)
@@ -547,6 +572,14 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         raise ValueError(f"block_m must be None or one of 16, 32, 64, 128, got {block_m!r}")
     if not isinstance(rescale_threshold, (int, float)) or not 0 <= rescale_threshold <= 15:
         raise ValueError(f"rescale_threshold must be in [0, 15] (P <= 2^threshold), got {rescale_threshold!r}")
+    if max_seqlen_k is not None and (not _is_int(max_seqlen_k) or max_seqlen_k < 0):
+        raise ValueError(f"max_seqlen_k must be None or a non-negative host int, got {max_seqlen_k!r}")
+    scale = check_real("softmax_scale", softmax_scale, positive=True) if softmax_scale is not None else \
+        1.0 / math.sqrt(q.shape[-1])
+    if batch == 0:  # no sequences
+        return torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
+    if check_metadata and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_metadata(q, k_pages, page_table, seqused_k, cu_seqlens_q, q_len)
     _, page_size, kv_heads, head_dim = k_pages.shape
     num_heads = q.shape[-2]
     group = num_heads // kv_heads
@@ -555,7 +588,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_seqlen_k or capacity, _num_sms(q.device),
                                        m_blocks=tile.m_blocks, programs_per_sm=tile.programs_per_sm)
-    if not isinstance(num_splits, int) or not 1 <= num_splits <= 256:
+    if not _is_int(num_splits) or not 1 <= num_splits <= 256:
         raise ValueError(f"num_splits must be an int in 1..256, got {num_splits!r}")
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
     q3, out3 = q.flatten(0, -3), out.view(-1, num_heads, head_dim)  # (N, H, D)
@@ -570,7 +603,6 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         _check_workspace(workspace, n_tokens * num_heads * num_splits, head_dim, q.device)
     ws_o, ws_lse = (workspace.o, workspace.lse) if num_splits > 1 else (out3, out3)  # unused when S == 1
     launch = pdl.launch_options(q.device)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     args = (q3, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q if cu_seqlens_q is not None else seqused_k,
             g3, out3, ws_o, ws_lse,
             q3.stride(0), q3.stride(1), *k_pages.stride()[:3], *v_pages.stride()[:3], page_table.stride(0),
@@ -647,6 +679,7 @@ def compile_variants(num_heads: int, k_pages: torch.Tensor, v_pages: torch.Tenso
         table = torch.zeros(len(q_lens), width, dtype=torch.int32, device=dev)
         seqused = torch.zeros(len(q_lens), dtype=torch.int32, device=dev)
         paged_decode_attention(q, k_pages, v_pages, table, seqused, cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                               check_metadata=False,
                                gate=q if gated else None, num_splits=splits)
         calls += 1
 
@@ -711,7 +744,7 @@ def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
         return long_chunk_attention(q, k_pages, v_pages, step, scale, gate)
     return paged_decode_attention(q, k_pages, v_pages, step.page_table, step.seqused_k, softmax_scale=scale,
                                   cu_seqlens_q=step.cu_seqlens, max_seqlen_q=step.max_seqlen_q, gate=gate,
-                                  max_seqlen_k=step.max_seqlen_k)
+                                  max_seqlen_k=step.max_seqlen_k, check_metadata=False)
 
 
 def long_chunk_attention(q, k_pages, v_pages, step, scale, gate):

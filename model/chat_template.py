@@ -166,13 +166,20 @@ def _system_turn(messages: list[dict], contents: list[str], tools: list[dict] | 
 
 
 def _check_tools(tools) -> list[dict]:
-    """Validate OpenAI-style tool definitions: each needs a function with a non-empty string name."""
+    """Validate OpenAI-style tool definitions: each needs a function with a non-empty string name; its parameters,
+    when given, are a JSON-schema object whose properties are objects (what the tool-call parser reads)."""
     if not isinstance(tools, list):
         raise ValueError(f"tools must be a list, got {type(tools).__name__}")
     for i, tool in enumerate(tools):
         function = tool.get("function", tool) if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise ValueError(f"tools[{i}] has no function name")
+        parameters = function.get("parameters")
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        if parameters is not None and (not isinstance(parameters, dict) or properties is not None and (
+                not isinstance(properties, dict) or not all(isinstance(p, dict) for p in properties.values()))):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON-schema object whose properties are "
+                             "objects")
     return tools
 
 

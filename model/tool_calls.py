@@ -81,7 +81,9 @@ def _parameter_schemas(tools: list[dict] | None) -> dict[str, dict]:
     for tool in tools or []:
         function = tool.get("function", tool) if isinstance(tool, dict) else None
         if isinstance(function, dict) and isinstance(function.get("name"), str):
-            schemas[function["name"]] = (function.get("parameters") or {}).get("properties") or {}
+            parameters = function.get("parameters")
+            properties = parameters.get("properties") if isinstance(parameters, dict) else None
+            schemas[function["name"]] = properties if isinstance(properties, dict) else {}
     return schemas
 
 
@@ -175,7 +177,7 @@ def _schema_types(schema) -> set[str]:
     if isinstance(declared, list):
         return {t for t in declared if isinstance(t, str)}
     options = schema.get("anyOf") or schema.get("oneOf") or []
-    return set().union(*(_schema_types(option) for option in options))
+    return set().union(*(_schema_types(option) for option in options)) if isinstance(options, list) else set()
 
 
 def _matches(value, types: set[str]) -> bool:

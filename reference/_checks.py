@@ -1,17 +1,42 @@
 """Argument checks shared by the references and kernels: each failure is a ValueError naming the argument."""
+import math
+
 import torch
 
 
-def check_tensor(name: str, t, *, ndim=None, dtype=None, device=None) -> None:
-    """Raise ValueError unless `t` is a tensor with the given rank, dtype(s) and device."""
+def check_tensor(name: str, t, *, ndim=None, dtype=None, device=None, contiguous: bool = False) -> None:
+    """Raise ValueError unless `t` is a tensor with the given rank, dtype(s) and device (and contiguous: kernels
+    read index tensors such as slots and cu_seqlens at ptr + i)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} with strides {t.stride()}")
     if ndim is not None and t.ndim not in ((ndim,) if isinstance(ndim, int) else ndim):
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if dtype is not None and t.dtype not in ((dtype,) if isinstance(dtype, torch.dtype) else dtype):
         raise ValueError(f"{name} must have dtype {dtype}, got {t.dtype}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def check_real(name: str, value, *, positive: bool = False) -> float:
+    """A finite real number (not a bool), >= 0, or > 0 when positive: an eps or a softmax scale. Returns it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, "
+                         f"got {value!r}"[:300])
+    return float(value)
+
+
+def check_no_self_overlap(name: str, t: torch.Tensor) -> None:
+    """A tensor a kernel writes: no two of its elements may share memory (an expand or as_strided view would
+    take several results in one place)."""
+    extent = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= extent:
+            raise ValueError(f"{name} is written and must not overlap itself, got shape {tuple(t.shape)} with "
+                             f"strides {t.stride()}")
+        extent += stride * (size - 1)
 
 
 def check_same_device(**tensors) -> None:
@@ -37,6 +62,20 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, host=None) -> list
     return c
 
 
+def check_page_table(page_table: torch.Tensor, seqused_k: torch.Tensor, page_size: int, num_pages: int) -> list[int]:
+    """The pages each sequence reads (its first ceil(seqused_k[b] / page_size) entries) lie in the pool, and no
+    sequence holds more tokens than its row of the table (one host read of each). Returns seqused_k's values."""
+    lens = seqused_k.tolist()
+    capacity = page_table.shape[1] * page_size
+    if any(n < 0 or n > capacity for n in lens):
+        raise ValueError(f"seqused_k {lens} exceeds the page_table's capacity of {capacity} tokens"[:300])
+    used = [page_table[b, :(n + page_size - 1) // page_size] for b, n in enumerate(lens)]
+    used = torch.cat(used) if used else page_table.new_zeros(0)
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+        raise ValueError(f"page_table names pages outside the pool of {num_pages}")
+    return lens
+
+
 def check_snapshots(cu: list[int], offsets, slots, state_slots) -> tuple[int, ...] | None:
     """A varlen call's snapshot arguments (model.step snapshot_offsets / snapshot_slots), checked against its
     cu_seqlens values cu: the absolute token position of each sequence's snapshot (0: none), or None when there
@@ -49,8 +88,8 @@ def check_snapshots(cu: list[int], offsets, slots, state_slots) -> tuple[int, ..
     for i, o in enumerate(offsets):
         if not 0 <= o < cu[i + 1] - cu[i]:
             raise ValueError(f"snapshot_offsets[{i}] = {o} must lie in [0, {cu[i + 1] - cu[i]}) (its tokens)")
-    if not isinstance(slots, torch.Tensor) or slots.ndim != 1 or slots.numel() != n \
+    if not isinstance(slots, torch.Tensor) or slots.ndim != 1 or slots.numel() != n or not slots.is_contiguous() \
             or slots.dtype not in (torch.int32, torch.int64) or slots.device != state_slots.device:
-        raise ValueError(f"snapshot_slots must be a ({n},) int32/int64 tensor on {state_slots.device}, got "
+        raise ValueError(f"snapshot_slots must be a contiguous ({n},) int32/int64 tensor on {state_slots.device}, got "
                          f"{slots.shape if isinstance(slots, torch.Tensor) else slots!r}")
     return tuple(cu[i] + o if o else 0 for i, o in enumerate(offsets))

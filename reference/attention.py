@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from reference._checks import check_cu_seqlens, check_same_device, check_tensor
+from reference._checks import check_cu_seqlens, check_page_table, check_same_device, check_tensor
 
 
 def _attend_one(q, k, v, causal: bool, scale: float):
@@ -54,6 +54,8 @@ def attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=None, c
     if cu_seqlens_q is None:
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"q and k must share batch, got {q.shape[0]} and {k.shape[0]}")
+        if q.shape[0] == 0:  # no sequences
+            return _empty(q, return_lse)
         parts = [_attend_one(q[b], k[b], v[b], causal, scale) for b in range(q.shape[0])]
         o = torch.stack([p[0] for p in parts])
         lse = torch.stack([p[1] for p in parts])
@@ -69,6 +71,12 @@ def attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=None, c
         lse = torch.cat([p[1] for p in parts])
     o = o.to(q.dtype)
     return (o, lse) if return_lse else o
+
+
+def _empty(q, return_lse: bool):
+    # a batch of no sequences: q's (0, ...) shape, and lse (0, Sq, H)
+    o = q.new_zeros(q.shape)
+    return (o, q.new_zeros(q.shape[:-1], dtype=torch.float32)) if return_lse else o
 
 
 def gather_pages(pages, page_table_row, length: int):
@@ -94,13 +102,12 @@ def paged_attention(q, k_pages, v_pages, page_table, seqused_k, *, causal: bool 
     batch = page_table.shape[0]
     if seqused_k.shape[0] != batch:
         raise ValueError(f"seqused_k has {seqused_k.shape[0]} entries for a page_table of batch {batch}")
-    lens = seqused_k.tolist()
-    capacity = page_table.shape[1] * k_pages.shape[1]
-    if any(n < 0 or n > capacity for n in lens):
-        raise ValueError(f"seqused_k {lens} exceeds the page_table's capacity of {capacity} tokens")
-    used = torch.cat([page_table[b, :(n + k_pages.shape[1] - 1) // k_pages.shape[1]] for b, n in enumerate(lens)])
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= k_pages.shape[0]):
-        raise ValueError(f"page_table names pages outside the pool of {k_pages.shape[0]}")
+    if cu_seqlens_q is None and batch == 0:
+        check_tensor("q", q, ndim=4)
+        if q.shape[0] != 0:
+            raise ValueError(f"q has batch {q.shape[0]} for a page_table of batch 0")
+        return _empty(q, return_lse)
+    lens = check_page_table(page_table, seqused_k, k_pages.shape[1], k_pages.shape[0])
     ks = [gather_pages(k_pages, page_table[b], lens[b]) for b in range(batch)]
     vs = [gather_pages(v_pages, page_table[b], lens[b]) for b in range(batch)]
     cu_k = torch.tensor([0] + lens, device=q.device).cumsum(0).to(torch.int32)

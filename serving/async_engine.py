@@ -110,8 +110,11 @@ class AsyncEngine:
 
     @property
     def num_queued(self) -> int:
-        """Requests submitted but not yet running: the queue that a limit bounds."""
-        return len(self._adds) + self.stats.requests_waiting
+        """Requests that will wait: those submitted but not yet running (a burst lands in _adds, then in the
+        scheduler's waiting list, before a step runs it), less the run slots free for them: the queue that a limit
+        bounds."""
+        free_slots = max(0, self.engine.cfg.max_num_seqs - self.stats.requests_running)
+        return max(0, len(self._adds) + self.stats.requests_waiting - free_slots)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         stream = RequestStream(prompt_ids, params)

@@ -3,8 +3,11 @@ side of generation (detokenization with stop strings; reasoning / content / tool
 
 `model` must be the served model's name (or an alias it was given) when it is sent; an unknown one gets 404
 `model_not_found`. Extensions as vLLM has them: `top_k`, `ignore_eos`, `stop_token_ids`,
-`chat_template_kwargs.enable_thinking` (default False). `n` > 1, `logprobs` and `echo` are refused. Errors carry
-OpenAI's JSON: {"error": {"message", "type", "param", "code"}}.
+`chat_template_kwargs.enable_thinking` (default False). What is not implemented is refused with a 400 rather than
+ignored: `n` > 1, `best_of` > 1, `logprobs`, `echo`, `suffix`, `logit_bias`, presence and frequency penalties,
+`response_format` other than text, `parallel_tool_calls: false`, and `tool_choice` other than "auto" or "none"
+("none": the tools are neither rendered nor parsed). Stop strings: at most MAX_STOP_STRINGS of at most
+MAX_STOP_CHARS characters. Errors carry OpenAI's JSON: {"error": {"message", "type", "param", "code"}}.
 """
 import math
 import time
@@ -70,12 +73,31 @@ def _check_model(body: dict, served: ServedModel) -> None:
                        status=404, code="model_not_found")
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+# fields a client may send at their neutral value only: (key, types, the neutral values)
+NEUTRAL_ONLY = (("n", (int,), (1,)), ("best_of", (int,), (1,)), ("logprobs", (bool, int), (False, 0)),
+                ("top_logprobs", (int,), (0,)), ("echo", (bool,), (False,)), ("suffix", (str,), ("",)),
+                ("logit_bias", (dict,), ({},)), ("presence_penalty", (int, float), (0,)),
+                ("frequency_penalty", (int, float), (0,)), ("response_format", (dict,), ({"type": "text"},)),
+                ("parallel_tool_calls", (bool,), (True,)))
+
+
 def _refuse_unsupported(body: dict) -> None:
-    if _field(body, "n", (int,), 1) != 1:
-        raise ApiError("only n=1 is supported", "n")
-    for key in ("logprobs", "top_logprobs", "echo"):
-        if body.get(key):
-            raise ApiError(f"'{key}' is not supported", key)
+    for key, types, neutral in NEUTRAL_ONLY:
+        value = _field(body, key, types)
+        if value is not None and value not in neutral:
+            raise ApiError(f"'{key}' is not supported here beyond {neutral[0]!r}, got {value!r}"[:300], key)
+
+
+def _tool_choice(body: dict) -> str:
+    choice = body.get("tool_choice", "auto")
+    if choice is None:
+        return "auto"
+    if choice not in ("auto", "none"):
+        raise ApiError(f"'tool_choice' must be \"auto\" or \"none\" (forced tool calls are not supported), got "
+                       f"{choice!r}"[:300], "tool_choice")
+    return choice
 
 
 def _stop_strings(body: dict) -> tuple[str, ...]:
@@ -85,6 +107,9 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise ApiError("'stop' must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters",
+                       "stop")
     return tuple(s for s in stops if s)
 
 
@@ -100,8 +125,8 @@ def _max_tokens(body: dict, keys: tuple[str, ...], prompt_len: int, served: Serv
         raise ApiError(f"the prompt has {prompt_len} tokens; this model's context is {served.max_model_len} "
                        "tokens", "messages" if "max_completion_tokens" in keys else "prompt")
     room = served.max_model_len - prompt_len
-    for key in keys:
-        value = _field(body, key, (int,))
+    values = [(key, _field(body, key, (int,))) for key in keys]  # every key's type checked
+    for key, value in values:
         if value is None:
             continue
         if value < 1:
@@ -113,11 +138,18 @@ def _max_tokens(body: dict, keys: tuple[str, ...], prompt_len: int, served: Serv
     return room
 
 
+def _float(body: dict, key: str, default: float) -> float:
+    try:
+        return float(_field(body, key, (int, float), default))
+    except OverflowError:  # an integer past float's range
+        raise ApiError(f"'{key}' is out of range", key) from None
+
+
 def _sampling(body: dict, prompt_len: int, served: ServedModel, max_keys: tuple[str, ...]) -> SamplingParams:
-    temperature = float(_field(body, "temperature", (int, float), 1.0))
+    temperature = _float(body, "temperature", 1.0)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ApiError("'temperature' must be a finite number >= 0", "temperature")
-    top_p = float(_field(body, "top_p", (int, float), 1.0))
+    top_p = _float(body, "top_p", 1.0)
     if not 0 < top_p <= 1:  # also refuses NaN
         raise ApiError("'top_p' must lie in (0, 1]", "top_p")
     top_k = _field(body, "top_k", (int,), 0)
@@ -126,7 +158,7 @@ def _sampling(body: dict, prompt_len: int, served: ServedModel, max_keys: tuple[
     seed = _field(body, "seed", (int,))
     if seed is not None and not 0 <= seed < 2**63:
         raise ApiError("'seed' must lie in [0, 2**63)", "seed")
-    return SamplingParams(temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
+    return SamplingParams(temperature=temperature, top_k=min(max(top_k, 0), served.vocab_size), top_p=top_p, seed=seed,
                           max_tokens=_max_tokens(body, max_keys, prompt_len, served),
                           stop_token_ids=_stop_token_ids(body, served),
                           ignore_eos=_field(body, "ignore_eos", (bool,), False), stop=_stop_strings(body))
@@ -175,6 +207,8 @@ def parse_chat(body, tokenizer: QwenTokenizer, served: ServedModel) -> Generatio
     if not messages:
         raise ApiError("'messages' must be a non-empty list", "messages")
     tools = _field(body, "tools", (list,)) or None
+    if _tool_choice(body) == "none":
+        tools = None
     thinking = _field(_field(body, "chat_template_kwargs", (dict,), {}), "enable_thinking", (bool,), False)
     try:
         ids = tokenizer.apply_chat_template(messages, tools=tools, enable_thinking=thinking)
@@ -220,7 +254,17 @@ class MarkerSplitter:
         return out
 
     def _held_back(self) -> int:
-        return max((k for m in self.markers for k in range(1, len(m)) if self.text.endswith(m[:k])), default=0)
+        """The longest end of the text that begins a marker (held back until the next text tells)."""
+        best = 0
+        for m in self.markers:
+            tail = self.text[max(0, len(self.text) - len(m) + 1):] if len(m) > 1 else ""
+            i = tail.find(m[0])
+            while 0 <= i and len(tail) - i > best:  # from the longest candidate: the first that fits is it
+                if m.startswith(tail[i:]):
+                    best = len(tail) - i
+                    break
+                i = tail.find(m[0], i + 1)
+        return best
 
 
 class Detokenizer:

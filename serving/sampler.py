@@ -2,7 +2,7 @@
 
 No host sync per row: the per-row parameters and uniform draws are built on the host (a CPU generator per request,
 seeded by its SamplingParams.seed) and reach the device in one non-blocking copy; the caller's single .tolist()
-of the result is the step's only sync. Rows with temperature 0 (or top_k 1) are the argmax.
+of the result is the step's only sync. Rows with temperature below GREEDY_BELOW (or top_k 1) are the argmax.
 """
 import torch
 
@@ -19,8 +19,13 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return probs * keep
 
 
+# Temperatures below this sample as greedy: logits / 1e-40 overflow fp32, and softmax of infinities is NaN (vLLM
+# draws the same line)
+GREEDY_BELOW = 1e-5
+
+
 def is_greedy(p: SamplingParams) -> bool:
-    return p.temperature == 0 or p.top_k == 1
+    return p.temperature < GREEDY_BELOW or p.top_k == 1
 
 
 def _to_device(rows: list[list[float]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -48,7 +53,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams | None],
     top_k = [0] * b
     for i in drawn_rows:
         p = params[i]
-        temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
+        temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, min(p.top_k, logits.shape[1])
         u[i] = _uniform(generators[i], dev)
     device_draws = [i for i in drawn_rows if isinstance(u[i], torch.Tensor)]
     for i in device_draws:

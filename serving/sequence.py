@@ -10,7 +10,8 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off; seed None draws from the engine.
+    """temperature 0 (below serving.sampler.GREEDY_BELOW) is greedy; top_k 0 and top_p 1.0 switch those filters
+    off; seed None draws from the engine.
 
     Generation ends at max_tokens, at a token of stop_token_ids, at the engine's eos ids unless ignore_eos, or
     at the first stop string in the decoded text. The engine sees token ids only: stop strings are matched by

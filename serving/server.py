@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from model import ops
 from model.tokenizer import QwenTokenizer, load_tokenizer
@@ -184,8 +185,13 @@ async def stream_events(request: web.Request, items: AsyncIterator, write_events
     response = await sse(request)
     try:
         await write_events(response, items)
-    except EngineFailure as error:
-        await send(response, ApiError(str(error), status=500, kind="server_error").body())
+    except (ClientGone, ConnectionResetError):
+        raise
+    except Exception as error:  # the headers are sent: the failure becomes the stream's last event
+        if not isinstance(error, EngineFailure):
+            log.exception("stream failed")
+        message = str(error) if isinstance(error, EngineFailure) else f"internal error: {error!r}"
+        await send(response, ApiError(message, status=500, kind="server_error").body())
         await response.write_eof()
     return response
 
@@ -289,8 +295,10 @@ async def finish_stream(response: web.StreamResponse, header: ResponseHeader, ki
 async def read_json(request: web.Request):
     try:
         return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError("the request body is not valid JSON") from None
+    except (ValueError, RecursionError, LookupError, RequestPayloadError) as error:
+        # ValueError: bad JSON, bad UTF-8, an integer of over 4300 digits; RecursionError: nesting too deep;
+        # LookupError: an unknown charset; RequestPayloadError: a body that does not decode (Content-Encoding)
+        raise ApiError(f"the request body is not valid JSON ({type(error).__name__})") from None
 
 
 REJECTION_REASONS = {401: "unauthorized", 413: "too_large", 429: "queue_full"}
@@ -332,7 +340,7 @@ def limits_middleware(limits: Limits):
     @web.middleware
     async def check_limits(request: web.Request, handler):
         if expected is not None and request.path != "/health":
-            given = request.headers.get("Authorization", "").encode()
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):
                 raise ApiError("a valid API key is needed: send 'Authorization: Bearer <key>'", status=401,
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

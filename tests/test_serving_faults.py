@@ -209,6 +209,41 @@ BAD = {
     "token id past the vocabulary": ("/v1/completions", {"model": "tiny", "prompt": [1, 10**9]}, 400, "prompt"),
     "ignore_eos a string": ("/v1/completions", {"model": "tiny", "prompt": "hi", "ignore_eos": "yes"}, 400,
                             "ignore_eos"),
+    # session 24's review: each of these once answered 500, ran for minutes or was silently ignored
+    "a stop string too long": ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": ["y" * 2000]}, 400,
+                               "stop"),
+    "too many stop strings": ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": list("abcdefghijklmnopq")},
+                              400, "stop"),
+    "temperature past float's range": ("/v1/completions",
+                                       b'{"model": "tiny", "prompt": "hi", "temperature": ' + b"9" * 400 + b"}",
+                                       400, "temperature"),
+    "top_p past float's range": ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "top_p": ' + b"9" * 400
+                                 + b"}", 400, "top_p"),
+    "an integer of 5000 digits": ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 1'
+                                  + b"0" * 5000 + b"}", 400, None),
+    "nesting 100000 deep": ("/v1/completions", b"[" * 100000 + b"]" * 100000, 400, None),
+    "max_tokens a string beside max_completion_tokens": ("/v1/chat/completions", {
+        "model": "tiny", "messages": USER, "max_completion_tokens": 2, "max_tokens": "x"}, 400, "max_tokens"),
+    "logit_bias": ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    "presence_penalty": ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 0.5}, 400,
+                         "presence_penalty"),
+    "frequency_penalty a string": ("/v1/chat/completions", {"model": "tiny", "messages": USER,
+                                                            "frequency_penalty": "x"}, 400, "frequency_penalty"),
+    "best_of 3": ("/v1/completions", {"model": "tiny", "prompt": "hi", "best_of": 3}, 400, "best_of"),
+    "suffix": ("/v1/completions", {"model": "tiny", "prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    "response_format json": ("/v1/chat/completions", {"model": "tiny", "messages": USER,
+                                                      "response_format": {"type": "json_object"}}, 400,
+                             "response_format"),
+    "parallel_tool_calls false": ("/v1/chat/completions", {"model": "tiny", "messages": USER,
+                                                           "parallel_tool_calls": False}, 400, "parallel_tool_calls"),
+    "tool_choice required": ("/v1/chat/completions", {"model": "tiny", "messages": USER, "tool_choice": "required"},
+                             400, "tool_choice"),
+    "tool_choice a number": ("/v1/chat/completions", {"model": "tiny", "messages": USER, "tool_choice": 12}, 400,
+                             "tool_choice"),
+    "tool parameters a string": ("/v1/chat/completions", {"model": "tiny", "messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": "abc"}}]}, 400, "messages"),
+    "tool properties a string": ("/v1/chat/completions", {"model": "tiny", "messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"properties": "x"}}}]}, 400, "messages"),
 }
 
 
@@ -220,6 +255,39 @@ def test_bad_input_gets_4xx_json_and_the_server_keeps_serving(server, case):
     if status == 404:
         assert error["code"] == "model_not_found"
     good_request(server)
+
+
+def test_a_bad_charset_or_encoding_gets_400(server):
+    for headers in ({"Content-Type": "application/json; charset=bogus"}, {"Content-Encoding": "gzip"}):
+        reply = request("POST", server.url + "/v1/completions", {"model": "tiny", "prompt": "hi"}, headers)
+        assert_openai_error(reply, 400)
+    good_request(server)
+
+
+def test_sampling_edge_values_run_as_documented(server, model):
+    """A temperature below serving.sampler.GREEDY_BELOW samples greedily (logits / 1e-40 overflow fp32: the draw
+    was the vocabulary's last id); a top_k past int64 is clamped to the vocabulary (it failed in the engine)."""
+    prompt = server.tokenizer.encode("Tell me a tale")
+    want = greedy_text(server, model, prompt, 6)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "ignore_eos": True}
+    for extra in ({"temperature": 1e-40}, {"temperature": 1e-6, "top_k": 2**63, "seed": 1}):
+        reply = request("POST", server.url + "/v1/completions", body | extra)
+        assert reply.status == 200 and reply.json()["choices"][0]["text"] == want, (extra, reply.body)
+    reply = request("POST", server.url + "/v1/completions", body | {"temperature": 1.0, "top_k": 2**63, "seed": 1})
+    assert reply.status == 200 and reply.json()["usage"]["completion_tokens"] == 6
+    assert request("GET", server.url + "/health").status == 200
+
+
+def test_tool_choice_none_renders_no_tools(server):
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}}]
+    usage = {}
+    for name, extra in (("plain", {}), ("none", {"tools": tools, "tool_choice": "none"}), ("auto", {"tools": tools})):
+        reply = request("POST", server.url + "/v1/chat/completions",
+                        {"model": "tiny", "messages": USER, "max_tokens": 1} | extra)
+        assert reply.status == 200, reply.body
+        usage[name] = reply.json()["usage"]["prompt_tokens"]
+    assert usage["none"] == usage["plain"] < usage["auto"]
 
 
 def test_unknown_route_and_wrong_method_get_json_errors(server):
@@ -412,6 +480,29 @@ def test_a_failure_after_the_first_token_ends_that_stream_with_an_error_event(se
     good_request(server)
 
 
+def test_a_bug_in_the_text_side_ends_the_stream_with_an_error_event(server, monkeypatch):
+    """Not an engine failure: an exception while the server writes a started stream (session 24's review: a bad
+    tool schema did this) becomes an error event and the end of the stream, not a stream that never ends."""
+    from serving import openai_protocol
+    real_push, calls = openai_protocol.Detokenizer.push, []
+
+    def push(self, token):
+        calls.append(token)
+        if len(calls) == 3:
+            raise RuntimeError("injected text-side bug")
+        return real_push(self, token)
+
+    monkeypatch.setattr(openai_protocol.Detokenizer, "push", push)
+    stream = server.client().completions.create(model="tiny", prompt="Once", max_tokens=8, stream=True,
+                                                extra_body={"ignore_eos": True}, timeout=20)
+    with pytest.raises(openai.APIError, match="injected text-side bug"):
+        for _ in stream:
+            pass
+    monkeypatch.undo()
+    wait_all_free(server)
+    good_request(server)
+
+
 def test_an_engine_whose_every_step_fails_fails_each_request_and_health_says_so(server, model, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
@@ -467,6 +558,33 @@ def test_api_key_required_everywhere_but_health(guarded):
         guarded.client("wrong").models.list()
     assert guarded.client(KEY).completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens
     assert metrics(guarded, auth)['fa4_requests_rejected_total{reason="unauthorized"}'] >= 16
+
+
+def test_a_key_that_is_not_utf8_gets_401(guarded):
+    async def raw():
+        reader, writer = await asyncio.open_connection(*guarded.url.removeprefix("http://").split(":"))
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                     b"Connection: close\r\n\r\n")
+        await writer.drain()
+        status = (await reader.readline()).split()[1]
+        writer.close()
+        return int(status)
+
+    assert asyncio.run(raw()) == 401
+    good_request(guarded, {"Authorization": f"Bearer {KEY}"})
+
+
+def test_a_burst_fills_the_free_slots_before_the_queue(model, tokenizer):
+    """Requests that arrive together while run slots are free are not counted as queued (a burst of 4 on 2 slots
+    and a queue of 2 once got 429 for all but 2)."""
+    with live_server(model, tokenizer, engine_config(tokenizer, max_num_seqs=2), Limits(max_queued=2)) as live:
+        async def burst():
+            return await asyncio.gather(*(_request("POST", live.url + "/v1/completions", {
+                "model": "tiny", "prompt": f"burst {i}", "max_tokens": 2}, {"Content-Type": "application/json"})
+                for i in range(4)))
+
+        assert [r.status for r in asyncio.run(burst())] == [200] * 4
+        wait_all_free(live)
 
 
 def test_body_over_the_limit_gets_413(guarded):
