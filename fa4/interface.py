@@ -153,6 +153,8 @@ def flash_attention(q, k, v, *, causal: bool, softmax_scale=None, cu_seqlens_q=N
     """
     _check_inputs(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k, backend)
     TF.check_flags(rescale_threshold, poly_exp2_fraction)
+    if q.numel() == 0:  # no query rows (no sequences, or none with a query): nothing to launch
+        return torch.zeros_like(q)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     reason = triton_unsupported(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, page_table=page_table,
                                 seqused_k=seqused_k)
