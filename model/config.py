@@ -1,10 +1,14 @@
 """Qwen3.5 configuration: one dataclass, read from an HF config.json (flat or VLM-nested) or a preset."""
 import json
-from dataclasses import dataclass, field, replace
+import math
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 _LEGACY_LAYER_TYPES = {"attention": "full_attention", "conv": "linear_attention", "mamba": "linear_attention"}
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # what from_hf reads
+_MAY_BE_ZERO = ("intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size")  # 0 where the MLP is MoE, or dense
 
 
 @dataclass(frozen=True)
@@ -34,13 +38,15 @@ class Qwen35Config:
     eos_token_ids: tuple[int, ...] = field(default=(248044, 248046))
 
     def __post_init__(self):
+        self._check_numbers()
         if not self.layer_types:
             types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
                           for i in range(self.num_hidden_layers))
             object.__setattr__(self, "layer_types", types)
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
         if bad:
-            raise ValueError(f"unknown layer_types entries {sorted(set(bad))}; expected one of {LAYER_TYPES}")
+            raise ValueError(f"unknown layer_types entries {sorted(set(map(str, bad)))}; expected one of "
+                             f"{LAYER_TYPES}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -49,6 +55,29 @@ class Qwen35Config:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}]")
+        if (self.moe_intermediate_size if self.num_experts else self.intermediate_size) < 1:
+            raise ValueError("the MLP needs intermediate_size >= 1 (dense) or moe_intermediate_size >= 1 (MoE)")
+        if self.rotary_dim % 2:
+            raise ValueError(f"head_dim * partial_rotary_factor must be an even rotary width, got {self.rotary_dim}")
+
+    def _check_numbers(self) -> None:
+        """Sizes are ints (not bools): positive, or >= 0 for the MLP's either-or sizes; eps >= 0, rope_theta > 0
+        and partial_rotary_factor in (0, 1] are finite numbers; eos ids are ints."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type is int and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < (0 if f.name in _MAY_BE_ZERO else 1)):
+                raise ValueError(f"{f.name} must be a {'non-negative' if f.name in _MAY_BE_ZERO else 'positive'} "
+                                 f"int, got {value!r}"[:200])
+        for name, low, high, open_low in (("rms_norm_eps", 0.0, math.inf, False), ("rope_theta", 0.0, math.inf, True),
+                                          ("partial_rotary_factor", 0.0, 1.0, True)):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or value < low or (open_low and value == low) or value > high):
+                raise ValueError(f"{name} must be a finite number in {'(' if open_low else '['}{low}, {high}], got "
+                                 f"{value!r}"[:200])
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be ints, got {self.eos_token_ids!r}"[:200])
 
     @property
     def is_moe(self) -> bool:
@@ -74,8 +103,16 @@ class Qwen35Config:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "Qwen35Config":
-        """Build from an HF config dict: flat `qwen3_5_text`/`qwen3_5_moe_text`, or nested under `text_config`."""
+        """Build from an HF config dict: flat `qwen3_5_text`/`qwen3_5_moe_text`, or nested under `text_config`.
+        A config of another model_type (or with a quantization_config) is refused."""
+        if not isinstance(hf, dict) or not isinstance(hf.get("text_config") or {}, dict):
+            raise ValueError("the HF config must be a JSON object (and its text_config one, when given)")
+        if "quantization_config" in hf:
+            raise ValueError("quantized checkpoints are not supported (the config has a quantization_config)")
         text = dict(hf.get("text_config") or hf)
+        for d in (hf, text):
+            if d.get("model_type", MODEL_TYPES[0]) not in MODEL_TYPES:
+                raise ValueError(f"model_type {d['model_type']!r} is not a Qwen3.5 one {MODEL_TYPES}")
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):  # M-RoPE is plain 1-D rope for text
@@ -86,14 +123,25 @@ class Qwen35Config:
         types = text.get("layer_types")
         if types is None:
             interval = text.get("full_attention_interval", 4)
+            if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+                raise ValueError(f"full_attention_interval must be a positive int, got {interval!r}")
+            if not isinstance(n_layers, int):
+                raise ValueError(f"num_hidden_layers must be a positive int, got {n_layers!r}")
             types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
-        types = tuple(_LEGACY_LAYER_TYPES.get(t, t) for t in types)
+        if not isinstance(types, list | tuple):
+            raise ValueError(f"layer_types must be a list, got {types!r}"[:200])
+        types = tuple(_LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in types)
         eos = text.get("eos_token_id", hf.get("eos_token_id"))
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else cls.eos_token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+            raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}"[:200])
         kw = {f: text[f] for f in _HF_FIELDS if f in text}
         # transformers ties a VLM's lm_head by the top-level flag, whatever its text_config says
         tie = hf["tie_word_embeddings"] if hf.get("text_config") and "tie_word_embeddings" in hf \
             else text.get("tie_word_embeddings", False)
+        for name, value in (("rope_theta", theta), ("partial_rotary_factor", partial)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}"[:200])
         return cls(**kw, rope_theta=float(theta), partial_rotary_factor=float(partial), layer_types=types,
                    tie_word_embeddings=bool(tie), eos_token_ids=tuple(sorted(set(eos) | set(cls.eos_token_ids))))
 

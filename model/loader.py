@@ -30,6 +30,7 @@ _BACKBONE_PREFIXES = ("model.language_model.", "language_model.model.", "model."
 _STACKED = {"gate_proj": 0, "up_proj": 1}  # halves of the fused experts' gate_up_proj
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _TIED = {"lm_head.weight": "model.embed_tokens.weight", "model.embed_tokens.weight": "lm_head.weight"}
+FLOAT_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}
 
 
 def canonical_name(name: str) -> str | None:
@@ -69,6 +70,11 @@ class WeightLoader:
         self.skipped = 0
         self.plan = model.plan
         self.other_ranks = 0  # tensors (experts) that only other tensor-parallel ranks hold
+        self.sources: dict[tuple, str] = {}  # (parameter, piece) -> the checkpoint name that filled it
+        self.whole = None  # tensor parallel: a world-size-1 loader on the meta device, for the full shapes
+        if self.plan.sharded:
+            with torch.device("meta"):
+                self.whole = WeightLoader(Qwen35ForCausalLM(model.config))
 
     def _pieces(self, name: str, p: torch.Tensor) -> int:
         if name.endswith("mlp.experts.gate_up_proj"):
@@ -84,6 +90,12 @@ class WeightLoader:
         if name is None:
             self.skipped += 1
             return
+        _check_dtype(hf_name, tensor)
+        if self.whole is not None:  # the whole tensor's shape, before this rank's slice is cut from it
+            full = tuple(tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape())
+            expected = self.whole.expected_shape(name)
+            if expected is not None and full != expected:
+                raise ValueError(f"checkpoint tensor {hf_name} has shape {full}, expected {expected}")
         if self.plan.sharded:
             name = self._local_expert_name(name)
             if name is None:
@@ -102,8 +114,19 @@ class WeightLoader:
         if tied_to and self.filled[tied_to] and not torch.equal(dest, tensor.to(dest.dtype)):
             raise ValueError(f"checkpoint tensor {hf_name} differs from {tied_to}, but the config ties them "
                              "(tie_word_embeddings); the checkpoint's config does not match its weights")
+        if piece in self.filled[target]:
+            raise ValueError(f"checkpoint tensors {self.sources[target, piece]} and {hf_name} both fill {target}"
+                             f"{'' if piece == 'all' else f' (part {piece})'}")
         dest.copy_(tensor.to(dest.dtype))
         self.filled[target].add(piece)
+        self.sources[target, piece] = hf_name
+
+    def expected_shape(self, name: str) -> tuple | None:
+        """The shape the checkpoint tensor `name` (our naming) must have, or None when it fills no parameter."""
+        target, index, _ = self._route(name)
+        if target not in self.params:
+            return None
+        return tuple((self.params[target] if index is None else self.params[target][index]).shape)
 
     def held_elsewhere(self, hf_name: str) -> bool:
         """Whether only other tensor-parallel ranks hold this tensor (an expert of theirs): then it is not read."""
@@ -167,6 +190,15 @@ class WeightLoader:
             log.info("skipped %d tensors (model.visual.*, mtp.*)", self.skipped)
 
 
+def _check_dtype(hf_name: str, tensor) -> None:
+    """Float tensors only: integer, boolean and fp8 ones would be cast into wrong weights (quantized checkpoints
+    are not supported)."""
+    dtype = tensor.dtype if isinstance(tensor, torch.Tensor) else tensor.get_dtype()
+    if dtype not in FLOAT_DTYPES and dtype not in FLOAT_DTYPES.values():
+        raise ValueError(f"checkpoint tensor {hf_name} has dtype {dtype}; the loader takes fp16, bf16, fp32 or fp64 "
+                         "(quantized checkpoints are not supported)")
+
+
 def load_state_dict(model: Qwen35ForCausalLM, state_dict: dict[str, torch.Tensor]) -> Qwen35ForCausalLM:
     """Load an in-memory HF state dict (e.g. a transformers model's) through the checkpoint mapping."""
     loader = WeightLoader(model)
@@ -180,8 +212,14 @@ def checkpoint_files(path: Path) -> dict[Path, set[str] | None]:
     """Each shard to read, with the tensor names the index assigns to it (None: every tensor in the file)."""
     index = path / "model.safetensors.index.json"
     if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+                raise TypeError("weight_map must map tensor names to shard file names")
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{index} is not a safetensors index: {error!r}"[:300]) from None
         shards: dict[Path, set[str]] = {}
-        for name, shard in json.loads(index.read_text())["weight_map"].items():
+        for name, shard in weight_map.items():
             shards.setdefault(path / shard, set()).add(name)
         absent = sorted(f.name for f in shards if not f.is_file())
         if absent:
@@ -193,6 +231,15 @@ def checkpoint_files(path: Path) -> dict[Path, set[str] | None]:
     return dict.fromkeys(files)
 
 
+def _open_safetensors(f: Path):
+    """safe_open, with a file that is not safetensors (truncated, corrupt, a git-lfs pointer, a folder) named in a
+    ValueError."""
+    try:
+        return safe_open(str(f), framework="pt", device="cpu")
+    except Exception as error:  # safetensors raises its own SafetensorError, or OSError
+        raise ValueError(f"{f} is not a readable safetensors file: {error}") from None
+
+
 def load_checkpoint(path, *, device="cpu", dtype=torch.bfloat16, progress: bool = True,
                     tp: ParallelContext | None = None) -> Qwen35ForCausalLM:
     """Build the model from `path/config.json` and load every safetensors shard in `path` (under tp: this rank's
@@ -200,14 +247,19 @@ def load_checkpoint(path, *, device="cpu", dtype=torch.bfloat16, progress: bool 
     path = Path(path)
     if not (path / "config.json").exists():
         raise ValueError(f"{path} has no config.json")
-    cfg = Qwen35Config.from_json(path / "config.json")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {list(FLOAT_DTYPES)}, got {dtype!r}")
+    try:
+        cfg = Qwen35Config.from_json(path / "config.json")
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON: {error}") from None
     model = Qwen35ForCausalLM.empty(cfg, device=device, dtype=dtype, tp=tp)
     loader = WeightLoader(model)
     lazy = model.plan.sharded
     files = checkpoint_files(path)
     with tqdm(total=len(files), desc=f"loading {path.name}", unit="shard", disable=not progress) as bar:
         for f, names in files.items():
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
+            with _open_safetensors(f) as sf:
                 if names is not None and not names <= set(sf.keys()):
                     raise ValueError(f"the index assigns tensors to {f.name} that it does not hold: "
                                      f"{sorted(names - set(sf.keys()))[:8]}")

@@ -21,7 +21,7 @@ import json
 import re
 import secrets
 
-_BLOCK_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION_RE = re.compile(r"<function=([^>\n]+)>(.*)</function>", re.DOTALL)
 _PARAMETER_RE = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
@@ -45,16 +45,16 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None) -> tuple[str, l
     """
     schemas = _parameter_schemas(tools)
     calls: list[dict] = []
-
-    def take(match: re.Match) -> str:
-        call = _parse_block(match.group(1), schemas)
-        if call is None:
-            return match.group(0)
-        calls.append(call)
-        return ""
-
-    content = _BLOCK_RE.sub(take, text)
-    return content.strip(), calls
+    kept, position = [], 0
+    # each opener to the first closer after it; once an opener has no closer, no later one has: one linear scan
+    while (start := text.find(_OPEN, position)) >= 0 and (end := text.find(_CLOSE, start + len(_OPEN))) >= 0:
+        call = _parse_block(text[start + len(_OPEN):end], schemas)
+        kept.append(text[position:start] if call is not None else text[position:end + len(_CLOSE)])
+        if call is not None:
+            calls.append(call)
+        position = end + len(_CLOSE)
+    kept.append(text[position:])
+    return "".join(kept).strip(), calls
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
@@ -107,6 +107,8 @@ def _parse_xml_call(body: str, schemas: dict[str, dict]) -> tuple[str, dict] | N
     if match is None:
         return None
     name, inner = match.group(1).strip(), match.group(2)
+    if not name:
+        return None
     properties = schemas.get(name)
     arguments: dict = {}
     position = 0
@@ -121,18 +123,12 @@ def _parse_xml_call(body: str, schemas: dict[str, dict]) -> tuple[str, dict] | N
 
 def _parse_json_call(body: str) -> tuple[str, dict] | None:
     """(name, arguments) from the older `{"name": ..., "arguments": {...}}` form, or None if malformed."""
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+    call = _strict_json(body)
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"].strip():
         return None
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
+        arguments = _strict_json(arguments)
     if not isinstance(arguments, dict):
         return None
     return call["name"], arguments
@@ -158,13 +154,25 @@ def _typed_value(raw: str, properties: dict | None, key: str):
         return raw
     if "boolean" in types and raw.strip().lower() in ("true", "false"):
         return raw.strip().lower() == "true"
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
+    value = _strict_json(raw, default=raw)
+    if value is raw:
         return raw
     if "string" in types and not _matches(value, types):
         return raw
     return value
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _strict_json(text: str, default=None):
+    """text as strict JSON (no NaN or Infinity, which json.dumps would write back as invalid JSON), or default when
+    it is not: malformed, an integer past Python's digit limit, or nested too deep."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):
+        return default
 
 
 def _schema_types(schema) -> set[str]:

@@ -296,3 +296,95 @@ def test_cache_sizes_must_be_positive(model, batch, max_tokens):
 def test_stream_needs_a_batch_one_cache(model):
     with pytest.raises(ValueError, match="stream needs a batch-1 cache, got batch 2"):
         next(stream(model, model.new_cache(2, 8), [1, 2, 3], 4))
+
+
+# ---- session 24's review: what once loaded silently wrong or crashed deep inside ---------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(hidden_size=-64), "hidden_size must be a positive int"),
+    (dict(hidden_size="64"), "hidden_size must be a positive int"),
+    (dict(num_key_value_heads=0), "num_key_value_heads must be a positive int"),
+    (dict(linear_num_key_heads=0), "linear_num_key_heads must be a positive int"),
+    (dict(vocab_size=True), "vocab_size must be a positive int"),
+    (dict(moe=True, num_experts_per_tok="2"), "num_experts_per_tok must be a non-negative int"),
+    (dict(rms_norm_eps=-1.0), r"rms_norm_eps must be a finite number in \[0.0"),
+    (dict(rms_norm_eps="x"), "rms_norm_eps must be a finite number"),
+    (dict(rope_theta=0.0), r"rope_theta must be a finite number in \(0.0"),
+    (dict(partial_rotary_factor=-0.25), "partial_rotary_factor must be a finite number"),
+    (dict(partial_rotary_factor=1.5), "partial_rotary_factor must be a finite number"),
+    (dict(intermediate_size=0), "the MLP needs intermediate_size >= 1"),
+    (dict(head_dim=60, partial_rotary_factor=0.25), "even rotary width"),
+    (dict(eos_token_ids=("x",)), "eos_token_ids must be ints"),
+])
+def test_config_numbers_are_checked(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(**overrides)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(model_type="llama"), "model_type 'llama' is not a Qwen3.5 one"),
+    (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "quantized checkpoints are not supported"),
+    (lambda c: c.update(layer_types=None, full_attention_interval=0), "full_attention_interval must be a positive"),
+    (lambda c: c.update(eos_token_id="x"), "eos_token_id must be an int or a list of ints"),
+    (lambda c: c.update(layer_types="linear_attention"), "layer_types must be a list"),
+])
+def test_config_json_values_are_checked(saved, tmp_path, edit, message):
+    path = copy_of(saved, tmp_path)
+    edit_config(path, edit)
+    with pytest.raises(ValueError, match=message):
+        load(path)
+
+
+def test_config_json_that_is_not_an_object(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    for text, message in (("[]", "must be a JSON object"), ("{", "is not valid JSON")):
+        (path / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.float8_e4m3fn])
+def test_a_tensor_that_is_not_float_is_refused(saved, tmp_path, dtype):
+    path = copy_of(saved, tmp_path)
+    edit_weights(path, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(dtype)}))
+    with pytest.raises(ValueError, match="checkpoint tensor model.norm.weight has dtype"):
+        load(path)
+
+
+def test_a_tensor_held_twice_is_refused(saved, tmp_path):
+    path = copy_of(saved, tmp_path)
+    save_file({"model.norm.weight": torch.zeros(small_config(False).hidden_size)}, str(path / "zz-old.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="both fill model.norm.weight"):
+        load(path)
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage" * 10, b"version https://git-lfs.github.com/spec/v1\n"])
+def test_a_file_that_is_not_safetensors_is_named(saved, tmp_path, content):
+    path = copy_of(saved, tmp_path)
+    (path / "model.safetensors").write_bytes(content)
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+        load(path)
+
+
+@pytest.mark.parametrize("index", ['{"metadata": {}}', "[]", '{"weight_map": {"model.norm.weight": null}}', "{"])
+def test_a_malformed_index_is_named(saved, tmp_path, index):
+    path = copy_of(saved, tmp_path)
+    (path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match="model.safetensors.index.json is not a safetensors index"):
+        load(path)
+
+
+def test_load_dtype_must_be_a_float_dtype(saved):
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_checkpoint(saved, dtype="bfloat16", progress=False)
+
+
+def test_tensor_parallel_checks_the_whole_shape(saved, tmp_path):
+    # at TP=2 each rank reads its slice; a tensor with an extra row used to lose it silently
+    from model.parallel import ParallelContext
+    path = copy_of(saved, tmp_path)
+    name = "model.layers.3.self_attn.k_proj.weight"
+    edit_weights(path, lambda t: t.update({name: torch.cat([t[name], t[name][:1]])}))
+    with pytest.raises(ValueError, match=f"checkpoint tensor {name} has shape"):
+        load_checkpoint(path, dtype=torch.float32, progress=False, tp=ParallelContext(0, 2))

@@ -322,12 +322,34 @@ def test_parse_json_form():
         '<tool_call>\n{"name": "ping", "arguments": [1]}\n</tool_call>',
         "<tool_call>\n{not json}\n</tool_call>",
         "<tool_call>\n<function=ping>\n</function>",
+        "<tool_call>\n<function= >\n</function>\n</tool_call>",  # no name
+        '<tool_call>\n{"name": " ", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "ping", "arguments": {"a": NaN}}\n</tool_call>',  # not strict JSON
+        "<tool_call>\n" + "[" * 100000 + "\n</tool_call>",  # nested past the recursion limit
+        "<tool_call>" * 5000,  # openers without a closer (this was quadratic in their count)
     ],
 )
 def test_malformed_blocks_stay_as_text(block):
     content, calls = parse_tool_calls(f"before {block} after", [PING])
     assert calls == []
     assert content == f"before {block} after"
+
+
+@pytest.mark.parametrize("raw, kind", [("NaN", "number"), ("-Infinity", "number"), ("1" + "0" * 4400, "integer")])
+def test_values_that_json_cannot_carry_stay_strings(raw, kind):
+    # NaN would be written back as invalid JSON; an integer past Python's digit limit raised out of the parser
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {"type": kind}}}}}
+    text = f"<tool_call>\n<function=f>\n<parameter=x>\n{raw}\n</parameter>\n</function>\n</tool_call>"
+    _, calls = parse_tool_calls(text, [tool])
+    assert json.loads(calls[0]["function"]["arguments"]) == {"x": raw}
+
+
+@pytest.mark.parametrize("parameters", ["abc", [1], {"properties": "x"}, {"properties": {"x": {"anyOf": 5}}}])
+def test_malformed_schemas_are_read_without_raising(parameters):
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    text = "<tool_call>\n<function=f>\n<parameter=x>\n3\n</parameter>\n</function>\n</tool_call>"
+    _, calls = parse_tool_calls(text, [tool])
+    assert json.loads(calls[0]["function"]["arguments"]) == {"x": 3}
 
 
 def test_parse_without_tools_keeps_strings():
