@@ -158,7 +158,10 @@ def _system_turn(messages: list[dict], contents: list[str], tools: list[dict] | 
         return [] if system is None else [IM_START, "system\n" + system, IM_END, "\n"]
     segments: list[Segment] = [IM_START, "system\n" + _TOOLS_HEADER]
     for tool in _check_tools(tools):
-        segments.append("\n" + json.dumps(tool, ensure_ascii=False))
+        try:
+            segments.append("\n" + json.dumps(tool, ensure_ascii=False))
+        except (TypeError, ValueError, RecursionError) as err:
+            raise ValueError(f"a tool definition is not JSON ({type(err).__name__})") from None
     segments += _template_text(_TOOLS_INSTRUCTIONS)
     if system:
         segments.append("\n\n" + system)
@@ -224,7 +227,10 @@ def _tool_call_body(call) -> str:
         raise ValueError("assistant tool call has no function name")
     lines = [f"\n<function={name}>\n"]
     for key, value in _call_arguments(function.get("arguments"), name).items():
-        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        try:
+            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError) as err:  # a set, NaN rules, nesting past the limit
+            raise ValueError(f"tool call {name!r}: argument {key!r} is not JSON ({type(err).__name__})") from None
         lines.append(f"<parameter={key}>\n{text}\n</parameter>\n")
     return "".join(lines) + "</function>\n"
 
@@ -236,8 +242,9 @@ def _call_arguments(arguments, name: str) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"tool call {name!r}: arguments are not valid JSON ({err})") from None
+        except (ValueError, RecursionError) as err:  # JSONDecodeError, an integer past the digit limit, deep nesting
+            raise ValueError(f"tool call {name!r}: arguments are not valid JSON ({type(err).__name__}: "
+                             f"{str(err)[:200]})") from None
     if not isinstance(arguments, dict):
         raise ValueError(f"tool call {name!r}: arguments must be a JSON object, got {type(arguments).__name__}")
     return arguments

@@ -253,6 +253,27 @@ def test_tool_output_and_arguments_cannot_forge_control_tokens(tok):
             None,
             "not valid JSON",
         ),
+        (
+            [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100000}}]},
+            ],
+            None,
+            "not valid JSON",
+        ),
+        (
+            [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": {1, 2}}}}]},
+            ],
+            None,
+            "argument 'a' is not JSON",
+        ),
+        (
+            [{"role": "user", "content": "x"}],
+            [{"type": "function", "function": {"name": "f", "parameters": {"properties": "x"}}}],
+            "parameters must be a JSON-schema object",
+        ),
     ],
 )
 def test_bad_input_raises_value_error(tok, messages, tools, problem):
