@@ -6,7 +6,10 @@ then cold waiting requests, in arrival order. Prefill chunks end on page boundar
 snapshotted for the prefix cache; the snapshots a chunk passes (the prompt's last page boundary, a branch point)
 are written by the step itself into reserved slots (model.step snapshot_offsets), so that a returning turn is
 one step. When a running sequence cannot get a page, the newest running sequence is preempted: its pages go back
-(computed full pages stay cached), and it waits to be recomputed, mostly from the prefix cache.
+(computed full pages stay cached), and it waits to be recomputed, mostly from the prefix cache. When a running
+prefills' next chunks want more pages than are free, running prefills go before any admission (fast lane included),
+oldest first: admissions would take the pages, and newcomers admitted and preempted in turn would starve the
+running prefills forever (found by session 24's engine fuzzer).
 """
 from collections import deque
 
@@ -54,22 +57,42 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         chunks = self._schedule_decodes(budget)
         budget -= len(chunks)
+        running_first = self._prefills_short_of_pages(budget, chunks)
+        if running_first:
+            budget = self._continue_prefills(budget, chunks)
         hits = {seq.id: self._prefix_hit(seq) for seq in self.waiting}
         fast = [s for s in self.waiting if hits[s.id][0] and s.num_tokens - self._hit_tokens(hits[s.id])
                 <= self.cfg.fast_lane_tokens]
         for seq in fast:
-            budget = self._try_admit(seq, hits[seq.id], budget, chunks)
-        scheduled = {c.seq.id for c in chunks}
-        for seq in [s for s in self.running if s.id not in scheduled]:
-            budget = self._continue_prefill(seq, budget, chunks)
+            budget = self._try_admit(seq, budget, chunks)
+        if not running_first:
+            budget = self._continue_prefills(budget, chunks)
         for seq in list(self.waiting):
             if seq in fast:
                 continue
             before = len(chunks)
-            budget = self._try_admit(seq, hits[seq.id], budget, chunks)
+            budget = self._try_admit(seq, budget, chunks)
             if len(chunks) == before:
                 break  # cold requests keep their order: a large one is not overtaken forever
         return chunks
+
+    def _prefills_short_of_pages(self, budget: int, chunks: list[ScheduledChunk]) -> bool:
+        """Whether the running prefills not yet in chunks want more pages for their next chunks (each up to
+        budget) than are free, together."""
+        scheduled = {c.seq.id for c in chunks}
+        wanted = 0
+        for seq in self.running:
+            if seq.id not in scheduled and seq.num_uncomputed_tokens:
+                end = min(seq.num_tokens, seq.num_computed_tokens + max(budget, 1))
+                wanted += max(0, -(-end // self.page_size) - len(seq.pages))
+        return wanted > self.block_manager.num_available_pages
+
+    def _continue_prefills(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """The next chunk of each running prefill not yet in chunks, oldest first."""
+        scheduled = {c.seq.id for c in chunks}
+        for seq in [s for s in self.running if s.id not in scheduled]:
+            budget = self._continue_prefill(seq, budget, chunks)
+        return budget
 
     def _schedule_decodes(self, budget: int, preempt: bool = True) -> list[ScheduledChunk]:
         """A decode of each running sequence at its last token, up to budget; a page for it preempts the newest
@@ -153,14 +176,13 @@ class Scheduler:
     def _hit_tokens(self, hit: tuple[list[int], int | None]) -> int:
         return len(hit[0]) * self.page_size
 
-    def _try_admit(self, seq: Sequence, hit: tuple[list[int], int | None], budget: int,
-                   chunks: list[ScheduledChunk]) -> int:
-        """Start a waiting seq from its prefix hit if a state slot, budget and pages allow."""
+    def _try_admit(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """Start a waiting seq from its prefix hit if a state slot, budget and pages allow. The hit is looked up
+        here, not at the start of the step: allocations earlier in the step may have evicted its pages (or its
+        snapshot) and handed them to another sequence, which seq would then share."""
         if not self.free_state_slots or budget <= 0:
             return budget
-        hit_pages, key = hit
-        if key is not None and key not in self.state_cache:  # evicted by a reservation earlier in this step
-            hit_pages, key = self._prefix_hit(seq)
+        hit_pages, key = self._prefix_hit(seq)
         start = len(hit_pages) * self.page_size
         n, point = self.plan_chunk(seq, start, budget)
         self.block_manager.share_prefix(seq, hit_pages)

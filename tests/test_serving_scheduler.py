@@ -80,3 +80,59 @@ def test_snapshot_inside_a_chunk_falls_back_without_a_free_slot(model):
     engine.state_cache.reserve()  # now no slot can be had
     chunks = engine.scheduler.schedule()
     assert [(c.start, c.num_tokens) for c in chunks] == [(0, 8)] and seq.pending_snapshot_slot is None
+
+
+# ---- found by session 24's engine fuzzer ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def varied_model():
+    """tiny with a 1024-token vocabulary and random weights everywhere: varied greedy outputs (the preset's own init
+    repeats one token), so a wrong KV page shows in the tokens."""
+    from model.config import get_preset
+    from tests.hf_oracle import randomize_
+    m = Qwen35ForCausalLM.random(get_preset("tiny", vocab_size=1024), seed=0)
+    randomize_(m, 0)
+    return m.eval()
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_prefix_hit_is_looked_up_when_admitted(varied_model):
+    # X's last chunk, scheduled before W's admission in the same step, evicts A's last cached page and takes it;
+    # W's hit, looked up at the start of the step, still named that page: W shared X's page and decoded [232, 9]
+    from model.generate import greedy
+    eng = LLMEngine(varied_model, EngineConfig(num_pages=9, page_size=4, max_num_seqs=2, snapshot_slots=8,
+                                               max_num_batched_tokens=8, fast_lane_tokens=0, interleave_slices=0,
+                                               decode_ahead=False))
+    a, b, x = random_prompt(12, 1), random_prompt(5, 2), random_prompt(22, 3)
+    eng.generate([a], SamplingParams(max_tokens=1))
+    eng.generate([b], SamplingParams(max_tokens=1))
+    w = a + random_prompt(3, 60)  # hits A's 3 pages and their snapshot; cold (fast lane off)
+    ix, iw = (eng.add_request(p, SamplingParams(max_tokens=2)) for p in (x, w))
+    while eng.has_unfinished:
+        eng.step()
+        bm = eng.block_manager
+        assert not any(r > 1 and bm.hash_of_page[p] is None for p, r in enumerate(bm.refcount)), \
+            "an uncached page is shared"
+    for i, p in ((ix, x), (iw, w)):
+        assert eng.pop_output(i).output_ids == greedy(varied_model, torch.tensor([p]), 2)[0].tolist()
+
+
+def test_running_prefills_that_outgrow_the_pool_finish(varied_model):
+    # two running prefills need more pages than the pool holds; newcomers from the fast lane were admitted and
+    # preempted in turn, every step, and the running prefills never got a page (a livelock: no token for ever)
+    eng = LLMEngine(varied_model, EngineConfig(num_pages=40, page_size=1, max_num_seqs=4, snapshot_slots=7,
+                                               max_num_batched_tokens=7, fast_lane_tokens=512))
+    p1 = random_prompt(38, 712)
+    p7 = p1[:4] + random_prompt(24, 305)
+    requests = [(random_prompt(1, 1024), 1), (p1, 1), (random_prompt(1, 3843), 11), (p1[:1], 1), (p1, 1),
+                (random_prompt(1, 0), 1), (random_prompt(1, 3843), 1), (p7, 1), (p7[:8], 19), (p7, 2)]
+    ids = [eng.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in requests]
+    for _ in range(500):
+        if not eng.has_unfinished:
+            break
+        eng.step()
+    assert not eng.has_unfinished, f"stuck: {eng.scheduler.num_preemptions} preemptions"
+    assert [len(eng.pop_output(i).output_ids) for i in ids] == [m for _, m in requests]
