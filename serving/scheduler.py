@@ -8,8 +8,9 @@ are written by the step itself into reserved slots (model.step snapshot_offsets)
 one step. When a running sequence cannot get a page, the newest running sequence is preempted: its pages go back
 (computed full pages stay cached), and it waits to be recomputed, mostly from the prefix cache. When a running
 prefills' next chunks want more pages than are free, running prefills go before any admission (fast lane included),
-oldest first: admissions would take the pages, and newcomers admitted and preempted in turn would starve the
-running prefills forever (found by session 24's engine fuzzer).
+oldest first; otherwise the fast lane may go first but must leave them those pages. Admissions would take the pages,
+and newcomers admitted and preempted in turn would starve the running prefills forever (found by session 24's engine
+fuzzer).
 """
 from collections import deque
 
@@ -57,14 +58,15 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         chunks = self._schedule_decodes(budget)
         budget -= len(chunks)
-        running_first = self._prefills_short_of_pages(budget, chunks)
+        wanted = self._pages_wanted_by_prefills(budget, chunks)
+        running_first = wanted > self.block_manager.num_available_pages
         if running_first:
             budget = self._continue_prefills(budget, chunks)
         hits = {seq.id: self._prefix_hit(seq) for seq in self.waiting}
         fast = [s for s in self.waiting if hits[s.id][0] and s.num_tokens - self._hit_tokens(hits[s.id])
                 <= self.cfg.fast_lane_tokens]
         for seq in fast:
-            budget = self._try_admit(seq, budget, chunks)
+            budget = self._try_admit(seq, budget, chunks, keep_free=0 if running_first else wanted)
         if not running_first:
             budget = self._continue_prefills(budget, chunks)
         for seq in list(self.waiting):
@@ -76,16 +78,15 @@ class Scheduler:
                 break  # cold requests keep their order: a large one is not overtaken forever
         return chunks
 
-    def _prefills_short_of_pages(self, budget: int, chunks: list[ScheduledChunk]) -> bool:
-        """Whether the running prefills not yet in chunks want more pages for their next chunks (each up to
-        budget) than are free, together."""
+    def _pages_wanted_by_prefills(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """The pages the running prefills not yet in chunks want for their next chunks (each up to budget)."""
         scheduled = {c.seq.id for c in chunks}
         wanted = 0
         for seq in self.running:
             if seq.id not in scheduled and seq.num_uncomputed_tokens:
                 end = min(seq.num_tokens, seq.num_computed_tokens + max(budget, 1))
                 wanted += max(0, -(-end // self.page_size) - len(seq.pages))
-        return wanted > self.block_manager.num_available_pages
+        return wanted
 
     def _continue_prefills(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         """The next chunk of each running prefill not yet in chunks, oldest first."""
@@ -176,18 +177,20 @@ class Scheduler:
     def _hit_tokens(self, hit: tuple[list[int], int | None]) -> int:
         return len(hit[0]) * self.page_size
 
-    def _try_admit(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk]) -> int:
-        """Start a waiting seq from its prefix hit if a state slot, budget and pages allow. The hit is looked up
-        here, not at the start of the step: allocations earlier in the step may have evicted its pages (or its
-        snapshot) and handed them to another sequence, which seq would then share."""
+    def _try_admit(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk], keep_free: int = 0) -> int:
+        """Start a waiting seq from its prefix hit if a state slot, budget and pages allow, leaving keep_free pages
+        available (for running prefills scheduled after it). The hit is looked up here, not at the start of the
+        step: allocations earlier in the step may have evicted its pages (or its snapshot) and handed them to
+        another sequence, which seq would then share."""
         if not self.free_state_slots or budget <= 0:
             return budget
         hit_pages, key = self._prefix_hit(seq)
         start = len(hit_pages) * self.page_size
         n, point = self.plan_chunk(seq, start, budget)
-        self.block_manager.share_prefix(seq, hit_pages)
-        if not self.block_manager.allocate(seq, start + n):
-            self.block_manager.free(seq)
+        bm = self.block_manager
+        bm.share_prefix(seq, hit_pages)  # hit pages that were only cached are taken now: no longer available
+        if bm.pages_needed(seq, start + n) > bm.num_available_pages - keep_free or not bm.allocate(seq, start + n):
+            bm.free(seq)
             return budget
         seq.state_slot = self.free_state_slots.pop()
         if key is None:

@@ -136,3 +136,33 @@ def test_running_prefills_that_outgrow_the_pool_finish(varied_model):
         eng.step()
     assert not eng.has_unfinished, f"stuck: {eng.scheduler.num_preemptions} preemptions"
     assert [len(eng.pop_output(i).output_ids) for i in ids] == [m for _, m in requests]
+
+
+def test_the_fast_lane_leaves_running_prefills_their_pages():
+    # a one-token budget, 6 pages of 8: after a preemption freed two pages, a fast-lane newcomer took them (its hit
+    # page back from the cache, and a new one) before the two starved running prefills, was preempted in its turn,
+    # and so on: no token for 400+ steps. The requests as that fuzzer run sent them (tests/data).
+    import json
+    from pathlib import Path
+
+    from model.config import get_preset
+    from tests.hf_oracle import randomize_
+    case = json.loads((Path(__file__).parent / "data" / "scheduler_livelock_fast_lane.json").read_text())
+    m = Qwen35ForCausalLM.random(get_preset("tiny", vocab_size=1024, layer_types=(
+        "linear_attention", "full_attention", "linear_attention", "full_attention")), seed=0)
+    randomize_(m, 0)
+    config = EngineConfig(**{**case["config"], "eos_token_ids": tuple(case["config"]["eos_token_ids"])})
+    eng = LLMEngine(m.eval(), config, pad_decode=case["pad_decode"])
+    ids = []
+    for r in case["requests"]:
+        for _ in range(r["steps_before"]):
+            if eng.has_unfinished:
+                eng.step()
+        ids.append(eng.add_request(r["prompt"], SamplingParams(max_tokens=r["max_tokens"], ignore_eos=r["ignore_eos"],
+                                                               stop_token_ids=tuple(r["stop_token_ids"]))))
+    for _ in range(1000):
+        if not eng.has_unfinished:
+            break
+        eng.step()
+    assert not eng.has_unfinished, f"stuck: {eng.scheduler.num_preemptions} preemptions"
+    assert all(eng.pop_output(i).finish_reason in ("stop", "length") for i in ids)
