@@ -49,14 +49,16 @@ def check_same_device(**tensors) -> None:
 
 def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, host=None) -> list[int]:
     """cu: (B+1,) int32/int64, starting at 0, non-decreasing, ending at `total`. Returns its values: `host`, the
-    caller's host copy of them, checked in place of cu's (no device read), or cu read once (a host sync for a GPU
-    tensor, which callers can reuse)."""
+    caller's host copy of them, checked in place of cu's (no device read; compared with cu when cu is on the
+    CPU), or cu read once (a host sync for a GPU tensor, which callers can reuse)."""
     check_tensor(name, cu, ndim=1, dtype=(torch.int32, torch.int64))
     if cu.numel() < 2:
         raise ValueError(f"{name} needs at least 2 entries, got {cu.numel()}")
     if host is not None and (len(host) != cu.numel() or not all(isinstance(x, int) for x in host)):
         raise ValueError(f"{name}_host must be {cu.numel()} host ints (a copy of {name}), got {host!r}"[:300])
     c = cu.tolist() if host is None else list(host)
+    if host is not None and cu.device.type == "cpu" and cu.tolist() != c:  # a free comparison off the GPU
+        raise ValueError(f"{name}_host {c} is not a copy of {name} {cu.tolist()}"[:300])
     if c[0] != 0 or c[-1] != total or any(b < a for a, b in zip(c, c[1:])):
         raise ValueError(f"{name if host is None else name + '_host'} must rise from 0 to {total}, got {c}")
     return c

@@ -349,3 +349,11 @@ def test_paged_decode_metadata_within_bounds_matches_the_reference():
     out = PD.paged_decode_attention(q, k_pages, v_pages, wide, lens, cu_seqlens_q=cu, max_seqlen_q=3)
     ref = R.paged_attention(q, k_pages, v_pages, table, lens, cu_seqlens_q=cu)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_host_copy_of_cu_seqlens_must_match_it_off_the_gpu():
+    x, w, pool, slots, cu = _conv_args()
+    if cu.is_cuda:
+        pytest.skip("on the GPU the host copy is trusted (comparing would sync)")
+    with pytest.raises(ValueError, match=r"cu_seqlens_host \[0, 4, 8\] is not a copy of cu_seqlens \[0, 3, 8\]"):
+        CC.causal_conv1d_varlen(x, w, pool, slots, cu, cu_seqlens_host=(0, 4, 8))
