@@ -442,6 +442,10 @@ def main(argv=None) -> None:
     if args.tp > 1:  # rank 0 here; ranks 1..N-1 in spawned workers that build the same engine
         if device.type == "cuda" and torch.cuda.device_count() < args.tp:
             raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs; {torch.cuda.device_count()} are visible")
+        try:
+            tp_worker.check_splits(args.model, args.tp)
+        except ValueError as error:
+            raise SystemExit(f"--tp {args.tp}: {error}") from None
         tp, workers = tp_worker.launch(args.tp, args.model, device.type, cfg, backend)
         device = tp_worker.rank_device(device.type, 0)
     model, what = load_model(args.model, device, tp=tp)

@@ -85,6 +85,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--out", help="write DIR/tp.json")
     args = ap.parse_args(argv)
+    if min(args.tp) < 1:
+        raise SystemExit(f"--tp takes sizes >= 1, got {args.tp}")
     if args.device == "cuda" and max(args.tp) > torch.cuda.device_count():
         raise SystemExit(f"--tp {max(args.tp)} needs that many GPUs; {torch.cuda.device_count()} are visible")
     rows = [run(n, args) for n in args.tp]

@@ -219,7 +219,10 @@ def worker_main(rank: int, world_size: int, init_method: str, model_spec: str, d
                 ops_backend: str) -> None:
     """A worker rank: join the group, build its slice of the model and the same engine, then serve_worker."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 ends the workers
+    # Ctrl-C (and a service manager's SIGTERM) reach the whole process group: rank 0 drains its requests, then ends
+    # the workers with "stop" (gloo and NCCL notice a rank 0 that dies)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from model import ops
     from serving.demo import load_model
     from serving.engine import LLMEngine
@@ -232,6 +235,17 @@ def worker_main(rank: int, world_size: int, init_method: str, model_spec: str, d
         serve_worker(LLMEngine(model, engine_cfg))
     finally:
         dist.destroy_process_group()
+
+
+def check_splits(model_spec: str, world_size: int) -> None:
+    """Raise ValueError naming the dimension that world_size ranks cannot split, before any process is spawned."""
+    from pathlib import Path
+
+    from model.config import Qwen35Config, get_preset
+    from model.parallel import ParallelContext, ShardPlan
+    path = Path(model_spec)
+    cfg = Qwen35Config.from_json(path / "config.json") if path.is_dir() else get_preset(model_spec)
+    ShardPlan.build(cfg, ParallelContext(0, world_size))
 
 
 def free_port() -> int:

@@ -257,6 +257,14 @@ def test_server_takes_tp():
     assert parse_args(["--tp", "2"]).tp == 2 and parse_args([]).tp == 1
 
 
+@pytest.mark.parametrize("tp, message", [(3, "num_attention_heads"), (4, "linear_num_key_heads")])
+def test_a_split_the_model_cannot_take_is_refused_before_spawning(monkeypatch, tp, message):
+    from serving import server, tp_worker
+    monkeypatch.setattr(tp_worker, "launch", lambda *a, **k: pytest.fail("spawned workers"))
+    with pytest.raises(SystemExit, match=f"--tp {tp}: {message}"):
+        server.main(["--model", "tiny", "--device", "cpu", "--tp", str(tp)])
+
+
 def test_tp1_engine_has_no_link():
     engine = LLMEngine(Qwen35ForCausalLM.random(small_config(), seed=0), S.engine_config("cpu"))
     assert engine.link is None and engine.runner.link is None and type(engine.pools).__name__ == "CachePools"
