@@ -89,6 +89,10 @@ class AsyncEngine:
         self._solo: int | None = None
         self._parked: list = []
         self.consecutive_failures = 0  # failed steps since the last good one
+        # tensor parallel: a failed step may leave a rank inside a collective the others never join, so the group
+        # cannot be trusted again: the loop fails every request and stops (/health: "engine stopped"); the server
+        # then kills the workers instead of asking them to stop (session 24's review: a hang with /health "ok")
+        self.broken: Exception | None = None
         self.stats = EngineStats()
         self._refresh_stats()
 
@@ -118,6 +122,9 @@ class AsyncEngine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         stream = RequestStream(prompt_ids, params)
+        if self.broken is not None:
+            stream.fail(EngineFailure(f"the engine has stopped: {self.broken!r}"))
+            return stream
         self._adds.append(stream)
         self._wake.set()
         return stream
@@ -137,7 +144,7 @@ class AsyncEngine:
     # ---- the loop task -----------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        while True:
+        while self.broken is None:
             try:
                 await self._iteration()
             except Exception as error:  # noqa: BLE001 - a bug here must not leave requests hanging forever
@@ -156,6 +163,14 @@ class AsyncEngine:
             outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step)
         except Exception as error:  # noqa: BLE001 - one request's fault must not stop the server
             self.consecutive_failures += 1
+            if self.engine.link is not None:
+                log.error("a tensor-parallel step failed (%r): the ranks may be out of step; stopping", error)
+                self.broken = error
+                self._fail_everything(error)
+                for stream in self._adds:
+                    stream.fail(EngineFailure(f"the engine has stopped: {error!r}"))
+                self._adds = []
+                return
             self._step_failed(error)
             return
         self.consecutive_failures = 0

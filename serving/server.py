@@ -457,15 +457,21 @@ def main(argv=None) -> None:
     limits = Limits(args.api_key, args.max_body_bytes, args.max_queued)
     log.info("serving %s on %s as '%s' at http://%s:%d (API key %s)", what, device, name, args.host, args.port,
              "required" if args.api_key else "off")
+    app = create_app(engine, tokenizer, name, max_len, limits, aliases=(args.model,))
     try:
-        web.run_app(create_app(engine, tokenizer, name, max_len, limits, aliases=(args.model,)),
-                    host=args.host, port=args.port, print=None)
+        web.run_app(app, host=args.host, port=args.port, print=None)
     finally:
         if workers:  # tensor parallel: stop the workers' loops (they are daemons: they end with this process anyway)
-            try:
-                engine.close()
-            except RuntimeError as error:
-                log.warning("could not stop the tensor-parallel workers cleanly: %s", error)
+            state = app.get(STATE)
+            if state is not None and state.engine.broken is not None:  # a worker may wait in a collective for ever
+                log.warning("the tensor-parallel group failed: killing the workers")
+                for p in workers:
+                    p.kill()
+            else:
+                try:
+                    engine.close()
+                except RuntimeError as error:
+                    log.warning("could not stop the tensor-parallel workers cleanly: %s", error)
             for p in workers:
                 p.join(timeout=30)
 

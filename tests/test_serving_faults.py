@@ -520,6 +520,26 @@ def test_an_engine_whose_every_step_fails_fails_each_request_and_health_says_so(
     wait_all_free(server)
 
 
+def test_a_failed_tensor_parallel_step_stops_the_engine(model, tokenizer, monkeypatch):
+    """Under tensor parallelism a failed step may leave a worker inside a collective that rank 0 never joins (session
+    24's review: every request hung and /health said ok). The loop fails the request and stops: /health says so and
+    later requests fail at once."""
+    with live_server(model, tokenizer, engine_config(tokenizer)) as live:
+        monkeypatch.setattr(live.engine, "link", object())  # what AsyncEngine asks: is this engine tensor parallel
+        monkeypatch.setattr(model, "forward_step_layers", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("rank")))
+        error = assert_openai_error(request("POST", live.url + "/v1/completions",
+                                            {"model": "tiny", "prompt": "hi", "max_tokens": 2}), 500)
+        assert "rank" in error["message"]
+        reply = request("GET", live.url + "/health")
+        assert reply.status == 503 and reply.json()["status"] == "engine stopped"
+        monkeypatch.undo()
+        start = time.perf_counter()
+        error = assert_openai_error(request("POST", live.url + "/v1/completions",
+                                            {"model": "tiny", "prompt": "hi", "max_tokens": 2}), 500)
+        assert "the engine has stopped" in error["message"] and time.perf_counter() - start < 5
+        assert live.app[STATE].engine.broken is not None
+
+
 def test_a_bug_in_the_engine_loop_fails_the_requests_in_flight_not_the_server(server, monkeypatch):
     real_dispatch = server.aengine._dispatch
 
