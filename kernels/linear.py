@@ -31,7 +31,7 @@ from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
 from kernels.row_buckets import DOT_MAX_ROWS, GEMV_MAX_ROWS, MATMUL_ROW_BUCKET, padded_operand, padded_rows
 from model import ops
-from reference._checks import check_real, check_tensor
+from reference._checks import check_real, check_tensor, is_int
 
 MAX_ROWS = GEMV_MAX_ROWS
 # what the GEMV multiplies (its INPUT): x, silu(gate) * up of x = [gate | up], rms_norm(x [+ residual])
@@ -235,7 +235,7 @@ def _checked_plan(plan, fields: tuple[str, ...]):
     if plan is None:
         return None
     if (not isinstance(plan, tuple) or len(plan) != len(fields)
-            or not all(isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in plan)
+            or not all(is_int(p) and p > 0 for p in plan)
             or any(p & (p - 1) for p, f in zip(plan, fields) if f.startswith("BLOCK") or f == "num_warps")):
         raise ValueError(f"plan must be None or ({', '.join(fields)}), positive ints (powers of two but STAGES and "
                          f"SPLIT), got {plan!r}"[:300])

@@ -96,7 +96,7 @@ from kernels import pdl
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import triton_runs_on
 from kernels.varlen import sequence_span
-from reference._checks import check_cu_seqlens, check_page_table, check_real, check_same_device, check_tensor
+from reference._checks import check_cu_seqlens, check_page_table, check_real, check_same_device, check_tensor, is_int
 
 MAX_Q_LEN = 2048  # query tokens per sequence the kernel takes (a whole prefill chunk of the engine's default budget)
 ALWAYS_Q_LEN = 512  # chunks up to this always run here; longer ones only where the split pays (`split_kv_pays`)
@@ -136,7 +136,7 @@ def alloc_workspace(max_tokens: int, num_heads: int, max_splits: int, head_dim: 
     """Scratch for any call with N <= max_tokens query tokens and num_splits <= max_splits."""
     for name, value in (("max_tokens", max_tokens), ("num_heads", num_heads), ("max_splits", max_splits),
                         ("head_dim", head_dim)):
-        if not _is_int(value) or value < 0:
+        if not is_int(value) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     rows = max_tokens * num_heads * max_splits
     return DecodeWorkspace(torch.empty(rows * head_dim, device=device, dtype=torch.float32),
@@ -507,7 +507,7 @@ def _check_shapes(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, max_
     else:
         if cu_seqlens_q.shape[0] != batch + 1:
             raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries for a page_table of batch {batch}")
-        if not _is_int(max_seqlen_q) or max_seqlen_q < 1:
+        if not is_int(max_seqlen_q) or max_seqlen_q < 1:
             raise ValueError(f"max_seqlen_q must be a positive host int with cu_seqlens_q, got {max_seqlen_q!r}")
         q_len = max_seqlen_q
     if not 1 <= q_len <= MAX_Q_LEN:
@@ -528,10 +528,6 @@ def _check_metadata(q, k_pages, page_table, seqused_k, cu_seqlens_q, q_len: int)
     page_size = k_pages.shape[1]
     lens = seqused_k.clamp(0, page_table.shape[1] * page_size)  # the kernels clamp seqused_k so
     check_page_table(page_table, lens, page_size, k_pages.shape[0])
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_workspace(workspace, rows: int, head_dim: int, device):
@@ -572,7 +568,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         raise ValueError(f"block_m must be None or one of 16, 32, 64, 128, got {block_m!r}")
     if not isinstance(rescale_threshold, (int, float)) or not 0 <= rescale_threshold <= 15:
         raise ValueError(f"rescale_threshold must be in [0, 15] (P <= 2^threshold), got {rescale_threshold!r}")
-    if max_seqlen_k is not None and (not _is_int(max_seqlen_k) or max_seqlen_k < 0):
+    if max_seqlen_k is not None and (not is_int(max_seqlen_k) or max_seqlen_k < 0):
         raise ValueError(f"max_seqlen_k must be None or a non-negative host int, got {max_seqlen_k!r}")
     scale = check_real("softmax_scale", softmax_scale, positive=True) if softmax_scale is not None else \
         1.0 / math.sqrt(q.shape[-1])
@@ -588,7 +584,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_seqlen_k or capacity, _num_sms(q.device),
                                        m_blocks=tile.m_blocks, programs_per_sm=tile.programs_per_sm)
-    if not _is_int(num_splits) or not 1 <= num_splits <= 256:
+    if not is_int(num_splits) or not 1 <= num_splits <= 256:
         raise ValueError(f"num_splits must be an int in 1..256, got {num_splits!r}")
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
     q3, out3 = q.flatten(0, -3), out.view(-1, num_heads, head_dim)  # (N, H, D)

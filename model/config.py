@@ -1,8 +1,9 @@
 """Qwen3.5 configuration: one dataclass, read from an HF config.json (flat or VLM-nested) or a preset."""
 import json
-import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+
+from reference._checks import check_real, is_int, is_real
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 _LEGACY_LAYER_TYPES = {"attention": "full_attention", "conv": "linear_attention", "mamba": "linear_attention"}
@@ -65,18 +66,13 @@ class Qwen35Config:
         and partial_rotary_factor in (0, 1] are finite numbers; eos ids are ints."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type is int and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < (0 if f.name in _MAY_BE_ZERO else 1)):
+            if f.type is int and (not is_int(value) or value < (0 if f.name in _MAY_BE_ZERO else 1)):
                 raise ValueError(f"{f.name} must be a {'non-negative' if f.name in _MAY_BE_ZERO else 'positive'} "
                                  f"int, got {value!r}"[:200])
-        for name, low, high, open_low in (("rms_norm_eps", 0.0, math.inf, False), ("rope_theta", 0.0, math.inf, True),
-                                          ("partial_rotary_factor", 0.0, 1.0, True)):
-            value = getattr(self, name)
-            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                    or value < low or (open_low and value == low) or value > high):
-                raise ValueError(f"{name} must be a finite number in {'(' if open_low else '['}{low}, {high}], got "
-                                 f"{value!r}"[:200])
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.eos_token_ids):
+        check_real("rms_norm_eps", self.rms_norm_eps)
+        check_real("rope_theta", self.rope_theta, positive=True)
+        check_real("partial_rotary_factor", self.partial_rotary_factor, positive=True, high=1.0)
+        if not all(is_int(t) for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids must be ints, got {self.eos_token_ids!r}"[:200])
 
     @property
@@ -123,7 +119,7 @@ class Qwen35Config:
         types = text.get("layer_types")
         if types is None:
             interval = text.get("full_attention_interval", 4)
-            if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            if not is_int(interval) or interval < 1:
                 raise ValueError(f"full_attention_interval must be a positive int, got {interval!r}")
             if not isinstance(n_layers, int):
                 raise ValueError(f"num_hidden_layers must be a positive int, got {n_layers!r}")
@@ -133,15 +129,15 @@ class Qwen35Config:
         types = tuple(_LEGACY_LAYER_TYPES.get(t, t) if isinstance(t, str) else t for t in types)
         eos = text.get("eos_token_id", hf.get("eos_token_id"))
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else cls.eos_token_ids)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+        if not all(is_int(t) for t in eos):
             raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}"[:200])
         kw = {f: text[f] for f in _HF_FIELDS if f in text}
         # transformers ties a VLM's lm_head by the top-level flag, whatever its text_config says
         tie = hf["tie_word_embeddings"] if hf.get("text_config") and "tie_word_embeddings" in hf \
             else text.get("tie_word_embeddings", False)
         for name, value in (("rope_theta", theta), ("partial_rotary_factor", partial)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {value!r}"[:200])
+            if not is_real(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}"[:200])
         return cls(**kw, rope_theta=float(theta), partial_rotary_factor=float(partial), layer_types=types,
                    tie_word_embeddings=bool(tie), eos_token_ids=tuple(sorted(set(eos) | set(cls.eos_token_ids))))
 

@@ -19,12 +19,22 @@ def check_tensor(name: str, t, *, ndim=None, dtype=None, device=None, contiguous
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
-def check_real(name: str, value, *, positive: bool = False) -> float:
-    """A finite real number (not a bool), >= 0, or > 0 when positive: an eps or a softmax scale. Returns it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, "
-                         f"got {value!r}"[:300])
+def is_int(value) -> bool:
+    """A host int, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    """A finite host int or float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_real(name: str, value, *, positive: bool = False, high: float = math.inf) -> float:
+    """A finite real number (not a bool), >= 0 (> 0 when positive) and at most high: an eps, a scale, a factor.
+    Returns it as a float."""
+    if not is_real(value) or value < 0 or (positive and value == 0) or value > high:
+        raise ValueError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number"
+                         f"{'' if high == math.inf else f' at most {high}'}, got {value!r}"[:300])
     return float(value)
 
 
