@@ -17,6 +17,7 @@ class KVBlockManager:
         self.page_of_hash: dict[PageKey, int] = {}
         self.free_pages: deque[int] = deque(range(num_pages))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached pages with refcount 0, oldest first
+        self.num_evictions = 0  # cached pages dropped so far: a prefix hit looked up before is stale once it moves
 
     # ---- pages -------------------------------------------------------------------------------------------
 
@@ -31,6 +32,7 @@ class KVBlockManager:
             page = self.free_pages.popleft()
         elif self.evictable:
             page, _ = self.evictable.popitem(last=False)
+            self.num_evictions += 1
             del self.page_of_hash[self.hash_of_page[page]]
             self.hash_of_page[page] = None
         else:

@@ -33,6 +33,9 @@ class Scheduler:
         self.free_state_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
         self.page_keys = PageKeyMemo(cfg.page_size)  # returning turns reuse their conversation's page keys
+        # the waiting requests' prefix hits as this step looked them up, and the evictions there had been by then
+        self._step_hits: dict[int, tuple[list[int], PageKey | None]] = {}
+        self._step_evictions = 0
 
     def add(self, seq: Sequence) -> None:
         self.page_keys.seed(seq)
@@ -62,7 +65,8 @@ class Scheduler:
         running_first = wanted > self.block_manager.num_available_pages
         if running_first:
             budget = self._continue_prefills(budget, chunks)
-        hits = {seq.id: self._prefix_hit(seq) for seq in self.waiting}
+        hits = self._step_hits = {seq.id: self._prefix_hit(seq) for seq in self.waiting}
+        self._step_evictions = self.block_manager.num_evictions
         fast = [s for s in self.waiting if hits[s.id][0] and s.num_tokens - self._hit_tokens(hits[s.id])
                 <= self.cfg.fast_lane_tokens]
         for seq in fast:
@@ -174,17 +178,25 @@ class Scheduler:
                 return pages[:j], hashes[j - 1]
         return [], None
 
+    def _admission_hit(self, seq: Sequence) -> tuple[list[int], PageKey | None]:
+        """seq's prefix hit as the step looked it up, or looked up again when a cached page has been evicted since
+        (allocations earlier in the step may have handed one of its pages to another sequence, which seq would then
+        share: session 24's fuzzer) or its snapshot is gone (reserved over)."""
+        hit = self._step_hits.get(seq.id)
+        if (hit is None or self.block_manager.num_evictions != self._step_evictions
+                or (hit[1] is not None and hit[1] not in self.state_cache)):
+            hit = self._prefix_hit(seq)
+        return hit
+
     def _hit_tokens(self, hit: tuple[list[int], int | None]) -> int:
         return len(hit[0]) * self.page_size
 
     def _try_admit(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk], keep_free: int = 0) -> int:
         """Start a waiting seq from its prefix hit if a state slot, budget and pages allow, leaving keep_free pages
-        available (for running prefills scheduled after it). The hit is looked up here, not at the start of the
-        step: allocations earlier in the step may have evicted its pages (or its snapshot) and handed them to
-        another sequence, which seq would then share."""
+        available (for running prefills scheduled after it)."""
         if not self.free_state_slots or budget <= 0:
             return budget
-        hit_pages, key = self._prefix_hit(seq)
+        hit_pages, key = self._admission_hit(seq)
         start = len(hit_pages) * self.page_size
         n, point = self.plan_chunk(seq, start, budget)
         bm = self.block_manager
