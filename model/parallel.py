@@ -77,17 +77,20 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 CONTROL_TIMEOUT = timedelta(days=365)  # an idle server's workers wait on the control group for the next step
 
 
-def init_parallel(rank: int, world_size: int, init_method: str, backend: str | None = None,
-                  timeout: timedelta | None = None) -> ParallelContext:
-    """Join the process group (NCCL when CUDA is available, else gloo) and make a gloo group for control messages
-    (without a practical timeout: workers wait there while the server idles). Every rank must call this; NCCL's
-    NVLink multicast (NVLS) is switched off in this process first. timeout: of the model's collectives (None:
-    torch's default), e.g. short in tests, so that a dead rank fails the others instead of hanging them."""
+def init_parallel(rank: int, world_size: int, init_method: str | None = None, backend: str | None = None,
+                  timeout: timedelta | None = None, store: dist.Store | None = None) -> ParallelContext:
+    """Join the process group (NCCL when CUDA is available, else gloo) through init_method or an existing store,
+    and make a gloo group for control messages (without a practical timeout: workers wait there while the server
+    idles). Every rank must call this; NCCL's NVLink multicast (NVLS) is switched off in this process first.
+    timeout: of the model's collectives (None: torch's default), e.g. short in tests, so that a dead rank fails the
+    others instead of hanging them."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     if world_size == 1:
         return SINGLE
+    if (init_method is None) == (store is None):
+        raise ValueError("init_parallel takes one of init_method and store")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world_size,
                             **({"timeout": timeout} if timeout is not None else {}))
     cpu_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return ParallelContext(rank, world_size, group=None, cpu_group=cpu_group)

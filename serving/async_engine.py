@@ -103,7 +103,7 @@ class AsyncEngine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=self.broken is None)  # a broken group's step may never return
         for stream in [*self._adds, *self._live.values()]:
             stream.fail(EngineFailure("the server is shutting down"))
 
@@ -128,6 +128,21 @@ class AsyncEngine:
         self._adds.append(stream)
         self._wake.set()
         return stream
+
+    def group_failed(self, error: Exception) -> None:
+        """The tensor-parallel group cannot go on (a step failed, or a worker died): fail every request, refuse new
+        ones and stop the loop (/health: "engine stopped"). Call it on the loop's thread. The engine's state is
+        not touched: its step thread may be blocked in a collective for good."""
+        if self.broken is not None:
+            return
+        log.error("the tensor-parallel group failed (%r): failing every request and stopping", error)
+        self.broken = error
+        streams, self._adds, self._live = [*self._adds, *self._live.values()], [], {}
+        for stream in streams:
+            self.metrics.requests.inc(label_value="error")
+            stream.fail(EngineFailure(f"the engine has stopped: {error!r}"))
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
 
     def cancel(self, stream: RequestStream, reason: str = "abort") -> None:
         """End the request at the next step boundary with finish reason `reason`; a no-op once it has ended."""
@@ -164,12 +179,8 @@ class AsyncEngine:
         except Exception as error:  # noqa: BLE001 - one request's fault must not stop the server
             self.consecutive_failures += 1
             if self.engine.link is not None:
-                log.error("a tensor-parallel step failed (%r): the ranks may be out of step; stopping", error)
-                self.broken = error
-                self._fail_everything(error)
-                for stream in self._adds:
-                    stream.fail(EngineFailure(f"the engine has stopped: {error!r}"))
-                self._adds = []
+                log.error("a tensor-parallel step failed (%r): the ranks may be out of step", error)
+                self.group_failed(error)
                 return
             self._step_failed(error)
             return

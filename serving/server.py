@@ -19,6 +19,7 @@ aborted in the engine (its pages freed); a request that fails inside the engine 
 event in its stream).
 """
 import argparse
+import asyncio
 import hmac
 import json
 import logging
@@ -353,11 +354,13 @@ def limits_middleware(limits: Limits):
 
 
 def create_app(engine: LLMEngine, tokenizer: QwenTokenizer, model_name: str, max_model_len: int,
-               limits: Limits = Limits(), aliases: tuple[str, ...] = ()) -> web.Application:
+               limits: Limits = Limits(), aliases: tuple[str, ...] = (),
+               workers: tp_worker.WorkerGroup | None = None) -> web.Application:
     """The server around an LLMEngine (whose eos_token_ids should be the tokenizer's); the engine loop starts
     and stops with the app. Prompts plus max_tokens are kept within max_model_len (capped to the engine's
     max_model_len and its KV pool).
-    Requests may name the model model_name or one of aliases."""
+    Requests may name the model model_name or one of aliases. workers: the tensor-parallel ranks 1..N-1 (rank 0
+    is this process): once the app runs, a worker that dies stops the engine (AsyncEngine.group_failed)."""
     limit = min(max_model_len, engine.cfg.max_model_len, engine.cfg.num_pages * engine.cfg.page_size)
     served = ServedModel(model_name, limit, engine.model.config.vocab_size, aliases)
     registry = ServingMetrics()
@@ -368,6 +371,11 @@ def create_app(engine: LLMEngine, tokenizer: QwenTokenizer, model_name: str, max
     async def start(app: web.Application) -> None:
         app[STATE] = ServerState(AsyncEngine(engine, registry), tokenizer, served, limits, registry)
         await app[STATE].engine.start()
+        if workers is not None:
+            loop, aengine = asyncio.get_running_loop(), app[STATE].engine
+            workers.on_failure = lambda error: loop.call_soon_threadsafe(aengine.group_failed, error)
+            if workers.failure is not None:  # one died before the handler was in place
+                aengine.group_failed(workers.failure)
 
     async def stop(app: web.Application) -> None:
         await app[STATE].engine.stop()
@@ -438,7 +446,7 @@ def main(argv=None) -> None:
         cfg = EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common)
     else:
         cfg = EngineConfig.for_token_budget(args.kv_tokens, **common)
-    tp, workers = None, []
+    tp, workers = None, None
     if args.tp > 1:  # rank 0 here; ranks 1..N-1 in spawned workers that build the same engine
         if device.type == "cuda" and torch.cuda.device_count() < args.tp:
             raise SystemExit(f"--tp {args.tp} needs {args.tp} GPUs; {torch.cuda.device_count()} are visible")
@@ -447,6 +455,7 @@ def main(argv=None) -> None:
         except ValueError as error:
             raise SystemExit(f"--tp {args.tp}: {error}") from None
         tp, workers = tp_worker.launch(args.tp, args.model, device.type, cfg, backend)
+        workers.on_failure = exit_at_startup  # until the app runs: this process may be blocked in a collective
         device = tp_worker.rank_device(device.type, 0)
     model, what = load_model(args.model, device, tp=tp)
     engine = LLMEngine(model, cfg)
@@ -457,23 +466,38 @@ def main(argv=None) -> None:
     limits = Limits(args.api_key, args.max_body_bytes, args.max_queued)
     log.info("serving %s on %s as '%s' at http://%s:%d (API key %s)", what, device, name, args.host, args.port,
              "required" if args.api_key else "off")
-    app = create_app(engine, tokenizer, name, max_len, limits, aliases=(args.model,))
+    app = create_app(engine, tokenizer, name, max_len, limits, aliases=(args.model,), workers=workers)
     try:
         web.run_app(app, host=args.host, port=args.port, print=None)
     finally:
-        if workers:  # tensor parallel: stop the workers' loops (they are daemons: they end with this process anyway)
-            state = app.get(STATE)
-            if state is not None and state.engine.broken is not None:  # a worker may wait in a collective for ever
-                log.warning("the tensor-parallel group failed: killing the workers")
-                for p in workers:
-                    p.kill()
-            else:
-                try:
-                    engine.close()
-                except RuntimeError as error:
-                    log.warning("could not stop the tensor-parallel workers cleanly: %s", error)
-            for p in workers:
-                p.join(timeout=30)
+        if workers is not None:
+            stop_workers(app, engine, workers)
+
+
+def exit_at_startup(error: Exception) -> None:
+    """A tensor-parallel worker died before the server ran: nothing is served yet, and this process may wait in a
+    collective for ever, so end it."""
+    log.critical("%s while the server was starting: exiting", error)
+    logging.shutdown()
+    os._exit(1)
+
+
+def stop_workers(app: web.Application, engine: LLMEngine, workers: tp_worker.WorkerGroup) -> None:
+    """Tensor parallel, at shutdown: stop the workers' loops; after a group failure kill them instead, and end this
+    process at once (its step thread may be blocked in a collective, which would hang the interpreter's exit)."""
+    state = app.get(STATE)
+    if state is None or state.engine.broken is None:
+        try:
+            engine.close()
+            workers.join(timeout=30)
+            return
+        except RuntimeError as error:
+            log.warning("could not stop the tensor-parallel workers cleanly: %s", error)
+    log.warning("the tensor-parallel group failed: killing the workers")
+    workers.kill()
+    workers.join(timeout=30)
+    logging.shutdown()
+    os._exit(1)
 
 
 if __name__ == "__main__":

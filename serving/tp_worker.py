@@ -12,15 +12,23 @@ A worker (serve_worker) applies the edits to its own pools and runs the same Mod
 data, so every rank enqueues the same kernels and collectives, graphs included; the logits (gathered on every
 rank) are used by rank 0 only.
 
-`launch` starts ranks 1..N-1 as spawned processes running `worker_main`; rank 0 then joins with init_parallel.
+`launch` starts ranks 1..N-1 as spawned processes running `worker_main`, which meet rank 0 at a TCPStore on the
+loopback interface; rank 0 joins the group once all have connected (a worker that dies first fails the launch at
+once), and a WorkerGroup then watches them (the server stops its engine if one dies). A worker dies with rank 0.
 NCCL_NVLS_ENABLE=0 (no NVLink multicast) is set in every process.
 """
+import ctypes
 import logging
 import os
 import signal
 import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import connection as mp_connection
 
 import torch
 import torch.distributed as dist
@@ -215,9 +223,11 @@ def rank_device(device_type: str, rank: int) -> torch.device:
     return device
 
 
-def worker_main(rank: int, world_size: int, init_method: str, model_spec: str, device_type: str, engine_cfg,
-                ops_backend: str) -> None:
-    """A worker rank: join the group, build its slice of the model and the same engine, then serve_worker."""
+def worker_main(rank: int, world_size: int, port: int, leader_pid: int, model_spec: str, device_type: str,
+                engine_cfg, ops_backend: str) -> None:
+    """A worker rank: join the group through rank 0's store, build its slice of the model and the same engine,
+    then serve_worker."""
+    die_with(leader_pid)
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     # Ctrl-C (and a service manager's SIGTERM) reach the whole process group: rank 0 drains its requests, then ends
     # the workers with "stop" (gloo and NCCL notice a rank 0 that dies)
@@ -229,12 +239,23 @@ def worker_main(rank: int, world_size: int, init_method: str, model_spec: str, d
     logging.basicConfig(level=logging.WARNING)
     device = rank_device(device_type, rank)
     ops.set_backend(ops_backend)
-    tp = init_parallel(rank, world_size, init_method, backend=dist_backend(device_type))
+    store = dist.TCPStore(LOOPBACK, port, world_size, is_master=False, timeout=STORE_TIMEOUT)
+    store.set(f"{JOINED}{rank}", "1")
+    tp = init_parallel(rank, world_size, backend=dist_backend(device_type), store=store)
     try:
         model, _ = load_model(model_spec, device, tp=tp)
         serve_worker(LLMEngine(model, engine_cfg))
     finally:
         dist.destroy_process_group()
+
+
+def die_with(leader_pid: int) -> None:
+    """Have the kernel SIGKILL this process when rank 0 ends (Linux), so that a rank 0 killed while it starts up
+    leaves no worker waiting for it; exit at once if rank 0 is already gone."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != leader_pid:
+        os._exit(1)
 
 
 def check_splits(model_spec: str, world_size: int) -> None:
@@ -248,25 +269,98 @@ def check_splits(model_spec: str, world_size: int) -> None:
     ShardPlan.build(cfg, ParallelContext(0, world_size))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class WorkerGroup:
+    """Rank 0's handle on the spawned ranks 1..N-1. A watcher thread reaps them and reports the first that exits
+    with a non-zero code (a crash, a kill: the group cannot go on) to on_failure(RuntimeError), called in that
+    thread; by default it is logged. A worker exits with 0 only after rank 0's "stop". Read exit codes from
+    exit_codes (the watcher is their only reader while it runs)."""
+
+    def __init__(self, procs: list):
+        self.procs = procs
+        self.on_failure: Callable[[Exception], None] = lambda error: log.critical("%s", error)
+        self.failure: Exception | None = None
+        self.exit_codes: dict[int, int] = {}  # rank -> exit code (negative: the signal)
+        self._watcher = threading.Thread(target=self._watch, name="tp-worker-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        pending = {p.sentinel: rank for rank, p in enumerate(self.procs, 1)}
+        while pending:
+            for sentinel in mp_connection.wait(list(pending)):
+                rank = pending.pop(sentinel)
+                while self.procs[rank - 1].exitcode is None:  # the sentinel fires just before it can be reaped
+                    time.sleep(0.001)
+                self.exit_codes[rank] = code = self.procs[rank - 1].exitcode
+                if code != 0 and self.failure is None:
+                    self.failure = RuntimeError(f"tensor-parallel worker rank {rank} exited with code {code}")
+                    self.on_failure(self.failure)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            p.kill()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to timeout seconds for every worker to end."""
+        self._watcher.join(timeout)
+
+
+LOOPBACK = "127.0.0.1"
+JOINED = "tp_worker/joined/"  # store keys the workers set once connected
+JOIN_TIMEOUT = timedelta(minutes=5)  # for spawned workers to import torch and reach rank 0's store
+STORE_TIMEOUT = timedelta(minutes=30)  # of the store's gets and waits (torch's default for process groups)
+PR_SET_PDEATHSIG = 1
+
+
+def leader_store(world_size: int) -> dist.TCPStore:
+    """Rank 0's TCPStore on a free port of the loopback interface only (torch's own server socket would listen on
+    every interface), created on a socket bound here, so that no other process can take the port meanwhile."""
+    sock = socket.socket()
+    sock.bind((LOOPBACK, 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    return dist.TCPStore(LOOPBACK, port, world_size, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
+
+
+def await_workers(store: dist.TCPStore, procs: list, timeout: timedelta = JOIN_TIMEOUT, poll_s: float = 0.1) -> None:
+    """Wait until every worker has connected to the store. Raises RuntimeError, and kills the workers, if one exits
+    first or timeout passes (instead of rank 0 waiting in the rendezvous for half an hour)."""
+    keys = [f"{JOINED}{rank}" for rank in range(1, len(procs) + 1)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):
+        dead = [(rank, p.exitcode) for rank, p in enumerate(procs, 1) if p.exitcode is not None]
+        late = time.monotonic() > deadline
+        if dead or late:
+            for p in procs:
+                p.kill()
+            what = ", ".join(f"rank {r} exited with code {c}" for r, c in dead) or f"none joined within {timeout}"
+            raise RuntimeError(f"tensor-parallel workers did not start: {what}")
+        time.sleep(poll_s)
+
+
+def loopback_only() -> None:
+    """Single-host tensor parallelism: gloo's and NCCL's sockets on the loopback interface (unless set already);
+    inherited by the spawned workers."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
 
 
 def launch(world_size: int, model_spec: str, device_type: str, engine_cfg, ops_backend: str,
-           timeout: timedelta | None = None):
-    """Rank 0: spawn ranks 1..world_size-1 (worker_main) and join the group. Returns (ParallelContext, processes);
-    rank 0 then builds its model with load_model(..., tp=) and its LLMEngine, and calls engine.close() at the end.
-    timeout: rank 0's for the model's collectives (see init_parallel)."""
+           timeout: timedelta | None = None) -> tuple[ParallelContext, WorkerGroup]:
+    """Rank 0: spawn ranks 1..world_size-1 (worker_main), wait for them at the store and join the group. Returns
+    (ParallelContext, WorkerGroup); rank 0 then builds its model with load_model(..., tp=) and its LLMEngine, and
+    calls engine.close() at the end. timeout: rank 0's for the model's collectives (see init_parallel)."""
     import torch.multiprocessing as mp
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the workers too
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    loopback_only()
+    store = leader_store(world_size)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, args=(r, world_size, init_method, model_spec, device_type,
+    procs = [ctx.Process(target=worker_main, args=(r, world_size, store.port, os.getpid(), model_spec, device_type,
                                                    engine_cfg, ops_backend), daemon=True)
              for r in range(1, world_size)]
     for p in procs:
         p.start()
     rank_device(device_type, 0)
-    return init_parallel(0, world_size, init_method, backend=dist_backend(device_type), timeout=timeout), procs
+    await_workers(store, procs)
+    tp = init_parallel(0, world_size, backend=dist_backend(device_type), timeout=timeout, store=store)
+    return tp, WorkerGroup(procs)

@@ -14,7 +14,9 @@ import math
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import aiohttp
 import openai
@@ -50,10 +52,10 @@ class Live:
 
 
 @contextlib.contextmanager
-def live_server(model, tokenizer, cfg: EngineConfig, limits: Limits | None = None):
+def live_server(model, tokenizer, cfg: EngineConfig, limits: Limits | None = None, **app_args):
     """A server on 127.0.0.1 at an ephemeral port, its event loop in a daemon thread."""
     engine = LLMEngine(model, cfg)
-    app = create_app(engine, tokenizer, "tiny", MAX_MODEL_LEN, limits or Limits())
+    app = create_app(engine, tokenizer, "tiny", MAX_MODEL_LEN, limits or Limits(), **app_args)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
@@ -538,6 +540,36 @@ def test_a_failed_tensor_parallel_step_stops_the_engine(model, tokenizer, monkey
                                             {"model": "tiny", "prompt": "hi", "max_tokens": 2}), 500)
         assert "the engine has stopped" in error["message"] and time.perf_counter() - start < 5
         assert live.app[STATE].engine.broken is not None
+
+
+def test_a_tensor_parallel_worker_that_dies_stops_the_engine(model, tokenizer, monkeypatch):
+    """A worker rank that dies while the server runs (serving.tp_worker.WorkerGroup's watcher reports it from its
+    own thread) fails the request in flight, which rank 0 may never finish (its step can wait in a collective for
+    the dead rank), and stops the engine: /health says so and later requests fail at once."""
+    workers = SimpleNamespace(on_failure=None, failure=None)
+    with live_server(model, tokenizer, engine_config(tokenizer), workers=workers) as live:
+        stuck, entered = threading.Event(), threading.Event()
+
+        def step_waiting_for_a_dead_rank(*args, **kwargs):
+            entered.set()
+            stuck.wait(timeout=60)
+            raise RuntimeError("the collective timed out")
+
+        monkeypatch.setattr(model, "forward_step_layers", step_waiting_for_a_dead_rank)
+        pool = ThreadPoolExecutor(1)
+        reply = pool.submit(request, "POST", live.url + "/v1/completions",
+                            {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert entered.wait(timeout=30)
+        threading.Thread(target=workers.on_failure,
+                         args=(RuntimeError("tensor-parallel worker rank 1 exited with code -9"),)).start()
+        error = assert_openai_error(reply.result(timeout=30), 500)
+        assert "rank 1 exited with code -9" in error["message"]
+        assert request("GET", live.url + "/health").json()["status"] == "engine stopped"
+        error = assert_openai_error(request("POST", live.url + "/v1/completions",
+                                            {"model": "tiny", "prompt": "hi", "max_tokens": 2}), 500)
+        assert "the engine has stopped" in error["message"]
+        stuck.set()
+        pool.shutdown()
 
 
 def test_a_bug_in_the_engine_loop_fails_the_requests_in_flight_not_the_server(server, monkeypatch):

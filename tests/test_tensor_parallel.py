@@ -4,7 +4,10 @@
 TP=1 (batching, chunked prefill, padded decode, a prefix-cache hit), and checkpoints written by transformers'
 save_pretrained load sharded, reading only each rank's slices. Bad splits raise ValueError naming the dimension.
 The NCCL test (CUDA graphs with the collectives inside) needs >= 2 GPUs."""
+import os
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,15 +100,133 @@ def test_launch_serves_through_a_spawned_worker(workdir):
     prompts = S.prompts()[:2]
     params = S.SamplingParams(max_tokens=6, ignore_eos=True)
     ref = [o.output_ids for o in LLMEngine(load_model(path, torch.device("cpu"))[0], cfg).generate(prompts, params)]
-    tp, procs = launch(2, path, "cpu", cfg, "reference", timeout=timedelta(seconds=120))  # a dead worker fails it
+    tp, workers = launch(2, path, "cpu", cfg, "reference", timeout=timedelta(seconds=120))  # a dead worker fails it
+    failures = []
+    workers.on_failure = failures.append
     try:
         engine = LLMEngine(load_model(path, torch.device("cpu"), tp=tp)[0], cfg)
         assert [o.output_ids for o in engine.generate(prompts, params)] == ref
         engine.close()
-        procs[0].join(timeout=60)
-        assert procs[0].exitcode == 0
+        workers.join(timeout=60)
+        assert workers.exit_codes == {1: 0} and not failures
     finally:
         dist.destroy_process_group()
+
+
+def listening_addresses(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* write them) of the sockets listening on port."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.append(address)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
+def test_rendezvous_store_listens_on_loopback_only():
+    """Rank 0's rendezvous store listens on 127.0.0.1 only; torch's own TCPStore server, the control, listens on
+    every interface."""
+    from serving.tp_worker import leader_store
+    assert listening_addresses(leader_store(2).port) == ["0100007F"]
+    default = torch.distributed.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    assert listening_addresses(default.port) != ["0100007F"]
+
+
+def test_a_worker_that_dies_before_joining_fails_the_launch_at_once():
+    """A worker that exits before it reaches the store (a crash at import) fails rank 0's wait in well under a
+    second of polling, naming the rank and exit code, instead of a half-hour rendezvous timeout."""
+    import os
+    import time
+
+    from serving.tp_worker import await_workers, leader_store
+    store = leader_store(3)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=time.sleep, args=(60,), daemon=True), ctx.Process(target=os._exit, args=(3,))]
+    for p in procs:
+        p.start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 2 exited with code 3"):
+        await_workers(store, procs)
+    assert time.monotonic() - start < 30
+    procs[0].join(timeout=10)
+    assert procs[0].exitcode is not None, "the other worker was not killed"
+
+
+def test_a_worker_that_never_joins_times_out():
+    import time
+
+    from serving.tp_worker import await_workers, leader_store
+    store = leader_store(2)
+    proc = mp.get_context("spawn").Process(target=time.sleep, args=(60,), daemon=True)
+    proc.start()
+    with pytest.raises(RuntimeError, match="none joined within"):
+        await_workers(store, [proc], timeout=timedelta(seconds=1))
+    proc.join(timeout=10)
+    assert proc.exitcode is not None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, ended but not yet reaped, does not)."""
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "\nState:\tZ" not in status.read_text()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_worker_dies_with_rank_0(tmp_path):
+    """A rank 0 that is SIGKILLed (e.g. while it starts up) leaves no worker behind waiting for it."""
+    import signal
+    import subprocess
+    import time
+    pid_file = tmp_path / "worker.pid"
+    leader = subprocess.Popen([sys.executable, "-c", (
+        "import multiprocessing as mp, os, sys, time; import tp_scenarios\n"
+        f"mp.get_context('spawn').Process(target=tp_scenarios.orphan_probe, args=(os.getpid(), {str(pid_file)!r}))"
+        ".start(); time.sleep(120)")], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and leader.poll() is None, "the stand-in worker did not start"
+            time.sleep(0.1)
+        worker = int(pid_file.read_text())
+        assert process_alive(worker)
+        leader.send_signal(signal.SIGKILL)
+        leader.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while process_alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not process_alive(worker), "the worker outlived a SIGKILLed rank 0"
+    finally:
+        leader.kill()
+
+
+def test_worker_group_reports_a_worker_that_dies_not_one_that_stops():
+    """WorkerGroup's watcher: an exit with code 0 (after "stop") is quiet; a killed worker is reported once, by
+    rank and exit code."""
+    import threading
+    import time
+
+    from serving.tp_worker import WorkerGroup
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=time.sleep, args=(0,), daemon=True),
+             ctx.Process(target=time.sleep, args=(60,), daemon=True)]
+    for p in procs:
+        p.start()
+    reported = threading.Event()
+    failures = []
+    group = WorkerGroup(procs)
+    group.on_failure = lambda error: (failures.append(error), reported.set())
+    deadline = time.monotonic() + 30
+    while 1 not in group.exit_codes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert group.exit_codes == {1: 0} and not failures
+    procs[1].kill()
+    assert reported.wait(timeout=30)
+    group.join(timeout=30)
+    assert len(failures) == 1 and str(failures[0]) == "tensor-parallel worker rank 2 exited with code -9"
+    assert group.failure is failures[0] and group.exit_codes == {1: 0, 2: -9}
 
 
 # ---- sharded loading, in this process (no collectives needed) -------------------------------------------------

@@ -98,3 +98,15 @@ def run_rank(rank: int, world_size: int, workdir: str, device_type: str = "cpu")
         torch.save(results, f"{workdir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def orphan_probe(leader_pid: int, pid_file: str) -> None:
+    """A stand-in worker (test_a_worker_dies_with_rank_0): die_with its leader, write its pid, then wait."""
+    import os
+    import time
+    from pathlib import Path
+
+    from serving.tp_worker import die_with
+    die_with(leader_pid)
+    Path(pid_file).write_text(str(os.getpid()))
+    time.sleep(120)
