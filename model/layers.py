@@ -178,10 +178,10 @@ class GatedDeltaNet(nn.Module):
                                                 self.hk, self.eps)
 
     def project_and_core(self, x, residual, norm: RMSNorm, step: StepInput, conv_states, recurrent_states):
-        # x, residual: as NormedInput's -> (core(project_in(norm(x + residual))), x + residual), as one op
-        # (ops.in_proj_gated_deltanet: one launch at batch-1 decode on the H200)
-        return ops.in_proj_gated_deltanet(x, residual, norm.weight, norm.eps, self.in_proj.weight, *self.mixer_weights,
-                                          conv_states, recurrent_states, step, self.hk)
+        # x, residual: as NormedInput's -> (core(project_in(norm(x + residual))), x + residual); the norm always
+        # inside the in-projection (the TMA GEMV stages it at batch-1 decode)
+        proj, residual = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps, self.in_proj.weight)
+        return self.core(proj, step, conv_states, recurrent_states), residual
 
     @property
     def out_weight(self):

@@ -156,23 +156,6 @@ def gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, re
                 step, num_k_heads, eps)
 
 
-def in_proj_gated_deltanet(x, residual, norm_w, eps, in_w, parts, conv_w, A_log, dt_bias, gdn_norm_w, conv_states,
-                           recurrent_states, step: StepInput, num_k_heads):
-    """A GDN layer's first stretch: (proj, s) = add_rms_norm_linear(x, residual, norm_w, eps, in_w), proj split
-    into qkv | z | b | a (the widths `parts`), then gated_deltanet (eps for both norms). Returns (its output
-    (N, Hv * dv), s). One launch at batch-1 decode on the H200 where the kernels take it (kernels/in_proj_gdn.py)."""
-    return _run("in_proj_gated_deltanet", x, residual, norm_w, eps, in_w, parts, conv_w, A_log, dt_bias, gdn_norm_w,
-                conv_states, recurrent_states, step, num_k_heads)
-
-
-def in_proj_gated_deltanet_by_ops(x, residual, norm_w, eps, in_w, parts, conv_w, A_log, dt_bias, gdn_norm_w,
-                                  conv_states, recurrent_states, step: StepInput, num_k_heads):
-    """in_proj_gated_deltanet as its two ops, each on the active backend."""
-    proj, s = add_rms_norm_linear(x, residual, norm_w, eps, in_w)
-    return gated_deltanet_of_projection(proj, parts, conv_w, A_log, dt_bias, gdn_norm_w, conv_states,
-                                        recurrent_states, step, num_k_heads, eps), s
-
-
 def gated_deltanet_of_projection(proj, parts, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
                                  step: StepInput, num_k_heads, eps):
     """gated_deltanet of a GDN in-projection's output proj (N, qkv | z | b | a, the widths `parts`): (N, Hv * dv)."""
@@ -287,6 +270,5 @@ _BACKENDS["reference"] = {
     "attention_prep": _ref_attention_prep,
     "paged_attention": _ref_paged_attention,
     "gated_deltanet": _ref_gated_deltanet,
-    "in_proj_gated_deltanet": in_proj_gated_deltanet_by_ops,
     "moe": R.moe,
 }

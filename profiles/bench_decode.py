@@ -392,94 +392,6 @@ def sweep_chain(model: str, layers: int = 24) -> list[dict]:
     return rows
 
 
-IN_PROJ_GDN_HEADS = (8, 15, 16)  # key heads --sweep-in-proj-gdn times: under, at and over the 15 clusters of 8 that
-# session 22's and 23's H200 held at once (in_proj_gdn.resident_clusters)
-
-
-def _gdn_stretch_layer(hidden: int, hk: int, hv: int, d: int = 128, taps: int = 4, dev: str = "cuda") -> dict:
-    """One GDN layer's first stretch at one row as model.ops.in_proj_gated_deltanet takes it: random bf16 weights (the
-    in-projection scaled to keep its outputs O(1)), a pool of one state slot, and the step's slot (RANDOM, timing)."""
-    from model.step import StepInput
-    c = (2 * hk + hv) * d
-    zero = torch.zeros(1, dtype=torch.int64, device=dev)
-    bf = functools.partial(torch.randn, device=dev, dtype=BF16)
-    return dict(x=bf(1, hidden), residual=bf(1, hidden), norm_w=0.1 * bf(hidden), eps=1e-6,
-                in_w=bf(c + hv * d + 2 * hv, hidden) / hidden ** 0.5, parts=(c, hv * d, hv, hv),
-                conv_w=0.5 * bf(c, taps), A_log=bf(hv).abs(), dt_bias=bf(hv), gdn_norm_w=bf(d),
-                conv_states=bf(1, c, taps - 1), recurrent_states=0.1 * torch.randn(1, hv, d, d, device=dev),
-                step=StepInput(token_ids=zero, positions=zero, cu_seqlens=torch.arange(2, dtype=torch.int32,
-                               device=dev), max_seqlen_q=1, seqused_k=torch.ones(1, dtype=torch.int32, device=dev),
-                               page_table=torch.zeros(1, 1, dtype=torch.int32, device=dev), slot_mapping=zero,
-                               state_slots=zero),
-                num_k_heads=hk)
-
-
-def _time_gdn_stretch(model: str, hk: int, layers: int, knob: dict, read_tbps: float) -> dict:
-    """sweep_in_proj_gdn's row for `hk` key heads; knob: host_time's in_proj_gdn variants ({name: apply it})."""
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
-    from kernels import in_proj_gdn as F
-    from model import ops
-    from model.config import PRESETS
-    cfg = PRESETS[model]
-    hv = hk * cfg.linear_num_value_heads // cfg.linear_num_key_heads
-    stack = [_gdn_stretch_layer(cfg.hidden_size, hk, hv) for _ in range(layers)]
-    q, k, v = (torch.randn(1, 1, hv, 128, device="cuda", dtype=BF16) for _ in range(3))
-    g, beta = -0.1 * torch.rand(1, 1, hv, device="cuda"), torch.rand(1, 1, hv, device="cuda", dtype=BF16)
-
-    def ours():
-        return [ops.in_proj_gated_deltanet(**a) for a in stack]
-
-    def peers():
-        for a in stack:
-            torch.nn.functional.linear(a["x"], a["in_w"])
-            fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=a["recurrent_states"],
-                                             output_final_state=True, use_qk_l2norm_in_kernel=True)
-    nbytes = stack[0]["in_w"].numel() * 2 + 2 * stack[0]["recurrent_states"].numel() * 4
-    device = torch.cuda.current_device()
-    row = {"model": model, "Hk": hk, "Hv": hv, "waves": math.ceil(hk / F.resident_clusters(device, 8)),
-           "c4_fits": F.resident_clusters(device, 4) >= hk, "MB": nbytes / 1e6, "bound_us": nbytes / read_tbps / 1e6}
-    ring = F.RING_BYTES[4]
-    # name, host_time's variant, clusters of 4's ring
-    try:
-        for name, variant, c4_ring in (("two_ops", "off", ring), ("fused", "waves", ring), ("fused_c4", "c4", ring),
-                                       ("fused_c4_ring192k", "c4", 192 << 10)):
-            knob[variant]()
-            F.RING_BYTES[4] = c4_ring
-            ours()  # compiles outside the graph
-            row[f"{name}_us"] = bench_us(ours, graph=True) / layers
-    finally:
-        F.RING_BYTES[4] = ring
-    peers()
-    row["peers_us"] = bench_us(peers, graph=True) / layers
-    row["fused_over_two_ops"] = row["fused_us"] / row["two_ops_us"]
-    row["fused_c4_over_two_ops"] = row["fused_c4_us"] / row["two_ops_us"]
-    row["fused_vs_peers"] = row["peers_us"] / min(row["fused_us"], row["fused_c4_us"], row["fused_c4_ring192k_us"])
-    return row
-
-
-def sweep_in_proj_gdn(model: str, layers: int = 18) -> list[dict]:
-    """A GDN layer's first stretch at one row (residual add + RMSNorm, the in-projection, the gated delta step) over
-    `layers` layers' own weights and states in a CUDA graph, us a layer, at MODEL's hidden size and group for each key
-    head count of IN_PROJ_GDN_HEADS, in host_time's in_proj_gdn variants: "two_ops" ('off': kernels.tma_gemv's normed
-    GEMV, then kernels.gdn_decode), "fused" ('waves': kernels.in_proj_gdn's one launch in clusters of 8, in waves
-    where the device holds fewer clusters than there are key heads, which in_proj_gdn.available refuses: the second
-    wave's cost is what this measures) and "fused_c4" ('c4': clusters of 4, half the CTAs, each streaming twice the
-    rows; the two ops where they do not fit at once, c4_fits), also with a 192 KiB ring ("fused_c4_ring192k",
-    in_proj_gdn.RING_BYTES). Peers: the stretch's two main parts, cuBLAS's in-projection (torch's linear, no norm)
-    then fla's fused recurrent step (no conv, no gated norm). bound: the weight and the fp32 state (read and written)
-    at the read ceiling."""
-    from model import ops
-    from profiles.host_time import in_proj_gdn_setters
-    read_tbps = bandwidth_ceilings()["read_TBps"]
-    knob, restore = in_proj_gdn_setters()
-    try:
-        with ops.use_backend("triton"):
-            return [progress(_time_gdn_stretch(model, hk, layers, knob, read_tbps)) for hk in IN_PROJ_GDN_HEADS]
-    finally:
-        restore()
-
-
 # ---- plot and main ------------------------------------------------------------------------------------
 
 def plot_curve(curve, path):
@@ -506,9 +418,6 @@ def main(argv=None):
     ap.add_argument("--sweep-chain", metavar="MODEL", nargs="+", choices=sorted(LINEAR_SHAPES),
                     help="only time a dense layer's chained out_proj / gate_up / down at each producer pause, beside "
                          "its GEMVs apart and one GEMV of its bytes (decode_chain_sweep.json)")
-    ap.add_argument("--sweep-in-proj-gdn", metavar="MODEL", nargs="+", choices=sorted(LINEAR_SHAPES),
-                    help="only time a GDN layer's first stretch as two ops and as kernels.in_proj_gdn's one launch "
-                         "at several key head counts, beside cuBLAS + fla (decode_in_proj_gdn_sweep.json)")
     ap.add_argument("--sweep-splits", action="store_true", help="only time B1 decode attention (H16/KV4 and H8/KV2, "
                     "d256) at each KV split count (decode_split_sweep.json)")
     ap.add_argument("--plot", metavar="JSON", help="only draw decode_bw.png beside an existing decode.json")
@@ -521,13 +430,6 @@ def main(argv=None):
         rows = sweep_splits(16, 4) + sweep_splits(8, 2)
         print_table(rows, ["H/KV", "ctx", "chosen", *[f"s{s}_us" for s in SPLIT_SWEEP], "best"])
         print(f"wrote {write_result('decode_split_sweep', {'env': environment(), 'sweep': rows}, args.out)}")
-        return
-    if args.sweep_in_proj_gdn:
-        rows = [r for model in args.sweep_in_proj_gdn for r in sweep_in_proj_gdn(model)]
-        print_table(rows, ["model", "Hk", "Hv", "waves", "c4_fits", "MB", "bound_us", "two_ops_us", "fused_us",
-                           "fused_c4_us", "fused_c4_ring192k_us", "peers_us", "fused_over_two_ops",
-                           "fused_c4_over_two_ops", "fused_vs_peers"])
-        print(f"wrote {write_result('decode_in_proj_gdn_sweep', {'env': environment(), 'sweep': rows}, args.out)}")
         return
     if args.sweep_chain:
         rows = [r for model in args.sweep_chain for r in sweep_chain(model)]

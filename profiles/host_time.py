@@ -173,12 +173,10 @@ def prenorm_setters() -> tuple[dict, Callable[[], None]]:
 
 
 # Timing only, the tokens come out wrong: the mixers' ops replaced by their input passed through (no kernel), so the
-# decode step shows what it would cost if the mixer were free: the most a kernel that fuses it away could save. The
-# fused ops that hold a mixer run as their parts (the in-projection still streams), whatever the fusion flags say
+# decode step shows what it would cost if the mixer were free: the most a kernel that fuses it away could save
 PASS_THROUGH = {"gated_deltanet": lambda qkv, z, *rest: z, "attention_prep": lambda q, *rest: q,
-                "paged_attention": lambda q, *rest: q,
-                "in_proj_gated_deltanet": ops.in_proj_gated_deltanet_by_ops}
-SKIPPED = {"none": (), "gdn": ("gated_deltanet", "in_proj_gated_deltanet"),
+                "paged_attention": lambda q, *rest: q}
+SKIPPED = {"none": (), "gdn": ("gated_deltanet",),
            "attention": ("attention_prep", "paged_attention"), "both": tuple(PASS_THROUGH)}
 
 
@@ -201,32 +199,14 @@ def skip_setters() -> tuple[dict, Callable[[], None]]:
     return {name: functools.partial(skip, names) for name, names in SKIPPED.items()}, restore
 
 
-def in_proj_gdn_setters() -> tuple[dict, Callable[[], None]]:
-    """--ab in_proj_gdn: the fused GDN in-projection off, on where in_proj_gdn.available takes it (every key head's
-    cluster of 8 resident at once), on in any case ('waves': a GPU that holds fewer clusters runs it in two waves;
-    15 of 8 CTAs on session 22's H200, against 16 key heads), and on in clusters of 4 ('c4': half the CTAs, each
-    streaming twice the rows, where the GPU holds them at once)."""
-    from kernels import in_proj_gdn
-    saved = in_proj_gdn.FUSED, in_proj_gdn.resident_clusters, in_proj_gdn.CLUSTERS
-
-    def use(fused: bool, any_waves: bool, clusters: tuple):
-        in_proj_gdn.FUSED, in_proj_gdn.CLUSTERS = fused, clusters
-        in_proj_gdn.resident_clusters = (lambda device_index, cluster=8: 1 << 30) if any_waves else saved[1]
-
-    return ({"off": functools.partial(use, False, False, saved[2]), "on": functools.partial(use, True, False, (8,)),
-             "waves": functools.partial(use, True, True, (8,)), "c4": functools.partial(use, True, False, (4,))},
-            functools.partial(use, saved[0], False, saved[2]))
-
-
 ON_OFF = {"off": False, "on": True}
 KIB, MIB = 2**10, 2**20
 # --ab knobs: name -> (module, attribute, {variant: value}) of a kernel setting, or a function that returns
-# ({variant: apply it}, restore): the pre-norm rule of use_prenorm; `skip` (timing only: wrong tokens); in_proj_gdn
+# ({variant: apply it}, restore): the pre-norm rule of use_prenorm; `skip` (timing only: wrong tokens)
 AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
-            "in_proj_gdn": in_proj_gdn_setters,
             "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),
             "tma_slot": ("kernels.tma_gemv", "SLOT_ROWS", {"16k": 32, "8k": 16}),
             "tma_pause": ("kernels.tma_gemv", "BOUNDARY_BYTES", {"80k": 80 * KIB, "96k": 96 * KIB, "off": 0}),

@@ -28,8 +28,7 @@ def decode_logits(model, prompt, steps, backend, page_size):
 def test_triton_backend_covers_decode_ops():
     with ops.use_backend("triton"):
         table = ops.backend_table()
-    for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "attention_prep", "paged_attention", "gated_deltanet",
-               "in_proj_gated_deltanet"):
+    for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "attention_prep", "paged_attention", "gated_deltanet"):
         assert table[op] == "triton", table
 
 

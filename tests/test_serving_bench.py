@@ -113,29 +113,6 @@ def test_host_time_ab_takes_several_knobs_in_turn():
     assert (linear.TMA_NORM, linear.TMA_CHAIN) == defaults
 
 
-def test_host_time_in_proj_gdn_knob_runs_it_in_waves_and_restores():
-    from kernels import in_proj_gdn
-    from profiles import host_time
-    saved = in_proj_gdn.FUSED, in_proj_gdn.resident_clusters, in_proj_gdn.CLUSTERS
-    clusters = saved[1]
-    variants, restore = host_time.in_proj_gdn_setters()
-    assert list(variants) == ["off", "on", "waves", "c4"]
-    try:
-        variants["on"]()
-        assert in_proj_gdn.FUSED and in_proj_gdn.resident_clusters is clusters  # available counts the clusters
-        assert in_proj_gdn.CLUSTERS == (8,)
-        variants["waves"]()
-        assert in_proj_gdn.FUSED and in_proj_gdn.resident_clusters(0) >= 16  # every key head taken, in two waves
-        variants["c4"]()
-        assert in_proj_gdn.FUSED and in_proj_gdn.CLUSTERS == (4,) and in_proj_gdn.resident_clusters is clusters
-        variants["off"]()
-        assert not in_proj_gdn.FUSED and in_proj_gdn.resident_clusters is clusters
-        variants["waves"]()
-    finally:
-        restore()
-    assert (in_proj_gdn.FUSED, in_proj_gdn.resident_clusters, in_proj_gdn.CLUSTERS) == saved
-
-
 def test_host_time_skip_knob_passes_the_mixers_through_and_restores_them():
     from profiles import host_time
     argv = ["--decode", "1", "--ctx", "24", "--device", "cpu", "--ab", "skip"]
@@ -149,12 +126,9 @@ def test_host_time_skip_knob_passes_the_mixers_through_and_restores_them():
         variants["gdn"]()
         z = torch.randn(1, 2, 3)
         assert ops.gated_deltanet(None, z, *[None] * 11) is z  # passed through: no kernel, wrong tokens
-        # a fused op that holds the mixer runs as its parts, so a fusion flag cannot keep the mixer in
-        assert ops._impl("in_proj_gated_deltanet") is ops.in_proj_gated_deltanet_by_ops
         assert ops._impl("paged_attention") is before["paged_attention"]
         variants["attention"]()
         assert ops._impl("gated_deltanet") is before["gated_deltanet"]
-        assert ops._impl("in_proj_gated_deltanet") is before["in_proj_gated_deltanet"]
         assert ops.paged_attention(z, None, None, None, 1.0) is z
     finally:
         restore()
