@@ -47,20 +47,3 @@ def cu_stream(handle: int):
         from cuda.bindings import driver
         stream = _STREAMS[handle] = driver.CUstream(handle)
     return stream
-
-
-def ptx_statement(text: str, constraints: str, operands: list, *, loc=None, ip=None) -> None:
-    """Inline PTX without a result inside a CuTe-DSL kernel trace, kept where it stands (side effects). operands, in
-    the order of constraints: DSL numbers, or pointers, passed as their address (64-bit for an "l" operand, else
-    32-bit: a shared-memory address)."""
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T
-    values = []
-    for operand, kind in zip(operands, constraints.split(",")):
-        if hasattr(operand, "to_llvm_ptr"):
-            width = T.i64() if kind == "l" else T.i32()
-            values.append(llvm.ptrtoint(width, operand.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip))
-        else:
-            values.append(operand.ir_value(loc=loc, ip=ip))
-    llvm.inline_asm(None, values, text, constraints, has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
