@@ -1,13 +1,15 @@
 """The CuTe attention forward of several git refs, timed side by side in one process with flash-attn-4.
 
     python -m profiles.ab_refs prepare main try/cute-row-rescale     # here: a copy of fa4/ per ref, in ab_refs/
-    python -m profiles.ab_refs run [--cases 0,1,2,3] [--rounds 3]    # on the GPU (carry ab_refs): every copy
+    python -m profiles.ab_refs run [--cases 0,1,2,3] [--iters 40]    # on the GPU (carry ab_refs): every copy
 
 A code change to the kernel (not a config knob, which `bench_prefill --cute-variants` covers) is measured against
 its base without two processes: each ref's fa4/ becomes its own package (fa4_<ref>, imports renamed), so each has
-its own compile cache and its kernels are timed in alternating rounds with flash-attn-4 in the same process (it moved
-by up to 10% between rounds on the H200, prefill.json 'cute_tree_reduce_ab'). `prepare` needs git (the GPU machine
-gets the working tree without it); ab_refs/ is ignored by git, so pass it in the device run's carry.
+its own compile cache and its kernels are timed interleaved with flash-attn-4 in the same process, call by call
+(profiles.common.interleaved_us: a best of 3 rounds of 200 ms each moved by 5-15% from round to round, prefill.json
+'cute_tree_reduce_ab' and 'cute_h100_session25'); vs_fa4 is the median of the iterations' paired ratios.
+`prepare` needs git (the GPU machine gets the working tree without it); ab_refs/ is ignored by git, so pass it in
+the device run's carry.
 Only fa4/ is taken from the ref: kernels/ (the compile cache, the split-KV kernel) and the rest come from the working
 tree that runs, so a ref that changes them is not what gets timed.
 """
@@ -21,6 +23,8 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+from profiles.common import ITERS
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDER = ROOT / "ab_refs"
@@ -46,9 +50,9 @@ def prepare(refs: list[str], folder: Path = FOLDER) -> None:
     (folder / "tmp").rmdir()
 
 
-def run(cases: list[int], rounds: int) -> list[dict]:
+def run(cases: list[int], iters: int) -> list[dict]:
     from profiles.bench_prefill import ATTN_CASES, attention_flops, attention_inputs
-    from profiles.common import peer_attention, print_table, timed_rounds
+    from profiles.common import interleaved_us, paired_ratio, peer_attention, print_table, quantile
     sys.path.insert(0, str(FOLDER))
     names = sorted(p.name for p in FOLDER.iterdir() if p.is_dir())
     if not names:
@@ -65,12 +69,14 @@ def run(cases: list[int], rounds: int) -> list[dict]:
         peer = first(calls["fa4"]())
         errors = {n: ((first(calls[n]()) - peer).norm() / peer.norm()).item() for n in names}
         flops = attention_flops(b, s, h, d, causal)
-        tflops = {n: [flops / us / 1e6 for us in times] for n, times in timed_rounds(calls, rounds).items()}
+        times = interleaved_us(calls, iters)
         for n in calls:
+            ratio = paired_ratio(times, n, "fa4")
             rows.append({"case": f"B{b} S{s} {h}/{kv} d{d}{' causal' if causal else ''}", "code": n,
-                         "TFLOPs_best": max(tflops[n]), "vs_fa4": max(tflops[n]) / max(tflops["fa4"]),
-                         "rounds": "/".join(f"{t:.0f}" for t in tflops[n]), "rel_err_vs_fa4": errors.get(n, 0.0)})
-        print_table(rows[-len(calls):], ["case", "code", "TFLOPs_best", "vs_fa4", "rounds", "rel_err_vs_fa4"])
+                         "TFLOPs": flops / quantile(times[n], 0.5) / 1e6, "vs_fa4": ratio["median"],
+                         "vs_fa4_p10_p90": f"{ratio['p10']:.3f}-{ratio['p90']:.3f}",
+                         "rel_err_vs_fa4": errors.get(n, 0.0)})
+        print_table(rows[-len(calls):], ["case", "code", "TFLOPs", "vs_fa4", "vs_fa4_p10_p90", "rel_err_vs_fa4"])
     return rows
 
 
@@ -80,13 +86,13 @@ def main(argv=None):
     sub.add_parser("prepare", help="a copy of fa4/ per git ref, in ab_refs/").add_argument("refs", nargs="+")
     timing = sub.add_parser("run", help="time every prepared copy and flash-attn-4 (GPU)")
     timing.add_argument("--cases", default="0,1,2,3", help="indices into profiles.bench_prefill.ATTN_CASES")
-    timing.add_argument("--rounds", type=int, default=3)
+    timing.add_argument("--iters", type=int, default=ITERS, help="interleaved iterations a case")
     timing.add_argument("--out", help="write ab_refs.json into this folder")
     args = ap.parse_args(argv)
     if args.what == "prepare":
         prepare(args.refs)
         return None
-    rows = run([int(c) for c in args.cases.split(",")], args.rounds)
+    rows = run([int(c) for c in args.cases.split(",")], args.iters)
     if args.out:
         from profiles.common import environment, write_result
         write_result("ab_refs", {"env": environment(), "rows": rows}, args.out)

@@ -20,15 +20,18 @@ from unittest import mock
 import torch
 
 from profiles.common import (
+    ITERS,
     RESULTS,
     bench_us,
     environment,
+    interleaved_us,
+    paired_ratio,
     peer_attention,
     plot_bars,
     plot_series,
     print_table,
     progress,
-    timed_rounds,
+    quantile,
     write_result,
 )
 
@@ -176,10 +179,10 @@ def bench_agent_row(cute=False):
     return row
 
 
-def bench_cute_case(batch, seqlen, h, kv, d, causal, labels=None, rounds=3):
+def bench_cute_case(batch, seqlen, h, kv, d, causal, labels=None, iters=ITERS):
     """The CuTe kernel with each CUTE_VARIANTS entry (those named in labels, when given) against flash-attn-4 and
-    cuDNN, TFLOP/s: the best of `rounds` rounds, each round timing every call once in rotated order (timed_rounds),
-    so that the clock and heat of the card weigh on ours and the peers alike."""
+    cuDNN: TFLOP/s of each call's median time over `iters` interleaved iterations (interleaved_us), and each call's
+    speed over flash-attn-4's as the median (and p10-p90) of the iterations' paired ratios (paired_ratio)."""
     from fa4.cute.entry import cute_attention
     q, k, v = attention_inputs(batch, seqlen, h, kv, d)
     flops = attention_flops(batch, seqlen, h, d, causal)
@@ -194,14 +197,18 @@ def bench_cute_case(batch, seqlen, h, kv, d, causal, labels=None, rounds=3):
         except Exception as err:
             row[f"{name}_TFLOPs"], row[f"{name}_error"] = None, f"{type(err).__name__}: {err}"[:200]
             del calls[name]
-    for name, times in timed_rounds(calls, rounds).items():
-        row[f"{name}_TFLOPs"] = flops / min(times) / 1e6
-        row[f"{name}_rounds"] = "/".join(f"{flops / us / 1e6:.0f}" for us in times)
-    ours = {label: row[f"cute_{label}_TFLOPs"] for label, _ in CUTE_VARIANTS if row.get(f"cute_{label}_TFLOPs")}
-    if ours and row.get("fa4_TFLOPs"):
+    times = interleaved_us(calls, iters)
+    for name in calls:
+        row[f"{name}_TFLOPs"] = flops / quantile(times[name], 0.5) / 1e6
+        if "fa4" in calls and name != "fa4":
+            ratio = paired_ratio(times, name, "fa4")
+            row[f"{name}_vs_fa4"] = ratio["median"]
+            row[f"{name}_vs_fa4_p10_p90"] = f"{ratio['p10']:.3f}-{ratio['p90']:.3f}"
+    ours = {label: row[f"cute_{label}_vs_fa4"] for label, _ in CUTE_VARIANTS if row.get(f"cute_{label}_vs_fa4")}
+    if ours:
         row["cute_best"] = max(ours, key=ours.get)
-        row["cute_best_vs_fa4"] = ours[row["cute_best"]] / row["fa4_TFLOPs"]
-        row["cute_default_vs_fa4"] = ours.get("default", 0.0) / row["fa4_TFLOPs"]
+        row["cute_best_vs_fa4"] = ours[row["cute_best"]]
+        row["cute_default_vs_fa4"] = ours.get("default", 0.0)
     return row
 
 
@@ -236,8 +243,9 @@ def main(argv=None):
     ap.add_argument("--plot", metavar="JSON", help="only redraw the plots from a prefill.json (into --out)")
     ap.add_argument("--cute-variants", default=None, metavar="A,B",
                     help="the cute part runs only these CUTE_VARIANTS labels (default: all)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="the cute part: rounds of timing every variant and peer once, rotated; the best counts")
+    ap.add_argument("--iters", type=int, default=ITERS,
+                    help="the cute part: iterations, each running every variant and peer once, back to back in "
+                         "rotated order; medians of times and of paired ratios count")
     args = ap.parse_args(argv)
     labels = args.cute_variants.split(",") if args.cute_variants else None
     unknown = set(labels or ()) - {label for label, _ in CUTE_VARIANTS}
@@ -273,10 +281,11 @@ def main(argv=None):
         print(f"\ncausal H32 d128, {CURVE[0]} tokens a call, TFLOP/s against seqlen")
         print_table(result["curve"], ["S", "B", "ours_TFLOPs", "fa4_TFLOPs", "cudnn_TFLOPs", "vs_fa4"])
     if "cute" in parts:
-        result["cute"] = [progress(bench_cute_case(*c, labels=labels, rounds=args.rounds)) for c in ATTN_CASES[:4]]
+        result["cute"] = [progress(bench_cute_case(*c, labels=labels, iters=args.iters)) for c in ATTN_CASES[:4]]
         print("\nCuTe-DSL kernel (fa4/cute), bf16, TFLOP/s per variant, against flash-attn-4 and cuDNN")
         print_table(result["cute"], ["B", "S", "H/KV", "D", "causal", *[f"cute_{v[0]}_TFLOPs" for v in CUTE_VARIANTS],
-                                     "fa4_TFLOPs", "cudnn_TFLOPs", "cute_best", "cute_best_vs_fa4"])
+                                     "fa4_TFLOPs", "cudnn_TFLOPs", "cute_best", "cute_best_vs_fa4",
+                                     f"cute_{labels[0] if labels else 'default'}_vs_fa4_p10_p90"])
         result["cute_agent_turn"] = [progress(bench_agent_row(cute=True))]
         print_table(result["cute_agent_turn"], ["case", "cute_us", "cute_graph_us", "fa4_us", "fa4_graph_us",
                                                 "cute_TFLOPs", "fa4_over_cute", "rel_err_cute_vs_fa4"])

@@ -3,6 +3,7 @@ import json
 import platform
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -27,13 +28,64 @@ def round_order(names: list[str], r: int) -> list[str]:
     return names[r:] + names[:r]
 
 
-def timed_rounds(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    """Microseconds of each call in each of `rounds` rounds (bench_us), the calls of a round in round_order."""
+@dataclass(frozen=True)
+class Clock:
+    """Time stamps on the device's timeline: stamp() marks the point of the stream, us(a, b) the microseconds
+    between two marks (after sync()). CUDA events by default; tests pass a fake."""
+    stamp: Callable[[], object]
+    us: Callable[[object, object], float]
+    sync: Callable[[], None]
+
+
+def cuda_clock() -> Clock:
+    def stamp():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return Clock(stamp, lambda a, b: 1e3 * a.elapsed_time(b), torch.cuda.synchronize)
+
+
+ITERS = 40  # interleaved_us's iterations by default: a few seconds a case for the prefill attention calls
+
+
+def interleaved_us(calls: dict[str, Callable[[], object]], iters: int = ITERS, warmup: int = 3,
+                   clock: Clock | None = None) -> dict[str, list[float]]:
+    """Microseconds of each call in each of `iters` iterations. An iteration runs every call once, back to back on
+    the stream in round_order (rotated by iteration), with a time stamp between two calls, so that the calls
+    compared run a few milliseconds apart under the same clock and heat: paired_ratio then cancels the card's
+    drift, which moved a call's best-of-3 by 5-15% from round to round (prefill.json 'cute_h100_session25')."""
+    clock = clock or cuda_clock()
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    iterations = []
+    for i in range(iters):
+        names, marks = round_order(list(calls), i), [clock.stamp()]
+        for name in names:
+            calls[name]()
+            marks.append(clock.stamp())
+        iterations.append((names, marks))
+    clock.sync()
     times = {name: [] for name in calls}
-    for r in range(rounds):
-        for name in round_order(list(calls), r):
-            times[name].append(bench_us(calls[name]))
+    for names, marks in iterations:
+        for j, name in enumerate(names):
+            times[name].append(clock.us(marks[j], marks[j + 1]))
     return times
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile of values, linearly interpolated (q 0.5: the median)."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    lo = int(at)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)
+
+
+def paired_ratio(times: dict[str, list[float]], name: str, peer: str) -> dict[str, float]:
+    """The peer's time over name's, iteration by iteration (above 1: name is faster): median, p10 and p90."""
+    ratios = [t_peer / t for t, t_peer in zip(times[name], times[peer])]
+    return {"median": quantile(ratios, 0.5), "p10": quantile(ratios, 0.1), "p90": quantile(ratios, 0.9)}
 
 
 def peer_attention(name: str, q, k, v, causal: bool) -> Callable[[], object]:

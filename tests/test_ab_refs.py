@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from profiles import ab_refs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,10 +55,52 @@ def test_each_round_starts_one_later():
     assert {o[0] for o in orders[:3]} == set(names)  # every code leads one round of three
 
 
-def test_timed_rounds_rotates_the_calls(monkeypatch):
-    from profiles import common
+def fake_clock(durations: dict[str, list[float]], seen: list[str]):
+    """A Clock over a fake device timeline: each call appends its name to seen and takes its next duration."""
+    from profiles.common import Clock
+    now = [0.0]
+
+    def call(name):
+        def run():
+            seen.append(name)
+            now[0] += durations[name][sum(n == name for n in seen) - 1]
+        return run
+    synced = []
+    clock = Clock(stamp=lambda: now[0], us=lambda a, b: b - a, sync=lambda: synced.append(True))
+    return clock, call, synced
+
+
+def test_interleaved_us_times_each_call_between_its_stamps_in_rotated_order():
+    from profiles.common import interleaved_us
     seen = []
-    monkeypatch.setattr(common, "bench_us", lambda call: seen.append(call()) or 10.0 * len(seen))
-    times = common.timed_rounds({n: (lambda n=n: n) for n in ("a", "b", "c")}, rounds=2)
-    assert seen == ["a", "b", "c", "b", "c", "a"]
-    assert times == {"a": [10.0, 60.0], "b": [20.0, 40.0], "c": [30.0, 50.0]}
+    # the card drifts: every call is slower in the second iteration; "b" is 10% faster than "a" throughout
+    durations = {"a": [1.0, 100.0, 200.0], "b": [1.0, 90.0, 180.0], "c": [1.0, 50.0, 70.0]}
+    clock, call, synced = fake_clock(durations, seen)
+    times = interleaved_us({n: call(n) for n in "abc"}, iters=2, warmup=1, clock=clock)
+    assert seen == ["a", "b", "c", "a", "b", "c", "b", "c", "a"]  # warm-up, then iteration 0, iteration 1 rotated
+    assert times == {"a": [100.0, 200.0], "b": [90.0, 180.0], "c": [50.0, 70.0]} and synced == [True]
+
+
+def test_paired_ratio_cancels_the_drift_a_best_of_rounds_would_keep():
+    from profiles.common import paired_ratio, quantile
+    times = {"ours": [100.0, 200.0, 150.0], "fa4": [110.0, 220.0, 165.0]}
+    ratio = paired_ratio(times, "ours", "fa4")
+    assert ratio["median"] == pytest.approx(1.1) and ratio["p10"] == pytest.approx(1.1)
+    times["fa4"] = [100.0, 300.0, 165.0]
+    assert paired_ratio(times, "ours", "fa4") == {"median": pytest.approx(1.1), "p10": pytest.approx(1.02),
+                                                  "p90": pytest.approx(1.42)}
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0 and quantile([1.0, 2.0], 0.25) == 1.25
+    assert quantile([5.0], 0.9) == 5.0
+
+
+@pytest.mark.gpu
+def test_interleaved_us_on_cuda_events():
+    import torch
+
+    from profiles.common import interleaved_us, paired_ratio
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    times = interleaved_us({"one": lambda: a @ a, "four": lambda: [a @ a for _ in range(4)]}, iters=8)
+    assert all(len(t) == 8 and min(t) > 0 for t in times.values())
+    assert 3.0 < paired_ratio(times, "one", "four")["median"] < 5.0
