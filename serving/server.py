@@ -378,6 +378,8 @@ def create_app(engine: LLMEngine, tokenizer: QwenTokenizer, model_name: str, max
                 aengine.group_failed(workers.failure)
 
     async def stop(app: web.Application) -> None:
+        if workers is not None:  # the loop closes: a worker's end is only logged from here on
+            workers.on_failure = tp_worker.log_failure
         await app[STATE].engine.stop()
 
     app.on_startup.append(start)
@@ -454,8 +456,8 @@ def main(argv=None) -> None:
             tp_worker.check_splits(args.model, args.tp)
         except ValueError as error:
             raise SystemExit(f"--tp {args.tp}: {error}") from None
-        tp, workers = tp_worker.launch(args.tp, args.model, device.type, cfg, backend)
-        workers.on_failure = exit_at_startup  # until the app runs: this process may be blocked in a collective
+        # until the app runs, a worker that dies ends this process: it may be blocked in a collective
+        tp, workers = tp_worker.launch(args.tp, args.model, device.type, cfg, backend, on_failure=exit_at_startup)
         device = tp_worker.rank_device(device.type, 0)
     model, what = load_model(args.model, device, tp=tp)
     engine = LLMEngine(model, cfg)
@@ -476,7 +478,7 @@ def main(argv=None) -> None:
 
 def exit_at_startup(error: Exception) -> None:
     """A tensor-parallel worker died before the server ran: nothing is served yet, and this process may wait in a
-    collective for ever, so end it."""
+    collective for ever, so end it (the other workers die with it: tp_worker.die_with)."""
     log.critical("%s while the server was starting: exiting", error)
     logging.shutdown()
     os._exit(1)
@@ -490,6 +492,7 @@ def stop_workers(app: web.Application, engine: LLMEngine, workers: tp_worker.Wor
         try:
             engine.close()
             workers.join(timeout=30)
+            workers.kill()  # any that did not end
             return
         except RuntimeError as error:
             log.warning("could not stop the tensor-parallel workers cleanly: %s", error)

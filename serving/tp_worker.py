@@ -17,6 +17,7 @@ loopback interface; rank 0 joins the group once all have connected (a worker tha
 once), and a WorkerGroup then watches them (the server stops its engine if one dies). A worker dies with rank 0.
 NCCL_NVLS_ENABLE=0 (no NVLink multicast) is set in every process.
 """
+import atexit
 import ctypes
 import logging
 import os
@@ -269,17 +270,23 @@ def check_splits(model_spec: str, world_size: int) -> None:
     ShardPlan.build(cfg, ParallelContext(0, world_size))
 
 
-class WorkerGroup:
-    """Rank 0's handle on the spawned ranks 1..N-1. A watcher thread reaps them and reports the first that exits
-    with a non-zero code (a crash, a kill: the group cannot go on) to on_failure(RuntimeError), called in that
-    thread; by default it is logged. A worker exits with 0 only after rank 0's "stop". Read exit codes from
-    exit_codes (the watcher is their only reader while it runs)."""
+def log_failure(error: Exception) -> None:
+    log.critical("%s", error)
 
-    def __init__(self, procs: list):
+
+class WorkerGroup:
+    """Rank 0's handle on the spawned ranks 1..N-1, from the moment they start. A watcher thread reaps them and
+    reports the first that exits with a non-zero code (a crash, a kill: the group cannot go on) to
+    on_failure(RuntimeError), called in that thread (default: log_failure). A worker exits with 0 only after rank 0's
+    "stop". Read exit codes from exit_codes (the watcher is their only reader while it runs). The workers ignore
+    SIGTERM, so multiprocessing's exit handler would wait on a live one for ever: they are killed at exit instead."""
+
+    def __init__(self, procs: list, on_failure: Callable[[Exception], None] | None = None):
         self.procs = procs
-        self.on_failure: Callable[[Exception], None] = lambda error: log.critical("%s", error)
+        self.on_failure = on_failure or log_failure
         self.failure: Exception | None = None
         self.exit_codes: dict[int, int] = {}  # rank -> exit code (negative: the signal)
+        atexit.register(self.kill)  # atexit runs last-registered first: before multiprocessing's handler
         self._watcher = threading.Thread(target=self._watch, name="tp-worker-watch", daemon=True)
         self._watcher.start()
 
@@ -293,9 +300,13 @@ class WorkerGroup:
                 self.exit_codes[rank] = code = self.procs[rank - 1].exitcode
                 if code != 0 and self.failure is None:
                     self.failure = RuntimeError(f"tensor-parallel worker rank {rank} exited with code {code}")
-                    self.on_failure(self.failure)
+                    try:
+                        self.on_failure(self.failure)
+                    except Exception:  # noqa: BLE001 - the watcher must go on reaping
+                        log.exception("the tensor-parallel failure handler failed")
 
     def kill(self) -> None:
+        """SIGKILL every worker still running (a no-op for those that ended)."""
         for p in self.procs:
             p.kill()
 
@@ -322,19 +333,18 @@ def leader_store(world_size: int) -> dist.TCPStore:
                          master_listen_fd=sock.detach())
 
 
-def await_workers(store: dist.TCPStore, procs: list, timeout: timedelta = JOIN_TIMEOUT, poll_s: float = 0.1) -> None:
+def await_workers(store: dist.TCPStore, group: WorkerGroup, timeout: timedelta = JOIN_TIMEOUT,
+                  poll_s: float = 0.1) -> None:
     """Wait until every worker has connected to the store. Raises RuntimeError, and kills the workers, if one exits
     first or timeout passes (instead of rank 0 waiting in the rendezvous for half an hour)."""
-    keys = [f"{JOINED}{rank}" for rank in range(1, len(procs) + 1)]
+    keys = [f"{JOINED}{rank}" for rank in range(1, len(group.procs) + 1)]
     deadline = time.monotonic() + timeout.total_seconds()
     while not store.check(keys):
-        dead = [(rank, p.exitcode) for rank, p in enumerate(procs, 1) if p.exitcode is not None]
-        late = time.monotonic() > deadline
-        if dead or late:
-            for p in procs:
-                p.kill()
-            what = ", ".join(f"rank {r} exited with code {c}" for r, c in dead) or f"none joined within {timeout}"
-            raise RuntimeError(f"tensor-parallel workers did not start: {what}")
+        dead = dict(group.exit_codes)
+        if dead or time.monotonic() > deadline:
+            group.kill()
+            what = ", ".join(f"rank {r} exited with code {c}" for r, c in sorted(dead.items()))
+            raise RuntimeError(f"tensor-parallel workers did not start: {what or f'none joined within {timeout}'}")
         time.sleep(poll_s)
 
 
@@ -346,10 +356,14 @@ def loopback_only() -> None:
 
 
 def launch(world_size: int, model_spec: str, device_type: str, engine_cfg, ops_backend: str,
-           timeout: timedelta | None = None) -> tuple[ParallelContext, WorkerGroup]:
+           timeout: timedelta | None = None,
+           on_failure: Callable[[Exception], None] | None = None) -> tuple[ParallelContext, WorkerGroup]:
     """Rank 0: spawn ranks 1..world_size-1 (worker_main), wait for them at the store and join the group. Returns
     (ParallelContext, WorkerGroup); rank 0 then builds its model with load_model(..., tp=) and its LLMEngine, and
-    calls engine.close() at the end. timeout: rank 0's for the model's collectives (see init_parallel)."""
+    calls engine.close() at the end. timeout: rank 0's for the model's collectives (see init_parallel).
+    on_failure: the WorkerGroup's, from the start: a worker that dies once it has joined may leave this process
+    blocked in a collective (init_parallel's included), so a server ends the process there. Call launch from a thread
+    that lives as long as the process: the workers' parent-death signal follows the thread that spawned them."""
     import torch.multiprocessing as mp
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the workers too
     loopback_only()
@@ -360,7 +374,12 @@ def launch(world_size: int, model_spec: str, device_type: str, engine_cfg, ops_b
              for r in range(1, world_size)]
     for p in procs:
         p.start()
-    rank_device(device_type, 0)
-    await_workers(store, procs)
-    tp = init_parallel(0, world_size, backend=dist_backend(device_type), timeout=timeout, store=store)
-    return tp, WorkerGroup(procs)
+    group = WorkerGroup(procs, on_failure)
+    try:
+        rank_device(device_type, 0)
+        await_workers(store, group)
+        tp = init_parallel(0, world_size, backend=dist_backend(device_type), timeout=timeout, store=store)
+    except BaseException:
+        group.kill()
+        raise
+    return tp, group

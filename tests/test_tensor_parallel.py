@@ -138,34 +138,67 @@ def test_rendezvous_store_listens_on_loopback_only():
 def test_a_worker_that_dies_before_joining_fails_the_launch_at_once():
     """A worker that exits before it reaches the store (a crash at import) fails rank 0's wait in well under a
     second of polling, naming the rank and exit code, instead of a half-hour rendezvous timeout."""
-    import os
     import time
 
-    from serving.tp_worker import await_workers, leader_store
+    from serving.tp_worker import WorkerGroup, await_workers, leader_store
     store = leader_store(3)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=time.sleep, args=(60,), daemon=True), ctx.Process(target=os._exit, args=(3,))]
     for p in procs:
         p.start()
+    failures = []
+    group = WorkerGroup(procs, failures.append)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 2 exited with code 3"):
-        await_workers(store, procs)
+        await_workers(store, group)
     assert time.monotonic() - start < 30
-    procs[0].join(timeout=10)
-    assert procs[0].exitcode is not None, "the other worker was not killed"
+    group.join(timeout=10)
+    assert group.exit_codes[1] == -9, "the other worker was not killed"
 
 
 def test_a_worker_that_never_joins_times_out():
     import time
 
-    from serving.tp_worker import await_workers, leader_store
+    from serving.tp_worker import WorkerGroup, await_workers, leader_store
     store = leader_store(2)
     proc = mp.get_context("spawn").Process(target=time.sleep, args=(60,), daemon=True)
     proc.start()
+    group = WorkerGroup([proc], lambda error: None)
     with pytest.raises(RuntimeError, match="none joined within"):
-        await_workers(store, [proc], timeout=timedelta(seconds=1))
-    proc.join(timeout=10)
-    assert proc.exitcode is not None
+        await_workers(store, group, timeout=timedelta(seconds=1))
+    group.join(timeout=10)
+    assert group.exit_codes == {1: -9}
+
+
+def test_a_worker_that_dies_after_joining_is_reported():
+    """Between a worker's check-in and the group's forming, rank 0 waits in init_process_group: the watcher, which
+    runs from the workers' start, reports a death there (session 25's review: rank 0 waited for good)."""
+    import threading
+
+    from serving.tp_worker import WorkerGroup, await_workers, leader_store
+    store = leader_store(2)
+    proc = mp.get_context("spawn").Process(target=S.join_then_exit, args=(store.port, 7), daemon=True)
+    proc.start()
+    reported = threading.Event()
+    group = WorkerGroup([proc], lambda error: reported.set())
+    try:
+        await_workers(store, group)  # it may also see the exit first: then it raises, naming it
+    except RuntimeError as error:
+        assert "rank 1 exited with code 7" in str(error)
+    assert reported.wait(timeout=30) and group.exit_codes == {1: 7}
+
+
+def test_rank_0_exits_though_a_worker_ignores_sigterm(tmp_path):
+    """multiprocessing's exit handler sends daemon children SIGTERM, which the workers ignore, then joins them
+    without a timeout; the WorkerGroup kills them first, so a rank 0 that fails at startup still exits."""
+    import subprocess
+    script = ("import multiprocessing as mp, sys, time; import tp_scenarios\n"
+              "from serving.tp_worker import WorkerGroup\n"
+              "p = mp.get_context('spawn').Process(target=tp_scenarios.stubborn_worker, daemon=True); p.start()\n"
+              "WorkerGroup([p]); time.sleep(2); sys.exit(3)")
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                          timeout=60, capture_output=True, text=True)
+    assert done.returncode == 3, done.stderr[-2000:]
 
 
 def process_alive(pid: int) -> bool:
@@ -216,8 +249,7 @@ def test_worker_group_reports_a_worker_that_dies_not_one_that_stops():
         p.start()
     reported = threading.Event()
     failures = []
-    group = WorkerGroup(procs)
-    group.on_failure = lambda error: (failures.append(error), reported.set())
+    group = WorkerGroup(procs, lambda error: (failures.append(error), reported.set()))
     deadline = time.monotonic() + 30
     while 1 not in group.exit_codes and time.monotonic() < deadline:
         time.sleep(0.05)

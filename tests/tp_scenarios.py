@@ -110,3 +110,22 @@ def orphan_probe(leader_pid: int, pid_file: str) -> None:
     die_with(leader_pid)
     Path(pid_file).write_text(str(os.getpid()))
     time.sleep(120)
+
+
+def join_then_exit(port: int, code: int) -> None:
+    """A stand-in worker that checks in at rank 0's store, then dies before the group forms."""
+    import os
+
+    import torch.distributed as dist
+
+    from serving.tp_worker import JOINED, LOOPBACK
+    dist.TCPStore(LOOPBACK, port, 2, is_master=False).set(f"{JOINED}1", "1")
+    os._exit(code)
+
+
+def stubborn_worker() -> None:
+    """A stand-in worker that ignores SIGTERM, as worker_main does, and waits."""
+    import signal
+    import time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(120)
