@@ -440,3 +440,71 @@ def test_nccl_tp2_equals_tp1_with_cuda_graphs(tmp_path):
             assert got[0]["engine"][case]["outputs"] == ref["outputs"], case
             if not S.CONFIGS[name].is_moe:
                 assert got[0]["engine"][case]["graph_steps"] > 0, "decode steps did not replay graphs at TP=2"
+
+
+def children(pid: int) -> list[int]:
+    """The direct child processes of pid (Linux /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the worker through Linux's /proc")
+def test_server_tp2_serves_then_stops_when_a_worker_dies(tmp_path):
+    """`python -m serving.server --tp 2` end to end on the CPU: it serves; a SIGKILLed worker makes /health say
+    "engine stopped" and requests fail at once with the rank named; Ctrl-C then ends the server with exit code 1
+    (the group failed) and leaves no process behind."""
+    import signal
+    import socket
+    import subprocess
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "serving.server", "--model", "tiny", "--device", "cpu",
+                               "--tp", "2", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if http("GET", url + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3}
+        assert http("POST", url + "/v1/completions", body)[0] == 200
+        workers = children(server.pid)
+        assert workers, "no worker process"
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while http("GET", url + "/health") != (503, {"status": "engine stopped"}):
+            assert time.monotonic() < deadline, "the engine did not stop"
+            time.sleep(0.2)
+        status, reply = http("POST", url + "/v1/completions", body)
+        assert status == 500 and "exited with code -9" in reply["error"]["message"]
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 1
+        assert not [pid for pid in workers if process_alive(pid)]
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+        log.close()
