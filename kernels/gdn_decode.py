@@ -59,22 +59,42 @@ IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Predicted: their slot-then-state DRAM round trips (~1-2 us) hidden behind the in-projection's tail, ~20-40 us a
 # 2B / 9B step. Measured (H200, session 16, graph step at batch 1 over 8192, alternated in one process, `python -m
 # profiles.host_time --model M --decode 1 --ab gdn_early`): 9B 4.64 / 4.64 ms against 4.68 / 4.69 off; 2B 1.48
-# either way (profiles/results/host_time.json 'gdn_early_session16')
+# either way (profiles/results/host_time.json 'gdn_early_session16').
+# Session 25: EARLY also loads the conv windows and the weights before the wait, and everything the in-projection
+# wrote (qkv, z, a, b) right after it, before the first reduction. The post-wait loads took two dependent round
+# trips (q | k, then v, gates and z behind the l2norms' barriers) and the last split's z a third; now one (the
+# sm_90a PTX test counts them). The GDN layer's decode costs 6.3-6.7 us at B1 against 0.5 us of state bytes
+# (session 23's `--ab skip`), all latency; predicted: 0.6-1.2 us a layer, 11-22 us a 2B / 0.8B step. Not yet timed
 STATE_BEFORE_WAIT = True
 
 
 @triton.jit
-def _conv_window(x_row, conv_row, conv_w_ptr, ch, mask, K: tl.constexpr, BT: tl.constexpr):
-    """The K-tap windows of channels ch (R, N) of one sequence (x_row: qkv[b]; conv_row: conv_states[slot]).
-    Returns window (R, N, BT) in the io dtype and silu(conv) (R, N) fp32, rounded to the io dtype."""
+def _conv_taps(conv_row, conv_w_ptr, ch, mask, K: tl.constexpr, BT: tl.constexpr):
+    """The stored taps 0..K-2 of channels ch (R, N) of one sequence (conv_row: conv_states[slot]) and their conv
+    weights, each (R, N, BT)."""
     tap = tl.arange(0, BT)[None, None, :]
     c3, m3 = ch[:, :, None], mask[:, :, None]
-    x = tl.load(x_row + ch, mask=mask, other=0.0)  # (R, N)
-    old = tl.load(conv_row + c3 * (K - 1) + tap, mask=m3 & (tap < K - 1), other=0.0)  # taps 0..K-2
-    window = tl.where(tap == K - 1, x[:, :, None], old)
+    old = tl.load(conv_row + c3 * (K - 1) + tap, mask=m3 & (tap < K - 1), other=0.0)
     w = tl.load(conv_w_ptr + c3 * K + tap, mask=m3 & (tap < K), other=0.0)
+    return old, w
+
+
+@triton.jit
+def _conv_apply(x, old, w, K: tl.constexpr, BT: tl.constexpr):
+    """x (R, N): the new token's channels; old, w: _conv_taps'. Returns the K-tap window (R, N, BT) in the io dtype
+    and silu(conv) (R, N) fp32, rounded to the io dtype."""
+    tap = tl.arange(0, BT)[None, None, :]
+    window = tl.where(tap == K - 1, x[:, :, None], old)
     y = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=2)
     return window, (y * tl.sigmoid(y)).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _z_rows(z_row, head0, GROUP: tl.constexpr, GP: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    """z[b] of value heads head0 .. head0 + GROUP - 1: (GP, BV), zero past them and past DV."""
+    rg, rv = tl.arange(0, GP), tl.arange(0, BV)
+    mask = (rg[:, None] < GROUP) & (rv[None, :] < DV)
+    return tl.load(z_row + (head0 + rg)[:, None] * DV + rv[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -88,14 +108,6 @@ def _shift_window(conv_row, ch, mask, window, K: tl.constexpr, BT: tl.constexpr)
 def _l2norm(x):
     # x: (n,) fp32, zero past the head dim
     return x * tl.rsqrt(tl.sum(x * x, axis=0) + L2NORM_EPS)
-
-
-@triton.jit
-def _gates(a_row, b_row, a_log_ptr, dt_bias_ptr, heads):
-    """decay exp(g) and beta, fp32 (G,), of value heads `heads` (G,) of one sequence (a_row, b_row: a[b], b[b])."""
-    g, beta = gate_values(tl.load(a_row + heads), tl.load(b_row + heads), tl.load(a_log_ptr + heads),
-                          tl.load(dt_bias_ptr + heads))
-    return tl.exp(g), beta
 
 
 @triton.jit
@@ -121,9 +133,10 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr,
                        GP: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     # grid (Hk, B, NS): key head kh of sequence seq, columns [split * BV / NS, ...) of its HV // HK value heads'
-    # states, G heads at a time. EARLY (one pass of G heads): the states are loaded before the PDL wait (no kernel
-    # of the step writes them, nor the slots), so their two dependent DRAM round trips overlap the previous
-    # kernel's tail; everything the previous kernel writes (qkv, z, b, a) is read after the wait.
+    # states, G heads at a time. EARLY (one pass of G heads): what no kernel of the step writes (the slot, the
+    # states, the conv windows, the weights) is loaded before the PDL wait, so its DRAM round trips overlap the
+    # previous kernel's tail; then everything the previous kernel writes (qkv, z, b, a) is loaded at once, before
+    # the first reduction, in one round trip.
     kh = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -134,35 +147,59 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
     rv = split * BVS + tl.arange(0, BVS)
     slot = tl.load(slots_ptr + seq).to(tl.int64)  # every state offset below is 64-bit
     s_mask = (rk[None, :, None] < DK) & (rv[None, None, :] < DV) & (rg[:, None, None] < G)  # (G, BK, BVS)
-    if EARLY:
-        s_early = tl.load(_state_ptrs(state_ptr, slot, kh * GROUP + rg, rk, rv, HV, DK, DV), mask=s_mask, other=0.0)
-    pdl.wait_for_producer(PDL)
-    pdl.release_dependents(PDL)
     x_row = qkv_ptr + seq * stride_qkv  # the rows of qkv, z, b and a may be views into one projection
     z_row = z_ptr + seq * stride_z
+    a_row = a_ptr + seq * stride_a
+    b_row = b_ptr + seq * stride_b
     conv_row = conv_ptr + slot * (C * (K - 1))
     qk_ch = (two[None, :] * HK + kh) * DK + rk[:, None]  # (BK, 2): the q | k channels of key head kh
     qk_mask = (rk[:, None] < DK) & (two[None, :] < 2)  # full (BK, 2), like every mask here
-    qk_window, qk = _conv_window(x_row, conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT)
+    v_mask = (rv[None, :] < DV) & (rg[:, None] < G)  # (G, BVS)
+    if EARLY:
+        heads = kh * GROUP + rg  # the one pass's (G,) value heads
+        v_ch = 2 * HK * DK + heads[:, None] * DV + rv[None, :]  # (G, BVS)
+        s_early = tl.load(_state_ptrs(state_ptr, slot, heads, rk, rv, HV, DK, DV), mask=s_mask, other=0.0)
+        qk_old, qk_w = _conv_taps(conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT)
+        v_old, v_w = _conv_taps(conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
+        a_log, dt_bias = tl.load(a_log_ptr + heads), tl.load(dt_bias_ptr + heads)
+        w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
+    pdl.wait_for_producer(PDL)
+    pdl.release_dependents(PDL)
+    if EARLY:
+        x_qk = tl.load(x_row + qk_ch, mask=qk_mask, other=0.0)
+        x_v = tl.load(x_row + v_ch, mask=v_mask, other=0.0)
+        a_early, b_early = tl.load(a_row + heads), tl.load(b_row + heads)
+        z_early = _z_rows(z_row, kh * GROUP, GROUP, G, DV, BV)  # (G, BV): whole rows (G == GROUP here)
+    else:
+        qk_old, qk_w = _conv_taps(conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT)
+        x_qk = tl.load(x_row + qk_ch, mask=qk_mask, other=0.0)
+        w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
+    qk_window, qk = _conv_apply(x_qk, qk_old, qk_w, K, BT)
     q, k = tl.split(qk)
     q = _l2norm(q) * scale
     k = _l2norm(k)
-    w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
     for c in range(GROUP // G):
-        heads = kh * GROUP + c * G + rg  # (G,)
+        if not EARLY:
+            heads = kh * GROUP + c * G + rg  # (G,)
+            v_ch = 2 * HK * DK + heads[:, None] * DV + rv[None, :]
         rows = seq * HV + heads
-        v_ch = 2 * HK * DK + heads[:, None] * DV + rv[None, :]  # (G, BVS)
-        v_mask = (rv[None, :] < DV) & (rg[:, None] < G)
         s_ptrs = _state_ptrs(state_ptr, slot, heads, rk, rv, HV, DK, DV)
         if EARLY:
             s = s_early
+            v_window, v = _conv_apply(x_v, v_old, v_w, K, BT)
+            g, beta = gate_values(a_early, b_early, a_log, dt_bias)
         else:
             s = tl.load(s_ptrs, mask=s_mask, other=0.0)
-        v_window, v = _conv_window(x_row, conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
-        decay, beta = _gates(a_ptr + seq * stride_a, b_ptr + seq * stride_b, a_log_ptr, dt_bias_ptr, heads)
-        s, o = _delta_rule(s, q, k, v, decay, beta)
+            v_old, v_w = _conv_taps(conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
+            v_window, v = _conv_apply(tl.load(x_row + v_ch, mask=v_mask, other=0.0), v_old, v_w, K, BT)
+            g, beta = gate_values(tl.load(a_row + heads), tl.load(b_row + heads), tl.load(a_log_ptr + heads),
+                                  tl.load(dt_bias_ptr + heads))
+        s, o = _delta_rule(s, q, k, v, tl.exp(g), beta)
         if NS == 1:
-            z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
+            if EARLY:
+                z = z_early  # NS 1: this program's columns are the whole rows
+            else:
+                z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
             out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
             tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
         else:  # the norm needs whole rows: park this slice of o for the key head's last split
@@ -177,21 +214,24 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         # (acquire) shifts the windows, normalises the full rows and resets the counter for the next launch.
         if split_k.last_to_arrive(arrivals_ptr + seq * HK + kh, NS):
             _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)
-            _norm_rows(ws_o_ptr, z_row, norm_w_ptr, out_ptr, seq * HV, kh * GROUP, eps, GROUP, GP, DV, BV)
+            if EARLY:
+                z_rows = z_early
+            else:
+                z_rows = _z_rows(z_row, kh * GROUP, GROUP, GP, DV, BV)
+            _norm_rows(ws_o_ptr, z_rows, norm_w_ptr, out_ptr, seq * HV, kh * GROUP, eps, GROUP, GP, DV, BV)
             split_k.reset_ticket(arrivals_ptr + seq * HK + kh)
 
 
 @triton.jit
-def _norm_rows(ws_o_ptr, z_row, norm_w_ptr, out_ptr, row0, head0, eps, GROUP: tl.constexpr, GP: tl.constexpr,
+def _norm_rows(ws_o_ptr, z, norm_w_ptr, out_ptr, row0, head0, eps, GROUP: tl.constexpr, GP: tl.constexpr,
                DV: tl.constexpr, BV: tl.constexpr):
     """out[b, heads] = gated norm of the parked o rows of heads head0 .. head0 + GROUP - 1 of sequence b
-    (row0 = b * Hv; z_row = z[b]); GP: GROUP rounded up to a power of two."""
+    (row0 = b * Hv; z: their (GP, BV) z rows, _z_rows'); GP: GROUP rounded up to a power of two."""
     rg, rv = tl.arange(0, GP), tl.arange(0, BV)
     heads = head0 + rg
     mask = (rg[:, None] < GROUP) & (rv[None, :] < DV)
     offs = (row0 + heads)[:, None] * DV + rv[None, :]
     o = tl.load(ws_o_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")  # written by other programs: not L1
-    z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=mask, other=0.0)
     w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
     out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)

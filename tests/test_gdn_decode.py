@@ -112,18 +112,24 @@ for early in (False, True):  # 9B's B1 launch: 16 key heads x 8 column slices, b
            for n in G._gdn_decode_kernel.arg_names}
     ptx = triton.compile(ASTSource(G._gdn_decode_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 4}).asm["ptx"]
-    before_wait = ptx[:ptx.find("griddepcontrol.wait")]
-    print(ptx.count("griddepcontrol"), before_wait.count("ld.global"), flush=True)
+    wait = ptx.find("griddepcontrol.wait")
+    after_barrier = ptx[ptx.find("bar.sync", wait):]  # past the first reduction after the wait
+    late = [line for line in after_barrier.splitlines() if "ld.global" in line and "ld.global.cg" not in line]
+    print(ptx.count("griddepcontrol"), ptx[:wait].count("ld.global"), len(late), flush=True)
 """
 
 
-def test_states_load_before_the_wait_in_sm90_ptx():
-    # the interpreter runs no PDL: compiled for sm_90a on the CPU, EARLY loads the slot and the states before
-    # griddepcontrol.wait (the slot alone without it)
+def test_loads_around_the_wait_in_sm90_ptx():
+    # the interpreter runs no PDL: compiled for sm_90a on the CPU. Without EARLY only the slot loads before
+    # griddepcontrol.wait; with it the states, conv windows and weights do, and every load of what the previous
+    # kernel wrote (qkv, z, a, b) comes before the first reduction's barrier: after it only the parked o (.cg) and
+    # the last split's norm weight load, one round trip instead of several
     out = compiled_script_output(SM90_COMPILE)
-    (pdl_late, loads_late), (pdl_early, loads_early) = [tuple(map(int, line.split())) for line in out.splitlines()]
+    (pdl_late, before_late, after_late), (pdl_early, before_early, after_early) = [
+        tuple(map(int, line.split())) for line in out.splitlines()]
     assert pdl_late == pdl_early == 2, out
-    assert loads_late == 1 and loads_early > 1, out
+    assert before_late == 1 and before_early > 1, out
+    assert after_early <= 1 < after_late, out
 
 
 def test_split_launches_leave_counters_at_zero():
