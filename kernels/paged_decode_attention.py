@@ -111,6 +111,12 @@ MAX_SPLITS = 128  # choose_num_splits' cap; a caller may ask for up to 256
 PROGRAMS_PER_SM = 2  # resident split programs per SM that choose_num_splits aims for (decode)
 RESCALE_THRESHOLD = 8.0  # chunk variant: log2 growth of the running max that forces an O rescale (0: always)
 COMBINE_TILE = 4096  # splits x head dims one combine program reduces
+# The split kernel loads its first key tile's older keys before its PDL wait (EARLY_KV). Bound: a B1 decode's
+# attention layer (prep, split, combine) costs ~13 us at 8192 keys (session 23's `--ab skip`: 2B 1.27 ms, 1.19
+# without attention) against ~4 us of KV bytes; a split program reads two 64-key tiles, the first behind the page
+# table's and then K's round trips after the wait. Predicted (session 25, not yet timed): 1-2 us a layer, 6-12 us a
+# 2B / 0.8B step. A/B: `python -m profiles.host_time --model M --decode 1 --ab attn_early`
+KV_BEFORE_WAIT = True
 COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk variant's combine reduces
 LOG2E = 1.4426950408889634
 H200_SMS = 132
@@ -238,6 +244,19 @@ def _finish(acc, l_i, m_i, token, head, row_ok, d, split, num_splits, num_heads,
         tl.store(ws_o_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], o, mask=(row_ok & seen)[:, None])
 
 
+@triton.jit
+def _split_tile(acc, l_i, m_i, q, k, v, n, n_ok, last_key, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One key tile of the split kernel's online softmax: k, v (N, D) of keys n (N,), valid where n_ok."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N), log2 units
+    s = tl.where(n_ok[None, :] & (n[None, :] <= last_key[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
 @triton.jit(do_not_specialize=["num_splits", "capacity"])
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, pt_ptr, seqused_ptr, cu_q_ptr, gate_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
@@ -246,10 +265,12 @@ def _split_kernel(
     qk_scale, num_splits, capacity,
     Q_LEN: tl.constexpr, VARLEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_KV: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
-    pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
+    # EARLY_KV: the first key tile's page and its keys older than the step's own tokens are loaded before the PDL
+    # wait (the page table, seqused_k and cu_seqlens_q are the host's; no kernel of the step writes those keys), so
+    # the page-table then K round trips overlap attention_prep's tail; after the wait the tile's V loads beside q,
+    # and its new keys (attention_prep's) beside them
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -260,36 +281,52 @@ def _split_kernel(
     chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
     kv_start = split * chunk
     kv_end = tl.minimum(kv_start + chunk, seqlen)
+    d = tl.arange(0, HEAD_DIM)
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    pt_row = pt_ptr + b * stride_ptb
+    n0 = kv_start + tl.arange(0, BLOCK_N)  # the first tile's keys
+    n0_ok = n0 < kv_end
+    old0 = n0_ok & (n0 < seqlen - q_len)  # written before this step
+    if EARLY_KV:
+        if PAGE_SIZE % BLOCK_N == 0:  # an empty split (kv_start >= kv_end) reads no page
+            page0 = tl.load(pt_row + kv_start // PAGE_SIZE, mask=kv_start < kv_end, other=0).to(tl.int64)
+        else:
+            page0 = tl.load(pt_row + n0 // PAGE_SIZE, mask=n0_ok, other=0).to(tl.int64)
+        slot0 = n0 % PAGE_SIZE
+        k_rows0 = (page0 * stride_kp + slot0 * stride_kt)[:, None] + d[None, :]  # (N, D)
+        k0 = tl.load(k_base + k_rows0, mask=old0[:, None], other=0.0)  # V's load waits: registers (d256)
+    pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
+    pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
 
     rows = tl.arange(0, BLOCK_M)  # row r: query token r // GROUP, head kvh * GROUP + r % GROUP
     qi = rows // GROUP
     head = kvh * GROUP + rows % GROUP
     row_ok = qi < q_len
     last_key = seqlen - q_len + qi  # (M,) causal limit, aligned at the end
-    d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + qi) * stride_qn + head * stride_qh  # (M,)
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)  # (M, D)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    pt_row = pt_ptr + b * stride_ptb
-    for start in range(kv_start, kv_end, BLOCK_N):
+    first = kv_start
+    if EARLY_KV:
+        if kv_start < kv_end:
+            v = tl.load(v_base + (page0 * stride_vp + slot0 * stride_vt)[:, None] + d[None, :], mask=n0_ok[:, None],
+                        other=0.0)  # issued with q's load: one round trip after the wait
+            k = tl.where(old0[:, None], k0, tl.load(k_base + k_rows0, mask=(n0_ok & ~old0)[:, None], other=0.0))
+            acc, l_i, m_i = _split_tile(acc, l_i, m_i, q, k, v, n0, n0_ok, last_key, qk_scale, DOT_PRECISION)
+        first = kv_start + BLOCK_N
+    for start in range(first, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # (N,) key positions
         n_ok = n < kv_end
         page, slot = _pages_of(pt_row, start, n, n_ok, PAGE_SIZE, BLOCK_N)
-        k = tl.load(k_ptr + kvh * stride_kh + (page * stride_kp + slot * stride_kt)[:, None] + d[None, :],
+        k = tl.load(k_base + (page * stride_kp + slot * stride_kt)[:, None] + d[None, :],
                     mask=n_ok[:, None], other=0.0)  # (N, D)
-        v = tl.load(v_ptr + kvh * stride_vh + (page * stride_vp + slot * stride_vt)[:, None] + d[None, :],
+        v = tl.load(v_base + (page * stride_vp + slot * stride_vt)[:, None] + d[None, :],
                     mask=n_ok[:, None], other=0.0)  # (N, D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N), log2 units
-        s = tl.where(n_ok[None, :] & (n[None, :] <= last_key[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _split_tile(acc, l_i, m_i, q, k, v, n, n_ok, last_key, qk_scale, DOT_PRECISION)
 
     _finish(acc, l_i, m_i, q_start + qi, head, row_ok, d, split, num_splits, num_heads, gate_ptr, out_ptr, ws_o_ptr,
             ws_lse_ptr, stride_gn, stride_gh, stride_on, stride_oh, HEAD_DIM, DIRECT, HAS_GATE)
@@ -622,7 +659,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         _chunk_kernel[(batch * tile.m_blocks, kv_heads, num_splits)](
             *args, q_len, tile.m_blocks, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=q_min, Q_MAX=0, **common)
     else:
-        _split_kernel[(batch, kv_heads, num_splits)](*args, Q_LEN=q_len, **common)
+        _split_kernel[(batch, kv_heads, num_splits)](*args, Q_LEN=q_len, EARLY_KV=KV_BEFORE_WAIT, **common)
     if num_splits > 1 and tile.chunk:
         _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     elif num_splits > 1:
