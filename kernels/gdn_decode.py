@@ -162,7 +162,8 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         qk_old, qk_w = _conv_taps(conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT)
         v_old, v_w = _conv_taps(conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
         a_log, dt_bias = tl.load(a_log_ptr + heads), tl.load(dt_bias_ptr + heads)
-        w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
+        if NS == 1:  # split programs leave the norm to the last of them (_norm_rows)
+            w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
     pdl.wait_for_producer(PDL)
     pdl.release_dependents(PDL)
     if EARLY:
