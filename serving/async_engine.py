@@ -100,10 +100,14 @@ class AsyncEngine:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        """Stop the loop, wait for the step in flight to end (not for a broken group's: it may never return, and a
+        group that breaks meanwhile, group_failed on this loop, ends the wait) and fail what remains."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._executor.shutdown(wait=self.broken is None)  # a broken group's step may never return
+        drained = asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+        while self.broken is None and not drained.done():
+            await asyncio.wait([drained], timeout=0.1)
         for stream in [*self._adds, *self._live.values()]:
             stream.fail(EngineFailure("the server is shutting down"))
 

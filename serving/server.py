@@ -378,9 +378,9 @@ def create_app(engine: LLMEngine, tokenizer: QwenTokenizer, model_name: str, max
                 aengine.group_failed(workers.failure)
 
     async def stop(app: web.Application) -> None:
-        if workers is not None:  # the loop closes: a worker's end is only logged from here on
+        await app[STATE].engine.stop()  # a worker that dies meanwhile ends its wait for the step in flight
+        if workers is not None:  # the loop closes next: a worker's end is only logged from here on
             workers.on_failure = tp_worker.log_failure
-        await app[STATE].engine.stop()
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)

@@ -30,6 +30,7 @@ from model.tokenizer import QwenTokenizer, load_tokenizer
 from serving.async_engine import AsyncEngine
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
+from serving.sequence import SamplingParams
 from serving.server import STATE, Limits, create_app
 
 MAX_MODEL_LEN = 512
@@ -570,6 +571,44 @@ def test_a_tensor_parallel_worker_that_dies_stops_the_engine(model, tokenizer, m
         assert "the engine has stopped" in error["message"]
         stuck.set()
         pool.shutdown()
+
+
+def test_a_worker_that_dies_during_shutdown_ends_the_wait_for_its_step(model, tokenizer, monkeypatch):
+    """The server stops while a step waits in a collective for a worker that then dies (session 25's review: the
+    shutdown waited for the step, up to NCCL's timeout): the failure reaches the engine and the shutdown ends."""
+    workers = SimpleNamespace(on_failure=None, failure=None)
+    stuck, entered = threading.Event(), threading.Event()
+    engine = LLMEngine(model, engine_config(tokenizer))
+    app = create_app(engine, tokenizer, "tiny", MAX_MODEL_LEN, Limits(), workers=workers)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def step_waiting_for_a_dead_rank(*args, **kwargs):
+        entered.set()
+        stuck.wait(timeout=60)
+        raise RuntimeError("the collective timed out")
+
+    monkeypatch.setattr(model, "forward_step_layers", step_waiting_for_a_dead_rank)
+    try:
+        async def submit():
+            return app[STATE].engine.submit([1, 2, 3], SamplingParams(max_tokens=2))
+        stream = asyncio.run_coroutine_threadsafe(submit(), loop).result(timeout=10)
+        assert entered.wait(timeout=30)
+        cleanup = asyncio.run_coroutine_threadsafe(runner.cleanup(), loop)
+        time.sleep(0.5)
+        assert not cleanup.done()  # waiting for the step in flight
+        on_failure = workers.on_failure
+        threading.Thread(target=on_failure, args=(RuntimeError("worker rank 1 exited with code -9"),)).start()
+        cleanup.result(timeout=10)
+        assert app[STATE].engine.broken is not None and stream.done
+    finally:
+        stuck.set()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
 
 
 def test_a_bug_in_the_engine_loop_fails_the_requests_in_flight_not_the_server(server, monkeypatch):
