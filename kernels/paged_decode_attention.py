@@ -213,13 +213,20 @@ def _short_rows_plan(tile: Plan, group: int, head_dim: int, elt_size: int) -> tu
 
 
 @triton.jit
-def _pages_of(pt_row, start, n, n_ok, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Page (int64; one scalar when the tile lies in one page, else (N,)) and in-page slot (N,) of keys n."""
+def _pages_of(pt_row, start, end, n, n_ok, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Page (int64; one scalar when the tile lies in one page, else (N,)) and in-page slot (N,) of the tile's keys
+    n = start + arange(N), those < end valid (n_ok); an empty tile (start >= end) reads no page."""
     if PAGE_SIZE % BLOCK_N == 0:
-        page = tl.load(pt_row + start // PAGE_SIZE).to(tl.int64)
+        page = tl.load(pt_row + start // PAGE_SIZE, mask=start < end, other=0).to(tl.int64)
     else:
         page = tl.load(pt_row + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
     return page, n % PAGE_SIZE
+
+
+@triton.jit
+def _kv_rows(page, slot, stride_p, stride_t, d):
+    """(N, D) offsets of the K or V rows at page, slot (N,) (a page-major pool's strides), columns d."""
+    return (page * stride_p + slot * stride_t)[:, None] + d[None, :]
 
 
 @triton.jit
@@ -289,12 +296,8 @@ def _split_kernel(
     n0_ok = n0 < kv_end
     old0 = n0_ok & (n0 < seqlen - q_len)  # written before this step
     if EARLY_KV:
-        if PAGE_SIZE % BLOCK_N == 0:  # an empty split (kv_start >= kv_end) reads no page
-            page0 = tl.load(pt_row + kv_start // PAGE_SIZE, mask=kv_start < kv_end, other=0).to(tl.int64)
-        else:
-            page0 = tl.load(pt_row + n0 // PAGE_SIZE, mask=n0_ok, other=0).to(tl.int64)
-        slot0 = n0 % PAGE_SIZE
-        k_rows0 = (page0 * stride_kp + slot0 * stride_kt)[:, None] + d[None, :]  # (N, D)
+        page0, slot0 = _pages_of(pt_row, kv_start, kv_end, n0, n0_ok, PAGE_SIZE, BLOCK_N)  # empty split: no read
+        k_rows0 = _kv_rows(page0, slot0, stride_kp, stride_kt, d)
         k0 = tl.load(k_base + k_rows0, mask=old0[:, None], other=0.0)  # V's load waits: registers (d256)
     pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
     pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
@@ -313,7 +316,7 @@ def _split_kernel(
     first = kv_start
     if EARLY_KV:
         if kv_start < kv_end:
-            v = tl.load(v_base + (page0 * stride_vp + slot0 * stride_vt)[:, None] + d[None, :], mask=n0_ok[:, None],
+            v = tl.load(v_base + _kv_rows(page0, slot0, stride_vp, stride_vt, d), mask=n0_ok[:, None],
                         other=0.0)  # issued with q's load: one round trip after the wait
             k = tl.where(old0[:, None], k0, tl.load(k_base + k_rows0, mask=(n0_ok & ~old0)[:, None], other=0.0))
             acc, l_i, m_i = _split_tile(acc, l_i, m_i, q, k, v, n0, n0_ok, last_key, qk_scale, DOT_PRECISION)
@@ -321,11 +324,9 @@ def _split_kernel(
     for start in range(first, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # (N,) key positions
         n_ok = n < kv_end
-        page, slot = _pages_of(pt_row, start, n, n_ok, PAGE_SIZE, BLOCK_N)
-        k = tl.load(k_base + (page * stride_kp + slot * stride_kt)[:, None] + d[None, :],
-                    mask=n_ok[:, None], other=0.0)  # (N, D)
-        v = tl.load(v_base + (page * stride_vp + slot * stride_vt)[:, None] + d[None, :],
-                    mask=n_ok[:, None], other=0.0)  # (N, D)
+        page, slot = _pages_of(pt_row, start, kv_end, n, n_ok, PAGE_SIZE, BLOCK_N)
+        k = tl.load(k_base + _kv_rows(page, slot, stride_kp, stride_kt, d), mask=n_ok[:, None], other=0.0)  # (N, D)
+        v = tl.load(v_base + _kv_rows(page, slot, stride_vp, stride_vt, d), mask=n_ok[:, None], other=0.0)
         acc, l_i, m_i = _split_tile(acc, l_i, m_i, q, k, v, n, n_ok, last_key, qk_scale, DOT_PRECISION)
 
     _finish(acc, l_i, m_i, q_start + qi, head, row_ok, d, split, num_splits, num_heads, gate_ptr, out_ptr, ws_o_ptr,

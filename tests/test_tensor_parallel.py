@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 import tp_scenarios as S
 from conftest import rel_err
 from hf_oracle import hf_text_model, small_config
+from test_serving_faults import request
 
 import model.loader as loader_module
 from model.loader import load_checkpoint, load_state_dict
@@ -450,19 +451,6 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
-    import json
-    import urllib.error
-    import urllib.request
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the worker through Linux's /proc")
 def test_server_tp2_serves_then_stops_when_a_worker_dies(tmp_path):
     """`python -m serving.server --tp 2` end to end on the CPU: it serves; a SIGKILLed worker makes /health say
@@ -484,23 +472,23 @@ def test_server_tp2_serves_then_stops_when_a_worker_dies(tmp_path):
         while True:
             assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
             try:
-                if http("GET", url + "/health")[0] == 200:
+                if request("GET", url + "/health").status == 200:
                     break
             except OSError:
                 pass
             time.sleep(0.5)
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3}
-        assert http("POST", url + "/v1/completions", body)[0] == 200
+        assert request("POST", url + "/v1/completions", body).status == 200
         workers = children(server.pid)
         assert workers, "no worker process"
         for pid in workers:
             os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while http("GET", url + "/health") != (503, {"status": "engine stopped"}):
+        while (reply := request("GET", url + "/health")).status != 503 or reply.json()["status"] != "engine stopped":
             assert time.monotonic() < deadline, "the engine did not stop"
             time.sleep(0.2)
-        status, reply = http("POST", url + "/v1/completions", body)
-        assert status == 500 and "exited with code -9" in reply["error"]["message"]
+        reply = request("POST", url + "/v1/completions", body)
+        assert reply.status == 500 and "exited with code -9" in reply.json()["error"]["message"]
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=60) == 1
         assert not [pid for pid in workers if process_alive(pid)]
