@@ -135,6 +135,11 @@ def out_proj_mlp_by_ops(o, residual, out_w, norm_w, eps, gate_up_w, down_w):
     return silu_and_mul_linear(gate_up, down_w), s
 
 
+def argmax(logits):
+    # logits: (B, V) -> (B,) int64 greedy tokens (the first maximum; a NaN counts as the largest)
+    return _run("argmax", logits)
+
+
 def attention_prep(q, k, v, q_norm_w, k_norm_w, step: StepInput, k_pages, v_pages, eps):
     """q: (N, H, D), k, v: (N, KV, D) raw projections. Applies q_norm/k_norm and partial RoPE, writes
     k and v into the layer's pages at step.slot_mapping, and returns the normed, rotated q."""
@@ -271,4 +276,5 @@ _BACKENDS["reference"] = {
     "paged_attention": _ref_paged_attention,
     "gated_deltanet": _ref_gated_deltanet,
     "moe": R.moe,
+    "argmax": R.argmax,
 }

@@ -199,11 +199,27 @@ def skip_setters() -> tuple[dict, Callable[[], None]]:
     return {name: functools.partial(skip, names) for name, names in SKIPPED.items()}, restore
 
 
+def argmax_setters():
+    """The greedy argmax: inside the decode graph (the default), after it by the sampler with the same kernel, or by
+    the sampler with torch.argmax (before session 26)."""
+    from serving import model_runner
+    table, in_graph = ops._BACKENDS["triton"], model_runner.GREEDY_IN_GRAPH
+    kernel = table["argmax"]
+
+    def apply(graph: bool, op) -> None:
+        model_runner.GREEDY_IN_GRAPH = graph
+        table["argmax"] = op
+    return ({"graph": functools.partial(apply, True, kernel), "after": functools.partial(apply, False, kernel),
+             "torch": functools.partial(apply, False, ops._BACKENDS["reference"]["argmax"])},
+            functools.partial(apply, in_graph, kernel))
+
+
 ON_OFF = {"off": False, "on": True}
 KIB, MIB = 2**10, 2**20
 # --ab knobs: name -> (module, attribute, {variant: value}) of a kernel setting, or a function that returns
 # ({variant: apply it}, restore): the pre-norm rule of use_prenorm; `skip` (timing only: wrong tokens)
-AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
+AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_setters,
+            "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
             "attn_early": ("kernels.paged_decode_attention", "KV_BEFORE_WAIT", ON_OFF),
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),

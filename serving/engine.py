@@ -178,39 +178,43 @@ class LLMEngine:
         outputs = []
         if self.cfg.interleave_slices > 1 and decodes and len(decodes) < len(chunks) and self.link is None:
             chunks = [c for c in chunks if c.num_tokens > 1]
-            logits, outputs = self._prefill_between_decodes(chunks, decodes)
+            (logits, outputs), greedy = self._prefill_between_decodes(chunks, decodes), None
         else:
-            logits, chunks = self.runner.execute(chunks)  # rows of logits follow the returned chunks
+            logits, greedy, chunks = self.runner.execute(chunks)  # rows of logits follow the returned chunks
         t2 = time.perf_counter()
-        finished, commit_ms = self._finish_step(chunks, logits)
+        finished, commit_ms = self._finish_step(chunks, logits, greedy)
         t3 = time.perf_counter()
         self.last_step = StepPhases(1e3 * (t1 - t0), 1e3 * (t2 - t1), commit_ms, 1e3 * (t3 - t2) - commit_ms)
         return outputs + finished
 
-    def _finish_step(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[list[StepOutput], float]:
+    def _finish_step(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
+                     greedy: torch.Tensor | None) -> tuple[list[StepOutput], float]:
         """Commit the chunks the model computed and sample those that reached their sequence's end (launching the
         next decode step ahead when it may); returns their outputs and the commit's milliseconds."""
-        sampled, commit_ms = self._commit_and_sample(chunks, logits)
+        sampled, commit_ms = self._commit_and_sample(chunks, logits, greedy)
         self._ahead = self._launch_ahead(sampled)
         return self._take_tokens(sampled), commit_ms
 
-    def _commit_and_sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[tuple, float]:
+    def _commit_and_sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
+                           greedy: torch.Tensor | None) -> tuple[tuple, float]:
         """Commit the chunks and launch the sampling of those that reached their sequence's end, without waiting
-        for it: returns (what _take_tokens reads, the commit's milliseconds)."""
+        for it (greedy: the logits' argmax where the step computed it): returns (what _take_tokens reads, the
+        commit's milliseconds)."""
         t0 = time.perf_counter()
         self.scheduler.commit(chunks)
         t1 = time.perf_counter()
         ready = [c.seq.num_uncomputed_tokens == 0 for c in chunks]  # prefill tails and decodes
-        return self._sample(chunks, ready, logits), 1e3 * (t1 - t0)
+        return self._sample(chunks, ready, logits, greedy), 1e3 * (t1 - t0)
 
     @staticmethod
-    def _sample(chunks: list[ScheduledChunk], ready: list[bool], logits: torch.Tensor) -> tuple:
+    def _sample(chunks: list[ScheduledChunk], ready: list[bool], logits: torch.Tensor,
+                greedy: torch.Tensor | None) -> tuple:
         """Launch the sampling of the ready rows: (chunks, ready, their TokensInFlight or None)."""
         tokens = None
         if any(ready):
             params = [c.seq.params if r else None for c, r in zip(chunks, ready)]
             gens = [c.seq.generator if r else None for c, r in zip(chunks, ready)]
-            tokens = TokensInFlight(sample(logits, params, gens))
+            tokens = TokensInFlight(sample(logits, params, gens, greedy))
         return chunks, ready, tokens
 
     def _take_tokens(self, sampled: tuple) -> list[StepOutput]:
@@ -241,9 +245,9 @@ class LLMEngine:
         if not all(self.block_manager.allocate(c.seq, c.seq.num_computed_tokens + 1) for c in chunks):
             return None  # pages allocated so far stay: the next step needs them anyway
         ahead = [ScheduledChunk(c.seq, 1) for c in chunks]
-        logits, _ = self.runner.execute(ahead, tokens.on_device)
+        logits, greedy, _ = self.runner.execute(ahead, tokens.on_device)
         self.num_ahead_steps += 1
-        return self._sample(ahead, [True] * len(ahead), logits)
+        return self._sample(ahead, [True] * len(ahead), logits, greedy)
 
     def _step_ahead(self) -> list[StepOutput]:
         """Complete the decode step launched ahead: commit it for the sequences still running (the tokens it took
@@ -278,7 +282,7 @@ class LLMEngine:
                 if out is not None:
                     return out, outputs
                 if layer in cuts and decodes:
-                    sampled = self._commit_and_sample(decodes, self.runner.decode_rows(decodes))[0]
+                    sampled = self._commit_and_sample(decodes, *self.runner.decode_rows(decodes))[0]
         finally:
             if sampled is not None:  # a slice raised: the decode step before it still appends its tokens
                 self._take_tokens(sampled)

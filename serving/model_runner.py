@@ -50,6 +50,12 @@ from serving.prefill_graphs import PrefillGraphs
 
 log = logging.getLogger("serving")
 
+# A decode step computes its logits' argmax itself, inside its CUDA graph, right after lm_head (kernels.argmax, with
+# PDL), and a greedy step's sampler launches nothing. Before (session 23, H200): torch's argmax of the 248320-wide row
+# after the graph, ~9 us of the 23-27 us a token spent outside it. Predicted: ~6 us a token, 0.5% of a 2B step, 0.8%
+# of 0.8B's; not yet timed. A/B: `python -m profiles.host_time --model M --decode 1 --ab argmax` (graph: here; after:
+# the same kernel launched by the sampler; torch: torch.argmax by the sampler, as before)
+GREEDY_IN_GRAPH = True
 GRAPH_OPS = ("paged_attention", "gated_deltanet", "attention_prep")  # must not be the reference ops in a graph
 
 
@@ -102,28 +108,29 @@ class ModelRunner:
         if cuda:
             pos = torch.arange(max_model_len, device=dev)
             self.rope = R.rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.prefill_graphs = prefill_graphs
         self.num_graph_steps = self.num_eager_decode_steps = self.num_eager_steps = self.num_graph_prefill_steps = 0
 
     # ---- the engine's entry point ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def execute(self, chunks: list[ScheduledChunk],
-                device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Run one step. Returns logits (len(chunks), vocab), one row per chunk's last token, and the chunks
+    def execute(self, chunks: list[ScheduledChunk], device_tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, list[ScheduledChunk]]:
+        """Run one step. Returns logits (len(chunks), vocab), one row per chunk's last token, their argmax (the
+        greedy tokens (len(chunks),) int64 of a decode step, computed in its graph; None otherwise) and the chunks
         in the order of those rows. device_tokens: a decode step launched ahead (decode_rows)."""
         decode = [c for c in chunks if c.num_tokens == 1]
         if device_tokens is not None:
             if len(decode) != len(chunks):
                 raise ValueError("device_tokens is for decode steps: every chunk must be one token")
-            return self.decode_rows(chunks, device_tokens), chunks
+            return *self.decode_rows(chunks, device_tokens), chunks
         if len(decode) == len(chunks) and len(chunks) <= self.max_decode:
-            return self.decode_rows(chunks), chunks
+            return *self.decode_rows(chunks), chunks
         if self.graph_sizes and decode and len(decode) <= self.max_decode:
             rest = [c for c in chunks if c.num_tokens != 1]
-            return torch.cat([self.decode_rows(decode), self._eager(rest)]), decode + rest
-        return self._eager(chunks), chunks
+            return torch.cat([self.decode_rows(decode)[0], self._eager(rest)]), None, decode + rest
+        return self._eager(chunks), None, chunks
 
     def _eager(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Any chunks, eagerly, over the same width-W page tables as decode steps (so attention kernels that pick
@@ -168,8 +175,10 @@ class ModelRunner:
                 return b
         return n
 
-    def decode_rows(self, rows: list[ScheduledChunk], device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """One token of each row (a decode step, from its CUDA graph when captured): logits (len(rows), vocab).
+    def decode_rows(self, rows: list[ScheduledChunk],
+                    device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token of each row (a decode step, from its CUDA graph when captured): logits (len(rows), vocab)
+        and their argmax (len(rows),) int64 (None without GREEDY_IN_GRAPH).
         device_tokens: (len(rows),) the rows' input tokens on the device (a decode launched ahead: the step before
         sampled them and the host has not read them); else the sequences' own tokens."""
         n = len(rows)
@@ -196,7 +205,7 @@ class ModelRunner:
         return self.decode_values(bs, n, values, device_tokens)
 
     def decode_values(self, bs: int, n: int, values: list[int],
-                      device_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                      device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode step of n rows padded to bs: values holds the (DECODE_INPUT_ROWS, bs) rows token, position,
         state slot, KV slot, cached tokens (padding rows: token 0 at position 0 of the dummy slot and page); the
         first n tokens come from device_tokens instead when given."""
@@ -211,9 +220,11 @@ class ModelRunner:
         if graph is not None:
             self.num_graph_steps += 1
             graph[0].replay()
-            return graph[1][:n]
-        self.num_eager_decode_steps += 1
-        return self._decode_forward(bs, zero_dummy=bs > n)[:n]
+            logits, greedy = graph[1]
+        else:
+            self.num_eager_decode_steps += 1
+            logits, greedy = self._decode_forward(bs, zero_dummy=bs > n)
+        return logits[:n], None if greedy is None else greedy[:n]
 
     def _record(self, staging: torch.Tensor) -> None:
         """Note that a non-blocking copy out of this pinned staging buffer is in flight."""
@@ -227,8 +238,9 @@ class ModelRunner:
         if event is not None:
             event.synchronize()
 
-    def _decode_forward(self, bs: int, zero_dummy: bool) -> torch.Tensor:
-        """The decode step of inputs[:, :bs] (what a graph captures): logits (bs, vocab)."""
+    def _decode_forward(self, bs: int, zero_dummy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decode step of inputs[:, :bs] (what a graph captures): logits (bs, vocab) and their argmax (bs,)
+        int64 (GREEDY_IN_GRAPH; else None: the sampler computes it)."""
         tokens, positions, slots, slot_mapping, seqused_k = self.inputs[:DECODE_INPUT_ROWS * bs].view(-1, bs)
         page_table = self.table.index_select(0, slots)  # (bs, W)
         if self.rope is not None:
@@ -242,7 +254,8 @@ class ModelRunner:
                          seqused_k=seqused_k, page_table=page_table, slot_mapping=slot_mapping,
                          state_slots=slots, cos=cos, sin=sin)
         with decode_step_rows():  # eager: the projections' kernels of the captured step
-            return self.model.forward_step(step, self.pools, all_logits=True)
+            logits = self.model.forward_step(step, self.pools, all_logits=True)
+        return logits, ops.argmax(logits) if GREEDY_IN_GRAPH else None
 
     def sync_page_tables(self, seqs) -> None:
         """Bring the device page-table rows of these sequences' state slots up to date with seq.pages."""

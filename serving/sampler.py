@@ -6,6 +6,7 @@ of the result is the step's only sync. Rows with temperature below GREEDY_BELOW 
 """
 import torch
 
+from model import ops
 from serving.sequence import SamplingParams
 
 
@@ -40,11 +41,12 @@ def _uniform(generator: torch.Generator, device: torch.device):
     return torch.rand((), generator=generator, device=device)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams | None],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: list[SamplingParams | None], generators: list[torch.Generator | None],
+           greedy: torch.Tensor | None = None) -> torch.Tensor:
     """logits: (B, V) -> tokens (B,) int64: argmax where the row is greedy (or its params are None: a row the
-    caller will not read), else a draw from the filtered softmax(logits / temperature) with that row's generator."""
-    greedy = logits.argmax(-1)
+    caller will not read), else a draw from the filtered softmax(logits / temperature) with that row's generator.
+    greedy: the logits' argmax (B,) where the step computed it (a decode graph), else it is computed here."""
+    greedy = ops.argmax(logits) if greedy is None else greedy
     drawn_rows = [i for i, p in enumerate(params) if p is not None and not is_greedy(p)]
     if not drawn_rows:
         return greedy

@@ -2,7 +2,7 @@
 from each program's start until its `pdl.wait_for_producer`, so a kernel that reads it before the wait (a load moved
 above the wait by mistake) computes NaN or a wrong answer here. The interpreter runs programs one at a time, and on
 a GPU the wait is the only ordering: these tests are the CPU check of what each kernel loads before it (the split-KV
-attention's first key tile, the GDN decode's states and conv windows)."""
+attention's first key tile, the GDN decode's states and conv windows, the greedy argmax)."""
 import contextlib
 import math
 
@@ -15,6 +15,7 @@ from test_gdn_decode import EPS, decode_step, make_layer, make_token
 import kernels.gdn_decode as gdn_decode
 import kernels.paged_decode_attention as attention
 from kernels import pdl
+from kernels.argmax import CHUNK, argmax
 from model.ops import _ref_gated_deltanet
 
 interpreter = pytest.importorskip("triton.runtime.interpreter")
@@ -92,6 +93,14 @@ def test_gdn_decode_reads_the_projection_after_the_wait(monkeypatch, early, hk, 
         out = gdn_decode.gdn_decode_step(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv, states, slots, hk, EPS)
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-4
     assert torch.equal(conv, conv_ref) and rel_err(states, states_ref) < 1e-4
+
+
+def test_argmax_reads_the_logits_after_the_wait(monkeypatch):
+    logits = torch.randn(2, 2 * CHUNK + 3, generator=torch.Generator().manual_seed(5))
+    ref = logits.argmax(-1)
+    with written_by_the_previous_kernel(monkeypatch, [(logits, torch.ones_like(logits, dtype=torch.bool))]):
+        out = argmax(logits)
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice")

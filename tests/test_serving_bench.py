@@ -98,6 +98,19 @@ def test_host_time_ab_alternates_the_variants(capsys, knob, names):
     assert triton_ops["linear"] is linear.linear and triton_ops["add_rms_norm_linear"].keywords == {"fused": None}
 
 
+def test_host_time_ab_argmax_moves_the_greedy_argmax():
+    """graph (the decode graph's own argmax), after (the sampler launches the kernel), torch (the sampler's
+    torch.argmax); the default again afterwards."""
+    from kernels import argmax
+    from model import ops
+    from profiles import host_time
+    from serving import model_runner
+    rows = host_time.main(["--decode", "1", "--ctx", "24", "--device", "cpu", "--ab", "argmax"])["ab"]["argmax"]
+    variants = ("graph", "after", "torch")
+    assert [(r["argmax"], r["repeat"]) for r in rows] == [(v, rep) for rep in (0, 1) for v in variants]
+    assert model_runner.GREEDY_IN_GRAPH and ops._BACKENDS["triton"]["argmax"] is argmax.argmax
+
+
 def test_host_time_ab_takes_several_knobs_in_turn():
     # two-variant knobs, to keep it short (4 decode engines a knob): each knob's table, then its default again
     from kernels import linear

@@ -53,11 +53,11 @@ def record_logits(engine: LLMEngine) -> dict[int, list[torch.Tensor]]:
     execute = engine.runner.execute
 
     def wrapped(chunks, *ahead):
-        logits, order = execute(chunks, *ahead)
+        logits, greedy, order = execute(chunks, *ahead)
         for c, row in zip(order, logits):
             if c.end >= c.seq.num_tokens:
                 rows[c.seq.id].append(row.float().cpu())
-        return logits, order
+        return logits, greedy, order
     engine.runner.execute = wrapped
     return rows
 
@@ -260,11 +260,11 @@ def record_sampled_logits(engine: LLMEngine) -> dict[int, list[torch.Tensor]]:
     rows = defaultdict(list)
     sample = engine._sample
 
-    def wrapped(chunks, ready, logits):
+    def wrapped(chunks, ready, logits, greedy):
         for c, r, row in zip(chunks, ready, logits):
             if r:
                 rows[c.seq.id].append(row.float().cpu())
-        return sample(chunks, ready, logits)
+        return sample(chunks, ready, logits, greedy)
     engine._sample = wrapped
     return rows
 

@@ -1,0 +1,105 @@
+"""kernels.argmax (the greedy tokens of a decode step) against reference.argmax (torch.argmax): the first maximum
+of each row, a NaN counting as the largest; rows of 1, 2, 65 and more columns, chunk boundaries, ties across chunks,
+-inf rows, strided rows; hypothesis over sizes and ties; the GPU test at Qwen3.5's vocabulary, replayed in a CUDA
+graph (each launch leaves its tickets at zero for the next)."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reference as R
+from kernels.argmax import CHUNK, argmax
+from tests.conftest import HAS_CUDA
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def logits_of(rows: int, v: int, dtype, seed: int) -> torch.Tensor:
+    return torch.randn(rows, v, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,v", [(1, 1), (1, 2), (3, 65), (2, CHUNK - 1), (1, CHUNK), (2, CHUNK + 1),
+                                    (1, 3 * CHUNK + 5)])
+def test_argmax_matches_torch(dtype, rows, v):
+    x = logits_of(rows, v, dtype, seed=rows * 7 + v)
+    assert torch.equal(argmax(x), R.argmax(x))
+
+
+@pytest.mark.parametrize("cols", [[5, CHUNK + 5], [CHUNK + 5, 2 * CHUNK + 1], [0, 2 * CHUNK], [7, 8]])
+def test_ties_take_the_first_index(cols):
+    """The maximum repeated in two chunks (or twice in one): the earlier column wins, whichever chunk ends last."""
+    x = logits_of(2, 3 * CHUNK, torch.bfloat16, seed=1)
+    x[:, cols] = 10.0
+    assert argmax(x).tolist() == [cols[0], cols[0]] == R.argmax(x).tolist()
+
+
+def test_nan_wins_and_the_first_nan_is_taken():
+    x = logits_of(4, 2 * CHUNK + 3, torch.float32, seed=2)
+    x[0, [CHUNK + 3, 9]] = float("nan")  # the first NaN is in the first chunk
+    x[1, 2 * CHUNK + 1] = float("nan")  # a NaN in the last, ragged chunk
+    x[1, 4] = float("inf")
+    x[2] = float("-inf")  # all -inf: column 0
+    x[3, 100] = float("inf")
+    got = argmax(x)
+    assert got.tolist() == [9, 2 * CHUNK + 1, 0, 100] == R.argmax(x).tolist()
+
+
+def test_strided_rows_and_out():
+    x = logits_of(3, 2 * CHUNK + 40, torch.bfloat16, seed=3)[:, 17:CHUNK + 60]  # row stride != width
+    out = torch.full((3,), -1, dtype=torch.int64, device=DEV)
+    assert argmax(x, out=out) is out and torch.equal(out, R.argmax(x))
+
+
+def test_repeated_launches_reuse_their_tickets():
+    """The last program of a row resets its ticket: a second launch of the same shape elects a last program again."""
+    for seed in range(3):
+        x = logits_of(2, CHUNK + 7, torch.float32, seed=seed)
+        assert torch.equal(argmax(x), R.argmax(x))
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 3), v=st.integers(1, 3 * CHUNK), ties=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_argmax_property(rows, v, ties, seed):
+    x = logits_of(rows, v, torch.bfloat16, seed)
+    gen = torch.Generator().manual_seed(seed)
+    cols = torch.randint(0, v, (ties,), generator=gen).tolist()
+    x[:, cols] = 8.0  # bf16 ties, possibly across chunks
+    assert torch.equal(argmax(x), R.argmax(x))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: torch.randn(4, device=DEV), "logits"),
+    (lambda: torch.randint(0, 5, (2, 8), device=DEV), "logits"),
+    (lambda: torch.randn(8, 2, device=DEV).t(), "contiguous within a row"),
+    (lambda: torch.randn(2, 0, device=DEV), "1 <= V"),
+])
+def test_bad_input_names_the_argument(bad, match):
+    with pytest.raises(ValueError, match=match):
+        argmax(bad())
+
+
+def test_bad_out_names_the_argument():
+    with pytest.raises(ValueError, match="out"):
+        argmax(torch.randn(2, 8, device=DEV), out=torch.empty(2, dtype=torch.int32, device=DEV))
+
+
+def test_empty_batch():
+    assert argmax(torch.randn(0, 8, device=DEV)).shape == (0,)
+
+
+@pytest.mark.gpu
+def test_argmax_in_a_cuda_graph_at_the_vocabulary():
+    """Qwen3.5's 248320 columns at the decode graph's batch sizes, captured once and replayed on new logits."""
+    for rows in (1, 4, 64):
+        x = logits_of(rows, 248320, torch.bfloat16, seed=rows)
+        argmax(x)  # the workspace, outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = argmax(x)
+        for seed in range(3):
+            x.copy_(logits_of(rows, 248320, torch.bfloat16, seed=100 + seed))
+            x[0, [70000, 200000]] = 30.0  # a tie across chunks
+            graph.replay()
+            assert torch.equal(out, R.argmax(x)) and out[0] == 70000
