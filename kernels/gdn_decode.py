@@ -10,19 +10,20 @@ Per sequence (its state slot s = state_slots[b]) and value head j, with key head
     S        = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q       S = recurrent_states[s, j] (dk, dv) fp32
     out[b, j] = norm_w * rmsnorm(o) * silu(z[b, j])          o and rmsnorm(o) rounded to the io dtype first
 
-Design. One launch, grid (Hk, B, NS): a program owns one key head of one sequence and a slice of dv/NS columns of
-the states of the Hv / Hk value heads that share it, G heads at a time. It convolves the q | k channels of its key
-head (as one (dk, 2) tile), then for its G heads issues every load at once: the (G, dk, dv/NS) fp32 state slices,
-their v conv windows, gates and z. It updates the state slices in registers and writes each back once. G = 1 when
-the grid fills the GPU (B64: fastest); with fewer programs than SMs, G = 2 where the group allows, doubling the
-bytes each SM has in flight. NS = 1 once B * Hk programs fill the GPU: the program then applies the gated RMSNorm
-over its full dv rows and shifts the q | k windows itself. At small B, NS > 1 spreads the state over 2 programs
-an SM (B1 on 9B: 16 key heads x 8 slices), and the parts that need a whole key head go to the last of its NS
-programs to finish: each program parks its slice of o in a workspace and then arrives on a per-(sequence, key
-head) counter (atomic, acquire-release); the one that sees NS - 1 arrivals shifts the shared q | k windows (all
-splits have read them by then), normalises the full rows and resets the counter. Every v window is read and
-shifted by the one program that owns its columns. A barrier separates each tile's last read from its in-place
-write, so threads that hold replicated copies of a small tile cannot read bytes already overwritten.
+Design. One launch, grid (Hk, B): a program owns one key head of one sequence and the whole states of the Hv / Hk
+value heads that share it, G heads at a time. It convolves the q | k channels of its key head (as one (dk, 2)
+tile), then for its G heads issues every load at once: the (G, dk, dv) fp32 states, their v conv windows, gates
+and z. It updates the states in registers, writes each back once, applies the gated RMSNorm over its full dv rows
+and shifts the q | k windows itself. G = 1 when the grid fills the GPU (B64: fastest); with fewer programs than
+SMs, G = 2 where the group allows, doubling the bytes each SM has in flight. A barrier separates each tile's last
+read from its in-place write, so threads that hold replicated copies of a small tile cannot read bytes already
+overwritten.
+Until session 26, small batches split dv over up to 2 programs an SM (B1: 16 key heads x 8 slices), the last
+slice of a key head normalising the full rows behind an acquire-release ticket. Once the states load before the
+PDL wait, the ticket and the parked o cost more than the spread saves: in the decode step's graph at B1 over 8192
+(H200, session 26, `python -m profiles.host_time --model M --decode 1 --ab gdn_programs`, since removed) one
+program a key head took 0.8B 0.732 / 0.737 ms against 0.766 / 0.772 split in 8, 2B 1.23 / 1.24 against 1.26 /
+1.27, 9B 4.26 / 4.26 against 4.31 / 4.31 (host_time.json 'gdn_programs_session26').
 
 Bound (H200, about 4.2 TB/s): the fp32 state, 64 KiB a head, read and written once. Qwen3.5-9B (Hv 32) moves
 4 MiB a sequence: B64 moves 256 MiB, about 64 us. At B1 only Hk = 16 programs run, each streaming 128 KiB each
@@ -35,13 +36,11 @@ Eagerly, the host costs about 10 us of checks plus about 30 us of Triton's launc
 CUDA-graph capturable: no host sync, shapes fixed by the inputs, `out=` reusable. state_slots are not checked
 on the host (that would sync): they must be distinct and in range.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, split_k
+from kernels import pdl
 from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm
 from kernels.host_math import next_power_of_2
 from kernels.norms import triton_runs_on
@@ -51,8 +50,6 @@ from reference._checks import check_real, check_tensor
 STATE_PER_PROGRAM = 2 * 128 * 128  # fp32 state values one program holds (128 KiB): 8 warps x 128 a thread
 STATE_PER_THREAD = 128
 FEW_PROGRAMS = 132  # the H200's SM count: below it, programs take several value heads at once
-PROGRAMS_PER_SM = 2  # _dv_splits fills up to this many programs per SM
-MIN_SPLIT_COLS = 16  # narrowest dv slice of a program
 MIN_WARPS = 2
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Load the states before the PDL wait when a program updates all its value heads in one pass (kernel's EARLY).
@@ -64,7 +61,9 @@ IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # wrote (qkv, z, a, b) right after it, before the first reduction. The post-wait loads took two dependent round
 # trips (q | k, then v, gates and z behind the l2norms' barriers) and the last split's z a third; now one (the
 # sm_90a PTX test counts them). The GDN layer's decode costs 6.3-6.7 us at B1 against 0.5 us of state bytes
-# (session 23's `--ab skip`), all latency; predicted: 0.6-1.2 us a layer, 11-22 us a 2B / 0.8B step. Not yet timed
+# (session 23's `--ab skip`), all latency; predicted: 0.6-1.2 us a layer, 11-22 us a 2B / 0.8B step. Measured
+# (H200, session 26, against session 24's kernel in the graph step, alternated; dv still split then): 0.8B 0.771 /
+# 0.771 ms against 0.772 / 0.772, 2B 1.27 either way: no gain, kept as the simpler order
 STATE_BEFORE_WAIT = True
 
 
@@ -87,14 +86,6 @@ def _conv_apply(x, old, w, K: tl.constexpr, BT: tl.constexpr):
     window = tl.where(tap == K - 1, x[:, :, None], old)
     y = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=2)
     return window, (y * tl.sigmoid(y)).to(x.dtype).to(tl.float32)
-
-
-@triton.jit
-def _z_rows(z_row, head0, GROUP: tl.constexpr, GP: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
-    """z[b] of value heads head0 .. head0 + GROUP - 1: (GP, BV), zero past them and past DV."""
-    rg, rv = tl.arange(0, GP), tl.arange(0, BV)
-    mask = (rg[:, None] < GROUP) & (rv[None, :] < DV)
-    return tl.load(z_row + (head0 + rg)[:, None] * DV + rv[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -127,26 +118,21 @@ def _state_ptrs(state_ptr, slot, heads, rk, rv, HV: tl.constexpr, DK: tl.constex
 
 @triton.jit
 def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-                       conv_ptr, state_ptr, slots_ptr, out_ptr, ws_o_ptr, arrivals_ptr, stride_qkv, stride_z,
-                       stride_b, stride_a, scale, eps,
+                       conv_ptr, state_ptr, slots_ptr, out_ptr, stride_qkv, stride_z, stride_b, stride_a, scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
-                       G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr,
-                       GP: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
-    # grid (Hk, B, NS): key head kh of sequence seq, columns [split * BV / NS, ...) of its HV // HK value heads'
-    # states, G heads at a time. EARLY (one pass of G heads): what no kernel of the step writes (the slot, the
-    # states, the conv windows, the weights) is loaded before the PDL wait, so its DRAM round trips overlap the
-    # previous kernel's tail; then everything the previous kernel writes (qkv, z, b, a) is loaded at once, before
-    # the first reduction, in one round trip.
+                       G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                       EARLY: tl.constexpr, PDL: tl.constexpr):
+    # grid (Hk, B): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time. EARLY (one
+    # pass of G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is
+    # loaded before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the
+    # previous kernel writes (qkv, z, b, a) is loaded at once, before the first reduction, in one round trip.
     kh = tl.program_id(0)
     seq = tl.program_id(1)
-    split = tl.program_id(2)
     C: tl.constexpr = 2 * HK * DK + HV * DV
     GROUP: tl.constexpr = HV // HK
-    BVS: tl.constexpr = BV // NS  # the state columns of this program
-    rk, rg, two = tl.arange(0, BK), tl.arange(0, G), tl.arange(0, 2)
-    rv = split * BVS + tl.arange(0, BVS)
+    rk, rv, rg, two = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, G), tl.arange(0, 2)
     slot = tl.load(slots_ptr + seq).to(tl.int64)  # every state offset below is 64-bit
-    s_mask = (rk[None, :, None] < DK) & (rv[None, None, :] < DV) & (rg[:, None, None] < G)  # (G, BK, BVS)
+    s_mask = (rk[None, :, None] < DK) & (rv[None, None, :] < DV) & (rg[:, None, None] < G)  # (G, BK, BV)
     x_row = qkv_ptr + seq * stride_qkv  # the rows of qkv, z, b and a may be views into one projection
     z_row = z_ptr + seq * stride_z
     a_row = a_ptr + seq * stride_a
@@ -154,23 +140,22 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
     conv_row = conv_ptr + slot * (C * (K - 1))
     qk_ch = (two[None, :] * HK + kh) * DK + rk[:, None]  # (BK, 2): the q | k channels of key head kh
     qk_mask = (rk[:, None] < DK) & (two[None, :] < 2)  # full (BK, 2), like every mask here
-    v_mask = (rv[None, :] < DV) & (rg[:, None] < G)  # (G, BVS)
+    v_mask = (rv[None, :] < DV) & (rg[:, None] < G)  # (G, BV)
     if EARLY:
         heads = kh * GROUP + rg  # the one pass's (G,) value heads
-        v_ch = 2 * HK * DK + heads[:, None] * DV + rv[None, :]  # (G, BVS)
+        v_ch = 2 * HK * DK + heads[:, None] * DV + rv[None, :]  # (G, BV)
         s_early = tl.load(_state_ptrs(state_ptr, slot, heads, rk, rv, HV, DK, DV), mask=s_mask, other=0.0)
         qk_old, qk_w = _conv_taps(conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT)
         v_old, v_w = _conv_taps(conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
         a_log, dt_bias = tl.load(a_log_ptr + heads), tl.load(dt_bias_ptr + heads)
-        if NS == 1:  # split programs leave the norm to the last of them (_norm_rows)
-            w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
+        w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
     pdl.wait_for_producer(PDL)
     pdl.release_dependents(PDL)
     if EARLY:
         x_qk = tl.load(x_row + qk_ch, mask=qk_mask, other=0.0)
         x_v = tl.load(x_row + v_ch, mask=v_mask, other=0.0)
         a_early, b_early = tl.load(a_row + heads), tl.load(b_row + heads)
-        z_early = _z_rows(z_row, kh * GROUP, GROUP, G, DV, BV)  # (G, BV): whole rows (G == GROUP here)
+        z_early = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
     else:
         qk_old, qk_w = _conv_taps(conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT)
         x_qk = tl.load(x_row + qk_ch, mask=qk_mask, other=0.0)
@@ -189,53 +174,21 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
             s = s_early
             v_window, v = _conv_apply(x_v, v_old, v_w, K, BT)
             g, beta = gate_values(a_early, b_early, a_log, dt_bias)
+            z = z_early
         else:
             s = tl.load(s_ptrs, mask=s_mask, other=0.0)
             v_old, v_w = _conv_taps(conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
             v_window, v = _conv_apply(tl.load(x_row + v_ch, mask=v_mask, other=0.0), v_old, v_w, K, BT)
             g, beta = gate_values(tl.load(a_row + heads), tl.load(b_row + heads), tl.load(a_log_ptr + heads),
                                   tl.load(dt_bias_ptr + heads))
+            z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
         s, o = _delta_rule(s, q, k, v, tl.exp(g), beta)
-        if NS == 1:
-            if EARLY:
-                z = z_early  # NS 1: this program's columns are the whole rows
-            else:
-                z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
-            out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
-            tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
-        else:  # the norm needs whole rows: park this slice of o for the key head's last split
-            tl.store(ws_o_ptr + rows[:, None] * DV + rv[None, :], o, mask=v_mask)
+        out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
         tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
         tl.store(s_ptrs, s, mask=s_mask)
         _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
-    if NS == 1:
-        _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
-    else:
-        # Every split read the q | k windows and stored its o before it arrives (release); the last to arrive
-        # (acquire) shifts the windows, normalises the full rows and resets the counter for the next launch.
-        if split_k.last_to_arrive(arrivals_ptr + seq * HK + kh, NS):
-            _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)
-            if EARLY:
-                z_rows = z_early
-            else:
-                z_rows = _z_rows(z_row, kh * GROUP, GROUP, GP, DV, BV)
-            _norm_rows(ws_o_ptr, z_rows, norm_w_ptr, out_ptr, seq * HV, kh * GROUP, eps, GROUP, GP, DV, BV)
-            split_k.reset_ticket(arrivals_ptr + seq * HK + kh)
-
-
-@triton.jit
-def _norm_rows(ws_o_ptr, z, norm_w_ptr, out_ptr, row0, head0, eps, GROUP: tl.constexpr, GP: tl.constexpr,
-               DV: tl.constexpr, BV: tl.constexpr):
-    """out[b, heads] = gated norm of the parked o rows of heads head0 .. head0 + GROUP - 1 of sequence b
-    (row0 = b * Hv; z: their (GP, BV) z rows, _z_rows'); GP: GROUP rounded up to a power of two."""
-    rg, rv = tl.arange(0, GP), tl.arange(0, BV)
-    heads = head0 + rg
-    mask = (rg[:, None] < GROUP) & (rv[None, :] < DV)
-    offs = (row0 + heads)[:, None] * DV + rv[None, :]
-    o = tl.load(ws_o_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")  # written by other programs: not L1
-    w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
-    out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
 
 
 def _expect(name, t, shape, dtypes, contiguous=False) -> None:
@@ -288,15 +241,6 @@ def _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recur
     return bsz, num_k_heads, hv, dk, dv, kw
 
 
-def _dv_splits(programs: int, bv: int) -> int:
-    """Slices of dv per key head: double them while the grid stays within PROGRAMS_PER_SM per SM and each slice
-    keeps MIN_SPLIT_COLS columns (B1 on Qwen3.5-9B: 16 key heads x 8 slices)."""
-    ns = 1
-    while 2 * ns * programs <= PROGRAMS_PER_SM * FEW_PROGRAMS and bv // (2 * ns) >= MIN_SPLIT_COLS:
-        ns *= 2
-    return ns
-
-
 def _heads_at_once(group: int, tile: int, programs: int) -> int:
     """Value heads a program updates at once: 1 when the grid fills the GPU (fastest there), else the most heads
     of the group (a power of two dividing it) whose states fit STATE_PER_PROGRAM, for more bytes in flight."""
@@ -304,14 +248,6 @@ def _heads_at_once(group: int, tile: int, programs: int) -> int:
     while programs < FEW_PROGRAMS and group % (2 * g) == 0 and 2 * g * tile <= STATE_PER_PROGRAM:
         g *= 2
     return g
-
-
-@functools.lru_cache
-def _split_workspace(device: torch.device, bsz: int, hk: int, hv: int, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The parked o rows (B * Hv * dv fp32) and the arrival counters (B * Hk int32, zero between launches: the last
-    split resets its own) of the split launches of one shape; allocated by the first (eager, warm-up) call."""
-    return (torch.empty(bsz * hv * dv, device=device, dtype=torch.float32),
-            torch.zeros(bsz * hk, device=device, dtype=torch.int32))
 
 
 def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots,
@@ -328,15 +264,12 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
         return out
     conv_w, A_log, dt_bias, norm_w = (t.contiguous() for t in (conv_w, A_log, dt_bias, norm_w))  # no-ops: weights
     bk, bv = next_power_of_2(dk), next_power_of_2(dv)
-    ns = _dv_splits(hk * bsz, bv)
-    g = _heads_at_once(hv // hk, bk * bv // ns, hk * bsz * ns)
-    ws_o, arrivals = _split_workspace(qkv.device, bsz, hk, hv, dv) if ns > 1 else (out, state_slots)
-    _gdn_decode_kernel[(hk, bsz, ns)](
-        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, ws_o, arrivals,
+    g = _heads_at_once(hv // hk, bk * bv, hk * bsz)
+    _gdn_decode_kernel[(hk, bsz)](
+        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
-        K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), NS=ns, GP=next_power_of_2(hv // hk),
-        EARLY=STATE_BEFORE_WAIT and g == hv // hk,
-        num_warps=max(MIN_WARPS, min(8, g * bk * bv // ns // STATE_PER_THREAD // 32)), **pdl.launch_options(qkv.device))
+        K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk,
+        num_warps=max(MIN_WARPS, min(8, g * bk * bv // STATE_PER_THREAD // 32)), **pdl.launch_options(qkv.device))
     return out
 
 

@@ -111,12 +111,6 @@ MAX_SPLITS = 128  # choose_num_splits' cap; a caller may ask for up to 256
 PROGRAMS_PER_SM = 2  # resident split programs per SM that choose_num_splits aims for (decode)
 RESCALE_THRESHOLD = 8.0  # chunk variant: log2 growth of the running max that forces an O rescale (0: always)
 COMBINE_TILE = 4096  # splits x head dims one combine program reduces
-# The split kernel loads its first key tile's older keys before its PDL wait (EARLY_KV). Bound: a B1 decode's
-# attention layer (prep, split, combine) costs ~13 us at 8192 keys (session 23's `--ab skip`: 2B 1.27 ms, 1.19
-# without attention) against ~4 us of KV bytes; a split program reads two 64-key tiles, the first behind the page
-# table's and then K's round trips after the wait. Predicted (session 25, not yet timed): 1-2 us a layer, 6-12 us a
-# 2B / 0.8B step. A/B: `python -m profiles.host_time --model M --decode 1 --ab attn_early`
-KV_BEFORE_WAIT = True
 COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk variant's combine reduces
 LOG2E = 1.4426950408889634
 H200_SMS = 132
@@ -272,12 +266,12 @@ def _split_kernel(
     qk_scale, num_splits, capacity,
     Q_LEN: tl.constexpr, VARLEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_KV: tl.constexpr, PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    # EARLY_KV: the first key tile's page and its keys older than the step's own tokens are loaded before the PDL
-    # wait (the page table, seqused_k and cu_seqlens_q are the host's; no kernel of the step writes those keys), so
-    # the page-table then K round trips overlap attention_prep's tail; after the wait the tile's V loads beside q,
-    # and its new keys (attention_prep's) beside them
+    # seqused_k and cu_seqlens_q (the host's) load before the PDL wait; q and the step's own keys come from
+    # attention_prep, so every key tile loads after it (session 25 loaded the first tile's older keys before the
+    # wait: H200, session 26, `host_time --decode 1` graph step, 0.8B 0.767 / 0.768 ms against 0.763 / 0.765
+    # without, 2B 1.27 either way; removed)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -292,13 +286,6 @@ def _split_kernel(
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
     pt_row = pt_ptr + b * stride_ptb
-    n0 = kv_start + tl.arange(0, BLOCK_N)  # the first tile's keys
-    n0_ok = n0 < kv_end
-    old0 = n0_ok & (n0 < seqlen - q_len)  # written before this step
-    if EARLY_KV:
-        page0, slot0 = _pages_of(pt_row, kv_start, kv_end, n0, n0_ok, PAGE_SIZE, BLOCK_N)  # empty split: no read
-        k_rows0 = _kv_rows(page0, slot0, stride_kp, stride_kt, d)
-        k0 = tl.load(k_base + k_rows0, mask=old0[:, None], other=0.0)  # V's load waits: registers (d256)
     pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
     pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
 
@@ -313,15 +300,7 @@ def _split_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    first = kv_start
-    if EARLY_KV:
-        if kv_start < kv_end:
-            v = tl.load(v_base + _kv_rows(page0, slot0, stride_vp, stride_vt, d), mask=n0_ok[:, None],
-                        other=0.0)  # issued with q's load: one round trip after the wait
-            k = tl.where(old0[:, None], k0, tl.load(k_base + k_rows0, mask=(n0_ok & ~old0)[:, None], other=0.0))
-            acc, l_i, m_i = _split_tile(acc, l_i, m_i, q, k, v, n0, n0_ok, last_key, qk_scale, DOT_PRECISION)
-        first = kv_start + BLOCK_N
-    for start in range(first, kv_end, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # (N,) key positions
         n_ok = n < kv_end
         page, slot = _pages_of(pt_row, start, kv_end, n, n_ok, PAGE_SIZE, BLOCK_N)
@@ -660,7 +639,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         _chunk_kernel[(batch * tile.m_blocks, kv_heads, num_splits)](
             *args, q_len, tile.m_blocks, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=q_min, Q_MAX=0, **common)
     else:
-        _split_kernel[(batch, kv_heads, num_splits)](*args, Q_LEN=q_len, EARLY_KV=KV_BEFORE_WAIT, **common)
+        _split_kernel[(batch, kv_heads, num_splits)](*args, Q_LEN=q_len, **common)
     if num_splits > 1 and tile.chunk:
         _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     elif num_splits > 1:

@@ -6,8 +6,8 @@ column block's SPLIT programs park their fp32 partial sums in a per-device works
 program that draws the last ticket adds the partials in split order (the same bits whatever order they finished
 in), writes the output and resets the ticket, so the next launch (or CUDA-graph replay) finds it at zero.
 
-The ticket (last_to_arrive, reset_ticket) is also how kernels.gdn_decode's dv slices of one key head elect the
-one that normalises the whole rows.
+The ticket (last_to_arrive, reset_ticket) is also how kernels.argmax's chunks of one row elect the one that reduces
+their maxima.
 
 The workspace is one per device, allocated outside CUDA-graph capture (an engine warms its decode step up
 eagerly first; while capturing without one, callers fall back to SPLIT 1). Launches that use it must not overlap:

@@ -52,11 +52,11 @@ CURVE_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 AGENT_CASE = ("800 new / 50k", 1, 800, 50000)  # H16/KV4 d256 over a paged prefix (profiles/bench_agent_turn.py)
 PARTS = ("gdn", "attention", "agent", "curve", "cute")
 # The CuTe kernel (issue 5): each FA4 idea and schedule option against the default config (the intra-warpgroup
-# overlap on, conditional rescale at 8, no polynomial exp2, one CTA per tile), as head_dim -> config overrides (a
-# head dim left out does not run the variant). no_pingpong: the consumer warpgroups issue their GEMMs without
-# taking turns (ncu of the d256 causal row: barrier stalls 1.21 per issued instruction against flash-attn-4's
-# 0.33). wide_tile: FA3's K/V tiles on the H100 (d128 176 keys, d256 80); 3_stages: a deeper K/V ring at d128
-# (32 + 3 x 64 KiB of smem).
+# overlap on, conditional rescale at 8, no polynomial exp2, one CTA per tile, ping-pong at d256 only), as head_dim
+# -> config overrides (a head dim left out does not run the variant). pingpong flips the default ping-pong of the
+# consumer warpgroups, which take turns issuing their GEMMs with it (ncu of the d256 causal row: barrier stalls 1.21
+# per issued instruction against flash-attn-4's 0.33; fa4.cute.config.default_pingpong). wide_tile: FA3's K/V tiles
+# on the H100 (d128 176 keys, d256 80); 3_stages: a deeper K/V ring at d128 (32 + 3 x 64 KiB of smem).
 
 
 def _every_dim(**overrides) -> dict:
@@ -66,7 +66,8 @@ def _every_dim(**overrides) -> dict:
 CUTE_VARIANTS = [("default", _every_dim()), ("no_overlap", _every_dim(intra_wg_overlap=False)),
                  ("always_rescale", _every_dim(rescale_threshold=0.0)),
                  ("poly1/8", _every_dim(poly_exp2_fraction=0.125)), ("poly1/4", _every_dim(poly_exp2_fraction=0.25)),
-                 ("persistent", _every_dim(persistent=True)), ("no_pingpong", _every_dim(pingpong=False)),
+                 ("persistent", _every_dim(persistent=True)),
+                 ("pingpong", {128: dict(pingpong=True), 256: dict(pingpong=False)}),
                  ("wide_tile", {128: dict(tile_n=176), 256: dict(tile_n=80)}), ("3_stages", {128: dict(kv_stages=3)})]
 
 

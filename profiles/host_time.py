@@ -221,15 +221,11 @@ KIB, MIB = 2**10, 2**20
 AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_setters,
             "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
-            "attn_early": ("kernels.paged_decode_attention", "KV_BEFORE_WAIT", ON_OFF),
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
             "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),
             "tma_slot": ("kernels.tma_gemv", "SLOT_ROWS", {"16k": 32, "8k": 16}),
             "tma_pause": ("kernels.tma_gemv", "BOUNDARY_BYTES", {"80k": 80 * KIB, "96k": 96 * KIB, "off": 0}),
-            # B1 at 16 key heads: dv in 8, 4, 2 or 1 slices a key head (kernels.gdn_decode._dv_splits); more than
-            # one slice ends in a release-acquire ticket. H200, 2B step (session 19): 1.27-1.29 ms for all four
-            "gdn_programs": ("kernels.gdn_decode", "PROGRAMS_PER_SM", {"2": 2, "0.5": 0.5, "0.25": 0.25, "0": 0}),
             "tma_ring": ("kernels.tma_gemv", "RING_BYTES", {"128k": 128 * KIB, "192k": 192 * KIB, "96k": 96 * KIB}),
             "tma_min": ("kernels.linear", "TMA_MIN_BYTES", {"16m": 16 * MIB, "8m": 8 * MIB, "4m": 4 * MIB})}
 

@@ -401,7 +401,7 @@ def test_cute_gpu_softmax_scale_and_cache():
 @pytest.mark.gpu
 @needs_dsl
 @pytest.mark.parametrize("d,overrides", [(128, dict(intra_wg_overlap=False)), (256, dict(intra_wg_overlap=False)),
-                                         (128, dict(pingpong=False)),
+                                         (128, dict(pingpong=True)),
                                          (256, dict(poly_exp2_fraction=0.25)),
                                          (128, dict(intra_wg_overlap=False, pingpong=False)), (128, dict(kv_stages=1)),
                                          (128, dict(tile_n=64)), (256, dict(pingpong=False)),

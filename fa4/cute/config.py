@@ -125,6 +125,14 @@ def default_tile_n(head_dim: int) -> int:
     return 128 if head_dim <= 128 else 64
 
 
+def default_pingpong(head_dim: int) -> bool:
+    """Ping-pong of the consumer warpgroups at d256 only. H200, session 26, medians of the paired ratios over
+    flash-attn-4 in the same iterations (`python -m profiles.bench_prefill --only cute --cute-variants
+    default,no_pingpong --iters 40`, before this rule): B4 S8k d128 0.950 with it against 0.975 without, causal
+    0.967 against 0.978; B1 S16k and S32k d256 causal 1.002 against 1.001 and 1.002 against 1.000."""
+    return head_dim > 128
+
+
 def paged_tile_n(head_dim: int, page_size: int) -> int:
     """The K/V tile for a page size. The default tile when the page is a multiple of it, or divides it in multiples
     of 8 rows (a tile is then one TMA box per page); else the largest divisor of the page that divides the default
@@ -146,7 +154,7 @@ def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int
     """The config for a call; `overrides` replace any field (tile sizes, stages, pingpong...)."""
     tile_n = paged_tile_n(head_dim, page_size) if kv_mode == "paged" else default_tile_n(head_dim)
     fields = dict(head_dim=head_dim, causal=causal, pack_gqa=pack_factor(num_heads // num_kv_heads),
-                  tile_n=tile_n, rescale_threshold=float(rescale_threshold),
+                  tile_n=tile_n, pingpong=default_pingpong(head_dim), rescale_threshold=float(rescale_threshold),
                   poly_exp2_fraction=float(poly_exp2_fraction), varlen_q=varlen_q, kv_mode=kv_mode,
                   page_size=page_size if kv_mode == "paged" else 0)
     fields.update(overrides)
