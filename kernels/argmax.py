@@ -9,7 +9,9 @@ lm_head, launched with programmatic dependent launch, so the sampler of a greedy
 launching a reduction after the graph.
 
 Bound: the logits, 0.5 MB a row at batch 1 in bf16 (0.1 us at 4.2 TB/s): the cost is the launch, one load round
-trip and the ticket's. Predicted (not yet timed): about 6 us of the ~9 a greedy decode token, 0.5% of a 2B step.
+trip and the ticket's. Predicted: about 6 us of the ~9 a greedy decode token, 0.5% of a 2B step. Measured (H200,
+0.8B decode step over 8192 in its graph, serving.model_runner.GREEDY_IN_GRAPH): 0.767 ms against 0.775 with
+torch.argmax after the graph, 8 us.
 
 CUDA-graph capturable: the workspace (parked pairs and tickets, tickets back at zero after every launch) is
 allocated per (device, rows) by the first, eager, call; `out=` is reusable.
