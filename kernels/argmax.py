@@ -13,11 +13,10 @@ trip and the ticket's. Predicted: about 6 us of the ~9 a greedy decode token, 0.
 0.8B decode step over 8192 in its graph, serving.model_runner.GREEDY_IN_GRAPH): 0.767 ms against 0.775 with
 torch.argmax after the graph, 8 us.
 
-CUDA-graph capturable: the workspace (parked pairs and tickets, tickets back at zero after every launch) is
-allocated per (device, rows) by the first, eager, call; `out=` is reusable.
+CUDA-graph capturable: one workspace a device (parked pairs and tickets, tickets back at zero after every launch),
+grown outside a capture when a call needs more (the engine's eager warm-up of each decode batch size), never freed
+while the process runs, since a captured graph keeps the pointers it was captured with; `out=` is reusable.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -68,12 +67,24 @@ def _argmax_kernel(logits_ptr, stride, part_val_ptr, part_idx_ptr, tickets_ptr, 
         split_k.reset_ticket(tickets_ptr + row)
 
 
-@functools.lru_cache
+_workspaces: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+
+
 def _workspace(device: torch.device, rows: int, parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(parked values fp32, parked indices int32, tickets int32 at zero) of launches of `rows` rows."""
-    return (torch.empty(rows * parts, device=device, dtype=torch.float32),
-            torch.empty(rows * parts, device=device, dtype=torch.int32),
-            torch.zeros(rows, device=device, dtype=torch.int32))
+    """(parked values fp32, parked indices int32, tickets int32 at zero) for `rows` rows of `parts` chunks: the
+    device's newest workspace, or a bigger one (the older ones stay allocated for the graphs captured with them)."""
+    held = _workspaces.setdefault(device, [])
+    if held and held[-1][2].numel() >= rows and held[-1][0].numel() >= rows * parts:
+        return held[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"argmax of {rows} rows x {parts} chunks during a CUDA-graph capture: call it once outside "
+                         "the capture first (its workspace is allocated there)")
+    pairs = max(rows * parts, held[-1][0].numel() if held else 0)
+    rows = max(rows, held[-1][2].numel() if held else 0)
+    held.append((torch.empty(pairs, device=device, dtype=torch.float32),
+                 torch.empty(pairs, device=device, dtype=torch.int32),
+                 torch.zeros(rows, device=device, dtype=torch.int32)))
+    return held[-1]
 
 
 def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -59,7 +59,7 @@ IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # either way (profiles/results/host_time.json 'gdn_early_session16').
 # Session 25: EARLY also loads the conv windows and the weights before the wait, and everything the in-projection
 # wrote (qkv, z, a, b) right after it, before the first reduction. The post-wait loads took two dependent round
-# trips (q | k, then v, gates and z behind the l2norms' barriers) and the last split's z a third; now one (the
+# trips (q | k, then v, gates and z behind the l2norms' barriers), and a split's z a third; now one (the
 # sm_90a PTX test counts them). The GDN layer's decode costs 6.3-6.7 us at B1 against 0.5 us of state bytes
 # (session 23's `--ab skip`), all latency; predicted: 0.6-1.2 us a layer, 11-22 us a 2B / 0.8B step. Measured
 # (H200, session 26, against session 24's kernel in the graph step, alternated; dv still split then): 0.8B 0.771 /

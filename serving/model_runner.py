@@ -120,8 +120,8 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], device_tokens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[ScheduledChunk]]:
         """Run one step. Returns logits (len(chunks), vocab), one row per chunk's last token, their argmax (the
-        greedy tokens (len(chunks),) int64 of a decode step, computed in its graph; None otherwise) and the chunks
-        in the order of those rows. device_tokens: a decode step launched ahead (decode_rows)."""
+        greedy tokens (len(chunks),) int64 where decode rows came from a graph step that computed theirs; else None)
+        and the chunks in the order of those rows. device_tokens: a decode step launched ahead (decode_rows)."""
         decode = [c for c in chunks if c.num_tokens == 1]
         if device_tokens is not None:
             if len(decode) != len(chunks):
@@ -131,7 +131,10 @@ class ModelRunner:
             return *self.decode_rows(chunks), chunks
         if self.graph_sizes and decode and len(decode) <= self.max_decode:
             rest = [c for c in chunks if c.num_tokens != 1]
-            return torch.cat([self.decode_rows(decode)[0], self._eager(rest)]), None, decode + rest
+            (logits, greedy), rest_logits = self.decode_rows(decode), self._eager(rest)
+            if greedy is not None:
+                greedy = torch.cat([greedy, ops.argmax(rest_logits)])
+            return torch.cat([logits, rest_logits]), greedy, decode + rest
         return self._eager(chunks), None, chunks
 
     def _eager(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

@@ -299,11 +299,11 @@ def run_scenario(sc: dict, check_contents: bool = True) -> dict:
     rows: dict[int, list[torch.Tensor]] = {}  # seq id -> the logits rows it sampled from, in order
     orig_sample = engine._sample
 
-    def recording_sample(chunks, ready, logits):
+    def recording_sample(chunks, ready, logits, greedy):
         for i, (ch, r) in enumerate(zip(chunks, ready)):
             if r:
                 rows.setdefault(ch.seq.id, []).append(logits[i].detach().clone())
-        return orig_sample(chunks, ready, logits)
+        return orig_sample(chunks, ready, logits, greedy)
     engine._sample = recording_sample
     reqs: dict[int, dict] = {}
     order: list[dict] = []

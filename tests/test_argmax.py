@@ -103,3 +103,14 @@ def test_argmax_in_a_cuda_graph_at_the_vocabulary():
             x[0, [70000, 200000]] = 30.0  # a tie across chunks
             graph.replay()
             assert torch.equal(out, R.argmax(x)) and out[0] == 70000
+
+
+def test_workspace_grows_and_keeps_what_graphs_were_captured_with():
+    """A call that needs more room gets a bigger workspace; the smaller one stays allocated (a graph captured with it
+    still writes there), and later smaller calls take the newest."""
+    import kernels.argmax as A
+    dev = torch.device(DEV)
+    first = A._workspace(dev, 1, 2)
+    bigger = A._workspace(dev, 3, 4)
+    assert bigger[0].numel() >= 12 and bigger[2].numel() >= 3 and A._workspace(dev, 1, 2) is bigger
+    assert any(w is first for w in A._workspaces[dev])

@@ -131,8 +131,8 @@ def test_padded_decode_on_triton_ops_follows_the_reference_cpu():
 def test_padded_decode_equals_unpadded_cpu():
     """Five sequences decode on the Triton kernels (interpreter, fp32) padded to batch 8 (three dummy rows) and
     unpadded: the real rows agree to fp32 rounding. The paged attention takes two KV splits at both batch sizes,
-    as on the GPU, and the greedy argmax its tickets; the 20-token prompt is prefilled in two chunks, so one step
-    mixes decodes with a prefill chunk."""
+    as on the GPU; the 20-token prompt is prefilled in two chunks, so one step mixes decodes with a prefill
+    chunk."""
     model = Qwen35ForCausalLM.random(replace(KERNEL_SMALL, linear_value_head_dim=32), seed=3)
     prompts = prompts_of((5, 16, 11, 20, 3), KERNEL_SMALL.vocab_size, seed=1)
     cfg = EngineConfig(num_pages=64, page_size=16, max_num_seqs=8, snapshot_slots=4, max_model_len=128)

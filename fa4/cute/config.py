@@ -44,7 +44,9 @@ class AttentionConfig:
     tile_n: int = 128  # keys per K/V tile
     kv_stages: int = 2  # depth of the K and of the V smem rings
     num_consumer_wg: int = 2
-    pingpong: bool = True  # consumer warpgroups take turns issuing QK^T: one softmaxes while the other multiplies
+    # consumer warpgroups take turns issuing QK^T: one softmaxes while the other multiplies (choose_config: at d256
+    # only, default_pingpong)
+    pingpong: bool = True
     # issue QK^T of tile i with PV of tile i-1, so softmax i overlaps that PV: on by default (H200, bf16, against the
     # plain loop: +7% at d128, +15% at d256; profiles/results/prefill.json 'cute')
     intra_wg_overlap: bool = True
