@@ -52,7 +52,7 @@ CURVE_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 AGENT_CASE = ("800 new / 50k", 1, 800, 50000)  # H16/KV4 d256 over a paged prefix (profiles/bench_agent_turn.py)
 PARTS = ("gdn", "attention", "agent", "curve", "cute")
 # The CuTe kernel (issue 5): each FA4 idea and schedule option against the default config (the intra-warpgroup
-# overlap on, conditional rescale at 8, no polynomial exp2, one CTA per tile, ping-pong at d256 only), as head_dim
+# overlap on, conditional rescale at 8, no polynomial exp2, one CTA per tile, ping-pong but at dense d128), as head_dim
 # -> config overrides (a head dim left out does not run the variant). pingpong flips the default ping-pong of the
 # consumer warpgroups, which take turns issuing their GEMMs with it (ncu of the d256 causal row: barrier stalls 1.21
 # per issued instruction against flash-attn-4's 0.33; fa4.cute.config.default_pingpong). wide_tile: FA3's K/V tiles

@@ -61,9 +61,11 @@ def test_cute_config_choice():
     c = choose_config(128, True, 32, 4)
     assert (c.pack_gqa, c.tile_n, c.tile_m, c.num_threads) == (8, 128, 128, 384)
     assert choose_config(256, False, 16, 16).tile_n == 64
-    # ping-pong at d256 only (default_pingpong), whatever else the call asks; an override wins
-    assert [choose_config(d, causal, 16, 4, kv_mode=mode, page_size=64 if mode == "paged" else 0).pingpong
-            for d in (128, 256) for causal in (True, False) for mode in ("dense", "paged")] == [False] * 4 + [True] * 4
+    # ping-pong everywhere but dense d128 (default_pingpong), causal or not; an override wins
+    pingpong = {(d, causal, mode): choose_config(d, causal, 16, 4, varlen_q=mode == "varlen",
+                                                 kv_mode=mode, page_size=64 if mode == "paged" else 0).pingpong
+                for d in (128, 256) for causal in (True, False) for mode in ("dense", "varlen", "paged")}
+    assert {key for key, on in pingpong.items() if not on} == {(128, True, "dense"), (128, False, "dense")}
     assert choose_config(128, False, 8, 8, pingpong=True).pingpong
     assert hash(c) == hash(choose_config(128, True, 32, 4))  # a cache key
     for cfg in representative_configs():

@@ -44,8 +44,8 @@ class AttentionConfig:
     tile_n: int = 128  # keys per K/V tile
     kv_stages: int = 2  # depth of the K and of the V smem rings
     num_consumer_wg: int = 2
-    # consumer warpgroups take turns issuing QK^T: one softmaxes while the other multiplies (choose_config: at d256
-    # only, default_pingpong)
+    # consumer warpgroups take turns issuing QK^T: one softmaxes while the other multiplies (choose_config: all but
+    # dense d128, default_pingpong)
     pingpong: bool = True
     # issue QK^T of tile i with PV of tile i-1, so softmax i overlaps that PV: on by default (H200, bf16, against the
     # plain loop: +7% at d128, +15% at d256; profiles/results/prefill.json 'cute')
@@ -127,12 +127,13 @@ def default_tile_n(head_dim: int) -> int:
     return 128 if head_dim <= 128 else 64
 
 
-def default_pingpong(head_dim: int) -> bool:
-    """Ping-pong of the consumer warpgroups at d256 only. H200, session 26, medians of the paired ratios over
-    flash-attn-4 in the same iterations (`python -m profiles.bench_prefill --only cute --cute-variants
-    default,no_pingpong --iters 40`, before this rule): B4 S8k d128 0.950 with it against 0.975 without, causal
-    0.967 against 0.978; B1 S16k and S32k d256 causal 1.002 against 1.001 and 1.002 against 1.000."""
-    return head_dim > 128
+def default_pingpong(head_dim: int, dense: bool) -> bool:
+    """Ping-pong of the consumer warpgroups, except for dense (not varlen, not paged) d128. H200, session 26, medians
+    of the paired ratios over flash-attn-4 in the same iterations (`python -m profiles.bench_prefill --only cute
+    --cute-variants default,no_pingpong --iters 40`, before this rule): B4 S8k d128 0.950 with it against 0.975
+    without, causal 0.967 against 0.978; B1 S16k and S32k d256 causal 1.002 against 1.001 and 1.002 against 1.000.
+    Varlen and paged d128 keep it until their GPU tests have run without it (the dense ones passed)."""
+    return head_dim > 128 or not dense
 
 
 def paged_tile_n(head_dim: int, page_size: int) -> int:
@@ -156,7 +157,8 @@ def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int
     """The config for a call; `overrides` replace any field (tile sizes, stages, pingpong...)."""
     tile_n = paged_tile_n(head_dim, page_size) if kv_mode == "paged" else default_tile_n(head_dim)
     fields = dict(head_dim=head_dim, causal=causal, pack_gqa=pack_factor(num_heads // num_kv_heads),
-                  tile_n=tile_n, pingpong=default_pingpong(head_dim), rescale_threshold=float(rescale_threshold),
+                  tile_n=tile_n, pingpong=default_pingpong(head_dim, kv_mode == "dense" and not varlen_q),
+                  rescale_threshold=float(rescale_threshold),
                   poly_exp2_fraction=float(poly_exp2_fraction), varlen_q=varlen_q, kv_mode=kv_mode,
                   page_size=page_size if kv_mode == "paged" else 0)
     fields.update(overrides)
