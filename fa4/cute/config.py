@@ -54,6 +54,9 @@ class AttentionConfig:
     consumer_regs: int = 240  # setmaxnreg of each consumer warpgroup
     rescale_threshold: float = 8.0  # FA4 conditional rescale, log2 units (0: rescale whenever the max grows)
     poly_exp2_fraction: float = 0.0  # share of each row's exp2 done by the FMA polynomial
+    # the exps ahead of the branch that moves the running max, so the wait for the previous PV follows them
+    # (fa4.cute.softmax.online_softmax_update); not yet timed on a GPU (session 26): off
+    early_exps: bool = False
     varlen_q: bool = False  # query rows of sequence b: cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
     kv_mode: str = "dense"  # "dense", "varlen" (cu_seqlens_k) or "paged" (page_table + seqused_k)
     page_size: int = 0  # keys per page (kv_mode "paged" only)
@@ -180,5 +183,6 @@ def representative_configs() -> list[AttentionConfig]:
         choose_config(128, False, 8, 1, kv_mode="paged", page_size=16, persistent=True),
         choose_config(256, True, 16, 2, varlen_q=True, kv_mode="varlen", intra_wg_overlap=True, persistent=True),
         choose_config(128, False, 8, 8, tile_n=176),
+        choose_config(128, False, 8, 8, early_exps=True),
         choose_config(256, True, 16, 4, tile_n=80),
     ]

@@ -111,13 +111,31 @@ def make_state(num_rows: int):
 
 
 @cute.jit
+def _move_max(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, row_new: cute.Tensor,
+              scale_log2: Float32):
+    """The rows' running max becomes row_new: row_scale holds each row's factor for O and row_sum is scaled by it."""
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        m_new = row_new[r]
+        factor = cute.math.exp2((row_max[r] - m_new) * scale_log2, fastmath=True)  # 0 when the old max is -inf
+        if m_new == -Float32.inf:
+            factor = Float32(1.0)
+        row_scale[r] = factor
+        row_sum[r] = row_sum[r] * factor
+        row_max[r] = m_new
+
+
+@cute.jit
 def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, acc_s: cute.Tensor,
-                          scale_log2: Float32, threshold: cutlass.Constexpr,
-                          poly_fraction: cutlass.Constexpr) -> cutlass.Boolean:
+                          scale_log2: Float32, threshold: cutlass.Constexpr, poly_fraction: cutlass.Constexpr,
+                          early_exps: cutlass.Constexpr) -> cutlass.Boolean:
     """Turns the scores in acc_s (a QK^T accumulator) into unnormalised probabilities, in place, and updates
     the running max and sum. Returns whether this warp moved its max; then row_scale holds the factors that
     the O rows must be multiplied by (`rescale_o`) before the next PV accumulates. Reads no O, so it may run
-    while the previous PV matmul is in flight."""
+    while the previous PV matmul is in flight.
+    early_exps: the exps take the max the rows will hold by a select, not behind the branch that moves the max, so
+    they share the max's basic block; ptxas hoists the caller's wait for the previous PV to the top of the block
+    after that branch, behind every exp (sm_90a SASS of the d128 loop: 66 exps before the wait against 2, and V's
+    stage released 4 instructions after it against 163; `python -m profiles.sass_loop`). The same bits either way."""
     s_mn = acc_mn_view(acc_s)
     num_rows = cute.size(s_mn, mode=[0])
     num_cols = cute.size(s_mn, mode=[1])
@@ -130,18 +148,16 @@ def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale:
         # growth in log2 units; -inf - -inf (no key yet) is NaN and compares false: nothing to rescale
         grow = cute.arch.fmax(grow, (m - row_max[r]) * scale_log2)
     need = cute.arch.vote_any_sync(grow > Float32(threshold))
-    if need:
-        for r in cutlass.range_constexpr(num_rows):
-            m_new = row_new[r]
-            factor = cute.math.exp2((row_max[r] - m_new) * scale_log2, fastmath=True)  # 0 when the old max is -inf
-            if m_new == -Float32.inf:
-                factor = Float32(1.0)
-            row_scale[r] = factor
-            row_sum[r] = row_sum[r] * factor
-            row_max[r] = m_new
+    if cutlass.const_expr(not early_exps):
+        if need:
+            _move_max(row_max, row_sum, row_scale, row_new, scale_log2)
     poly = poly_columns(num_cols, poly_fraction)
+    tile_sum = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
     for r in cutlass.range_constexpr(num_rows):
         m = row_max[r]
+        if cutlass.const_expr(early_exps):
+            if need:
+                m = row_new[r]
         if m == -Float32.inf:
             m = Float32(0.0)
         neg_m = -m * scale_log2
@@ -153,7 +169,12 @@ def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale:
             else:
                 p = cute.math.exp2(x, fastmath=True)
             s_mn[r, c] = p
-        row_sum[r] = row_sum[r] + tree_reduce([s_mn[r, c] for c in range(num_cols)], _add)
+        tile_sum[r] = tree_reduce([s_mn[r, c] for c in range(num_cols)], _add)
+    if cutlass.const_expr(early_exps):
+        if need:
+            _move_max(row_max, row_sum, row_scale, row_new, scale_log2)
+    for r in cutlass.range_constexpr(num_rows):
+        row_sum[r] = row_sum[r] + tile_sum[r]
     return need
 
 
