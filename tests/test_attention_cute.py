@@ -415,7 +415,8 @@ def test_cute_gpu_softmax_scale_and_cache():
                                          (256, dict(tile_n=32, kv_stages=3)), (128, dict(tile_n=176)),
                                          (128, dict(kv_stages=3)), (256, dict(tile_n=80)),
                                          (128, dict(early_exps=True)), (256, dict(early_exps=True)),
-                                         (128, dict(early_exps=True, poly_exp2_fraction=0.25, pingpong=True))])
+                                         (128, dict(early_exps=True, poly_exp2_fraction=0.25, pingpong=True))],
+                         ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else f"d{x}")
 def test_cute_gpu_config_variants(d, overrides):
     check_cute_config(d, overrides, ((1, 1), (65, 65), (1000, 1000), (300, 1000), (1000, 300)))
 
