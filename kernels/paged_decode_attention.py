@@ -35,7 +35,8 @@ Algorithm (two kernels):
    (token, head) rows per program): out = sum_s 2^(lse_s - m) O_s / sum_s 2^(lse_s - m),
    times sigmoid(gate) when a gate is given, stored in q's dtype; rows that see no key give 0. Each
    program reads all splits of a BLOCK_D slice in one load. On sm_90 it is launched with
-   programmatic dependent launch, so its launch overlaps the split kernel (it waits in griddepcontrol).
+   programmatic dependent launch, so its launch overlaps the split kernel (it waits in griddepcontrol), and it
+   lets the next kernel launch once it has waited (COMBINE_RELEASE).
 
 K/V are gathered through the page table per token (page = table[b, n // page_size]); when a page
 holds a whole number of tiles, one page index per tile is loaded instead. Page sizes need not be
@@ -112,6 +113,12 @@ PROGRAMS_PER_SM = 2  # resident split programs per SM that choose_num_splits aim
 RESCALE_THRESHOLD = 8.0  # chunk variant: log2 growth of the running max that forces an O rescale (0: always)
 COMBINE_TILE = 4096  # splits x head dims one combine program reduces
 COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk variant's combine reduces
+# The combine lets the next kernel launch right after its PDL wait, as every other decode kernel does. Until session
+# 26 it released nothing, so the layer's out-proj chain (a TMA GEMV whose producer streams weights before its own
+# wait) launched only once every combine program had exited: its first weights came behind the combine, once an
+# attention layer. Predicted: 1-3 us a layer, 6-18 us a 2B / 0.8B step (6 attention layers); not yet timed. A/B:
+# `python -m profiles.host_time --model M --decode 1 --ab combine_release`
+COMBINE_RELEASE = True
 LOG2E = 1.4426950408889634
 H200_SMS = 132
 
@@ -427,9 +434,11 @@ def _chunk_kernel(
 def _combine_kernel(
     ws_o_ptr, ws_lse_ptr, gate_ptr, out_ptr, stride_gn, stride_gh, stride_on, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
-    PDL: tl.constexpr,
+    RELEASE: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.wait_for_producer(PDL)  # launched early: wait for the split kernel's writes
+    if RELEASE:  # COMBINE_RELEASE
+        pdl.release_dependents(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -450,11 +459,13 @@ def _combine_kernel(
 def _combine_rows_kernel(
     ws_o_ptr, ws_lse_ptr, gate_ptr, out_ptr, stride_gn, stride_gh, stride_on, stride_oh, num_rows, num_heads,
     num_splits, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_GATE: tl.constexpr, PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, RELEASE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The chunk variant's combine: grid (cdiv(N * H, ROWS), D / BLOCK_D), ROWS (token, head) rows a program,
     the same sum as `_combine_kernel` (chunks have many rows and few splits, so rows are batched)."""
     pdl.wait_for_producer(PDL)  # launched early: wait for the split kernel's writes
+    if RELEASE:  # COMBINE_RELEASE
+        pdl.release_dependents(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,) rows token * H + head
     r_ok = r < num_rows
     sp = tl.arange(0, BLOCK_S)
@@ -655,7 +666,8 @@ def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, launch: dic
     g = gate if gate is not None else out
     _combine_kernel[(n_tokens, num_heads, head_dim // block_d)](
         workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, HAS_GATE=gate is not None, num_warps=4, **launch,
+        HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, HAS_GATE=gate is not None, RELEASE=COMBINE_RELEASE,
+        num_warps=4, **launch,
     )
 
 
@@ -669,7 +681,7 @@ def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, launch
     _combine_rows_kernel[(cdiv(n_tokens * num_heads, rows), head_dim // block_d)](
         workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
         n_tokens * num_heads, num_heads, num_splits, HEAD_DIM=head_dim, ROWS=rows, BLOCK_S=block_s, BLOCK_D=block_d,
-        HAS_GATE=gate is not None, num_warps=4, **launch,
+        HAS_GATE=gate is not None, RELEASE=COMBINE_RELEASE, num_warps=4, **launch,
     )
 
 

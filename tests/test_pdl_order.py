@@ -93,6 +93,24 @@ def test_gdn_decode_reads_the_projection_after_the_wait(monkeypatch, early, hk, 
     assert torch.equal(conv, conv_ref) and rel_err(states, states_ref) < 1e-4
 
 
+def test_decode_kernels_release_their_dependents_after_the_wait(monkeypatch):
+    """Every program of the split-KV attention's split and combine kernels lets the next kernel launch once it has
+    waited (COMBINE_RELEASE; the out-proj chain after it streams its weights from its launch), and the combine
+    without it releases nothing."""
+    events = []
+    monkeypatch.setattr(pdl, "wait_for_producer", lambda PDL: events.append("wait"))
+    monkeypatch.setattr(pdl, "release_dependents", lambda PDL: events.append("release"))
+    k_pages, v_pages, table, seqused = make_cache([70, 5], 2, 64, 16, torch.float32, seed=4)
+    q = torch.randn(2, 1, 8, 64, generator=torch.Generator().manual_seed(4))
+    for release in (True, False):
+        monkeypatch.setattr(attention, "COMBINE_RELEASE", release)
+        events.clear()
+        attention.paged_decode_attention(q, k_pages, v_pages, table, seqused, num_splits=3)
+        split_programs, combine_programs = 2 * 2 * 3, events.count("wait") - 2 * 2 * 3
+        assert combine_programs > 0 and events.count("release") == split_programs + release * combine_programs
+        assert all(e == "wait" for e, nxt in zip(events, events[1:]) if nxt == "release")  # each after a wait
+
+
 def test_argmax_reads_the_logits_after_the_wait(monkeypatch):
     logits = torch.randn(2, 2 * CHUNK + 3, generator=torch.Generator().manual_seed(5))
     ref = logits.argmax(-1)
