@@ -56,8 +56,9 @@ RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 BOUNDARY_BYTES = 80 * 1024
 # The grid sync's explicit fences around its release add and acquire spin. In sm_90a SASS (session 26) each fence is
 # a MEMBAR.ALL.CTA + MEMBAR.ALL.GPU + ERRBAR sequence, and the release add carries the same sequence itself: with
-# them a sync issues three, without them one (the barrier, then thread 0's release add and acquire loads, then the
-# barrier: CUTLASS's generic grid barrier). 2B's step has 48 syncs. Not yet timed: on until the A/B
+# them a sync issues three, without them one: the barrier, thread 0's release add and acquire loads, the barrier
+# (CUTLASS's grid barrier releases with a fence and a relaxed add instead: one such sequence too). 2B's step has 48
+# syncs. Not yet timed: on until the A/B
 # (`python -m profiles.host_time --model M --decode 1 --ab tma_fences`) has run
 SYNC_FENCES = True
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
