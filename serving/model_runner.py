@@ -120,7 +120,7 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], device_tokens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[ScheduledChunk]]:
         """Run one step. Returns logits (len(chunks), vocab), one row per chunk's last token, their argmax (the
-        greedy tokens (len(chunks),) int64 where decode rows came from a graph step that computed theirs; else None)
+        greedy tokens (len(chunks),) int64 of a decode step that computed them; else None)
         and the chunks in the order of those rows. device_tokens: a decode step launched ahead (decode_rows)."""
         decode = [c for c in chunks if c.num_tokens == 1]
         if device_tokens is not None:
@@ -131,10 +131,8 @@ class ModelRunner:
             return *self.decode_rows(chunks), chunks
         if self.graph_sizes and decode and len(decode) <= self.max_decode:
             rest = [c for c in chunks if c.num_tokens != 1]
-            (logits, greedy), rest_logits = self.decode_rows(decode), self._eager(rest)
-            if greedy is not None:
-                greedy = torch.cat([greedy, ops.argmax(rest_logits)])
-            return torch.cat([logits, rest_logits]), greedy, decode + rest
+            # the sampler's one argmax over every row, not the graph's for the decode rows and another for the rest
+            return torch.cat([self.decode_rows(decode)[0], self._eager(rest)]), None, decode + rest
         return self._eager(chunks), None, chunks
 
     def _eager(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
