@@ -292,6 +292,49 @@ def profile_decode(model, what: str, device: torch.device, args) -> dict:
                 kernels=kernel_rows)
 
 
+def critical_path(kernels: list[tuple[str, float, float]]) -> list[dict]:
+    """kernels: (name, start_us, end_us) of one step -> per name: count, its critical-path share and its mean
+    duration. In end order, kernel i pushes the step's end from the latest earlier end L to end_i: it is charged
+    end_i - max(L, start_i), and an idle stretch start_i - L > 0 goes to '(idle)'. With PDL a kernel starts early
+    and waits, so its duration is not its cost; the charges sum to the step's span."""
+    rows: dict[str, dict] = {}
+
+    def charge(name: str, us: float, duration: float | None = None) -> None:
+        row = rows.setdefault(name, {"kernel": name, "count": 0, "critical_us": 0.0, "total_us": 0.0})
+        row["critical_us"] += us
+        if duration is not None:
+            row["count"] += 1
+            row["total_us"] += duration
+    latest = min((k[1] for k in kernels), default=0.0)
+    for name, start, end in sorted(kernels, key=lambda k: k[2]):
+        if start > latest:
+            charge("(idle)", start - latest)
+        charge(name, max(0.0, end - max(latest, start)), end - start)
+        latest = max(latest, end)
+    for row in rows.values():
+        row["duration_us"] = row.pop("total_us") / max(row["count"], 1)
+    return sorted(rows.values(), key=lambda r: -r["critical_us"])
+
+
+def decode_timeline(model, args) -> dict:
+    """One graph replay of the decode step under torch.profiler: its kernels' critical-path increments by name."""
+    from torch.profiler import ProfilerActivity, profile
+    engine = decoding_engine(model, args, cuda_graphs=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    engine.close()
+    kernels = [(e.name.removeprefix("kernel_cutlass_kernel_")[:60], e.time_range.start, e.time_range.end)
+               for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    rows = critical_path(kernels)
+    span = max(k[2] for k in kernels) - min(k[1] for k in kernels)
+    print(f"decode step of {args.decode} over {args.ctx}, one graph replay: {len(kernels)} kernels, span "
+          f"{span:.1f} us, critical-path sum {sum(r['critical_us'] for r in rows):.1f} us")
+    print_table(rows, ["kernel", "count", "critical_us", "duration_us"])
+    return {"span_us": span, "kernels": len(kernels), "rows": rows}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="preset (random weights); default qwen3.5-2b on the GPU, tiny on "
@@ -309,6 +352,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prenorm", choices=["auto", "fused", "unfused"], default="auto",
                     help="residual add + RMSNorm inside the following projection's GEMV or as their own launch "
                          "(auto: kernels.linear.FUSED_NORM_MAX_K)")
+    ap.add_argument("--timeline", action="store_true", help="with --decode: one graph replay's kernels by their "
+                                                             "increments of the step's critical path")
     ap.add_argument("--ab", choices=sorted(AB_KNOBS), action="append", default=None,
                     help="with --decode: time this knob's variants in one process, alternated (repeatable: each "
                          "knob in turn, on one loaded model)")
@@ -337,6 +382,8 @@ def main(argv=None) -> dict:
             print(f"{what} on {device}: a decode step of {args.decode} over {args.ctx}, each {knob} variant")
             print_table(found[knob], [knob, "repeat", "graph_ms"])
         return {"ab": found}
+    if args.decode and args.timeline:
+        return decode_timeline(model, args)
     if args.decode:
         return profile_decode(model, what, device, args)
     engine = make_engine(model, 1, args.ctx + args.new + 64)

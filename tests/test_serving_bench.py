@@ -4,6 +4,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from model import ops
 from model.model import Qwen35ForCausalLM
@@ -216,3 +218,22 @@ def test_bench_sweep_alternates_the_variants_and_saves_them_side_by_side(model, 
 def test_bench_refuses_a_bad_sweep(model, argv, message):
     with pytest.raises(SystemExit, match=message):
         bench.main(["--device", "cpu", *argv], model=model)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.floats(0, 100), st.floats(0, 50)), min_size=1, max_size=12))
+def test_critical_path_charges_sum_to_the_span(spans):
+    from profiles.host_time import critical_path
+    kernels = [(name, start, start + length) for name, start, length in spans]
+    rows = critical_path(kernels)
+    span = max(k[2] for k in kernels) - min(k[1] for k in kernels)
+    assert sum(r["critical_us"] for r in rows) == pytest.approx(span, abs=1e-6)
+    assert all(r["critical_us"] >= 0 for r in rows)
+    assert sum(r["count"] for r in rows) == len(kernels)
+
+
+def test_critical_path_charges_overlap_once_and_gaps_to_idle():
+    from profiles.host_time import critical_path
+    rows = {r["kernel"]: r for r in critical_path([("a", 0, 10), ("b", 5, 12), ("c", 15, 20), ("a", 16, 30)])}
+    assert {k: r["critical_us"] for k, r in rows.items()} == {"a": 20.0, "b": 2.0, "(idle)": 3.0, "c": 5.0}
+    assert rows["a"]["duration_us"] == 12.0 and rows["a"]["count"] == 2
