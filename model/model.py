@@ -155,7 +155,7 @@ class Qwen35ForCausalLM(nn.Module):
         """forward_step as a generator: yields None after each decoder layer's kernels are launched, then the
         logits (serving interleaves other work between a prefill's layers)."""
         self.prepare_rope(step)
-        x = self.embed(step.token_ids)
+        x = self.embed(step.token_ids) if step.embeddings is None else step.embeddings
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, step, *self.layer_caches(i, pools))

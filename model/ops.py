@@ -135,6 +135,11 @@ def out_proj_mlp_by_ops(o, residual, out_w, norm_w, eps, gate_up_w, down_w):
     return silu_and_mul_linear(gate_up, down_w), s
 
 
+def gather_rows(tables, indices):
+    # tables[k]: (rows_k, width_k), indices[k]: (B,) int -> [(B, width_k)] = tables[k][indices[k]], up to four
+    return _run("gather_rows", tables, indices)
+
+
 def argmax(logits):
     # logits: (B, V) -> (B,) int64 greedy tokens (the first maximum; a NaN counts as the largest)
     return _run("argmax", logits)
@@ -277,4 +282,5 @@ _BACKENDS["reference"] = {
     "gated_deltanet": _ref_gated_deltanet,
     "moe": R.moe,
     "argmax": R.argmax,
+    "gather_rows": R.gather_rows,
 }

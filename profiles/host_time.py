@@ -214,11 +214,28 @@ def argmax_setters():
             functools.partial(apply, in_graph, kernel))
 
 
+def gather_setters():
+    """A decode step's row gathers (page table, RoPE, embeddings): one kernels.gather_rows launch (the default) or
+    an index_select each (before session 27)."""
+    import kernels.backend  # noqa: F401  (registers the triton backend)
+    table = ops._BACKENDS["triton"]
+    kernel = table["gather_rows"]
+
+    def apply(op) -> None:
+        table["gather_rows"] = op
+    return ({"fused": functools.partial(apply, kernel), "torch": functools.partial(apply, _index_selects)},
+            functools.partial(apply, kernel))
+
+
+def _index_selects(tables, indices):
+    return [t.index_select(0, i) for t, i in zip(tables, indices)]
+
+
 ON_OFF = {"off": False, "on": True}
 KIB, MIB = 2**10, 2**20
 # --ab knobs: name -> (module, attribute, {variant: value}) of a kernel setting, or a function that returns
 # ({variant: apply it}, restore): the pre-norm rule of use_prenorm; `skip` (timing only: wrong tokens)
-AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_setters,
+AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_setters, "gather_rows": gather_setters,
             "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),

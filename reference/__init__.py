@@ -2,6 +2,7 @@
 from reference.attention import attention, gather_pages, paged_attention, write_kv_pages
 from reference.conv import causal_conv1d, causal_conv1d_update
 from reference.gated_delta import chunk_gated_delta_rule, gdn_gates, recurrent_gated_delta_rule
+from reference.gather import gather_rows
 from reference.linear import add_rms_norm_linear, linear, out_proj_mlp, silu_and_mul_linear
 from reference.moe import moe, sigmoid_gate_mul, silu_and_mul, swiglu, topk_route
 from reference.norms import add_rms_norm, gated_rms_norm, l2norm, rms_norm
@@ -11,6 +12,7 @@ from reference.sampling import argmax
 __all__ = [
     "attention", "gather_pages", "paged_attention", "write_kv_pages",
     "causal_conv1d", "causal_conv1d_update",
+    "gather_rows",
     "chunk_gated_delta_rule", "gdn_gates", "recurrent_gated_delta_rule",
     "add_rms_norm_linear", "linear", "out_proj_mlp", "silu_and_mul_linear",
     "moe", "sigmoid_gate_mul", "silu_and_mul", "swiglu", "topk_route",

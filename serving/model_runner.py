@@ -58,7 +58,8 @@ log = logging.getLogger("serving")
 # 0.767 ms, 0.767 / 0.769, 0.775 / 0.774 (host_time.json 'decode_ab_session26'). In the graph the sampler of a
 # greedy step also spends no host time on a Triton launch (37-87 us each on the H200 machine's host).
 GREEDY_IN_GRAPH = True
-GRAPH_OPS = ("paged_attention", "gated_deltanet", "attention_prep")  # must not be the reference ops in a graph
+# must not be the reference ops in a graph (they check on the host)
+GRAPH_OPS = ("paged_attention", "gated_deltanet", "attention_prep", "gather_rows")
 
 
 def graphs_unsupported(model: Qwen35ForCausalLM) -> str | None:
@@ -245,17 +246,21 @@ class ModelRunner:
         """The decode step of inputs[:, :bs] (what a graph captures): logits (bs, vocab) and their argmax (bs,)
         int64 (GREEDY_IN_GRAPH; else None: the sampler computes it)."""
         tokens, positions, slots, slot_mapping, seqused_k = self.inputs[:DECODE_INPUT_ROWS * bs].view(-1, bs)
-        page_table = self.table.index_select(0, slots)  # (bs, W)
+        # one launch gathers the page-table rows (bs, W), the RoPE rows and (unsharded) the token embeddings
+        tables, indices = [self.table], [slots]
         if self.rope is not None:
-            cos, sin = self.rope[0].index_select(0, positions), self.rope[1].index_select(0, positions)
-        else:
-            cos, sin = R.rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)
+            tables, indices = tables + list(self.rope), indices + [positions, positions]
+        if not self.model.plan.sharded:
+            tables, indices = tables + [self.model.model.embed_tokens.weight], indices + [tokens]
+        page_table, *rows = ops.gather_rows(tables, indices)
+        embeddings = rows.pop() if not self.model.plan.sharded else None
+        cos, sin = rows if rows else R.rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)
         if zero_dummy:
             self.pools.conv_states[:, self.dummy_slot].zero_()
             self.pools.recurrent_states[:, self.dummy_slot].zero_()
         step = StepInput(token_ids=tokens, positions=positions, cu_seqlens=self.cu_seqlens[:bs + 1], max_seqlen_q=1,
                          seqused_k=seqused_k, page_table=page_table, slot_mapping=slot_mapping,
-                         state_slots=slots, cos=cos, sin=sin)
+                         state_slots=slots, cos=cos, sin=sin, embeddings=embeddings)
         with decode_step_rows():  # eager: the projections' kernels of the captured step
             logits = self.model.forward_step(step, self.pools, all_logits=True)
         return logits, ops.argmax(logits) if GREEDY_IN_GRAPH else None

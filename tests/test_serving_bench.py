@@ -113,6 +113,23 @@ def test_host_time_ab_argmax_moves_the_greedy_argmax():
     assert model_runner.GREEDY_IN_GRAPH and ops._BACKENDS["triton"]["argmax"] is argmax.argmax
 
 
+def test_host_time_ab_gather_rows_swaps_the_decode_gathers():
+    """fused (one kernels.gather_rows launch) against an index_select each, equal rows; the kernel again after."""
+    from kernels import gather_rows
+    from model import ops
+    from profiles import host_time
+    variants, restore = host_time.gather_setters()
+    tables = [torch.randn(5, 7), torch.arange(12, dtype=torch.int32).view(4, 3)]
+    indices = [torch.tensor([4, 0]), torch.tensor([1, 1], dtype=torch.int32)]
+    got = {}
+    for name, apply in variants.items():
+        apply()
+        got[name] = ops._BACKENDS["triton"]["gather_rows"](tables, indices)
+    restore()
+    assert all(torch.equal(a, b) for a, b in zip(got["fused"], got["torch"]))
+    assert ops._BACKENDS["triton"]["gather_rows"] is gather_rows.gather_rows
+
+
 def test_host_time_ab_takes_several_knobs_in_turn():
     # two-variant knobs, to keep it short (4 decode engines a knob): each knob's table, then its default again
     from kernels import linear

@@ -1,0 +1,17 @@
+"""Row gathers: what a step builder reads from its tables (embeddings, page-table rows, RoPE rows) by index."""
+import torch
+
+from reference._checks import check_tensor
+
+
+def gather_rows(tables, indices) -> list[torch.Tensor]:
+    # tables[k]: (rows_k, width_k), indices[k]: (B,) int -> [(B, width_k)]: tables[k][indices[k]]
+    if len(tables) != len(indices):
+        raise ValueError(f"tables and indices must pair up, got {len(tables)} tables and {len(indices)} index tensors")
+    for k, (table, index) in enumerate(zip(tables, indices)):
+        check_tensor(f"tables[{k}]", table, ndim=2)
+        check_tensor(f"indices[{k}]", index, ndim=1, dtype=(torch.int32, torch.int64), device=table.device)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= table.shape[0]):
+            raise ValueError(f"indices[{k}] must lie in [0, {table.shape[0]}), got {int(index.min())}.."
+                             f"{int(index.max())}")
+    return [table.index_select(0, index) for table, index in zip(tables, indices)]
