@@ -400,6 +400,8 @@ def main(argv=None) -> dict:
             print_table(found[knob], [knob, "repeat", "graph_ms"])
         return {"ab": found}
     if args.decode and args.timeline:
+        if device.type != "cuda":
+            raise SystemExit("--timeline reads the GPU's kernel records: it needs CUDA")
         return decode_timeline(model, args)
     if args.decode:
         return profile_decode(model, what, device, args)
