@@ -70,7 +70,7 @@ CUTE_VARIANTS = [("default", _every_dim()), ("no_overlap", _every_dim(intra_wg_o
                  ("persistent", _every_dim(persistent=True)),
                  ("pingpong", {128: dict(pingpong=True), 256: dict(pingpong=False)}),
                  ("wide_tile", {128: dict(tile_n=176), 256: dict(tile_n=80)}), ("3_stages", {128: dict(kv_stages=3)}),
-                 ("early_exps", _every_dim(early_exps=True))]
+                 ("early_exps", _every_dim(early_exps=True)), ("rescale_select", _every_dim(rescale_select=True))]
 
 
 def attention_flops(batch, seqlen, heads, dim, causal):

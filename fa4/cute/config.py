@@ -57,6 +57,9 @@ class AttentionConfig:
     # the exps ahead of the branch that moves the running max, so the wait for the previous PV follows them
     # (fa4.cute.softmax.online_softmax_update); not yet timed on a GPU (session 26): off
     early_exps: bool = False
+    # conditional rescale with the running max moved by selects, not a branch: the only branch left is O's rescale
+    # at the tile's end (fa4.cute.softmax._select_max); not yet timed on a GPU (session 27): off
+    rescale_select: bool = False
     varlen_q: bool = False  # query rows of sequence b: cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
     kv_mode: str = "dense"  # "dense", "varlen" (cu_seqlens_k) or "paged" (page_table + seqused_k)
     page_size: int = 0  # keys per page (kv_mode "paged" only)
@@ -184,5 +187,7 @@ def representative_configs() -> list[AttentionConfig]:
         choose_config(256, True, 16, 2, varlen_q=True, kv_mode="varlen", intra_wg_overlap=True, persistent=True),
         choose_config(128, False, 8, 8, tile_n=176),
         choose_config(128, False, 8, 8, early_exps=True),
+        choose_config(128, True, 8, 8, rescale_threshold=0.0),
+        choose_config(256, False, 16, 4, rescale_select=True),
         choose_config(256, True, 16, 4, tile_n=80),
     ]

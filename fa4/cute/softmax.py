@@ -125,9 +125,26 @@ def _move_max(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor
 
 
 @cute.jit
+def _select_max(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, row_new: cute.Tensor,
+                need: cutlass.Boolean, scale_log2: Float32):
+    """_move_max by selects where the warp moves (need), else factor 1 and the old max: no branch before the exps."""
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        m_old = row_max[r]
+        m_new = m_old
+        if need:
+            m_new = row_new[r]
+        factor = cute.math.exp2((m_old - m_new) * scale_log2, fastmath=True)
+        if m_new == -Float32.inf:
+            factor = Float32(1.0)
+        row_scale[r] = factor
+        row_sum[r] = row_sum[r] * factor
+        row_max[r] = m_new
+
+
+@cute.jit
 def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, acc_s: cute.Tensor,
                           scale_log2: Float32, threshold: cutlass.Constexpr, poly_fraction: cutlass.Constexpr,
-                          early_exps: cutlass.Constexpr) -> cutlass.Boolean:
+                          early_exps: cutlass.Constexpr, rescale_select: cutlass.Constexpr = False):
     """Turns the scores in acc_s (a QK^T accumulator) into unnormalised probabilities, in place, and updates
     the running max and sum. Returns whether this warp moved its max; then row_scale holds the factors that
     the O rows must be multiplied by (`rescale_o`) before the next PV accumulates. Reads no O, so it may run
@@ -147,15 +164,22 @@ def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale:
         row_new[r] = m
         # growth in log2 units; -inf - -inf (no key yet) is NaN and compares false: nothing to rescale
         grow = cute.arch.fmax(grow, (m - row_max[r]) * scale_log2)
-    need = cute.arch.vote_any_sync(grow > Float32(threshold))
-    if cutlass.const_expr(not early_exps):
-        if need:
-            _move_max(row_max, row_sum, row_scale, row_new, scale_log2)
+    if cutlass.const_expr(threshold == 0.0):
+        # the classic online softmax: no vote and no branch, the caller rescales O every tile (a constant True)
+        need = True
+        _move_max(row_max, row_sum, row_scale, row_new, scale_log2)
+    else:
+        need = cute.arch.vote_any_sync(grow > Float32(threshold))
+        if cutlass.const_expr(rescale_select):
+            _select_max(row_max, row_sum, row_scale, row_new, need, scale_log2)
+        elif cutlass.const_expr(not early_exps):
+            if need:
+                _move_max(row_max, row_sum, row_scale, row_new, scale_log2)
     poly = poly_columns(num_cols, poly_fraction)
     tile_sum = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
     for r in cutlass.range_constexpr(num_rows):
         m = row_max[r]
-        if cutlass.const_expr(early_exps):
+        if cutlass.const_expr(early_exps and threshold > 0.0 and not rescale_select):
             if need:
                 m = row_new[r]
         if m == -Float32.inf:
@@ -170,7 +194,7 @@ def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale:
                 p = cute.math.exp2(x, fastmath=True)
             s_mn[r, c] = p
         tile_sum[r] = tree_reduce([s_mn[r, c] for c in range(num_cols)], _add)
-    if cutlass.const_expr(early_exps):
+    if cutlass.const_expr(early_exps and threshold > 0.0 and not rescale_select):
         if need:
             _move_max(row_max, row_sum, row_scale, row_new, scale_log2)
     for r in cutlass.range_constexpr(num_rows):
