@@ -240,7 +240,6 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
-            "tma_fences": ("kernels.tma_gemv", "SYNC_FENCES", ON_OFF),
             "combine_release": ("kernels.paged_decode_attention", "COMBINE_RELEASE", ON_OFF),
             "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),
             "tma_slot": ("kernels.tma_gemv", "SLOT_ROWS", {"16k": 32, "8k": 16}),

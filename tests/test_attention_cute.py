@@ -195,7 +195,7 @@ def sm90_compiles(tmp_path_factory):
                               f"{f'-paged{c.page_size}' if c.kv_mode == 'paged' else ''}"
                               f"{'-persistent' if c.persistent else ''}"
                               f"{f'-n{c.tile_n}' if c.tile_n != default_tile_n(c.head_dim) else ''}"
-                              f"{'-early-exps' if c.early_exps else ''}{'-select' if c.rescale_select else ''}"
+                              f"{'-select' if c.rescale_select else ''}"
                               f"{'-always-rescale' if c.rescale_threshold == 0 else ''}"
                               for c in representative_configs()])
 def test_cute_kernel_compiles_for_sm90(index, sm90_compiles):
@@ -417,9 +417,8 @@ def test_cute_gpu_softmax_scale_and_cache():
                                          (128, dict(tile_n=64)), (256, dict(pingpong=False)),
                                          (256, dict(tile_n=32, kv_stages=3)), (128, dict(tile_n=176)),
                                          (128, dict(kv_stages=3)), (256, dict(tile_n=80)),
-                                         (128, dict(early_exps=True)), (256, dict(early_exps=True)),
-                                         (128, dict(early_exps=True, poly_exp2_fraction=0.25, pingpong=True)),
                                          (128, dict(rescale_select=True)), (256, dict(rescale_select=True)),
+                                         (128, dict(rescale_select=False)),
                                          (128, dict(rescale_select=True, pingpong=True, poly_exp2_fraction=0.25)),
                                          (128, dict(rescale_threshold=0.0, pingpong=True))],
                          ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else f"d{x}")

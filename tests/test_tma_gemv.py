@@ -145,11 +145,8 @@ chain = (GemvInput(2048, norm=True, add=True), GemvInput(6144, gated=True))
 unpaused = compile_config(choose_config(2048, 2048, chain=chain), keep_ptx=True).__ptx__
 cfg = choose_config(2048, 2048, chain=chain, boundary_bytes=BOUNDARY_BYTES)
 ptx = compile_config(cfg, keep_ptx=True).__ptx__
-unfenced = compile_config(choose_config(2048, 2048, chain=chain, boundary_bytes=BOUNDARY_BYTES, sync_fences=False),
-                          keep_ptx=True).__ptx__
 print(json.dumps({"tma": ptx.count("cp.async.bulk.tensor."), "wait": ptx.count("griddepcontrol.wait"),
-                  "fences": [p.count("fence.acq_rel.gpu") for p in (ptx, unfenced)],
-                  "unfenced_arrive": unfenced.count("atom.global.release.add.u64"),
+                  "fences": ptx.count("fence.acq_rel.gpu"),
                   "arrive": ptx.count("atom.global.release.add.u64"), "poll": ptx.count("ld.acquire.gpu"),
                   "rsqrt": ptx.count("rsqrt"), "ex2": ptx.count("ex2.approx"),
                   "resets": [parity_resets_in_loops(p) for p in (unpaused, ptx)],
@@ -216,8 +213,8 @@ def test_chain_compiles_for_sm90(monkeypatch):
     assert row["tma"] == 3 * T.SLOT_ROWS // 16 and row["wait"] == 1 and row["arrive"] == row["poll"] == 2, row
     assert row["rsqrt"] == 1 and row["ex2"] > 0, row
     assert row["resets"] == [0] * 2, row  # each ring state carried across blocks and GEMVs
-    # SYNC_FENCES: a fence before the release add and after the acquire poll of each sync, or none (the add stays)
-    assert row["fences"] == [4, 0] and row["unfenced_arrive"] == 2, row
+    # no explicit fence around a sync's release add and acquire poll
+    assert row["fences"] == 0, row
     # BOUNDARY_BYTES: a consumer's arrive a grid sync; the producer's wait in gate_up's loop and after it (for a CTA
     # with too few of its slots to reach the first), and in down's loop
     assert row["pause"] == [2, 3], row
@@ -352,16 +349,13 @@ def _chain(o, residual, out_w, norm_w, gate_up_w, down_w):
 @pytest.mark.gpu
 @gpu_sm90
 @needs_dsl
-@pytest.mark.parametrize("hidden, width, inter, pause, fences", [
-    (1000, 520, 1384, 16, True), (1024, 2048, 3584, 0, True), (1024, 2048, 3584, None, True),
-    (2048, 2048, 6144, None, True), (2048, 2048, 6144, 128, True), (4096, 4096, 12288, None, True),
-    (1024, 2048, 3584, None, False), (2048, 2048, 6144, None, False)])
-def test_chain_matches_its_gemvs_and_fp32(monkeypatch, hidden, width, inter, pause, fences):
+@pytest.mark.parametrize("hidden, width, inter, pause", [
+    (1000, 520, 1384, 16), (1024, 2048, 3584, 0), (1024, 2048, 3584, None), (2048, 2048, 6144, None),
+    (2048, 2048, 6144, 128), (4096, 4096, 12288, None)])
+def test_chain_matches_its_gemvs_and_fp32(monkeypatch, hidden, width, inter, pause):
     # one launch: bit for bit the three TMA GEMVs launched apart (the same sums in the same order), s exactly
     # torch's bf16 add, and the output against the fp32 reference of the whole stretch; with the producer's pause
-    # at each grid sync after `pause` KiB (None: BOUNDARY_BYTES; 0: none; 128: the whole ring); the grid syncs with
-    # or without their explicit fences (SYNC_FENCES)
-    monkeypatch.setattr(T, "SYNC_FENCES", fences)
+    # at each grid sync after `pause` KiB (None: BOUNDARY_BYTES; 0: none; 128: the whole ring)
     if pause is not None:
         monkeypatch.setattr(T, "BOUNDARY_BYTES", pause * 1024)
     o, residual, out_w, norm_w, gate_up_w, down_w = _layer_tail(hidden, width, inter, seed=hidden + inter)

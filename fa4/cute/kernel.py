@@ -292,7 +292,7 @@ class FlashAttentionForwardSm90:
                                                  pack, n_tile)
                                 need = S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
                                                                cfg.rescale_threshold, cfg.poly_exp2_fraction,
-                                                               cfg.early_exps, cfg.rescale_select)
+                                                               cfg.rescale_select)
                                 S.store_p(acc_s, tOrP_as_s)
                                 if need:
                                     S.rescale_o(acc_o, row_scale)
@@ -323,8 +323,7 @@ class FlashAttentionForwardSm90:
                                 M.apply_mask(acc_s, coords, row_base, n_max - 1, seqlen_q, seqlen_k, cfg.causal, pack,
                                              n_tile)
                             S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,  # O is 0 yet
-                                                    cfg.rescale_threshold, cfg.poly_exp2_fraction, cfg.early_exps,
-                                                    cfg.rescale_select)
+                                                    cfg.rescale_threshold, cfg.poly_exp2_fraction, cfg.rescale_select)
                             S.store_p(acc_s, tOrP_as_s)
                             # only the first tile (n_max - 1) can reach past the keys: its V is zeroed here, so
                             # the loops below hold no branch for it (their waits on this V slot pass at once)
@@ -358,7 +357,7 @@ class FlashAttentionForwardSm90:
                                                      pack, n_tile)
                                     need = S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
                                                                    cfg.rescale_threshold, cfg.poly_exp2_fraction,
-                                                                   cfg.early_exps, cfg.rescale_select)
+                                                                   cfg.rescale_select)
                                     warpgroup.wait_group(0)  # PV_{i-1} done: O and P_{i-1} are free
                                     v_pipe.consumer_release(v_state)
                                     v_state.advance()

@@ -144,15 +144,14 @@ def _select_max(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tens
 @cute.jit
 def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, acc_s: cute.Tensor,
                           scale_log2: Float32, threshold: cutlass.Constexpr, poly_fraction: cutlass.Constexpr,
-                          early_exps: cutlass.Constexpr, rescale_select: cutlass.Constexpr = False):
+                          rescale_select: cutlass.Constexpr):
     """Turns the scores in acc_s (a QK^T accumulator) into unnormalised probabilities, in place, and updates
     the running max and sum. Returns whether this warp moved its max; then row_scale holds the factors that
     the O rows must be multiplied by (`rescale_o`) before the next PV accumulates. Reads no O, so it may run
     while the previous PV matmul is in flight.
-    early_exps: the exps take the max the rows will hold by a select, not behind the branch that moves the max, so
-    they share the max's basic block; ptxas hoists the caller's wait for the previous PV to the top of the block
-    after that branch, behind every exp (sm_90a SASS of the d128 loop: 66 exps before the wait against 2, and V's
-    stage released 4 instructions after it against 163; `python -m profiles.sass_loop`). The same bits either way."""
+    Threshold 0: no vote, the max moves every tile and the caller rescales O every tile (need is a constant True).
+    rescale_select: the vote's decision moves the max by selects (`_select_max`), so the max, the exps and the sums
+    are one basic block and only O's rescale (the caller's) branches; else a branch moves it before the exps."""
     s_mn = acc_mn_view(acc_s)
     num_rows = cute.size(s_mn, mode=[0])
     num_cols = cute.size(s_mn, mode=[1])
@@ -165,23 +164,19 @@ def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale:
         # growth in log2 units; -inf - -inf (no key yet) is NaN and compares false: nothing to rescale
         grow = cute.arch.fmax(grow, (m - row_max[r]) * scale_log2)
     if cutlass.const_expr(threshold == 0.0):
-        # the classic online softmax: no vote and no branch, the caller rescales O every tile (a constant True)
         need = True
         _move_max(row_max, row_sum, row_scale, row_new, scale_log2)
     else:
         need = cute.arch.vote_any_sync(grow > Float32(threshold))
         if cutlass.const_expr(rescale_select):
             _select_max(row_max, row_sum, row_scale, row_new, need, scale_log2)
-        elif cutlass.const_expr(not early_exps):
+        else:
             if need:
                 _move_max(row_max, row_sum, row_scale, row_new, scale_log2)
     poly = poly_columns(num_cols, poly_fraction)
     tile_sum = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
     for r in cutlass.range_constexpr(num_rows):
         m = row_max[r]
-        if cutlass.const_expr(early_exps and threshold > 0.0 and not rescale_select):
-            if need:
-                m = row_new[r]
         if m == -Float32.inf:
             m = Float32(0.0)
         neg_m = -m * scale_log2
@@ -194,9 +189,6 @@ def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale:
                 p = cute.math.exp2(x, fastmath=True)
             s_mn[r, c] = p
         tile_sum[r] = tree_reduce([s_mn[r, c] for c in range(num_cols)], _add)
-    if cutlass.const_expr(early_exps and threshold > 0.0 and not rescale_select):
-        if need:
-            _move_max(row_max, row_sum, row_scale, row_new, scale_log2)
     for r in cutlass.range_constexpr(num_rows):
         row_sum[r] = row_sum[r] + tile_sum[r]
     return need
