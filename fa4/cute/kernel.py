@@ -350,14 +350,17 @@ class FlashAttentionForwardSm90:
                                     warpgroup.commit_group()
                                     P.pingpong_pass(cwg, False, pingpong)
                                     warpgroup.wait_group(1)  # S_i is ready; PV_{i-1} may still run
-                                    k_pipe.consumer_release(k_state)
-                                    k_state.advance()
                                     if cutlass.const_expr(masked):
                                         M.apply_mask(acc_s, coords, row_base, n_block, seqlen_q, seqlen_k, cfg.causal,
                                                      pack, n_tile)
                                     need = S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
                                                                    cfg.rescale_threshold, cfg.poly_exp2_fraction,
                                                                    cfg.rescale_select)
+                                    # K's slot released after the softmax, not at the QK^T wait: ptxas then keeps
+                                    # the wait for PV_{i-1} below the first exps when the max moves by a branch
+                                    # (d128 SASS: 8-9 exps before it against 2), as flash-attn-4's loop has it
+                                    k_pipe.consumer_release(k_state)
+                                    k_state.advance()
                                     warpgroup.wait_group(0)  # PV_{i-1} done: O and P_{i-1} are free
                                     v_pipe.consumer_release(v_state)
                                     v_state.advance()
