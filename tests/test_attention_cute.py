@@ -195,7 +195,6 @@ def sm90_compiles(tmp_path_factory):
                               f"{f'-paged{c.page_size}' if c.kv_mode == 'paged' else ''}"
                               f"{'-persistent' if c.persistent else ''}"
                               f"{f'-n{c.tile_n}' if c.tile_n != default_tile_n(c.head_dim) else ''}"
-                              f"{'-select' if c.rescale_select else ''}"
                               f"{'-always-rescale' if c.rescale_threshold == 0 else ''}"
                               for c in representative_configs()])
 def test_cute_kernel_compiles_for_sm90(index, sm90_compiles):
@@ -370,16 +369,14 @@ def test_cute_gpu_exp2_poly_error_bound():
 
 @pytest.mark.gpu
 @needs_dsl
-@pytest.mark.parametrize("threshold,select", [(0.0, False), (8.0, False), (8.0, True)])
-def test_cute_gpu_rescale_with_growing_scores(threshold, select):
+@pytest.mark.parametrize("threshold", [0.0, 8.0])
+def test_cute_gpu_rescale_with_growing_scores(threshold):
     # keys whose scores rise along the sequence force the running max up tile after tile
     q, k, v = qkv(1, 300, 1000, 8, 2, 128, BF16, seed=3)
     k = (k.float() * torch.linspace(0.1, 4.0, 1000, device=DEV)[None, :, None, None]).to(BF16)
     ref = R.attention(q.float(), k.float(), v.float(), causal=False)
-    from fa4.cute.entry import cute_attention
-    out = cute_attention(q, k, v, causal=False, softmax_scale=128 ** -0.5, rescale_threshold=threshold,
-                         rescale_select=select)
-    assert_rel(out.float(), ref, TOL[BF16], f"threshold {threshold}, select {select}")
+    out = flash_attention(q, k, v, causal=False, backend="cute", rescale_threshold=threshold)
+    assert_rel(out.float(), ref, TOL[BF16], f"threshold {threshold}")
 
 
 @pytest.mark.gpu
@@ -417,9 +414,6 @@ def test_cute_gpu_softmax_scale_and_cache():
                                          (128, dict(tile_n=64)), (256, dict(pingpong=False)),
                                          (256, dict(tile_n=32, kv_stages=3)), (128, dict(tile_n=176)),
                                          (128, dict(kv_stages=3)), (256, dict(tile_n=80)),
-                                         (128, dict(rescale_select=True)), (256, dict(rescale_select=True)),
-                                         (128, dict(rescale_select=False)),
-                                         (128, dict(rescale_select=True, pingpong=True, poly_exp2_fraction=0.25)),
                                          (128, dict(rescale_threshold=0.0, pingpong=True))],
                          ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else f"d{x}")
 def test_cute_gpu_config_variants(d, overrides):

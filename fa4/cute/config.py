@@ -54,9 +54,6 @@ class AttentionConfig:
     consumer_regs: int = 240  # setmaxnreg of each consumer warpgroup
     rescale_threshold: float = 8.0  # FA4 conditional rescale, log2 units (0: rescale whenever the max grows)
     poly_exp2_fraction: float = 0.0  # share of each row's exp2 done by the FMA polynomial
-    # the conditional rescale's running max moved by selects, not a branch, so only O's rescale branches
-    # (fa4.cute.softmax.online_softmax_update; choose_config: default_rescale_select)
-    rescale_select: bool = False
     varlen_q: bool = False  # query rows of sequence b: cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
     kv_mode: str = "dense"  # "dense", "varlen" (cu_seqlens_k) or "paged" (page_table + seqused_k)
     page_size: int = 0  # keys per page (kv_mode "paged" only)
@@ -139,16 +136,6 @@ def default_pingpong(head_dim: int, dense: bool) -> bool:
     return head_dim > 128 or not dense
 
 
-def default_rescale_select(causal: bool) -> bool:
-    """The running max moved by selects for non-causal attention, by a branch for causal. Session 27, H100 (no H200
-    started), medians of the paired ratios over flash-attn-4 (`python -m profiles.bench_prefill --only cute
-    --cute-variants default,always_rescale,rescale_select,early_exps --iters 40`, before this rule): B4 S8k d128
-    0.990 by selects against 0.974 by the branch, causal 0.943 against 0.977; d256 causal 16k 1.003 against 1.001,
-    32k 1.001 against 1.000. (The same run: rescale_threshold 0, branch-free, 0.946 / 0.963 / 0.927 / 0.922; the
-    exps ahead of the branch, session 26's early_exps, 0.874 / 0.871 / 0.994 / 0.992, removed.)"""
-    return not causal
-
-
 def paged_tile_n(head_dim: int, page_size: int) -> int:
     """The K/V tile for a page size. The default tile when the page is a multiple of it, or divides it in multiples
     of 8 rows (a tile is then one TMA box per page); else the largest divisor of the page that divides the default
@@ -171,7 +158,6 @@ def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int
     tile_n = paged_tile_n(head_dim, page_size) if kv_mode == "paged" else default_tile_n(head_dim)
     fields = dict(head_dim=head_dim, causal=causal, pack_gqa=pack_factor(num_heads // num_kv_heads),
                   tile_n=tile_n, pingpong=default_pingpong(head_dim, kv_mode == "dense" and not varlen_q),
-                  rescale_select=default_rescale_select(causal),
                   rescale_threshold=float(rescale_threshold),
                   poly_exp2_fraction=float(poly_exp2_fraction), varlen_q=varlen_q, kv_mode=kv_mode,
                   page_size=page_size if kv_mode == "paged" else 0)
@@ -195,6 +181,5 @@ def representative_configs() -> list[AttentionConfig]:
         choose_config(256, True, 16, 2, varlen_q=True, kv_mode="varlen", intra_wg_overlap=True, persistent=True),
         choose_config(128, False, 8, 8, tile_n=176),
         choose_config(128, True, 8, 8, rescale_threshold=0.0),
-        choose_config(128, True, 8, 4, rescale_select=True),
         choose_config(256, True, 16, 4, tile_n=80),
     ]

@@ -291,8 +291,7 @@ class FlashAttentionForwardSm90:
                                     M.apply_mask(acc_s, coords, row_base, n_block, seqlen_q, seqlen_k, cfg.causal,
                                                  pack, n_tile)
                                 need = S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
-                                                               cfg.rescale_threshold, cfg.poly_exp2_fraction,
-                                                               cfg.rescale_select)
+                                                               cfg.rescale_threshold, cfg.poly_exp2_fraction)
                                 S.store_p(acc_s, tOrP_as_s)
                                 if need:
                                     S.rescale_o(acc_o, row_scale)
@@ -323,7 +322,7 @@ class FlashAttentionForwardSm90:
                                 M.apply_mask(acc_s, coords, row_base, n_max - 1, seqlen_q, seqlen_k, cfg.causal, pack,
                                              n_tile)
                             S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,  # O is 0 yet
-                                                    cfg.rescale_threshold, cfg.poly_exp2_fraction, cfg.rescale_select)
+                                                    cfg.rescale_threshold, cfg.poly_exp2_fraction)
                             S.store_p(acc_s, tOrP_as_s)
                             # only the first tile (n_max - 1) can reach past the keys: its V is zeroed here, so
                             # the loops below hold no branch for it (their waits on this V slot pass at once)
@@ -354,8 +353,7 @@ class FlashAttentionForwardSm90:
                                         M.apply_mask(acc_s, coords, row_base, n_block, seqlen_q, seqlen_k, cfg.causal,
                                                      pack, n_tile)
                                     need = S.online_softmax_update(row_max, row_sum, row_scale, acc_s, scale_log2,
-                                                                   cfg.rescale_threshold, cfg.poly_exp2_fraction,
-                                                                   cfg.rescale_select)
+                                                                   cfg.rescale_threshold, cfg.poly_exp2_fraction)
                                     # K's slot released after the softmax, not at the QK^T wait: ptxas then keeps
                                     # the wait for PV_{i-1} below the first exps when the max moves by a branch
                                     # (d128 SASS: 8-9 exps before it against 2), as flash-attn-4's loop has it

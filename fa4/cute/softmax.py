@@ -125,33 +125,18 @@ def _move_max(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor
 
 
 @cute.jit
-def _select_max(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, row_new: cute.Tensor,
-                need: cutlass.Boolean, scale_log2: Float32):
-    """_move_max by selects where the warp moves (need), else factor 1 and the old max: no branch before the exps."""
-    for r in cutlass.range_constexpr(cute.size(row_max)):
-        m_old = row_max[r]
-        m_new = m_old
-        if need:
-            m_new = row_new[r]
-        factor = cute.math.exp2((m_old - m_new) * scale_log2, fastmath=True)
-        if m_new == -Float32.inf:
-            factor = Float32(1.0)
-        row_scale[r] = factor
-        row_sum[r] = row_sum[r] * factor
-        row_max[r] = m_new
-
-
-@cute.jit
 def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, acc_s: cute.Tensor,
-                          scale_log2: Float32, threshold: cutlass.Constexpr, poly_fraction: cutlass.Constexpr,
-                          rescale_select: cutlass.Constexpr):
+                          scale_log2: Float32, threshold: cutlass.Constexpr, poly_fraction: cutlass.Constexpr):
     """Turns the scores in acc_s (a QK^T accumulator) into unnormalised probabilities, in place, and updates
     the running max and sum. Returns whether this warp moved its max; then row_scale holds the factors that
     the O rows must be multiplied by (`rescale_o`) before the next PV accumulates. Reads no O, so it may run
     while the previous PV matmul is in flight.
     Threshold 0: no vote, the max moves every tile and the caller rescales O every tile (need is a constant True).
-    rescale_select: the vote's decision moves the max by selects (`_select_max`), so the max, the exps and the sums
-    are one basic block and only O's rescale (the caller's) branches; else a branch moves it before the exps."""
+    Else a branch moves the max before the exps. Session 27 (H100, paired ratios over flash-attn-4) also timed the
+    max moved by selects, so that only O's rescale branched: B4 S8k d128 0.989 against the branch's 0.995, causal
+    0.943 against 0.978 (before the late K release, 0.989 with it); d256 equal. Removed. Threshold 0 without the
+    vote and its branch (flash-attn-4's loop, 457 SASS instructions at d128 against 493) ran 0.946 / 0.963 / 0.927
+    / 0.922 of flash-attn-4 on the four rows: skipping O's 64 multiplies a tile is worth its branch here."""
     s_mn = acc_mn_view(acc_s)
     num_rows = cute.size(s_mn, mode=[0])
     num_cols = cute.size(s_mn, mode=[1])
@@ -168,11 +153,8 @@ def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale:
         _move_max(row_max, row_sum, row_scale, row_new, scale_log2)
     else:
         need = cute.arch.vote_any_sync(grow > Float32(threshold))
-        if cutlass.const_expr(rescale_select):
-            _select_max(row_max, row_sum, row_scale, row_new, need, scale_log2)
-        else:
-            if need:
-                _move_max(row_max, row_sum, row_scale, row_new, scale_log2)
+        if need:
+            _move_max(row_max, row_sum, row_scale, row_new, scale_log2)
     poly = poly_columns(num_cols, poly_fraction)
     tile_sum = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
     for r in cutlass.range_constexpr(num_rows):
