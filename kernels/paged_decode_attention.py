@@ -116,7 +116,8 @@ COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk v
 # The combine lets the next kernel launch right after its PDL wait, as every other decode kernel does. Until session
 # 26 it released nothing, so the layer's out-proj chain (a TMA GEMV whose producer streams weights before its own
 # wait) launched only once every combine program had exited: its first weights came behind the combine, once an
-# attention layer. Predicted: 1-3 us a layer, 6-18 us a 2B / 0.8B step (6 attention layers); not yet timed. A/B:
+# attention layer. Predicted: 1-3 us a layer, 6-18 us a 2B / 0.8B step (6 attention layers). Timed in session 27 (H100,
+# 0.8B): on 0.872 / 0.876 ms, off 0.867 / 0.905, inside the noise; kept on. A/B:
 # `python -m profiles.host_time --model M --decode 1 --ab combine_release`
 COMBINE_RELEASE = True
 LOG2E = 1.4426950408889634

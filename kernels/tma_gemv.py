@@ -49,7 +49,8 @@ RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 # profiles.bench_decode --sweep-chain M` repeats, there with 0.8B's out_proj 1024 x 2048 where the probe had 1024 x
 # 1024): 2B 24.2 us a layer against 25.1 (6: 23.8, 4: 24.9, 7: 24.5), 0.8B 11.4 against 12.4 (4: 11.4, 6: 11.8), 9B
 # 84.5 against 84.1; the decode step (`host_time --ab tma_pause`): 2B 1.28 ms against 1.30 (6: 1.28), 0.8B 0.780
-# against 0.806 (6: 0.791)
+# against 0.806 (6: 0.791). Those were timed with the sync's explicit fences, removed in session 27 (see grid_sync);
+# the pause has not been re-timed without them (`host_time --decode 1 --ab tma_pause`).
 # (Tried and removed in session 24: asking L2 for the next slots during the pause, and for the next launch's first
 # weight at a launch's end; both lengthened the step, 2B 1.30-1.37 ms against 1.27, host_time.json
 # 'decode_knobs_session23'.)

@@ -19,11 +19,11 @@ class StepInput:
     instead of the device tensor (no sync)
     max_seqlen_k: a host bound of seqused_k when the builder knows one (None: the page table's capacity bounds it);
     attention sizes its KV splits by it
-    embeddings: (N, hidden), the token embeddings when the step builder gathered them together with its other rows
-    (a decode step's page-table rows and RoPE rows: kernels.gather_rows, one launch); None: the model embeds token_ids
     snapshot_offsets: host ints, one per sequence, or None: sequence b's GDN state (conv window and recurrent
     state) after its first snapshot_offsets[b] new tokens (0 < offset < q_len_b; 0: none) is also written to
     slot snapshot_slots[b] ((B,) int64), for the prefix cache: a snapshot inside a chunk costs no extra step
+    embeddings: (N, hidden), the token embeddings when the step builder gathered them together with its other rows
+    (a decode step's page-table rows and RoPE rows: kernels.gather_rows, one launch); None: the model embeds token_ids
     """
     token_ids: torch.Tensor
     positions: torch.Tensor
@@ -38,8 +38,8 @@ class StepInput:
     cu_seqlens_host: tuple[int, ...] | None = None
     max_seqlen_k: int | None = None
     snapshot_offsets: tuple[int, ...] | None = None
-    embeddings: torch.Tensor | None = None
     snapshot_slots: torch.Tensor | None = None
+    embeddings: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

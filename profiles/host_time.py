@@ -310,30 +310,30 @@ def profile_decode(model, what: str, device: torch.device, args) -> dict:
 
 def critical_path(kernels: list[tuple[str, float, float]]) -> list[dict]:
     """kernels: (name, start_us, end_us) of one step -> per name: count, its critical-path share and its mean
-    duration. In end order, kernel i pushes the step's end from the latest earlier end L to end_i: it is charged
-    end_i - max(L, start_i), and an idle stretch start_i - L > 0 goes to '(idle)'. With PDL a kernel starts early
-    and waits, so its duration is not its cost; the charges sum to the step's span."""
+    duration. Each stretch of the step between two consecutive start or end times goes to the running kernel that
+    ends first (with PDL a kernel starts early and waits in griddepcontrol: that stretch is its predecessor's), and to
+    '(idle)' when none runs; the shares sum to the step's span."""
     rows: dict[str, dict] = {}
 
-    def charge(name: str, us: float, duration: float | None = None) -> None:
-        row = rows.setdefault(name, {"kernel": name, "count": 0, "critical_us": 0.0, "total_us": 0.0})
-        row["critical_us"] += us
-        if duration is not None:
-            row["count"] += 1
-            row["total_us"] += duration
-    latest = min((k[1] for k in kernels), default=0.0)
-    for name, start, end in sorted(kernels, key=lambda k: k[2]):
-        if start > latest:
-            charge("(idle)", start - latest)
-        charge(name, max(0.0, end - max(latest, start)), end - start)
-        latest = max(latest, end)
-    for row in rows.values():
-        row["duration_us"] = row.pop("total_us") / max(row["count"], 1)
+    def row(name: str) -> dict:
+        return rows.setdefault(name, {"kernel": name, "count": 0, "critical_us": 0.0, "duration_us": 0.0})
+    for name, start, end in kernels:
+        r = row(name)
+        r["count"] += 1
+        r["duration_us"] += end - start
+    times = sorted({t for _, start, end in kernels for t in (start, end)})
+    for t0, t1 in zip(times, times[1:]):
+        running = [k for k in kernels if k[1] <= t0 and k[2] >= t1]
+        row(min(running, key=lambda k: k[2])[0] if running else "(idle)")["critical_us"] += t1 - t0
+    for r in rows.values():
+        r["duration_us"] /= max(r["count"], 1)
     return sorted(rows.values(), key=lambda r: -r["critical_us"])
 
 
 def decode_timeline(model, args) -> dict:
-    """One graph replay of the decode step under torch.profiler: its kernels' critical-path increments by name."""
+    """One engine step (a decode graph's replay) under torch.profiler: its GPU records (kernels and the input copies)
+    by critical-path share. '(idle)' holds the profiler's gaps and the host's before the replay: the tool ranks the
+    kernels, it does not price the step (time that with --ab or a plain --decode run)."""
     from torch.profiler import ProfilerActivity, profile
     engine = decoding_engine(model, args, cuda_graphs=True)
     torch.cuda.synchronize()
@@ -386,8 +386,10 @@ def main(argv=None) -> dict:
         print_table(rows, ["call", "host_us", "total_us"])
         return {"launch_costs": rows}
     ops.set_backend("triton" if device.type == "cuda" else "reference")
-    if args.ab and not args.decode:
-        raise SystemExit("--ab times decode steps: give --decode B")
+    if (args.ab or args.timeline) and not args.decode:
+        raise SystemExit("--ab and --timeline look at decode steps: give --decode B")
+    if args.timeline and (args.ab or device.type != "cuda"):
+        raise SystemExit("--timeline reads the GPU's kernel records of one decode step: it needs CUDA, without --ab")
     if args.prenorm != "auto":
         use_prenorm(args.prenorm == "fused")
     model, what = load_model(args.model or ("qwen3.5-2b" if device.type == "cuda" else "tiny"), device)
@@ -398,9 +400,7 @@ def main(argv=None) -> dict:
             print(f"{what} on {device}: a decode step of {args.decode} over {args.ctx}, each {knob} variant")
             print_table(found[knob], [knob, "repeat", "graph_ms"])
         return {"ab": found}
-    if args.decode and args.timeline:
-        if device.type != "cuda":
-            raise SystemExit("--timeline reads the GPU's kernel records: it needs CUDA")
+    if args.timeline:
         return decode_timeline(model, args)
     if args.decode:
         return profile_decode(model, what, device, args)

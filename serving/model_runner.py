@@ -246,7 +246,11 @@ class ModelRunner:
         """The decode step of inputs[:, :bs] (what a graph captures): logits (bs, vocab) and their argmax (bs,)
         int64 (GREEDY_IN_GRAPH; else None: the sampler computes it)."""
         tokens, positions, slots, slot_mapping, seqused_k = self.inputs[:DECODE_INPUT_ROWS * bs].view(-1, bs)
-        # one launch gathers the page-table rows (bs, W), the RoPE rows and (unsharded) the token embeddings
+        if zero_dummy:
+            self.pools.conv_states[:, self.dummy_slot].zero_()
+            self.pools.recurrent_states[:, self.dummy_slot].zero_()
+        # one launch gathers the page-table rows (bs, W), the RoPE rows and (unsharded) the token embeddings, right
+        # before the first projection, which it lets launch early (PDL)
         tables, indices = [self.table], [slots]
         if self.rope is not None:
             tables, indices = tables + list(self.rope), indices + [positions, positions]
@@ -255,9 +259,6 @@ class ModelRunner:
         page_table, *rows = ops.gather_rows(tables, indices)
         embeddings = rows.pop() if not self.model.plan.sharded else None
         cos, sin = rows if rows else R.rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta)
-        if zero_dummy:
-            self.pools.conv_states[:, self.dummy_slot].zero_()
-            self.pools.recurrent_states[:, self.dummy_slot].zero_()
         step = StepInput(token_ids=tokens, positions=positions, cu_seqlens=self.cu_seqlens[:bs + 1], max_seqlen_q=1,
                          seqused_k=seqused_k, page_table=page_table, slot_mapping=slot_mapping,
                          state_slots=slots, cos=cos, sin=sin, embeddings=embeddings)

@@ -119,8 +119,9 @@ def test_host_time_ab_gather_rows_swaps_the_decode_gathers():
     from model import ops
     from profiles import host_time
     variants, restore = host_time.gather_setters()
-    tables = [torch.randn(5, 7), torch.arange(12, dtype=torch.int32).view(4, 3)]
-    indices = [torch.tensor([4, 0]), torch.tensor([1, 1], dtype=torch.int32)]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel takes CPU tensors only in the interpreter
+    tables = [torch.randn(5, 7, device=dev), torch.arange(12, dtype=torch.int32, device=dev).view(4, 3)]
+    indices = [torch.tensor([4, 0], device=dev), torch.tensor([1, 1], dtype=torch.int32, device=dev)]
     got = {}
     for name, apply in variants.items():
         apply()
@@ -254,3 +255,12 @@ def test_critical_path_charges_overlap_once_and_gaps_to_idle():
     rows = {r["kernel"]: r for r in critical_path([("a", 0, 10), ("b", 5, 12), ("c", 15, 20), ("a", 16, 30)])}
     assert {k: r["critical_us"] for k, r in rows.items()} == {"a": 20.0, "b": 2.0, "(idle)": 3.0, "c": 5.0}
     assert rows["a"]["duration_us"] == 12.0 and rows["a"]["count"] == 2
+    # a kernel inside a longer one: the inner one owns its stretch (it ends first), no idle while the outer runs
+    rows = {r["kernel"]: r["critical_us"] for r in critical_path([("a", 0, 10), ("b", 2, 5)])}
+    assert rows == {"a": 7.0, "b": 3.0}
+
+
+def test_host_time_timeline_needs_a_decode_step_on_cuda():
+    from profiles import host_time
+    with pytest.raises(SystemExit, match="give --decode B"):
+        host_time.main(["--timeline", "--device", "cpu"])

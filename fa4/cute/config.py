@@ -168,7 +168,8 @@ def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int
 def representative_configs() -> list[AttentionConfig]:
     """The CPU compile-test set: each head dim, causal and not, with and without GQA packing, FA4 flags and
     the intra-warpgroup overlap on (the default) and off; varlen, paged (pages of 64 and 16 keys), the
-    persistent scheduler, and the wider K/V tiles (d128 176 keys, d256 80: 11 and 5 wgmma K steps of PV)."""
+    persistent scheduler, the wider K/V tiles (d128 176 keys, d256 80: 11 and 5 wgmma K steps of PV), and
+    rescale_threshold 0 (no vote, no branch) with the overlap on and off."""
     return [
         choose_config(128, False, 8, 8),
         choose_config(128, True, 8, 2, poly_exp2_fraction=0.25),
@@ -181,5 +182,6 @@ def representative_configs() -> list[AttentionConfig]:
         choose_config(256, True, 16, 2, varlen_q=True, kv_mode="varlen", intra_wg_overlap=True, persistent=True),
         choose_config(128, False, 8, 8, tile_n=176),
         choose_config(128, True, 8, 8, rescale_threshold=0.0),
+        choose_config(128, False, 8, 8, rescale_threshold=0.0, intra_wg_overlap=False),
         choose_config(256, True, 16, 4, tile_n=80),
     ]
