@@ -81,8 +81,8 @@ def gather_rows(tables: Sequence[torch.Tensor], indices: Sequence[torch.Tensor])
     if batch == 0:
         return outs
     pieces = [cdiv(t.shape[1], CHUNK) for t in tables]
-    firsts = [sum(pieces[:k]) for k in range(1, MAX_TABLES)]  # chunk index where table k starts
-    firsts = [f if k < len(tables) else sum(pieces) for k, f in enumerate(firsts, start=1)]
+    # the chunk index where table k starts (past the last chunk for the unused slots)
+    firsts = [sum(pieces[:k]) if k < len(tables) else sum(pieces) for k in range(1, MAX_TABLES)]
     args = []
     for k in range(MAX_TABLES):
         j = min(k, len(tables) - 1)  # unused slots repeat the last pair: no chunk reaches them
