@@ -19,7 +19,7 @@ import triton.language as tl
 from kernels import pdl
 from kernels.host_math import cdiv
 from kernels.norms import triton_runs_on
-from reference._checks import check_tensor
+from reference.gather import check_pairs
 
 MAX_TABLES = 4
 CHUNK = 1024  # elements a program copies
@@ -55,23 +55,18 @@ def _gather_rows_kernel(t0, s0, r0, i0, o0, w0, t1, s1, r1, i1, o1, w1, t2, s2, 
 
 
 def _check(tables: Sequence[torch.Tensor], indices: Sequence[torch.Tensor]) -> int:
-    """Raises ValueError naming the bad argument; returns the batch (rows each output has)."""
-    if not 1 <= len(tables) <= MAX_TABLES or len(indices) != len(tables):
-        raise ValueError(f"tables and indices must be 1..{MAX_TABLES} pairs, got {len(tables)} tables and "
-                         f"{len(indices)} index tensors")
-    device = tables[0].device if isinstance(tables[0], torch.Tensor) else None
-    for k, (table, index) in enumerate(zip(tables, indices)):
-        check_tensor(f"tables[{k}]", table, ndim=2, device=device)
-        check_tensor(f"indices[{k}]", index, ndim=1, dtype=(torch.int32, torch.int64), device=device,
-                     contiguous=True)
+    """reference.gather.check_pairs, plus what the kernel needs: at most MAX_TABLES pairs, rows contiguous, a device
+    Triton runs on. Returns the batch (rows each output has)."""
+    batch = check_pairs(tables, indices)
+    if len(tables) > MAX_TABLES:
+        raise ValueError(f"tables and indices must be 1..{MAX_TABLES} pairs, got {len(tables)}")
+    for k, table in enumerate(tables):
         if table.shape[0] < 1 or table.stride(1) != 1:
             raise ValueError(f"tables[{k}] must have rows and be contiguous within a row, got shape "
                              f"{tuple(table.shape)} and strides {table.stride()}")
-        if index.numel() != indices[0].numel():
-            raise ValueError(f"indices[{k}] has {index.numel()} entries, indices[0] {indices[0].numel()}")
-    if not triton_runs_on(device):
-        raise ValueError(f"tables must be on a CUDA device (or run with TRITON_INTERPRET=1), got {device}")
-    return indices[0].numel()
+    if not triton_runs_on(tables[0].device):
+        raise ValueError(f"tables must be on a CUDA device (or run with TRITON_INTERPRET=1), got {tables[0].device}")
+    return batch
 
 
 def gather_rows(tables: Sequence[torch.Tensor], indices: Sequence[torch.Tensor]) -> list[torch.Tensor]:
