@@ -387,39 +387,28 @@ def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[in
     return out, s
 
 
-def out_proj_mlp(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight, next_in=None):
-    """reference.out_proj_mlp: (SwiGLU(rms_norm(o @ out_weight^T + residual)), s = o @ out_weight^T + residual), or
-    with next_in = (norm_weight', weight') the next layer's projection of rms_norm(that output + s) and that sum.
-    One bf16 row with TMA_CHAIN: one launch of three (four) chained TMA-ring GEMVs; else
-    model.ops.out_proj_mlp_by_ops (linear, add_rms_norm_linear and silu_and_mul_linear, each on the active
-    backend)."""
-    named = [("o", o), ("out_weight", out_weight), ("norm_weight", norm_weight), ("gate_up_weight", gate_up_weight),
-             ("down_weight", down_weight)]
-    if next_in is not None:
-        if not isinstance(next_in, (tuple, list)) or len(next_in) != 2:
-            raise ValueError(f"next_in must be None or (norm_weight, weight), got {type(next_in).__name__}")
-        named += [("next_in[0]", next_in[0]), ("next_in[1]", next_in[1])]
-    for name, t in named:
+def out_proj_mlp(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight):
+    """reference.out_proj_mlp: (SwiGLU(rms_norm(o @ out_weight^T + residual)), s = o @ out_weight^T + residual).
+    One bf16 row with TMA_CHAIN: one launch of three chained TMA-ring GEMVs; else model.ops.out_proj_mlp_by_ops
+    (linear, add_rms_norm_linear and silu_and_mul_linear, each on the active backend)."""
+    for name, t in (("o", o), ("out_weight", out_weight), ("norm_weight", norm_weight),
+                     ("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
         check_tensor(name, t)
+    weights = (out_weight, gate_up_weight, down_weight)
+    inputs = (tma_gemv.GemvInput(out_weight.shape[1]),
+              tma_gemv.GemvInput(gate_up_weight.shape[1], norm=True, add=True),
+              tma_gemv.GemvInput(down_weight.shape[1], gated=True))
     if (TMA_CHAIN and TMA_GEMV and residual is not None and o.dim() == 2 and o.shape[0] == 1
-            and residual.shape == (1, down_weight.shape[0])):
-        weights = (out_weight, gate_up_weight, down_weight)
-        inputs = (tma_gemv.GemvInput(out_weight.shape[1]),
-                  tma_gemv.GemvInput(gate_up_weight.shape[1], norm=True, add=True),
-                  tma_gemv.GemvInput(down_weight.shape[1], gated=True))
+            and residual.shape == (1, down_weight.shape[0])
+            and tma_gemv.chain_available(o, weights, inputs, norm_weight=norm_weight, residual=residual)):
+        check_devices(o=o, residual=residual, out_weight=out_weight, norm_weight=norm_weight,
+                      gate_up_weight=gate_up_weight, down_weight=down_weight)
         s = torch.empty_like(residual)
-        norm_weights, residuals, s_outs = (norm_weight,), (residual,), (s,)
-        if next_in is not None:  # rms_norm(the MLP's output + s): CTA 0 stores s, the two grid syncs publish it
-            weights += (next_in[1],)
-            inputs += (tma_gemv.GemvInput(next_in[1].shape[1], norm=True, add=True),)
-            norm_weights, residuals, s_outs = (*norm_weights, next_in[0]), (residual, s), (s, torch.empty_like(s))
-        if tma_gemv.chain_available(o, weights, inputs, norm_weights=norm_weights, residuals=residuals):
-            check_devices(**dict(named), residual=residual)
-            out = torch.empty((1, weights[-1].shape[0]), dtype=o.dtype, device=o.device)
-            tma_gemv.tma_gemv_chain(o, weights, inputs, out, norm_weights=norm_weights, eps=eps, residuals=residuals,
-                                    s_outs=s_outs)
-            return out, s_outs[-1]
-    return ops.out_proj_mlp_by_ops(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight, next_in)
+        out = torch.empty_like(residual)
+        tma_gemv.tma_gemv_chain(o, weights, inputs, out, norm_weight=norm_weight, eps=eps, residual=residual,
+                                s_out=s)
+        return out, s
+    return ops.out_proj_mlp_by_ops(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight)
 
 
 OPS = {"linear": linear, "silu_and_mul_linear": silu_and_mul_linear, "add_rms_norm_linear": add_rms_norm_linear,

@@ -114,6 +114,8 @@ class TmaGemvConfig:
                 raise ValueError(f"block_n must be 8 or 16, got {g.block_n}")
             if self.consumer_warps not in (1, 2, 4, 8) or self.consumer_warps > g.block_n:
                 raise ValueError(f"consumer_warps must be 1, 2, 4 or 8 and at most block_n, got {self.consumer_warps}")
+        if sum(g.norm for g in self.inputs) > 1:
+            raise ValueError("at most one GEMV of a chain takes a norm input (one norm weight and residual)")
         if self.slot_rows not in (16, 32):
             raise ValueError(f"slot_rows must be 16 or 32, got {self.slot_rows}")
         if self.chain and self.ctas_per_sm != 1:  # every CTA of a grid sync must be resident: one an SM
@@ -160,30 +162,28 @@ def available(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, *,
               norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> bool:
     """Whether tma_gemv takes this call: one bf16 row on an sm_90+ GPU, a contiguous weight, K within MAX_K,
     16-byte aligned rows (and norm weight and residual), and nvidia-cutlass-dsl installed."""
-    spec = GemvInput(weight.shape[1], gated, norm_weight is not None, residual is not None)
-    return chain_available(x, [weight], [spec], norm_weights=_given(norm_weight), residuals=_given(residual))
+    return chain_available(x, [weight], [GemvInput(weight.shape[1], gated, norm_weight is not None,
+                                                   residual is not None)], norm_weight=norm_weight, residual=residual)
 
 
-def _given(t: torch.Tensor | None) -> tuple:
-    return () if t is None else (t,)
-
-
-def chain_available(x: torch.Tensor, weights, inputs, *, norm_weights=(), residuals=()) -> bool:
+def chain_available(x: torch.Tensor, weights, inputs, *, norm_weight: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None) -> bool:
     """Whether tma_gemv_chain takes this call: as `available` for every GEMV (on sm_90), each input as wide as the
-    previous output (twice the K of a gated one), one input for each weight, and a norm weight for each norm input
-    and a residual for each add input, in order, each as wide as its input."""
+    previous output (twice the K of a gated one), one input for each weight, and a norm weight (and residual) where
+    an input is a norm (with add), as wide as it."""
     widths = [x.shape[-1], *(w.shape[0] for w in weights[:-1])]
     norm_k = [g.k for g in inputs if g.norm]
-    add_k = [g.k for g in inputs if g.add]
-    if len(weights) != len(inputs) or not weights or len(norm_weights) != len(norm_k) or len(residuals) != len(add_k):
+    extras = [t for t in (norm_weight, residual) if t is not None]
+    if (len(weights) != len(inputs) or not weights or (norm_weight is not None) != bool(norm_k)
+            or (residual is not None) != any(g.add for g in inputs)):
         return False
-    extras = [*zip(norm_weights, norm_k), *zip(residuals, add_k)]
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
             and all(w.dtype == torch.bfloat16 and w.is_contiguous() and w.dim() == 2 and w.shape[0] > 0
                     and w.shape[1] == g.k and 0 < g.k <= MAX_K and g.k % LANE_COLS == 0
                     and width == g.k * (2 if g.gated else 1) for w, g, width in zip(weights, inputs, widths))
-            and all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.numel() == k for t, k in extras)
-            and all(t.data_ptr() % 16 == 0 for t in (x, *weights, *norm_weights, *residuals))
+            and (not extras or len(norm_k) == 1)
+            and all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.numel() == norm_k[0] for t in extras)
+            and all(t.data_ptr() % 16 == 0 for t in (x, *weights, *extras))
             and _is_sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())
             and dsl_available())
 
@@ -212,14 +212,13 @@ def _kernel_class():
             self.cfg = cfg
 
         @cute.jit
-        def __call__(self, x_ptr: cute.Pointer, w_ptrs: tuple, y_ptrs: tuple, norm_w_ptrs: tuple, res_ptrs: tuple,
-                     s_ptrs: tuple, sync_ptr: cute.Pointer | None, ns: tuple, num_ctas: Int32, eps: Float32,
-                     stream: cuda.CUstream):
+        def __call__(self, x_ptr: cute.Pointer, w_ptrs: tuple, y_ptrs: tuple, res_ptr: cute.Pointer | None,
+                     norm_w_ptr: cute.Pointer | None, s_ptr: cute.Pointer | None, sync_ptr: cute.Pointer | None,
+                     ns: tuple, num_ctas: Int32, eps: Float32, stream: cuda.CUstream):
             """x (1, K) or [gate | up] (1, 2K); GEMV g: weight w_ptrs[g] (ns[g], K_g) into y_ptrs[g] (1, ns[g]), on
-            y_ptrs[g - 1] after the first; contiguous bf16; num_ctas: the SMs. The j-th norm input: norm_w_ptrs[j]
-            (K,); the a-th add input: residual res_ptrs[a] (1, K) and s_ptrs[a] (1, K), where CTA 0 stores x +
-            residual. sync: a chain's grid barrier, one int64 that only grows, a multiple of num_ctas between
-            launches (every chain launches num_ctas CTAs)."""
+            y_ptrs[g - 1] after the first; contiguous bf16; num_ctas: the SMs. The norm input: norm_w (K,); with
+            add, residual (1, K) and s (1, K), where CTA 0 stores x + residual. sync: a chain's grid barrier, one
+            int64 that only grows, a multiple of num_ctas between launches (every chain launches num_ctas CTAs)."""
             cfg = self.cfg
             stages = cfg.stages
             tmas, mWs, mYs, blocks = [], [], [], []
@@ -234,12 +233,13 @@ def _kernel_class():
                 blocks.append((ns[g] + spec.block_n - 1) // spec.block_n)
             k0 = cfg.k
             mX = cute.make_tensor(x_ptr, cute.make_layout(2 * k0 if cfg.gated else k0))
-            norms = [g for g in cfg.inputs if g.norm]
-            adds = [g for g in cfg.inputs if g.add]
-            mNormWs = tuple(cute.make_tensor(norm_w_ptrs[j], cute.make_layout(g.k)) for j, g in enumerate(norms))
-            mRess = tuple(cute.make_tensor(res_ptrs[a], cute.make_layout(g.k)) for a, g in enumerate(adds))
-            mSs = tuple(cute.make_tensor(s_ptrs[a], cute.make_layout(g.k)) for a, g in enumerate(adds))
-            mSync = None
+            norm_k = max([g.k for g in cfg.inputs if g.norm], default=0)
+            mRes = mNormW = mS = mSync = None
+            if cutlass.const_expr(norm_k > 0):
+                mNormW = cute.make_tensor(norm_w_ptr, cute.make_layout(norm_k))
+            if cutlass.const_expr(any(g.add for g in cfg.inputs)):
+                mRes = cute.make_tensor(res_ptr, cute.make_layout(norm_k))
+                mS = cute.make_tensor(s_ptr, cute.make_layout(norm_k))
             if cutlass.const_expr(len(cfg.chain) > 0):
                 mSync = cute.make_tensor(sync_ptr, cute.make_layout(1))
             @cute.struct
@@ -254,13 +254,14 @@ def _kernel_class():
             grid = num_ctas  # a chain: every SM's CTA takes part in each grid sync
             if cutlass.const_expr(len(cfg.chain) == 0):
                 grid = cutlass.max(cutlass.min(num_ctas, blocks[0]), 1)
-            self.kernel(tuple(tmas), tuple(mWs), mX, tuple(mYs), mNormWs, mRess, mSs, mSync, eps, tuple(blocks),
+            self.kernel(tuple(tmas), tuple(mWs), mX, tuple(mYs), mRes, mNormW, mS, mSync, eps, tuple(blocks),
                         grid).launch(grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1], stream=stream,
                                      use_pdl=cfg.pdl)
 
         @cute.kernel
-        def kernel(self, tmas: tuple, mWs: tuple, mX: cute.Tensor, mYs: tuple, mNormWs: tuple, mRess: tuple,
-                   mSs: tuple, mSync: cute.Tensor | None, eps: Float32, blocks: tuple, grid: Int32):
+        def kernel(self, tmas: tuple, mWs: tuple, mX: cute.Tensor, mYs: tuple, mRes: cute.Tensor | None,
+                   mNormW: cute.Tensor | None, mS: cute.Tensor | None, mSync: cute.Tensor | None, eps: Float32,
+                   blocks: tuple, grid: Int32):
             cfg = self.cfg
             stages, consumers = cfg.stages, cfg.consumer_warps
             tidx, _, _ = cute.arch.thread_idx()
@@ -321,12 +322,8 @@ def _kernel_class():
                         if cutlass.const_expr(cfg.boundary_slots > 0):
                             if tidx == 0:
                                 cute.arch.mbarrier_arrive(synced)
-                    norm_j = sum(spec.norm for spec in cfg.inputs[:g])  # this input's norm and add, if any
-                    add_a = sum(spec.add for spec in cfg.inputs[:g])
-                    self.stage_x(cfg.inputs[g], mX if g == 0 else mYs[g - 1],
-                                 mRess[add_a] if cfg.inputs[g].add else None,
-                                 mNormWs[norm_j] if cfg.inputs[g].norm else None,
-                                 mSs[add_a] if cfg.inputs[g].add else None, eps, sX, sSumSq, tidx, warp, lane, bidx)
+                    self.stage_x(cfg.inputs[g], mX if g == 0 else mYs[g - 1], mRes, mNormW, mS, eps, sX, sSumSq,
+                                 tidx, warp, lane, bidx)
                     cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
                     spec, mY = cfg.inputs[g], mYs[g]
                     acc = cute.make_rmem_tensor((spec.block_n // consumers, LANE_COLS), Float32)
@@ -478,13 +475,12 @@ def compile_config(cfg: TmaGemvConfig, keep_ptx: bool = False):
 
     cfg.validate()
     gemvs = len(cfg.inputs)
-    norms, adds = sum(g.norm for g in cfg.inputs), sum(g.add for g in cfg.inputs)
+    norm, add = any(g.norm for g in cfg.inputs), any(g.add for g in cfg.inputs)
     return cute.compile(_kernel_class()(cfg), ptr(), tuple(ptr() for _ in range(gemvs)),
-                        tuple(ptr() for _ in range(gemvs)), tuple(ptr() for _ in range(norms)),
-                        tuple(ptr() for _ in range(adds)), tuple(ptr() for _ in range(adds)),
-                        ptr(cutlass.Int64) if cfg.chain else None, tuple(cutlass.Int32(1) for _ in range(gemvs)),
-                        cutlass.Int32(1), cutlass.Float32(1e-6), make_fake_stream(),
-                        options="--keep-ptx" if keep_ptx else None)
+                        tuple(ptr() for _ in range(gemvs)), ptr() if add else None, ptr() if norm else None,
+                        ptr() if add else None, ptr(cutlass.Int64) if cfg.chain else None,
+                        tuple(cutlass.Int32(1) for _ in range(gemvs)), cutlass.Int32(1), cutlass.Float32(1e-6),
+                        make_fake_stream(), options="--keep-ptx" if keep_ptx else None)
 
 
 _CACHE = CompileCache(compile_config)
@@ -510,20 +506,18 @@ def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
     or x + residual (1, K) when given, which is then stored into s_out (1, K). The caller checks `available` first
     (kernels.linear does)."""
     spec = GemvInput(weight.shape[1], gated, norm_weight is not None, residual is not None)
-    return tma_gemv_chain(x, [weight], [spec], out, norm_weights=_given(norm_weight), eps=eps,
-                          residuals=_given(residual), s_outs=_given(s_out) if residual is not None else (),
-                          config=config)
+    return tma_gemv_chain(x, [weight], [spec], out, norm_weight=norm_weight, eps=eps, residual=residual,
+                          s_out=s_out, config=config)
 
 
-def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = None, *, norm_weights=(),
-                   eps: float = 0.0, residuals=(), s_outs=(), config: TmaGemvConfig | None = None) -> torch.Tensor:
+def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = None, *,
+                   norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+                   s_out: torch.Tensor | None = None, config: TmaGemvConfig | None = None) -> torch.Tensor:
     """GEMVs in one launch, each on the previous one's output: y_0 = in_0(x) @ weights[0]^T, y_g = in_g(y_{g-1}) @
     weights[g]^T, where inputs[g] (GemvInput) says how row g is staged (gated: y_{g-1} is [gate | up]). Between two
     GEMVs the CTAs sync over the grid while the next weights already stream into their rings. Returns the last
-    GEMV's (1, N) bf16, into out when given. Each norm input takes the next of norm_weights (one eps for all); each
-    add input the next of residuals, and stores its sum into the next of s_outs, as tma_gemv does. A residual may be
-    an earlier add input's s_out (CTA 0 stores it, and the grid syncs between publish it). The caller checks
-    `available` first."""
+    GEMV's (1, N) bf16, into out when given. The norm input (at most one) takes norm_weight, and residual and s_out
+    as tma_gemv does. The caller checks `available` first."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
@@ -537,9 +531,10 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     elif out.shape != (1, n) or not out.is_contiguous() or out.dtype != x.dtype:
         raise ValueError(f"out must be a contiguous (1, {n}) {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
-    if len(s_outs) != len(residuals) or any(s is None or s.shape != r.shape or not s.is_contiguous()
-                                            for s, r in zip(s_outs, residuals)):
-        raise ValueError("s_outs must hold a contiguous tensor of each residual's shape")
+    if residual is not None and (s_out is None or s_out.shape != residual.shape or not s_out.is_contiguous()):
+        raise ValueError(f"s_out must be a contiguous tensor of residual's shape {tuple(residual.shape)}")
+    if residual is not None and norm_weight is None:
+        raise ValueError("residual is only added before a norm: give norm_weight")
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -556,9 +551,9 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
         return None if t is None else make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
     sync = _sync_counter(x.device, index) if chain else None
-    args = (ptr(x), tuple(ptr(w) for w in weights), tuple(ptr(o) for o in outs), tuple(map(ptr, norm_weights)),
-            tuple(map(ptr, residuals)), tuple(map(ptr, s_outs)), ptr(sync, cutlass.Int64),
-            tuple(w.shape[0] for w in weights), _SMS[index] * cfg.ctas_per_sm, cutlass.Float32(eps), stream)
+    args = (ptr(x), tuple(ptr(w) for w in weights), tuple(ptr(o) for o in outs), ptr(residual), ptr(norm_weight),
+            ptr(s_out), ptr(sync, cutlass.Int64), tuple(w.shape[0] for w in weights),
+            _SMS[index] * cfg.ctas_per_sm, cutlass.Float32(eps), stream)
     if index == torch.cuda.current_device():
         _CACHE.get(cfg)(*args)
     else:  # the launch goes to the current device's context

@@ -6,8 +6,6 @@ Tensor parallel (model.parallel): layers are built from the rank's config (Shard
 column parallel (every part keeps its rank's rows: heads, key-head groups, intermediate slice) and o_proj, out_proj
 and down_proj are row parallel (their input columns split); the row-parallel partial sums of a block half are
 added by one all-reduce in DecoderLayer (the MoE's experts and shared-expert slice share it)."""
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
@@ -126,11 +124,6 @@ class GatedAttention(nn.Module):
         # x: (N, hidden) or its NormedInput -> (N, q|gate, k, v widths) in one matmul
         return self.qkv_proj(x)
 
-    @property
-    def in_weight(self):
-        # project_in's (width, hidden)
-        return self.qkv_proj.weight
-
     def core(self, qkv, step: StepInput, k_pages, v_pages):
         # qkv: project_in's (N, width); k_pages, v_pages: this layer's (num_pages, page_size, KV, D) -> (N, H * D)
         n = qkv.shape[0]
@@ -173,11 +166,6 @@ class GatedDeltaNet(nn.Module):
         return self.in_proj(x)
 
     @property
-    def in_weight(self):
-        # project_in's (width, hidden)
-        return self.in_proj.weight
-
-    @property
     def mixer_weights(self) -> tuple:
         """(the in-projection's part widths, conv_w (C, K), A_log, dt_bias, the output norm's weight)."""
         return (tuple(self.in_proj.parts.values()), self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias,
@@ -188,6 +176,12 @@ class GatedDeltaNet(nn.Module):
         # -> (N, Hv * dv)
         return ops.gated_deltanet_of_projection(proj, *self.mixer_weights, conv_states, recurrent_states, step,
                                                 self.hk, self.eps)
+
+    def project_and_core(self, x, residual, norm: RMSNorm, step: StepInput, conv_states, recurrent_states):
+        # x, residual: as NormedInput's -> (core(project_in(norm(x + residual))), x + residual); the norm always
+        # inside the in-projection (the TMA GEMV stages it at batch-1 decode)
+        proj, residual = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps, self.in_proj.weight)
+        return self.core(proj, step, conv_states, recurrent_states), residual
 
     @property
     def out_weight(self):
@@ -273,12 +267,14 @@ class DecoderLayer(nn.Module):
     def mixer(self) -> GatedAttention | GatedDeltaNet:
         return self.self_attn if self.layer_type == "full_attention" else self.linear_attn
 
-    def forward(self, x, residual, step: StepInput, state_a, state_b, next_layer: "DecoderLayer | None" = None):
+    def forward(self, x, residual, step: StepInput, state_a, state_b):
         # x: the previous layer's output (N, hidden), added to residual (None in layer 0) by the mixer's first
-        # projection, or that projection itself (ProjectedInput); state_a/b: this layer's cache views. Returns (this
-        # layer's output, its residual), the output as next_layer's mixer projection when this layer computes it.
-        proj, residual = (x.proj, residual) if isinstance(x, ProjectedInput) else self.mixer_in(x, residual)
-        return self.mixer_out(self.mixer.core(proj, step, state_a, state_b), residual, next_layer)
+        # projection; state_a/b: this layer's cache views. Returns (this layer's output, its residual).
+        if self.layer_type == "linear_attention":
+            o, residual = self.linear_attn.project_and_core(x, residual, self.input_layernorm, step, state_a, state_b)
+            return self.mixer_out(o, residual)
+        proj, residual = self.mixer_in(x, residual)
+        return self.mixer_out(self.mixer.core(proj, step, state_a, state_b), residual)
 
     # The layer in three stretches: mixer_in and mixer_out are row-wise (dense projections, norms, the MLP); the
     # mixer's core between them reads the step's sequences and the caches (serving.prefill_graphs captures the
@@ -289,33 +285,14 @@ class DecoderLayer(nn.Module):
         h = NormedInput(x, residual, self.input_layernorm)
         return self.mixer.project_in(h), h.residual
 
-    def mixer_out(self, o, residual, next_layer: "DecoderLayer | None" = None):
+    def mixer_out(self, o, residual):
         """o: the mixer core's (N, width) -> (this layer's output: the MLP's, its residual). A dense layer on one
-        rank runs it as one op (ops.out_proj_mlp: one launch at batch-1 decode on the H200), and with next_layer
-        (and CHAIN_NEXT_IN) that op also runs next_layer's mixer_in: the output is then its ProjectedInput."""
+        rank runs it as one op (ops.out_proj_mlp: one launch at batch-1 decode on the H200)."""
         norm = self.post_attention_layernorm
         if isinstance(self.mlp, MLP) and not self.tp.enabled:
-            chained = CHAIN_NEXT_IN and next_layer is not None
-            next_in = (next_layer.input_layernorm.weight, next_layer.mixer.in_weight) if chained else None
-            out, s = ops.out_proj_mlp(o, residual, self.mixer.out_weight, norm.weight, norm.eps,
-                                      self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight, next_in)
-            return (ProjectedInput(out) if chained else out), s
+            return ops.out_proj_mlp(o, residual, self.mixer.out_weight, norm.weight, norm.eps,
+                                    self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight)
         out = self.tp.all_reduce(ops.linear(o, self.mixer.out_weight))  # no-op at world size 1
         h = NormedInput(out, residual, norm)
         out = self.tp.all_reduce(self.mlp(h))
         return out, h.residual
-
-
-class ProjectedInput(NamedTuple):
-    """A layer's mixer input projection (N, width), computed by the previous layer's last op (DecoderLayer.mixer_out
-    with next_layer): its residual travels beside it as usual."""
-    proj: torch.Tensor
-
-
-# Whether a dense layer's last op (ops.out_proj_mlp) also runs the next layer's residual add, input norm and mixer
-# in-projection: at batch-1 decode a fourth GEMV in the same chained TMA launch (kernels.linear.out_proj_mlp), so
-# that the in-projection's weights stream into the rings during the down projection's grid sync instead of after
-# every CTA of the chain has exited (two 128 KiB rings do not fit one SM, so the next launch cannot start early).
-# Predicted: the DRAM pipe refilled at each layer boundary (~2-3 us) less a grid sync (~1 us), 24 boundaries a 2B
-# step: 25-50 us (2B 1.23 ms -> ~1.19).
-CHAIN_NEXT_IN = True

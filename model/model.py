@@ -157,10 +157,8 @@ class Qwen35ForCausalLM(nn.Module):
         self.prepare_rope(step)
         x = self.embed(step.token_ids) if step.embeddings is None else step.embeddings
         residual = None
-        layers = self.model.layers
-        for i, layer in enumerate(layers):
-            next_layer = layers[i + 1] if i + 1 < len(layers) else None
-            x, residual = layer(x, residual, step, *self.layer_caches(i, pools), next_layer)
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(x, residual, step, *self.layer_caches(i, pools))
             yield None
         if FINAL_NORM_IN_LM_HEAD and x.shape[0] == 1:  # one row (batch-1 decode), wanted either way
             logits = self.lm_head(NormedInput(x, residual, self.model.norm))

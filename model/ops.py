@@ -122,20 +122,17 @@ def silu_and_mul_linear(gate_up, weight):
     return _run("silu_and_mul_linear", gate_up, weight)
 
 
-def out_proj_mlp(o, residual, out_w, norm_w, eps, gate_up_w, down_w, next_in=None):
+def out_proj_mlp(o, residual, out_w, norm_w, eps, gate_up_w, down_w):
     # a dense layer's second stretch: y = linear(o, out_w); (h, s) = add_rms_norm(y, residual); returns
-    # (silu_and_mul_linear(linear(h, gate_up_w), down_w), s), one launch at batch-1 decode on the H200. next_in:
-    # (norm_w', w') of the next layer's input projection, which then runs in the same launch: returns
-    # add_rms_norm_linear(that output, s, norm_w', eps, w') (reference.out_proj_mlp)
-    return _run("out_proj_mlp", o, residual, out_w, norm_w, eps, gate_up_w, down_w, next_in)
+    # (silu_and_mul_linear(linear(h, gate_up_w), down_w), s), one launch at batch-1 decode on the H200
+    return _run("out_proj_mlp", o, residual, out_w, norm_w, eps, gate_up_w, down_w)
 
 
-def out_proj_mlp_by_ops(o, residual, out_w, norm_w, eps, gate_up_w, down_w, next_in=None):
-    """out_proj_mlp as its three (four with next_in) ops, each on the active backend: what a backend without its own
-    runs (and what the triton backend runs where its one launch does not apply)."""
+def out_proj_mlp_by_ops(o, residual, out_w, norm_w, eps, gate_up_w, down_w):
+    """out_proj_mlp as its three ops, each on the active backend: what a backend without its own runs (and what
+    the triton backend runs where its one launch does not apply)."""
     gate_up, s = add_rms_norm_linear(linear(o, out_w), residual, norm_w, eps, gate_up_w)
-    out = silu_and_mul_linear(gate_up, down_w)
-    return (out, s) if next_in is None else add_rms_norm_linear(out, s, next_in[0], eps, next_in[1])
+    return silu_and_mul_linear(gate_up, down_w), s
 
 
 def gather_rows(tables, indices):

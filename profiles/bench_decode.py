@@ -366,8 +366,7 @@ def sweep_chain(model: str, layers: int = 24) -> list[dict]:
 
     def chain():
         for weights in tails:
-            T.tma_gemv_chain(o, weights, inputs, out, norm_weights=(norm_w,), eps=1e-6, residuals=(residual,),
-                             s_outs=(s,))
+            T.tma_gemv_chain(o, weights, inputs, out, norm_weight=norm_w, eps=1e-6, residual=residual, s_out=s)
 
     def apart():
         for w_out, w_gate_up, w_down in tails:

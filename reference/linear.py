@@ -1,7 +1,6 @@
 """The reference projections: y = x @ weight^T, as torch.nn.functional.linear computes it, SwiGLU's down
 projection of silu(gate) * up, a decoder block's pre-norm projection (residual add, RMSNorm, projection), and a
-dense layer's second stretch (the mixer's output projection, then the post-attention norm and the SwiGLU MLP, and
-optionally the next layer's normed input projection)."""
+dense layer's second stretch (the mixer's output projection, then the post-attention norm and the SwiGLU MLP)."""
 import torch.nn.functional as F
 
 from reference.moe import silu_and_mul
@@ -28,14 +27,8 @@ def add_rms_norm_linear(x, residual, norm_weight, eps, weight):
     return linear(h, weight), s
 
 
-def out_proj_mlp(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight, next_in=None):
+def out_proj_mlp(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight):
     """o: the mixer core's (..., width); out_weight: (hidden, width); residual: (..., hidden); gate_up_weight: (2I,
-    hidden); down_weight: (hidden, I) -> (the MLP's output (..., hidden), s = linear(o, out_weight) + residual).
-    next_in: (norm_weight, weight) of the next layer's input projection (weight (width', hidden); the same eps):
-    then -> add_rms_norm_linear(the MLP's output, s, *next_in): (its projection (..., width'), MLP output + s)."""
+    hidden); down_weight: (hidden, I) -> (the MLP's output (..., hidden), s = linear(o, out_weight) + residual)."""
     gate_up, s = add_rms_norm_linear(linear(o, out_weight), residual, norm_weight, eps, gate_up_weight)
-    out = silu_and_mul_linear(gate_up, down_weight)
-    if next_in is None:
-        return out, s
-    next_norm_weight, next_weight = next_in
-    return add_rms_norm_linear(out, s, next_norm_weight, eps, next_weight)
+    return silu_and_mul_linear(gate_up, down_weight), s

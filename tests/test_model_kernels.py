@@ -51,29 +51,6 @@ def test_final_norm_inside_lm_head_at_batch_1(monkeypatch):
     assert rel_err(fused, apart) < 1e-5, rel_err(fused, apart)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_next_layers_in_projection_inside_the_layer_before(monkeypatch, backend):
-    # CHAIN_NEXT_IN: each dense layer's out_proj_mlp also runs the next layer's input norm and in-projection (the
-    # last layer's does not); the same ops in the same order as each layer's own mixer_in, so the logits are equal
-    import model.layers as ML
-    model = Qwen35ForCausalLM.random(SMALL, seed=8)
-    prompt = torch.randint(0, SMALL.vocab_size, (1, 19))
-    calls = []
-    real = ops.out_proj_mlp
-    monkeypatch.setattr(ops, "out_proj_mlp", lambda *a: calls.append(a[-1]) or real(*a))
-    monkeypatch.setattr(ML, "CHAIN_NEXT_IN", True)
-    chained = decode_logits(model, prompt, 2, backend, page_size=16)
-    layers = model.model.layers
-    expected = [(nxt.input_layernorm.weight, nxt.mixer.in_weight) for nxt in layers[1:]] + [None]
-    assert len(calls) == 3 * len(layers)  # the prefill and two decode steps
-    for got, want in zip(calls, expected * 3):
-        assert (got is None and want is None) or all(a is b for a, b in zip(got, want))
-    monkeypatch.setattr(ML, "CHAIN_NEXT_IN", False)
-    calls.clear()
-    apart = decode_logits(model, prompt, 2, backend, page_size=16)
-    assert calls == [None] * 3 * len(layers) and torch.equal(chained, apart)
-
-
 def test_model_decode_triton_equals_reference_cpu():
     cfg = SMALL
     model = Qwen35ForCausalLM.random(cfg, seed=3)

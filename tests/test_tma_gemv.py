@@ -54,6 +54,7 @@ def test_config_errors_name_the_field(fields, match):
 
 
 @pytest.mark.parametrize("chain, fields, match", [
+    ((T.GemvInput(64, norm=True), T.GemvInput(64, norm=True)), {}, "at most one"),
     ((T.GemvInput(12),), {}, "k must"), ((T.GemvInput(64, gated=True, norm=True),), {}, "one of plain"),
     ((T.GemvInput(64),), {"ctas_per_sm": 2}, "ctas_per_sm must be 1"),
     ((T.GemvInput(64),), {"boundary_slots": 17}, "boundary_slots must be")])
@@ -129,22 +130,11 @@ def test_out_proj_mlp_routes_one_row_to_the_chain(monkeypatch):
     (weights, inputs, kw), = calls
     assert [w.data_ptr() for w in weights] == [w.data_ptr() for w in (out_w, gate_up_w, down_w)]
     assert inputs == (T.GemvInput(48), T.GemvInput(32, norm=True, add=True), T.GemvInput(64, gated=True))
-    assert kw["residuals"] == (residual,) and kw["norm_weights"] == (norm_w,) and kw["s_outs"] == (s,)
-    assert out.shape == (1, 32)
-    next_in = (torch.randn(32), torch.randn(40, 32))  # the next layer's norm weight and in-projection
-    proj, s2 = L.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w, next_in)
-    (weights, inputs, kw) = calls[1]
-    assert [w.data_ptr() for w in weights[3:]] == [next_in[1].data_ptr()] and proj.shape == (1, 40)
-    assert inputs[3:] == (T.GemvInput(32, norm=True, add=True),) and kw["norm_weights"] == (norm_w, next_in[0])
-    first_s, second_s = kw["s_outs"]  # the MLP's output + s, normed: its residual is the chain's own first s
-    assert kw["residuals"] == (residual, first_s) and second_s is s2
-    monkeypatch.setattr(L, "TMA_CHAIN", False)  # the three (four) ops on the active (reference) backend
-    for extra in ((), (next_in,)):
-        out, s = L.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w, *extra)
-        ref, ref_s = R.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w, *extra)
-        assert len(calls) == 2 and torch.equal(out, ref) and torch.equal(s, ref_s)
-    with pytest.raises(ValueError, match="next_in must be None or"):
-        L.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w, next_in[1])
+    assert kw["residual"] is residual and kw["norm_weight"] is norm_w and kw["s_out"] is s and out.shape == (1, 32)
+    monkeypatch.setattr(L, "TMA_CHAIN", False)  # the three ops on the active (reference) backend
+    out, s = L.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w)
+    ref, ref_s = R.out_proj_mlp(o, residual, out_w, norm_w, 1e-6, gate_up_w, down_w)
+    assert len(calls) == 1 and torch.equal(out, ref) and torch.equal(s, ref_s)
 
 
 SM90_CHAIN_COMPILE = """
@@ -152,16 +142,15 @@ import json
 from kernels.tma_gemv import BOUNDARY_BYTES, GemvInput, choose_config, compile_config
 from tests.sm90_compile import parity_resets_in_loops
 chain = (GemvInput(2048, norm=True, add=True), GemvInput(6144, gated=True))
-for tail in ((), (GemvInput(2048, norm=True, add=True),)):  # with the next layer's normed in-projection
-    unpaused = compile_config(choose_config(2048, 2048, chain=chain + tail), keep_ptx=True).__ptx__
-    cfg = choose_config(2048, 2048, chain=chain + tail, boundary_bytes=BOUNDARY_BYTES)
-    ptx = compile_config(cfg, keep_ptx=True).__ptx__
-    counts = {name: ptx.count(op) for name, op in (
-        ("tma", "cp.async.bulk.tensor."), ("wait", "griddepcontrol.wait"), ("fences", "fence.acq_rel.gpu"),
-        ("nc_loads", "ld.global.nc"), ("arrive", "atom.global.release.add.u64"), ("poll", "ld.acquire.gpu"),
-        ("rsqrt", "rsqrt"), ("ex2", "ex2.approx"), ("s_stores", "st.global.v4"))}
-    pause = [ptx.count(op) - unpaused.count(op) for op in ("mbarrier.arrive", "mbarrier.try_wait")]
-    print(json.dumps({**counts, "resets": [parity_resets_in_loops(p) for p in (unpaused, ptx)], "pause": pause}))
+unpaused = compile_config(choose_config(2048, 2048, chain=chain), keep_ptx=True).__ptx__
+cfg = choose_config(2048, 2048, chain=chain, boundary_bytes=BOUNDARY_BYTES)
+ptx = compile_config(cfg, keep_ptx=True).__ptx__
+print(json.dumps({"tma": ptx.count("cp.async.bulk.tensor."), "wait": ptx.count("griddepcontrol.wait"),
+                  "fences": ptx.count("fence.acq_rel.gpu"), "nc_loads": ptx.count("ld.global.nc"),
+                  "arrive": ptx.count("atom.global.release.add.u64"), "poll": ptx.count("ld.acquire.gpu"),
+                  "rsqrt": ptx.count("rsqrt"), "ex2": ptx.count("ex2.approx"),
+                  "resets": [parity_resets_in_loops(p) for p in (unpaused, ptx)],
+                  "pause": [ptx.count(op) - unpaused.count(op) for op in ("mbarrier.arrive", "mbarrier.try_wait")]}))
 """
 
 SM90_COMPILE = """
@@ -216,26 +205,21 @@ def test_compiles_for_sm90(tmp_path):
 
 @needs_dsl
 def test_chain_compiles_for_sm90(monkeypatch):
-    # a 2B layer's out_proj -> norm -> gate_up -> gated down (and then -> norm -> the next layer's in_proj): a TMA copy
-    # a box of each GEMV's slot, one PDL wait, a grid sync between GEMVs (a release add and an acquire poll each),
-    # each norm's rsqrt and its sum s stored (CTA 0), the gate's exp
+    # a 2B layer's out_proj -> norm -> gate_up -> gated down: a TMA copy a box of each GEMV's slot, one PDL wait,
+    # two grid syncs (a release add and an acquire poll each), the norm's rsqrt and the gate's exp
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     out = compiled_script_output(SM90_CHAIN_COMPILE, timeout=600)
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert len(rows) == 2, out
-    for gemvs, row in zip((3, 4), rows):
-        norms = gemvs - 2
-        assert row["tma"] == gemvs * T.SLOT_ROWS // 16 and row["wait"] == 1, row
-        assert row["arrive"] == row["poll"] == gemvs - 1, row
-        assert row["rsqrt"] == row["s_stores"] == norms and row["ex2"] > 0, row
-        assert row["resets"] == [0] * 2, row  # each ring state carried across blocks and GEMVs
-        # no explicit fence around a sync's release add and acquire poll: the outputs are published by the release
-        # add after the CTA barrier and read after the acquire poll and a barrier, so they must be read with
-        # coherent loads (no ld.global.nc, whose non-coherent cache the acquire does not invalidate)
-        assert row["fences"] == 0 and row["nc_loads"] == 0, row
-        # BOUNDARY_BYTES: a consumer's arrive a grid sync; the producer's wait in each later GEMV's loop, and after
-        # each one but the last (for a CTA with too few of its slots to reach the next one's wait)
-        assert row["pause"] == [gemvs - 1, 2 * (gemvs - 1) - 1], row
+    row = json.loads(out.splitlines()[-1])
+    assert row["tma"] == 3 * T.SLOT_ROWS // 16 and row["wait"] == 1 and row["arrive"] == row["poll"] == 2, row
+    assert row["rsqrt"] == 1 and row["ex2"] > 0, row
+    assert row["resets"] == [0] * 2, row  # each ring state carried across blocks and GEMVs
+    # no explicit fence around a sync's release add and acquire poll: the outputs are published by the release add
+    # after the CTA barrier and read after the acquire poll and a barrier, so they must be read with coherent loads
+    # (no ld.global.nc, whose non-coherent cache the acquire does not invalidate)
+    assert row["fences"] == 0 and row["nc_loads"] == 0, row
+    # BOUNDARY_BYTES: a consumer's arrive a grid sync; the producer's wait in gate_up's loop and after it (for a CTA
+    # with too few of its slots to reach the first), and in down's loop
+    assert row["pause"] == [2, 3], row
 
 
 def _pair(n, k, seed=0, gated=False):
@@ -355,19 +339,13 @@ def _layer_tail(hidden, width, inter, seed=0):
             rand(2 * inter, hidden, scale=hidden ** -0.5), rand(hidden, inter, scale=inter ** -0.5))
 
 
-def _chain(o, residual, out_w, norm_w, gate_up_w, down_w, next_in=None):
-    # one launch: (the MLP's output, s), or with next_in = (norm weight, in-projection) (its projection, its s)
+def _chain(o, residual, out_w, norm_w, gate_up_w, down_w):
     s = torch.empty_like(residual)
-    weights = (out_w, gate_up_w, down_w)
     inputs = (T.GemvInput(out_w.shape[1]), T.GemvInput(gate_up_w.shape[1], norm=True, add=True),
               T.GemvInput(down_w.shape[1], gated=True))
-    norm_weights, residuals, s_outs = (norm_w,), (residual,), (s,)
-    if next_in is not None:
-        weights, inputs = weights + (next_in[1],), inputs + (T.GemvInput(next_in[1].shape[1], norm=True, add=True),)
-        norm_weights, residuals, s_outs = (norm_w, next_in[0]), (residual, s), (s, torch.empty_like(s))
-    assert T.chain_available(o, weights, inputs, norm_weights=norm_weights, residuals=residuals)
-    return T.tma_gemv_chain(o, weights, inputs, norm_weights=norm_weights, eps=1e-6, residuals=residuals,
-                            s_outs=s_outs), s_outs[-1]
+    assert T.chain_available(o, (out_w, gate_up_w, down_w), inputs, norm_weight=norm_w, residual=residual)
+    return T.tma_gemv_chain(o, (out_w, gate_up_w, down_w), inputs, norm_weight=norm_w, eps=1e-6, residual=residual,
+                            s_out=s), s
 
 
 @pytest.mark.gpu
@@ -397,42 +375,15 @@ def test_chain_matches_its_gemvs_and_fp32(monkeypatch, hidden, width, inter, pau
 @pytest.mark.gpu
 @gpu_sm90
 @needs_dsl
-@pytest.mark.parametrize("hidden, width, inter, next_width", [(1000, 520, 1384, 776), (1024, 2048, 3584, 6176),
-                                                              (2048, 2048, 6144, 8224), (2048, 4096, 6144, 5120)])
-def test_chain_with_next_in_matches_its_gemvs_and_fp32(hidden, width, inter, next_width):
-    # the layer's stretch and the next layer's normed in-projection in one launch: bit for bit the chain of three
-    # and then the norm GEMV apart, its s exactly the bf16 sum of the MLP's output and the first s, and the
-    # projection against the fp32 reference of the whole stretch
-    o, residual, out_w, norm_w, gate_up_w, down_w = _layer_tail(hidden, width, inter, seed=hidden + next_width)
-    g = torch.Generator(device="cuda").manual_seed(next_width)
-    next_in = ((0.1 * torch.randn(hidden, device="cuda", generator=g)).to(torch.bfloat16),
-               (torch.randn(next_width, hidden, device="cuda", generator=g) / hidden ** 0.5).to(torch.bfloat16))
-    proj, s2 = _chain(o, residual, out_w, norm_w, gate_up_w, down_w, next_in)
-    out, s = _chain(o, residual, out_w, norm_w, gate_up_w, down_w)
-    s2_apart = torch.empty_like(s)
-    apart = T.tma_gemv(out, next_in[1], norm_weight=next_in[0], eps=1e-6, residual=s, s_out=s2_apart)
-    assert torch.equal(s2, out + s) and torch.equal(s2, s2_apart) and torch.equal(proj, apart)
-    ref, ref_s2 = R.out_proj_mlp(o.float(), residual.float(), out_w.float(), norm_w.float(), 1e-6,
-                                 gate_up_w.float(), down_w.float(), tuple(t.float() for t in next_in))
-    assert_rel(s2.float(), ref_s2, 2 * TOL, f"s with next_in hidden {hidden}")
-    assert_rel(proj.float(), ref, 3 * TOL, f"chain with next_in hidden {hidden} next {next_width}")
-
-
-@pytest.mark.gpu
-@gpu_sm90
-@needs_dsl
 def test_chain_available_refuses_inconsistent_calls():
     o, residual, out_w, norm_w, gate_up_w, down_w = _layer_tail(2048, 2048, 6144)
     weights = (out_w, gate_up_w, down_w)
     inputs = (T.GemvInput(2048), T.GemvInput(2048, norm=True, add=True), T.GemvInput(6144, gated=True))
-    extras = dict(norm_weights=(norm_w,), residuals=(residual,))
-    assert T.chain_available(o, weights, inputs, **extras)
-    assert not T.chain_available(o, weights, inputs, residuals=(residual,))  # a norm input without its weight
-    assert not T.chain_available(o, weights, inputs, norm_weights=(norm_w,))  # add without the residual
-    assert not T.chain_available(o, weights, inputs, norm_weights=(norm_w, norm_w), residuals=(residual,))
-    assert not T.chain_available(o, weights[:2], inputs, **extras)  # 2 weights, 3 inputs
-    assert not T.chain_available(o, (out_w, down_w, gate_up_w), inputs, **extras)
-    assert not T.chain_available(o, weights, inputs, norm_weights=(norm_w[:1024],), residuals=(residual,))
+    assert T.chain_available(o, weights, inputs, norm_weight=norm_w, residual=residual)
+    assert not T.chain_available(o, weights, inputs, residual=residual)  # a norm input without its weight
+    assert not T.chain_available(o, weights, inputs, norm_weight=norm_w)  # add without the residual
+    assert not T.chain_available(o, weights[:2], inputs, norm_weight=norm_w, residual=residual)  # 2 weights, 3 inputs
+    assert not T.chain_available(o, (out_w, down_w, gate_up_w), inputs, norm_weight=norm_w, residual=residual)
 
 
 @pytest.mark.gpu
