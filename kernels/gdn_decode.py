@@ -42,7 +42,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm
-from kernels.host_math import cdiv, next_power_of_2
+from kernels.host_math import next_power_of_2
 from kernels.norms import triton_runs_on
 from model.ops import _BACKENDS
 from reference._checks import check_real, check_tensor
@@ -51,9 +51,6 @@ STATE_PER_PROGRAM = 2 * 128 * 128  # fp32 state values one program holds (128 Ki
 STATE_PER_THREAD = 128
 FEW_PROGRAMS = 132  # the H200's SM count: below it, programs take several value heads at once
 MIN_WARPS = 2
-RAW_SLICE_COLS = 16  # norm=False on a small grid: dv columns a program (see gdn_decode_step)
-TICKETS = 4096  # (sequence, key head) tickets of the sliced step: B * Hk up to this many
-_TICKETS: dict = {}
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Load the states before the PDL wait when a program updates all its value heads in one pass (kernel's EARLY).
 # Predicted: their slot-then-state DRAM round trips (~1-2 us) hidden behind the in-projection's tail, ~20-40 us a
@@ -121,23 +118,19 @@ def _state_ptrs(state_ptr, slot, heads, rk, rv, HV: tl.constexpr, DK: tl.constex
 
 @triton.jit
 def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-                       conv_ptr, state_ptr, slots_ptr, out_ptr, ticket_ptr, stride_qkv, stride_z, stride_b, stride_a,
-                       scale, eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       K: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       SLICES: tl.constexpr, NORM: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
-    # grid (Hk, B, SLICES): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time,
-    # columns [slice * BV, slice * BV + BV) of dv (SLICES 1 with NORM: the norm takes whole rows). EARLY (one pass of
-    # G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is loaded
-    # before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the previous
-    # kernel writes (qkv, z, b, a) is loaded at once, before the first reduction, in one round trip. Every slice
-    # convolves the q | k channels of its key head; the last to take the ticket (after its reads of their windows)
-    # shifts those windows.
+                       conv_ptr, state_ptr, slots_ptr, out_ptr, stride_qkv, stride_z, stride_b, stride_a, scale, eps,
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
+                       G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                       EARLY: tl.constexpr, PDL: tl.constexpr):
+    # grid (Hk, B): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time. EARLY (one
+    # pass of G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is
+    # loaded before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the
+    # previous kernel writes (qkv, z, b, a) is loaded at once, before the first reduction, in one round trip.
     kh = tl.program_id(0)
     seq = tl.program_id(1)
     C: tl.constexpr = 2 * HK * DK + HV * DV
     GROUP: tl.constexpr = HV // HK
-    rk, rg, two = tl.arange(0, BK), tl.arange(0, G), tl.arange(0, 2)
-    rv = tl.program_id(2) * BV + tl.arange(0, BV)  # this slice's dv columns
+    rk, rv, rg, two = tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, G), tl.arange(0, 2)
     slot = tl.load(slots_ptr + seq).to(tl.int64)  # every state offset below is 64-bit
     s_mask = (rk[None, :, None] < DK) & (rv[None, None, :] < DV) & (rg[:, None, None] < G)  # (G, BK, BV)
     x_row = qkv_ptr + seq * stride_qkv  # the rows of qkv, z, b and a may be views into one projection
@@ -155,24 +148,19 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         qk_old, qk_w = _conv_taps(conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT)
         v_old, v_w = _conv_taps(conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
         a_log, dt_bias = tl.load(a_log_ptr + heads), tl.load(dt_bias_ptr + heads)
-        if NORM:
-            w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
+        w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
     pdl.wait_for_producer(PDL)
     pdl.release_dependents(PDL)
     if EARLY:
         x_qk = tl.load(x_row + qk_ch, mask=qk_mask, other=0.0)
         x_v = tl.load(x_row + v_ch, mask=v_mask, other=0.0)
         a_early, b_early = tl.load(a_row + heads), tl.load(b_row + heads)
-        if NORM:
-            z_early = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
+        z_early = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
     else:
         qk_old, qk_w = _conv_taps(conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT)
         x_qk = tl.load(x_row + qk_ch, mask=qk_mask, other=0.0)
-        if NORM:
-            w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
+        w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
     qk_window, qk = _conv_apply(x_qk, qk_old, qk_w, K, BT)
-    if SLICES > 1:  # released after this slice's reads of the q | k windows: the last arrival may overwrite them
-        arrivals = tl.atomic_add(ticket_ptr + seq * HK + kh, 1, sem="acq_rel")
     q, k = tl.split(qk)
     q = _l2norm(q) * scale
     k = _l2norm(k)
@@ -186,29 +174,21 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
             s = s_early
             v_window, v = _conv_apply(x_v, v_old, v_w, K, BT)
             g, beta = gate_values(a_early, b_early, a_log, dt_bias)
-            if NORM:
-                z = z_early
+            z = z_early
         else:
             s = tl.load(s_ptrs, mask=s_mask, other=0.0)
             v_old, v_w = _conv_taps(conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
             v_window, v = _conv_apply(tl.load(x_row + v_ch, mask=v_mask, other=0.0), v_old, v_w, K, BT)
             g, beta = gate_values(tl.load(a_row + heads), tl.load(b_row + heads), tl.load(a_log_ptr + heads),
                                   tl.load(dt_bias_ptr + heads))
-            if NORM:
-                z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
+            z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
         s, o = _delta_rule(s, q, k, v, tl.exp(g), beta)
-        if NORM:
-            o = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * DV + rv[None, :], o.to(out_ptr.dtype.element_ty), mask=v_mask)
+        out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
         tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
         tl.store(s_ptrs, s, mask=s_mask)
         _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
-    if SLICES > 1:
-        if arrivals == SLICES - 1:  # every slice has read the q | k windows
-            _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)
-            tl.atomic_xchg(ticket_ptr + seq * HK + kh, 0)
-    else:
-        _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
+    _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
 
 
 def _expect(name, t, shape, dtypes, contiguous=False) -> None:
@@ -271,12 +251,10 @@ def _heads_at_once(group: int, tile: int, programs: int) -> int:
 
 
 def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots,
-                    num_k_heads, eps, out=None, norm=True):
+                    num_k_heads, eps, out=None):
     """One decode token for each of B sequences. qkv: (B, C); z: (B, Hv, dv); b, a: (B, Hv); conv_w: (C, K);
     A_log, dt_bias: (Hv,); norm_w: (dv,); conv_states: (slots, C, K-1) in qkv's dtype and recurrent_states:
-    (slots, Hv, dk, dv) fp32, both updated in place at state_slots (B,) int32 or int64. Returns out (B, Hv, dv):
-    gated_rms_norm(o, z, norm_w), or with norm=False the delta rule's o itself in the io dtype (z and norm_w unread;
-    the caller norms it: a small grid then splits dv over RAW_SLICE_COLS-column programs)."""
+    (slots, Hv, dk, dv) fp32, both updated in place at state_slots (B,) int32 or int64. Returns out (B, Hv, dv)."""
     bsz, hk, hv, dk, dv, kw = _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
                                           recurrent_states, state_slots, num_k_heads, out)
     eps = check_real("eps", eps)
@@ -286,40 +264,23 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
         return out
     conv_w, A_log, dt_bias, norm_w = (t.contiguous() for t in (conv_w, A_log, dt_bias, norm_w))  # no-ops: weights
     bk, bv = next_power_of_2(dk), next_power_of_2(dv)
-    slices = 1
-    if not norm and hk * bsz < FEW_PROGRAMS and hk * bsz <= TICKETS:
-        bv = min(bv, RAW_SLICE_COLS)
-        slices = cdiv(dv, bv)
-    g = _heads_at_once(hv // hk, bk * bv, hk * bsz * slices)
-    tickets = _tickets(qkv.device) if slices > 1 else state_slots  # (unread with one slice)
-    _gdn_decode_kernel[(hk, bsz, slices)](
-        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, tickets,
+    g = _heads_at_once(hv // hk, bk * bv, hk * bsz)
+    _gdn_decode_kernel[(hk, bsz)](
+        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
-        K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), SLICES=slices, NORM=norm,
-        EARLY=STATE_BEFORE_WAIT and g == hv // hk,
+        K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk,
         num_warps=max(MIN_WARPS, min(8, g * bk * bv // STATE_PER_THREAD // 32)), **pdl.launch_options(qkv.device))
     return out
 
 
-def _tickets(device: torch.device) -> torch.Tensor:
-    """The device's (TICKETS,) int32 slice tickets, zero between launches (each launch's last slice resets its own),
-    made on first use: outside a CUDA graph capture (the engine warms every step up eagerly first)."""
-    key = str(device)
-    if key not in _TICKETS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the first sliced GDN decode step on a device must run outside a CUDA graph capture")
-        _TICKETS[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
-    return _TICKETS[key]
-
-
 def gated_deltanet_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,
-                      num_k_heads, eps, norm=True):
+                      num_k_heads, eps):
     """model.ops.gated_deltanet: the kernel when every sequence has one new token, else the reference."""
     if step.max_seqlen_q == 1:
         return gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
-                               step.state_slots, num_k_heads, eps, norm=norm)
+                               step.state_slots, num_k_heads, eps)
     return _BACKENDS["reference"]["gated_deltanet"](qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
-                                                    recurrent_states, step, num_k_heads, eps, norm=norm)
+                                                    recurrent_states, step, num_k_heads, eps)
 
 
 OPS = {"gated_deltanet": gated_deltanet_op}

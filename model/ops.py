@@ -249,12 +249,10 @@ def _ref_paged_attention(q, k_pages, v_pages, step, scale, gate):
 
 
 def _ref_gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
-                        step, num_k_heads, eps, norm=True):
-    # norm=False: the delta rule's o in z's dtype, before gated_rms_norm
+                        step, num_k_heads, eps):
     args = (qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states)
     if step.snapshot_offsets is not None and any(step.snapshot_offsets):
-        return gated_deltanet_in_two_passes(functools.partial(_ref_gated_deltanet, norm=norm), args, step,
-                                            num_k_heads, eps)
+        return gated_deltanet_in_two_passes(_ref_gated_deltanet, args, step, num_k_heads, eps)
     slots = step.state_slots
     n, hv, dv = z.shape
     dk = (qkv.shape[1] - hv * dv) // (2 * num_k_heads)
@@ -268,7 +266,7 @@ def _ref_gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state
     o, final = delta_rule(q.view(n, num_k_heads, dk), k.view(n, num_k_heads, dk), v.view(n, hv, dv),
                                         g, beta, initial_state=recurrent_states[slots], cu_seqlens=step.cu_seqlens)
     recurrent_states[slots] = final.to(recurrent_states.dtype)
-    return R.gated_rms_norm(o, z, norm_w, eps) if norm else o.to(z.dtype)
+    return R.gated_rms_norm(o, z, norm_w, eps)
 
 
 _BACKENDS["reference"] = {

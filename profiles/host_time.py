@@ -199,24 +199,6 @@ def skip_setters() -> tuple[dict, Callable[[], None]]:
     return {name: functools.partial(skip, names) for name, names in SKIPPED.items()}, restore
 
 
-def gdn_raw_setters():
-    """--ab gdn_raw (timing only: the GDN output stays unnormed, so the tokens are wrong): the GDN decode step with
-    its gated norm (the default), or without it (what a GEMV staging the norm would leave it), dv split over
-    programs of 8, 16 or 32 columns (kernels.gdn_decode.RAW_SLICE_COLS)."""
-    import kernels.backend  # noqa: F401  (registers the triton backend)
-    from kernels import gdn_decode
-    table, cols = ops._BACKENDS["triton"], gdn_decode.RAW_SLICE_COLS
-    normed = table["gated_deltanet"]
-
-    def restore():
-        table["gated_deltanet"], gdn_decode.RAW_SLICE_COLS = normed, cols
-
-    def raw(slice_cols: int):
-        gdn_decode.RAW_SLICE_COLS = slice_cols
-        table["gated_deltanet"] = functools.partial(gdn_decode.gated_deltanet_op, norm=False)
-    return {"normed": restore, **{f"raw{c}": functools.partial(raw, c) for c in (8, 16, 32)}}, restore
-
-
 def argmax_setters():
     """The greedy argmax: inside the decode graph (the default), after it by the sampler with the same kernel, or by
     the sampler with torch.argmax (before session 26)."""
@@ -254,7 +236,6 @@ KIB, MIB = 2**10, 2**20
 # --ab knobs: name -> (module, attribute, {variant: value}) of a kernel setting, or a function that returns
 # ({variant: apply it}, restore): the pre-norm rule of use_prenorm; `skip` (timing only: wrong tokens)
 AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_setters, "gather_rows": gather_setters,
-            "gdn_raw": gdn_raw_setters,
             "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),

@@ -264,21 +264,3 @@ def test_host_time_timeline_needs_a_decode_step_on_cuda():
     from profiles import host_time
     with pytest.raises(SystemExit, match="give --decode B"):
         host_time.main(["--timeline", "--device", "cpu"])
-
-
-def test_host_time_gdn_raw_knob_leaves_the_norm_out_and_restores():
-    import kernels.backend  # noqa: F401  (registers the triton backend)
-    from kernels import gdn_decode
-    from profiles import host_time
-    normed, cols = ops._BACKENDS["triton"]["gated_deltanet"], gdn_decode.RAW_SLICE_COLS
-    variants, restore = host_time.gdn_raw_setters()
-    try:
-        assert list(variants) == ["normed", "raw8", "raw16", "raw32"]
-        variants["raw8"]()
-        op = ops._BACKENDS["triton"]["gated_deltanet"]
-        assert op.keywords == {"norm": False} and gdn_decode.RAW_SLICE_COLS == 8
-        variants["normed"]()
-        assert ops._BACKENDS["triton"]["gated_deltanet"] is normed
-    finally:
-        restore()
-    assert ops._BACKENDS["triton"]["gated_deltanet"] is normed and gdn_decode.RAW_SLICE_COLS == cols
