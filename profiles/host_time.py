@@ -28,7 +28,11 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 
+from kernels import pdl
+from kernels.norms import triton_runs_on
 from model import ops
 from profiles.common import print_table
 from serving.config import EngineConfig
@@ -172,17 +176,42 @@ def prenorm_setters() -> tuple[dict, Callable[[], None]]:
             functools.partial(use_prenorm, None))
 
 
+@triton.jit
+def _boundary_kernel(PDL: tl.constexpr):
+    pdl.wait_for_producer(PDL)
+    pdl.release_dependents(PDL)
+
+
+def empty_launches(count: int, returns: int) -> Callable:
+    """A stand-in op that launches `count` empty kernels of BOUNDARY_PROGRAMS programs (each waits for its
+    predecessor, then releases its dependents, as every decode kernel does) and returns its argument `returns`."""
+    def op(*args):
+        x = args[returns]
+        for _ in range(count if triton_runs_on(x.device) else 0):
+            _boundary_kernel[(BOUNDARY_PROGRAMS,)](**pdl.launch_options(x.device))
+        return x
+    return op
+
+
 # Timing only, the tokens come out wrong: the mixers' ops replaced by their input passed through (no kernel), so the
-# decode step shows what it would cost if the mixer were free: the most a kernel that fuses it away could save
+# decode step shows what it would cost if the mixer were free: the most a kernel that fuses it away could save; and
+# by as many empty kernels as the op launches (GDN 1, prep 1, split + combine 2), so that the step shows what the
+# kernel boundaries cost by themselves
+BOUNDARY_PROGRAMS = 16
 PASS_THROUGH = {"gated_deltanet": lambda qkv, z, *rest: z, "attention_prep": lambda q, *rest: q,
                 "paged_attention": lambda q, *rest: q}
-SKIPPED = {"none": (), "gdn": ("gated_deltanet",),
-           "attention": ("attention_prep", "paged_attention"), "both": tuple(PASS_THROUGH)}
+EMPTY = {"gated_deltanet": empty_launches(1, 1), "attention_prep": empty_launches(1, 0),
+         "paged_attention": empty_launches(2, 0)}
+ATTENTION = ("attention_prep", "paged_attention")
+SKIPPED = {"none": {}, "gdn": {"gated_deltanet": PASS_THROUGH["gated_deltanet"]},
+           "attention": {op: PASS_THROUGH[op] for op in ATTENTION}, "both": dict(PASS_THROUGH),
+           "gdn_empty": {"gated_deltanet": EMPTY["gated_deltanet"]},
+           "attention_empty": {op: EMPTY[op] for op in ATTENTION}}
 
 
 def skip_setters() -> tuple[dict, Callable[[], None]]:
-    """--ab skip: the active backend's mixer ops swapped for PASS_THROUGH per SKIPPED variant; restore puts back
-    what the backend had."""
+    """--ab skip: the active backend's mixer ops swapped per SKIPPED variant; restore puts back what the backend
+    had."""
     table = ops._BACKENDS[ops.get_backend()]
     saved = {op: table.get(op) for op in PASS_THROUGH}
 
@@ -193,10 +222,10 @@ def skip_setters() -> tuple[dict, Callable[[], None]]:
             else:
                 table[op] = impl
 
-    def skip(names):
+    def skip(stand_ins: dict):
         restore()
-        table.update({op: PASS_THROUGH[op] for op in names})
-    return {name: functools.partial(skip, names) for name, names in SKIPPED.items()}, restore
+        table.update(stand_ins)
+    return {name: functools.partial(skip, stand_ins) for name, stand_ins in SKIPPED.items()}, restore
 
 
 def argmax_setters():
