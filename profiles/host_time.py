@@ -13,7 +13,8 @@ block half's residual add and RMSNorm inside its first projection's GEMV, or as 
 kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab KNOB` (AB_KNOBS) times a decode knob's variants
 in one process, alternated, through the CUDA graph only; `--ab skip` (timing only, wrong tokens) drops the GDN
 mixer, the attention (prep + paged attention) or both, for the most a kernel fusing them into their neighbours
-could save. Predicted for the fusion: 48
+could save, or puts empty PDL kernels in their place (gdn_empty, attention_empty), pricing their kernel boundaries
+apart from their work (H100, session 28: host_time.json 'decode_ab_session28'). Predicted for the fusion: 48
 launches fewer a 2B/0.8B step at ~2.5 us each with its graph gap, minus the GEMVs' extra reads of the rows from L2,
 about 0.1-0.15 ms off 2B's step.
 Measured on the H200 (session 8, the GEMV summing the squares in a first pass over the rows): 0.8B 1.19 ms fused

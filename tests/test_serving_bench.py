@@ -163,7 +163,7 @@ def test_host_time_skip_knob_passes_the_mixers_through_and_restores_them():
         variants["attention"]()
         assert ops._impl("gated_deltanet") is before["gated_deltanet"]
         assert ops.paged_attention(z, None, None, None, 1.0) is z
-        variants["attention_empty"]()  # empty kernels in place of prep, split and combine (none on the CPU)
+        variants["attention_empty"]()  # empty kernels in place of prep, split and combine (the interpreter's)
         assert ops._impl("gated_deltanet") is before["gated_deltanet"]
         assert ops.attention_prep(z, *[None] * 8) is z and ops.paged_attention(z, None, None, None, 1.0) is z
     finally:
