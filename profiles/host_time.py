@@ -183,12 +183,13 @@ def _boundary_kernel(PDL: tl.constexpr):
     pdl.release_dependents(PDL)
 
 
-def empty_launches(count: int, returns: int) -> Callable:
-    """A stand-in op that launches `count` empty kernels of BOUNDARY_PROGRAMS programs (each waits for its
-    predecessor, then releases its dependents, as every decode kernel does) and returns its argument `returns`."""
+def stand_in(launches: int, returns: int) -> Callable:
+    """A stand-in op that launches `launches` empty kernels of BOUNDARY_PROGRAMS programs (each waits for its
+    predecessor, then releases its dependents, as every decode kernel does; none: the input passed through) and
+    returns its argument `returns`."""
     def op(*args):
         x = args[returns]
-        for _ in range(count if triton_runs_on(x.device) else 0):
+        for _ in range(launches if triton_runs_on(x.device) else 0):
             _boundary_kernel[(BOUNDARY_PROGRAMS,)](**pdl.launch_options(x.device))
         return x
     return op
@@ -196,13 +197,11 @@ def empty_launches(count: int, returns: int) -> Callable:
 
 # Timing only, the tokens come out wrong: the mixers' ops replaced by their input passed through (no kernel), so the
 # decode step shows what it would cost if the mixer were free: the most a kernel that fuses it away could save; and
-# by as many empty kernels as the op launches (GDN 1, prep 1, split + combine 2), so that the step shows what the
-# kernel boundaries cost by themselves
+# by as many empty kernels as the op launches, so that the step shows what the kernel boundaries cost by themselves
 BOUNDARY_PROGRAMS = 16
-PASS_THROUGH = {"gated_deltanet": lambda qkv, z, *rest: z, "attention_prep": lambda q, *rest: q,
-                "paged_attention": lambda q, *rest: q}
-EMPTY = {"gated_deltanet": empty_launches(1, 1), "attention_prep": empty_launches(1, 0),
-         "paged_attention": empty_launches(2, 0)}
+MIXER_OPS = {"gated_deltanet": (1, 1), "attention_prep": (1, 0), "paged_attention": (2, 0)}  # (launches, returns)
+PASS_THROUGH = {op: stand_in(0, returns) for op, (_, returns) in MIXER_OPS.items()}
+EMPTY = {op: stand_in(launches, returns) for op, (launches, returns) in MIXER_OPS.items()}
 ATTENTION = ("attention_prep", "paged_attention")
 SKIPPED = {"none": {}, "gdn": {"gated_deltanet": PASS_THROUGH["gated_deltanet"]},
            "attention": {op: PASS_THROUGH[op] for op in ATTENTION}, "both": dict(PASS_THROUGH),
