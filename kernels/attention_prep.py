@@ -21,11 +21,6 @@ from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, check_devices
 from reference._checks import check_no_self_overlap, check_real, check_tensor
 
-# The next kernel (the decode split, which prefetches its cached keys before its own wait) may launch as soon as this
-# one does: it still waits for this grid, and so for the projection before it, before it reads q or the new key.
-# A/B: `python -m profiles.host_time --model M --decode 1 --ab prep_release` (see PREFETCH_FIRST_TILE).
-RELEASE_BEFORE_WAIT = True
-
 
 @triton.jit
 def _load_heads(q_ptr, k_ptr, q_off, k_off, cols, q_rows, k_rows):
@@ -73,14 +68,10 @@ def _attention_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr
                            q_out_ptr, k_pages_ptr, v_pages_ptr,
                            sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, so_n, so_h, cos_stride, sin_stride, eps,
                            H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                           BLOCK_D: tl.constexpr, HEADS: tl.constexpr, EARLY: tl.constexpr,
-                           PDL: tl.constexpr):
+                           BLOCK_D: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr):
     # token n, HEADS consecutive heads of the H + KV (q heads first, then k heads with their v heads)
-    if EARLY:  # RELEASE_BEFORE_WAIT
-        pdl.release_dependents(PDL)
     pdl.wait_for_producer(PDL)
-    if not EARLY:
-        pdl.release_dependents(PDL)
+    pdl.release_dependents(PDL)
     n = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)              # (HEADS,)
     d = tl.arange(0, BLOCK_D)                                           # (BLOCK_D,)
@@ -167,8 +158,7 @@ def attention_prep(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot
         q, k, v, q_norm_w, k_norm_w, cos, sin, slot_mapping, out, k_pages, v_pages,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), sin.stride(0), eps,
-        H=h, KV=kv, D=d, HALF=cos.shape[1], BLOCK_D=block_d, HEADS=heads, EARLY=RELEASE_BEFORE_WAIT,
-        num_warps=4, **pdl.launch_options(q.device))
+        H=h, KV=kv, D=d, HALF=cos.shape[1], BLOCK_D=block_d, HEADS=heads, num_warps=4, **pdl.launch_options(q.device))
     return out
 
 

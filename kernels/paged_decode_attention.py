@@ -120,15 +120,6 @@ COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk v
 # 0.8B): on 0.872 / 0.876 ms, off 0.867 / 0.905, inside the noise; kept on. A/B:
 # `python -m profiles.host_time --model M --decode 1 --ab combine_release`
 COMBINE_RELEASE = True
-# The decode split kernel prefetches its first key tile (K and V rows) into L2 before its PDL wait: those keys are
-# cached, only the step's own key comes from attention_prep. With attention_prep releasing before its own wait
-# (kernels.attention_prep.RELEASE_BEFORE_WAIT), the split programs launch while the q/k/v projection GEMV still
-# streams its weights, so the KV stream overlaps it. Bound (2B, H8/KV2 d256, 8k, 128 splits: one tile a program):
-# 16.8 MB of KV at 3.35 TB/s (H100) = 5.0 us a layer, of the 13-15 us the layer's attention now takes; the GEMV's
-# 21 MB share the same HBM, so the gain is the latency the two phases spend apart: predicted 2-5 us a layer, 12-30 us
-# a 2B / 0.8B step (6 attention layers). The footprint in L2 is one tile a program (<= 17 MB at 2 programs an SM).
-# A/B: `python -m profiles.host_time --model M --decode 1 --ab kv_prefetch`
-PREFETCH_FIRST_TILE = True
 LOG2E = 1.4426950408889634
 H200_SMS = 132
 
@@ -283,7 +274,7 @@ def _split_kernel(
     qk_scale, num_splits, capacity,
     Q_LEN: tl.constexpr, VARLEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     # seqused_k and cu_seqlens_q (the host's) load before the PDL wait; q and the step's own keys come from
     # attention_prep, so every key tile loads after it (session 25 loaded the first tile's older keys before the
@@ -303,13 +294,6 @@ def _split_kernel(
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
     pt_row = pt_ptr + b * stride_ptb
-    if PREFETCH:  # the first tile's cached keys into L2 while the q projection still runs (PREFETCH_FIRST_TILE)
-        n = kv_start + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_end
-        page, slot = _pages_of(pt_row, kv_start, kv_end, n, n_ok, PAGE_SIZE, BLOCK_N)
-        row_bytes = HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8
-        pdl.prefetch_l2(k_base + page * stride_kp + slot * stride_kt, n_ok, row_bytes)
-        pdl.prefetch_l2(v_base + page * stride_vp + slot * stride_vt, n_ok, row_bytes)
     pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
     pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
 
@@ -667,8 +651,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         _chunk_kernel[(batch * tile.m_blocks, kv_heads, num_splits)](
             *args, q_len, tile.m_blocks, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=q_min, Q_MAX=0, **common)
     else:
-        _split_kernel[(batch, kv_heads, num_splits)](*args, Q_LEN=q_len, PREFETCH=PREFETCH_FIRST_TILE and launch["PDL"],
-                                                     **common)
+        _split_kernel[(batch, kv_heads, num_splits)](*args, Q_LEN=q_len, **common)
     if num_splits > 1 and tile.chunk:
         _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     elif num_splits > 1:
