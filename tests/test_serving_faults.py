@@ -23,6 +23,7 @@ import openai
 import pytest
 import torch
 from aiohttp import web
+from http_request import Reply, request, request_async
 
 from model.generate import greedy
 from model.model import Qwen35ForCausalLM
@@ -94,28 +95,6 @@ def server(model, tokenizer):
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: dict
-    body: bytes
-
-    def json(self):
-        return json.loads(self.body)
-
-
-async def _request(method: str, url: str, body=None, headers=None, timeout: float = 30.0) -> Reply:
-    data = body if isinstance(body, bytes | type(None)) else json.dumps(body).encode()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-        async with session.request(method, url, data=data, headers=headers) as response:
-            return Reply(response.status, dict(response.headers), await response.read())
-
-
-def request(method: str, url: str, body=None, headers=None, timeout: float = 30.0) -> Reply:
-    return asyncio.run(_request(method, url, body, {"Content-Type": "application/json", **(headers or {})},
-                                timeout))
 
 
 def assert_openai_error(reply: Reply, status: int) -> dict:
@@ -670,7 +649,7 @@ def test_a_burst_fills_the_free_slots_before_the_queue(model, tokenizer):
     and a queue of 2 once got 429 for all but 2)."""
     with live_server(model, tokenizer, engine_config(tokenizer, max_num_seqs=2), Limits(max_queued=2)) as live:
         async def burst():
-            return await asyncio.gather(*(_request("POST", live.url + "/v1/completions", {
+            return await asyncio.gather(*(request_async("POST", live.url + "/v1/completions", {
                 "model": "tiny", "prompt": f"burst {i}", "max_tokens": 2}, {"Content-Type": "application/json"})
                 for i in range(4)))
 
@@ -732,7 +711,7 @@ def test_a_client_that_leaves_while_queued_is_dropped_from_the_queue(model, toke
                 running = await session.post(live.url + "/v1/completions", json=long)
                 assert (await running.content.readline()).startswith(b"data: ")  # it holds the only slot
                 with pytest.raises(asyncio.TimeoutError):  # the queued request's client gives up
-                    await _request("POST", live.url + "/v1/completions",
+                    await request_async("POST", live.url + "/v1/completions",
                                    {"model": "tiny", "prompt": "wait", "max_tokens": 2}, timeout=0.3)
                 start = time.perf_counter()
                 while live.aengine.num_queued or live.aengine.metrics.requests.get("abort") < 1:

@@ -245,13 +245,17 @@ def test_seeded_sampling_with_graphs_is_reproducible(gpu_model):
 def test_pools_sized_from_gpu_memory(gpu_model):
     gc.collect()  # the engines of earlier tests (record_logits makes reference cycles)
     torch.cuda.empty_cache()
-    util = 0.3
+    # utilization counts the whole card, as vLLM's does: what other processes hold (pytest-xdist workers on one GPU)
+    # comes off this engine's share, so ask for what is in use now plus 25% of the card
+    free, total = torch.cuda.mem_get_info()
+    share = 0.25
+    util = min(0.95, (total - free) / total + share)
+    before = torch.cuda.memory_allocated()
     with ops.use_backend("triton"):
         engine = LLMEngine(gpu_model, EngineConfig.for_gpu_memory(util, max_num_seqs=4, max_model_len=4096))
-    total = torch.cuda.get_device_properties(0).total_memory
     assert engine.cfg.num_pages * engine.cfg.page_size >= 4096 and engine.cfg.max_model_len == 4096
     assert engine.sizing["peak_GiB"] > 0 and "KV pool" in engine.pool_summary
-    assert torch.cuda.memory_allocated() <= util * total, engine.pool_summary
+    assert torch.cuda.memory_allocated() - before <= share * total, engine.pool_summary  # the pools fit the share
 
 
 def record_sampled_logits(engine: LLMEngine) -> dict[int, list[torch.Tensor]]:

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import tp_scenarios as S
 from conftest import rel_err
 from hf_oracle import hf_text_model, small_config
-from test_serving_faults import request
+from http_request import request
 
 import model.loader as loader_module
 from model.loader import load_checkpoint, load_state_dict
