@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, stamps
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, check_devices
 from reference._checks import check_no_self_overlap, check_real, check_tensor
@@ -65,12 +65,14 @@ def norm_rope(x, xp, w, wp, c, s, eps, D: tl.constexpr, io: tl.constexpr):
 
 @triton.jit
 def _attention_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr,
-                           q_out_ptr, k_pages_ptr, v_pages_ptr,
+                           q_out_ptr, k_pages_ptr, v_pages_ptr, stamps_ptr,
                            sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, so_n, so_h, cos_stride, sin_stride, eps,
                            H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                           BLOCK_D: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_D: tl.constexpr, HEADS: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr):
     # token n, HEADS consecutive heads of the H + KV (q heads first, then k heads with their v heads)
+    stamps.arrive(stamps_ptr, STAMPS)
     pdl.wait_for_producer(PDL)
+    stamps.go(stamps_ptr, STAMPS)
     pdl.release_dependents(PDL)
     n = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)              # (HEADS,)
@@ -93,6 +95,7 @@ def _attention_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr
     tl.store(k_pages_ptr + dst, out, mask=k_rows)
     v = tl.load(v_ptr + n * sv_n + kvh[:, None] * sv_h + d[None, :], mask=k_rows)
     tl.store(v_pages_ptr + dst, v, mask=k_rows)
+    stamps.end(stamps_ptr, STAMPS)
 
 
 def _check_heads(name: str, t, n: int | None, d: int | None) -> None:
@@ -154,11 +157,13 @@ def attention_prep(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot
         return out
     block_d = next_power_of_2(d)
     heads = min(next_power_of_2(h + kv), max(1, 2048 // block_d))
+    stamp, stamping = stamps.slot("attention_prep", q.device)
     _attention_prep_kernel[(n, cdiv(h + kv, heads))](
-        q, k, v, q_norm_w, k_norm_w, cos, sin, slot_mapping, out, k_pages, v_pages,
+        q, k, v, q_norm_w, k_norm_w, cos, sin, slot_mapping, out, k_pages, v_pages, stamp,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         cos.stride(0), sin.stride(0), eps,
-        H=h, KV=kv, D=d, HALF=cos.shape[1], BLOCK_D=block_d, HEADS=heads, num_warps=4, **pdl.launch_options(q.device))
+        H=h, KV=kv, D=d, HALF=cos.shape[1], BLOCK_D=block_d, HEADS=heads, STAMPS=stamping, num_warps=4,
+        **pdl.launch_options(q.device))
     return out
 
 

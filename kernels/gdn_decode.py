@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, stamps
 from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm
 from kernels.host_math import next_power_of_2
 from kernels.norms import triton_runs_on
@@ -118,14 +118,16 @@ def _state_ptrs(state_ptr, slot, heads, rk, rv, HV: tl.constexpr, DK: tl.constex
 
 @triton.jit
 def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-                       conv_ptr, state_ptr, slots_ptr, out_ptr, stride_qkv, stride_z, stride_b, stride_a, scale, eps,
+                       conv_ptr, state_ptr, slots_ptr, out_ptr, stamps_ptr, stride_qkv, stride_z, stride_b, stride_a,
+                       scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       EARLY: tl.constexpr, PDL: tl.constexpr):
+                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr):
     # grid (Hk, B): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time. EARLY (one
     # pass of G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is
     # loaded before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the
     # previous kernel writes (qkv, z, b, a) is loaded at once, before the first reduction, in one round trip.
+    stamps.arrive(stamps_ptr, STAMPS)
     kh = tl.program_id(0)
     seq = tl.program_id(1)
     C: tl.constexpr = 2 * HK * DK + HV * DV
@@ -150,6 +152,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         a_log, dt_bias = tl.load(a_log_ptr + heads), tl.load(dt_bias_ptr + heads)
         w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
     pdl.wait_for_producer(PDL)
+    stamps.go(stamps_ptr, STAMPS)
     pdl.release_dependents(PDL)
     if EARLY:
         x_qk = tl.load(x_row + qk_ch, mask=qk_mask, other=0.0)
@@ -189,6 +192,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         tl.store(s_ptrs, s, mask=s_mask)
         _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
     _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
+    stamps.end(stamps_ptr, STAMPS)
 
 
 def _expect(name, t, shape, dtypes, contiguous=False) -> None:
@@ -265,10 +269,11 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     conv_w, A_log, dt_bias, norm_w = (t.contiguous() for t in (conv_w, A_log, dt_bias, norm_w))  # no-ops: weights
     bk, bv = next_power_of_2(dk), next_power_of_2(dv)
     g = _heads_at_once(hv // hk, bk * bv, hk * bsz)
+    stamp, stamping = stamps.slot("gdn_decode", qkv.device)
     _gdn_decode_kernel[(hk, bsz)](
-        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out,
+        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
-        K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk,
+        K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk, STAMPS=stamping,
         num_warps=max(MIN_WARPS, min(8, g * bk * bv // STATE_PER_THREAD // 32)), **pdl.launch_options(qkv.device))
     return out
 

@@ -93,7 +93,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, stamps
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import triton_runs_on
 from kernels.varlen import sequence_span
@@ -271,15 +271,16 @@ def _split_kernel(
     q_ptr, k_ptr, v_ptr, pt_ptr, seqused_ptr, cu_q_ptr, gate_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
     stride_qn, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ptb,
     stride_gn, stride_gh, stride_on, stride_oh,
-    qk_scale, num_splits, capacity,
+    qk_scale, num_splits, capacity, stamps_ptr,
     Q_LEN: tl.constexpr, VARLEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
 ):
     # seqused_k and cu_seqlens_q (the host's) load before the PDL wait; q and the step's own keys come from
     # attention_prep, so every key tile loads after it (session 25 loaded the first tile's older keys before the
     # wait: H200, session 26, `host_time --decode 1` graph step, 0.8B 0.767 / 0.768 ms against 0.763 / 0.765
     # without, 2B 1.27 either way; removed)
+    stamps.arrive(stamps_ptr, STAMPS)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -295,6 +296,7 @@ def _split_kernel(
     v_base = v_ptr + kvh * stride_vh
     pt_row = pt_ptr + b * stride_ptb
     pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
+    stamps.go(stamps_ptr, STAMPS)
     pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
 
     rows = tl.arange(0, BLOCK_M)  # row r: query token r // GROUP, head kvh * GROUP + r % GROUP
@@ -318,6 +320,7 @@ def _split_kernel(
 
     _finish(acc, l_i, m_i, q_start + qi, head, row_ok, d, split, num_splits, num_heads, gate_ptr, out_ptr, ws_o_ptr,
             ws_lse_ptr, stride_gn, stride_gh, stride_on, stride_oh, HEAD_DIM, DIRECT, HAS_GATE)
+    stamps.end(stamps_ptr, STAMPS)
 
 
 @triton.jit
@@ -433,11 +436,13 @@ def _chunk_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
-    ws_o_ptr, ws_lse_ptr, gate_ptr, out_ptr, stride_gn, stride_gh, stride_on, stride_oh, num_splits,
+    ws_o_ptr, ws_lse_ptr, gate_ptr, out_ptr, stride_gn, stride_gh, stride_on, stride_oh, num_splits, stamps_ptr,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
-    RELEASE: tl.constexpr, PDL: tl.constexpr,
+    RELEASE: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
 ):
+    stamps.arrive(stamps_ptr, STAMPS)
     pdl.wait_for_producer(PDL)  # launched early: wait for the split kernel's writes
+    stamps.go(stamps_ptr, STAMPS)
     if RELEASE:  # COMBINE_RELEASE
         pdl.release_dependents(PDL)
     token = tl.program_id(0)
@@ -454,6 +459,7 @@ def _combine_kernel(
     if HAS_GATE:
         o = o * tl.sigmoid(tl.load(gate_ptr + token * stride_gn + head * stride_gh + d).to(tl.float32))
     tl.store(out_ptr + token * stride_on + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+    stamps.end(stamps_ptr, STAMPS)
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_heads", "num_splits"])
@@ -651,7 +657,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         _chunk_kernel[(batch * tile.m_blocks, kv_heads, num_splits)](
             *args, q_len, tile.m_blocks, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=q_min, Q_MAX=0, **common)
     else:
-        _split_kernel[(batch, kv_heads, num_splits)](*args, Q_LEN=q_len, **common)
+        stamp, stamping = stamps.slot("attention_split", q.device)
+        _split_kernel[(batch, kv_heads, num_splits)](*args, stamp, Q_LEN=q_len, STAMPS=stamping, **common)
     if num_splits > 1 and tile.chunk:
         _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     elif num_splits > 1:
@@ -665,10 +672,11 @@ def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, launch: dic
     block_s = next_power_of_2(num_splits)
     block_d = min(head_dim, max(16, COMBINE_TILE // block_s))
     g = gate if gate is not None else out
+    stamp, stamping = stamps.slot("attention_combine", out.device)
     _combine_kernel[(n_tokens, num_heads, head_dim // block_d)](
-        workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1), num_splits,
+        workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1), num_splits, stamp,
         HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, HAS_GATE=gate is not None, RELEASE=COMBINE_RELEASE,
-        num_warps=4, **launch,
+        STAMPS=stamping, num_warps=4, **launch,
     )
 
 

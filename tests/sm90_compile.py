@@ -15,7 +15,7 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 def triton_sm90(fn, const: dict, arg_type, num_warps: int, num_stages: int) -> dict:
     """fn (a @triton.jit kernel) with the constexprs `const` and each other argument typed by arg_type(name) (every
     pointer and stride but the page table's row stride taken as 16-byte divisible): shared memory bytes, ptxas's
-    registers and spilled bytes, and the TTGIR's wgmma and cp.async counts."""
+    registers and spilled bytes, the TTGIR's wgmma and cp.async counts, and the PTX."""
     sig = {n: "constexpr" if n in const else arg_type(n) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_ptb")}
@@ -29,7 +29,8 @@ def triton_sm90(fn, const: dict, arg_type, num_warps: int, num_stages: int) -> d
     ttgir = k.asm["ttgir"]
     return dict(smem=k.metadata.shared, regs=int(re.search(r"Used (\d+) registers", info).group(1)),
                 spill=int(re.search(r"(\d+) bytes spill stores", info).group(1)),
-                wgmma=ttgir.count("warp_group_dot "), cp_async=ttgir.count("async_copy_global_to_local"))
+                wgmma=ttgir.count("warp_group_dot "), cp_async=ttgir.count("async_copy_global_to_local"),
+                ptx=k.asm["ptx"])
 
 
 def ptx_counts(ptx: str, patterns: dict[str, str]) -> dict[str, int]:

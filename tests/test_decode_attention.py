@@ -160,7 +160,7 @@ bf16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr")
 arg_type = lambda n: ("*bf16" if n in bf16 else "*fp32" if n.startswith("ws_") else "*i32" if n.endswith("_ptr") else
                       "fp32" if n == "qk_scale" else "i32")
 const = dict(Q_LEN=1, VARLEN=True, GROUP=4, HEAD_DIM=256, PAGE_SIZE=64, BLOCK_M=tile.block_m, BLOCK_N=P.BLOCK_N,
-             DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", PDL=True)
+             DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", STAMPS=False, PDL=True)
 for page in (64, 16):  # 16: the engine's default (a page lookup per key)
     r = triton_sm90(P._split_kernel, {**const, "PAGE_SIZE": page}, arg_type, tile.num_warps, tile.num_stages)
     print(r["smem"], r["regs"], r["spill"], flush=True)
