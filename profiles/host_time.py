@@ -260,6 +260,17 @@ def _index_selects(tables, indices):
     return [t.index_select(0, i) for t, i in zip(tables, indices)]
 
 
+def max_splits_setters():
+    """The decode split count's cap (paged_decode_attention.MAX_SPLITS: 128 splits of one tile each at B1 8k)."""
+    from kernels import paged_decode_attention as P
+    cap = P.MAX_SPLITS
+
+    def apply(value: int) -> None:
+        P.MAX_SPLITS = value
+        P.choose_num_splits.cache_clear()
+    return {str(v): functools.partial(apply, v) for v in (128, 64, 32)}, functools.partial(apply, cap)
+
+
 ON_OFF = {"off": False, "on": True}
 KIB, MIB = 2**10, 2**20
 # --ab knobs: name -> (module, attribute, {variant: value}) of a kernel setting, or a function that returns
@@ -270,6 +281,8 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
             "combine_release": ("kernels.paged_decode_attention", "COMBINE_RELEASE", ON_OFF),
+            "split_pages": ("kernels.paged_decode_attention", "PAGES_BEFORE_WAIT", ON_OFF),
+            "max_splits": max_splits_setters,
             "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),
             "tma_slot": ("kernels.tma_gemv", "SLOT_ROWS", {"16k": 32, "8k": 16}),
             "tma_pause": ("kernels.tma_gemv", "BOUNDARY_BYTES", {"80k": 80 * KIB, "96k": 96 * KIB, "off": 0}),

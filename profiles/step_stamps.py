@@ -24,7 +24,7 @@ from kernels import stamps
 from model import ops
 from model.layers import GatedAttention
 from profiles.common import environment, print_table, write_result
-from profiles.host_time import decoding_engine, time_steps
+from profiles.host_time import AB_KNOBS, decoding_batch, knob_setters, make_engine, time_steps
 from serving.demo import load_model
 
 KERNELS = {"attention": ("attention_prep", "attention_split", "attention_combine"), "gdn": ("gdn_decode",)}
@@ -96,12 +96,20 @@ def summarise(replays: list[list[dict]], model) -> list[dict]:
     return rows
 
 
+def decoding_engine(model, args):
+    """A CUDA-graph engine whose next steps decode one sequence over args.ctx tokens in pages of args.page_size."""
+    engine = make_engine(model, 1, args.ctx + 256, cuda_graphs=True, page_size=args.page_size)
+    decoding_batch(engine, 1, args.ctx)
+    time_steps(engine, 5)
+    return engine
+
+
 def run(model, args) -> dict:
-    plain = decoding_engine(model, args, cuda_graphs=True)
+    plain = decoding_engine(model, args)
     plain_ms = time_steps(plain, 150)
     plain.close()
     with stamps.record(torch.device("cuda", torch.cuda.current_device())) as buf:
-        engine = decoding_engine(model, args, cuda_graphs=True)
+        engine = decoding_engine(model, args)
     stamped_ms = time_steps(engine, 150)
     kinds = layer_kinds(model)
     replays, spans = [], []
@@ -122,11 +130,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="qwen3.5-2b", help="preset (random weights) or checkpoint folder")
     ap.add_argument("--ctx", type=int, default=8192, help="cached tokens of the decoding sequence")
     ap.add_argument("--steps", type=int, default=50, help="stamped replays to average")
+    ap.add_argument("--page-size", type=int, default=16, help="the engine's KV page size")
+    ap.add_argument("--knob", action="append", default=[], metavar="NAME=VARIANT",
+                    help=f"set a decode knob first (profiles.host_time's AB_KNOBS: {', '.join(sorted(AB_KNOBS))})")
     ap.add_argument("--out", default=None, help="write step_stamps.json into this folder (default profiles/results)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("step_stamps reads the GPU's timer inside a CUDA graph: it needs CUDA")
-    args.decode = 1
+    for knob in args.knob:
+        name, _, variant = knob.partition("=")
+        variants = knob_setters(name)[0] if name in AB_KNOBS else {}
+        if variant not in variants:
+            raise SystemExit(f"--knob {knob}: expected NAME=VARIANT with NAME in AB_KNOBS and one of its variants")
+        variants[variant]()
     ops.set_backend("triton")
     model, what = load_model(args.model, torch.device("cuda"))
     found = run(model, args)
@@ -135,7 +151,7 @@ def main(argv=None) -> dict:
           f"{found['mixer_span_us']:.1f} us; phases over {args.steps} replays:")
     print_table(found["phases"], ["kind", "phase", "count", "mean_us", "min_us", "max_us", "gemv_TBps"])
     path = write_result("step_stamps", {"environment": environment(), "model": args.model, "ctx": args.ctx,
-                                        **found}, args.out)
+                                        "page_size": args.page_size, "knobs": args.knob, **found}, args.out)
     print(f"wrote {path}")
     return found
 
