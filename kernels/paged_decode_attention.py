@@ -120,12 +120,6 @@ COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk v
 # 0.8B): on 0.872 / 0.876 ms, off 0.867 / 0.905, inside the noise; kept on. A/B:
 # `python -m profiles.host_time --model M --decode 1 --ab combine_release`
 COMBINE_RELEASE = True
-# The decode split kernel prefetches its first tile's page ids into L1 before its PDL wait (the page table is
-# gathered by the step's first kernel), so that after the wait the page lookup before the K/V loads hits L1.
-# Stamped on an H100 (session 29, `profiles.step_stamps`, 2B at 8k, page 16): the split ran 11.8 us from its go to
-# the combine's for 16.8 MB (5.6 us at 3.0 TB/s), one 64-key tile a program: a few dependent round trips, of which
-# this shortens one (predicted 0.5-1 us a layer). A/B: `python -m profiles.step_stamps --knob split_pages=off`
-PAGES_BEFORE_WAIT = True
 LOG2E = 1.4426950408889634
 H200_SMS = 132
 
@@ -280,8 +274,7 @@ def _split_kernel(
     qk_scale, num_splits, capacity, stamps_ptr,
     Q_LEN: tl.constexpr, VARLEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_PAGES: tl.constexpr, STAMPS: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
 ):
     # seqused_k and cu_seqlens_q (the host's) load before the PDL wait; q and the step's own keys come from
     # attention_prep, so every key tile loads after it (session 25 loaded the first tile's older keys before the
@@ -302,9 +295,6 @@ def _split_kernel(
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
     pt_row = pt_ptr + b * stride_ptb
-    if EARLY_PAGES:  # PAGES_BEFORE_WAIT: the page table comes from the step's first kernel, long complete
-        n = kv_start + tl.arange(0, BLOCK_N)  # (N,) the first tile's keys
-        pdl.prefetch_l1(pt_row + n // PAGE_SIZE, n < kv_end)
     pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
     stamps.go(stamps_ptr, STAMPS)
     pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
@@ -668,8 +658,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
             *args, q_len, tile.m_blocks, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=q_min, Q_MAX=0, **common)
     else:
         stamp, stamping = stamps.slot("attention_split", q.device)
-        _split_kernel[(batch, kv_heads, num_splits)](*args, stamp, Q_LEN=q_len, STAMPS=stamping,
-                                                     EARLY_PAGES=PAGES_BEFORE_WAIT and launch["PDL"], **common)
+        _split_kernel[(batch, kv_heads, num_splits)](*args, stamp, Q_LEN=q_len, STAMPS=stamping, **common)
     if num_splits > 1 and tile.chunk:
         _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     elif num_splits > 1:

@@ -50,10 +50,3 @@ def release_dependents(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
 
-
-@triton.jit
-def prefetch_l1(ptrs, mask):
-    """Pull the lines at ptrs (where mask holds) into this SM's L1 (prefetch.global.L1): what a kernel reads right
-    after its wait and no kernel still running writes (e.g. the step's page table), so that the read then hits L1."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

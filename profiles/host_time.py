@@ -281,7 +281,6 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
             "combine_release": ("kernels.paged_decode_attention", "COMBINE_RELEASE", ON_OFF),
-            "split_pages": ("kernels.paged_decode_attention", "PAGES_BEFORE_WAIT", ON_OFF),
             "max_splits": max_splits_setters,
             "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),
             "tma_slot": ("kernels.tma_gemv", "SLOT_ROWS", {"16k": 32, "8k": 16}),
