@@ -45,13 +45,13 @@ LINEAR_SHAPES = {  # a decode step's projections (N, K): GDN in/out, attention q
 
 # ---- attention ----------------------------------------------------------------------------------------
 
-def make_paged(batch, ctx, h, kv, d, seed=0):
+def make_paged(batch, ctx, h, kv, d, seed=0, page=PAGE):
     """Random q, a shuffled page pool holding each sequence's ctx tokens, and the same K/V contiguous."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    pages_per_seq = math.ceil(ctx / PAGE)
+    pages_per_seq = math.ceil(ctx / page)
     n_pages = batch * pages_per_seq
-    k_pages = torch.randn(n_pages, PAGE, kv, d, device="cuda", dtype=BF16, generator=gen)
-    v_pages = torch.randn(n_pages, PAGE, kv, d, device="cuda", dtype=BF16, generator=gen)
+    k_pages = torch.randn(n_pages, page, kv, d, device="cuda", dtype=BF16, generator=gen)
+    v_pages = torch.randn(n_pages, page, kv, d, device="cuda", dtype=BF16, generator=gen)
     table = torch.randperm(n_pages, device="cuda", generator=gen).int().view(batch, pages_per_seq)
     q = torch.randn(batch, 1, h, d, device="cuda", dtype=BF16, generator=gen)
     seqused = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
@@ -106,6 +106,35 @@ def sweep_splits(h: int, kv: int, contexts=(4096, 8192, 12288, 16384), cap: int 
             row[f"s{s}_us"] = bench_us(call, graph=True)
         row["best"] = min(SPLIT_SWEEP, key=lambda s: row[f"s{s}_us"])
         rows.append(progress(row))
+    return rows
+
+
+def _call_each(calls) -> None:
+    for call in calls:
+        call()
+
+
+def sweep_splits_cold(h: int = 8, kv: int = 2, ctx: int = 8192, pages=(16, 64), splits=(32, 64, 128),
+                      ring_bytes: float = 256e6) -> list[dict]:
+    """B1 decode attention (d256) with its KV read from DRAM, as inside a decode step (whose weights push the KV out
+    of L2 between steps; `sweep_splits` replays one KV, which at 8k stays in the 50 MB L2): a CUDA graph calls it on
+    each of enough pools (~ring_bytes in all) that none is still cached when its turn comes back. Per page size
+    (16: the engine's) and split count: us a call and the KV bytes' TB/s."""
+    from kernels.paged_decode_attention import alloc_workspace, paged_decode_attention
+    kv_bytes = 2 * ctx * kv * 256 * 2
+    copies = max(2, min(32, math.ceil(ring_bytes / kv_bytes)))
+    rows = []
+    for page in pages:
+        pools = [make_paged(1, ctx, h, kv, 256, seed=i, page=page) for i in range(copies)]
+        out = torch.empty_like(pools[0][0])
+        for s in splits:
+            ws = alloc_workspace(1, h, s, 256, "cuda")
+            calls = [functools.partial(paged_decode_attention, q, kp, vp, table, seqused, num_splits=s, out=out,
+                                       workspace=ws, check_metadata=False) for q, kp, vp, table, seqused in pools]
+            us = bench_us(functools.partial(_call_each, calls), graph=True) / copies
+            rows.append(progress({"H/KV": f"{h}/{kv}", "ctx": ctx, "page": page, "splits": s, "copies": copies,
+                                  "us": us, "TBps": kv_bytes / us / 1e6}))
+        del pools
     return rows
 
 
@@ -420,11 +449,18 @@ def main(argv=None):
                          "its GEMVs apart and one GEMV of its bytes (decode_chain_sweep.json)")
     ap.add_argument("--sweep-splits", action="store_true", help="only time B1 decode attention (H16/KV4 and H8/KV2, "
                     "d256) at each KV split count (decode_split_sweep.json)")
+    ap.add_argument("--sweep-splits-cold", action="store_true", help="only time B1 decode attention (H8/KV2 d256, "
+                    "8k) with its KV from DRAM, per page size and split count (decode_split_cold.json)")
     ap.add_argument("--plot", metavar="JSON", help="only draw decode_bw.png beside an existing decode.json")
     args = ap.parse_args(argv)
     if args.plot:
         path = Path(args.plot)
         plot_curve(json.loads(path.read_text())["attention_curve"], path.with_name("decode_bw.png"))
+        return
+    if args.sweep_splits_cold:
+        rows = sweep_splits_cold()
+        print_table(rows, ["H/KV", "ctx", "page", "splits", "copies", "us", "TBps"])
+        print(f"wrote {write_result('decode_split_cold', {'env': environment(), 'sweep': rows}, args.out)}")
         return
     if args.sweep_splits:
         rows = sweep_splits(16, 4) + sweep_splits(8, 2)
