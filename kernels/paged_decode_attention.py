@@ -120,6 +120,14 @@ COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk v
 # 0.8B): on 0.872 / 0.876 ms, off 0.867 / 0.905, inside the noise; kept on. A/B:
 # `python -m profiles.host_time --model M --decode 1 --ab combine_release`
 COMBINE_RELEASE = True
+# The decode split kernel prefetches its first key tile (K and V rows) into L2 before its PDL wait: those keys are
+# cached, only the step's own key comes from attention_prep. Stamped on an H100 (session 29, `profiles.step_stamps`,
+# 2B at 8k): the split programs sit resident ~1.9 us before their wait returns, during attention_prep, while DRAM
+# idles; the split then took 11.8 us for 16.8 MB (5.6 us of bytes at 3.0 TB/s). Predicted: up to ~1.9 us off the
+# split a layer. (Session 29 first tried it with attention_prep releasing before its own wait, so that the split
+# launched during the in-projection GEMV: the prefetch then competed with the GEMV's weights, and the step tied.)
+# A/B: `python -m profiles.step_stamps --knob kv_prefetch=off`
+PREFETCH_FIRST_TILE = True
 LOG2E = 1.4426950408889634
 H200_SMS = 132
 
@@ -274,7 +282,8 @@ def _split_kernel(
     qk_scale, num_splits, capacity, stamps_ptr,
     Q_LEN: tl.constexpr, VARLEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, STAMPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # seqused_k and cu_seqlens_q (the host's) load before the PDL wait; q and the step's own keys come from
     # attention_prep, so every key tile loads after it (session 25 loaded the first tile's older keys before the
@@ -295,6 +304,13 @@ def _split_kernel(
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
     pt_row = pt_ptr + b * stride_ptb
+    if PREFETCH:  # the first tile's cached K and V rows into L2 while attention_prep runs (PREFETCH_FIRST_TILE)
+        n = kv_start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        page, slot = _pages_of(pt_row, kv_start, kv_end, n, n_ok, PAGE_SIZE, BLOCK_N)
+        row_bytes = HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8
+        pdl.prefetch_l2(k_base + page * stride_kp + slot * stride_kt, n_ok, row_bytes)
+        pdl.prefetch_l2(v_base + page * stride_vp + slot * stride_vt, n_ok, row_bytes)
     pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
     stamps.go(stamps_ptr, STAMPS)
     pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
@@ -658,7 +674,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
             *args, q_len, tile.m_blocks, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=q_min, Q_MAX=0, **common)
     else:
         stamp, stamping = stamps.slot("attention_split", q.device)
-        _split_kernel[(batch, kv_heads, num_splits)](*args, stamp, Q_LEN=q_len, STAMPS=stamping, **common)
+        _split_kernel[(batch, kv_heads, num_splits)](*args, stamp, Q_LEN=q_len, STAMPS=stamping,
+                                                     PREFETCH=PREFETCH_FIRST_TILE and launch["PDL"], **common)
     if num_splits > 1 and tile.chunk:
         _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     elif num_splits > 1:

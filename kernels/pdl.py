@@ -6,6 +6,9 @@ writes (weights) and write nothing; after the wait, everything the previous kern
 decode CUDA graph this hides each launch and each kernel's ramp behind its predecessor's tail: a GEMV streams its
 first weight tile while the norm before it still runs.
 
+Before its wait a kernel may also pull what it will read into L2 (`prefetch_l2`): a split-KV decode program
+prefetches its first key tile, whose cached keys no kernel of the step writes.
+
 `enabled(device)` says whether to launch with PDL: a CUDA device of compute capability 9.0 or newer, not the CPU
 interpreter, and not switched off by QWEN_PDL=0. Kernels take it as the constexpr PDL; without it both helpers
 compile to nothing.
@@ -50,3 +53,12 @@ def release_dependents(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
 
+
+@triton.jit
+def prefetch_l2(ptrs, mask, NBYTES: tl.constexpr):
+    """Ask L2 for the NBYTES (a multiple of 16) at each of ptrs (16-byte aligned) where mask holds: one bulk prefetch
+    (cp.async.bulk.prefetch.L2, sm_90) per element, nothing in registers or shared memory, nothing to wait for."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
+        "=r,l,r,r", [ptrs, mask.to(tl.int32), tl.full(ptrs.shape, NBYTES, tl.int32)], dtype=tl.int32, is_pure=False,
+        pack=1)

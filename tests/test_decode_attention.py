@@ -160,20 +160,23 @@ bf16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr")
 arg_type = lambda n: ("*bf16" if n in bf16 else "*fp32" if n.startswith("ws_") else "*i32" if n.endswith("_ptr") else
                       "fp32" if n == "qk_scale" else "i32")
 const = dict(Q_LEN=1, VARLEN=True, GROUP=4, HEAD_DIM=256, PAGE_SIZE=64, BLOCK_M=tile.block_m, BLOCK_N=P.BLOCK_N,
-             DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", STAMPS=False, PDL=True)
+             DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", PREFETCH=True, STAMPS=False, PDL=True)
 for page in (64, 16):  # 16: the engine's default (a page lookup per key)
     r = triton_sm90(P._split_kernel, {**const, "PAGE_SIZE": page}, arg_type, tile.num_warps, tile.num_stages)
-    print(r["smem"], r["regs"], r["spill"], flush=True)
+    prefetch = "cp.async.bulk.prefetch.L2.global"
+    print(r["smem"], r["regs"], r["spill"], r["ptx"].split("griddepcontrol.wait")[0].count(prefetch),
+          r["ptx"].count(prefetch), flush=True)
 """
 
 
 def test_split_kernel_keeps_two_programs_an_sm():
     # the decode split kernel at the 2B attention shape (bf16 d256 GQA 4), compiled for sm_90a on the CPU, at pages
     # of 64 and 16 keys: two programs fit an SM (shared memory and registers; the measured condition for full
-    # bandwidth), no spills
+    # bandwidth), no spills; the first tile's L2 prefetches (K and V) stand before the PDL wait, and only there
     for line in compiled_script_output(SM90_SPLIT_COMPILE, timeout=600).splitlines()[-2:]:
-        smem, regs, spill = map(int, line.split())
+        smem, regs, spill, early, total = map(int, line.split())
         assert 2 * smem <= 227 * 1024 and 2 * 128 * regs <= 65536 and spill == 0, (smem, regs, spill)
+        assert early == total >= 2, (early, total)
 
 
 def test_split_kv_pays_for_long_chunks_only_when_the_forward_underfills():

@@ -70,7 +70,7 @@ bf16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr")
 arg_type = lambda n: ("*bf16" if n in bf16 else "*fp32" if n.startswith("ws_") else "*i64" if n == "stamps_ptr" else
                       "*i32" if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32")
 const = dict(Q_LEN=1, VARLEN=True, GROUP=4, HEAD_DIM=256, PAGE_SIZE=16, BLOCK_M=tile.block_m, BLOCK_N=P.BLOCK_N,
-             DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", PDL=True)
+             DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", PREFETCH=False, PDL=True)
 for on in (False, True):
     ptx = triton_sm90(P._split_kernel, {**const, "STAMPS": on}, arg_type, tile.num_warps, tile.num_stages)["ptx"]
     before, _, after = ptx.partition("griddepcontrol.wait")
