@@ -72,7 +72,7 @@ def _attention_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr
     # token n, HEADS consecutive heads of the H + KV (q heads first, then k heads with their v heads)
     stamps.arrive(stamps_ptr, STAMPS)
     pdl.wait_for_producer(PDL)
-    stamps.go(stamps_ptr, STAMPS)
+    t_go = stamps.go(stamps_ptr, STAMPS)
     pdl.release_dependents(PDL)
     n = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)              # (HEADS,)
@@ -95,7 +95,7 @@ def _attention_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr
     tl.store(k_pages_ptr + dst, out, mask=k_rows)
     v = tl.load(v_ptr + n * sv_n + kvh[:, None] * sv_h + d[None, :], mask=k_rows)
     tl.store(v_pages_ptr + dst, v, mask=k_rows)
-    stamps.end(stamps_ptr, STAMPS)
+    stamps.end(stamps_ptr, t_go, STAMPS)
 
 
 def _check_heads(name: str, t, n: int | None, d: int | None) -> None:

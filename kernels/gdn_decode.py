@@ -152,7 +152,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         a_log, dt_bias = tl.load(a_log_ptr + heads), tl.load(dt_bias_ptr + heads)
         w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
     pdl.wait_for_producer(PDL)
-    stamps.go(stamps_ptr, STAMPS)
+    t_go = stamps.go(stamps_ptr, STAMPS)
     pdl.release_dependents(PDL)
     if EARLY:
         x_qk = tl.load(x_row + qk_ch, mask=qk_mask, other=0.0)
@@ -192,7 +192,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         tl.store(s_ptrs, s, mask=s_mask)
         _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
     _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
-    stamps.end(stamps_ptr, STAMPS)
+    stamps.end(stamps_ptr, t_go, STAMPS)
 
 
 def _expect(name, t, shape, dtypes, contiguous=False) -> None:

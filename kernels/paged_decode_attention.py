@@ -120,6 +120,11 @@ COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk v
 # 0.8B): on 0.872 / 0.876 ms, off 0.867 / 0.905, inside the noise; kept on. A/B:
 # `python -m profiles.host_time --model M --decode 1 --ab combine_release`
 COMBINE_RELEASE = True
+# The decode combine loads the splits' O rows beside their LSEs instead of after them (masked by which splits saw a
+# key), and zeroes the empty splits' rows with a select: one L2 round trip after its wait instead of two. Stamped
+# (session 29, H100, 2B at 8k): the combine ran 2.2-3.2 us from its go to its end for 1 MB of workspace; predicted
+# ~0.5 us off it a layer. A/B: `python -m profiles.step_stamps --knob combine_o=off`
+COMBINE_O_EARLY = True
 # The decode split kernel prefetches its first key tile (K and V rows) into L2 before its PDL wait: those keys are
 # cached, only the step's own key comes from attention_prep. Stamped on an H100 (session 29, `profiles.step_stamps`,
 # 2B at 8k): the split programs sit resident ~1.9 us before their wait returns, during attention_prep, while DRAM
@@ -312,7 +317,7 @@ def _split_kernel(
         pdl.prefetch_l2(k_base + page * stride_kp + slot * stride_kt, n_ok, row_bytes)
         pdl.prefetch_l2(v_base + page * stride_vp + slot * stride_vt, n_ok, row_bytes)
     pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
-    stamps.go(stamps_ptr, STAMPS)
+    t_go = stamps.go(stamps_ptr, STAMPS)
     pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
 
     rows = tl.arange(0, BLOCK_M)  # row r: query token r // GROUP, head kvh * GROUP + r % GROUP
@@ -336,7 +341,7 @@ def _split_kernel(
 
     _finish(acc, l_i, m_i, q_start + qi, head, row_ok, d, split, num_splits, num_heads, gate_ptr, out_ptr, ws_o_ptr,
             ws_lse_ptr, stride_gn, stride_gh, stride_on, stride_oh, HEAD_DIM, DIRECT, HAS_GATE)
-    stamps.end(stamps_ptr, STAMPS)
+    stamps.end(stamps_ptr, t_go, STAMPS)
 
 
 @triton.jit
@@ -454,28 +459,35 @@ def _chunk_kernel(
 def _combine_kernel(
     ws_o_ptr, ws_lse_ptr, gate_ptr, out_ptr, stride_gn, stride_gh, stride_on, stride_oh, num_splits, stamps_ptr,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
-    RELEASE: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
+    RELEASE: tl.constexpr, O_EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
 ):
     stamps.arrive(stamps_ptr, STAMPS)
     pdl.wait_for_producer(PDL)  # launched early: wait for the split kernel's writes
-    stamps.go(stamps_ptr, STAMPS)
+    t_go = stamps.go(stamps_ptr, STAMPS)
     if RELEASE:  # COMBINE_RELEASE
         pdl.release_dependents(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     ws_row = (token * tl.num_programs(1) + head) * num_splits + tl.arange(0, BLOCK_S)  # (S,) this row's splits
-    lse = tl.load(ws_lse_ptr + ws_row, mask=tl.arange(0, BLOCK_S) < num_splits, other=float("-inf"))  # (S,)
+    s_ok = tl.arange(0, BLOCK_S) < num_splits
+    o_ptrs = ws_o_ptr + ws_row[:, None] * HEAD_DIM + d[None, :]
+    if O_EARLY:  # COMBINE_O_EARLY: O beside the LSEs, one round trip; empty splits' stale rows zeroed below
+        o = tl.load(o_ptrs, mask=s_ok[:, None], other=0.0)  # (S, BD)
+    lse = tl.load(ws_lse_ptr + ws_row, mask=s_ok, other=float("-inf"))  # (S,)
     live = lse > float("-inf")
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # (S,), 0 for empty splits
-    o = tl.load(ws_o_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)  # (S, BD)
+    if O_EARLY:
+        o = tl.where(live[:, None], o, 0.0)
+    else:
+        o = tl.load(o_ptrs, mask=live[:, None], other=0.0)  # (S, BD)
     denom = tl.sum(w, 0)
     o = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)  # (BD,)
     if HAS_GATE:
         o = o * tl.sigmoid(tl.load(gate_ptr + token * stride_gn + head * stride_gh + d).to(tl.float32))
     tl.store(out_ptr + token * stride_on + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
-    stamps.end(stamps_ptr, STAMPS)
+    stamps.end(stamps_ptr, t_go, STAMPS)
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_heads", "num_splits"])
@@ -693,7 +705,7 @@ def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, launch: dic
     _combine_kernel[(n_tokens, num_heads, head_dim // block_d)](
         workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1), num_splits, stamp,
         HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, HAS_GATE=gate is not None, RELEASE=COMBINE_RELEASE,
-        STAMPS=stamping, num_warps=4, **launch,
+        O_EARLY=COMBINE_O_EARLY, STAMPS=stamping, num_warps=4, **launch,
     )
 
 

@@ -1,11 +1,14 @@
 """Kernel stamps: %globaltimer readings taken inside the decode kernels, so that a step's timeline can be read from
 its CUDA graph with programmatic dependent launch intact (CUPTI and Nsight serialise the kernels they time).
 
-A stamped kernel takes a slot of five int64 (`FIELDS`) and, from one thread a program, folds the GPU's global
-nanosecond timer into it with atomic min / max:
+A stamped kernel takes a slot of eight int64 (`FIELDS`) and, from one thread a program, folds the GPU's global
+nanosecond timer into it with atomic min / max / add:
   first_arrive, last_arrive  when its programs started (PDL: possibly long before the kernel before it ended);
   first_go, last_go          when their PDL wait returned: first_go is when the kernel before it completed;
-  last_end                   when its last program finished (kernels that stamp their end; else 0).
+  first_end, last_end        when its first and last programs finished;
+  busy_sum, programs         the sum over programs of their own end - go, and how many programs stamped it
+                             (busy_sum / programs: a program's mean time after its wait; last_end - first_go
+                             beyond it is the wave's tail).
 So in a chain of launches, the time from one stamped kernel's first_go to the next one's is what the kernels in
 between cost on the critical path, whatever overlapped.
 
@@ -21,17 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-FIELDS = ("first_arrive", "last_arrive", "first_go", "last_go", "last_end")
+FIELDS = ("first_arrive", "last_arrive", "first_go", "last_go", "first_end", "last_end", "busy_sum", "programs")
 INT64_MAX = 2**63 - 1
-_INIT = (INT64_MAX, 0, INT64_MAX, 0, 0)
+_INIT = (INT64_MAX, 0, INT64_MAX, 0, INT64_MAX, 0, 0, 0)
 
 
 class StampBuffer:
-    """Slots of FIELDS int64 on one device, handed out in launch order."""
+    """Slots of len(FIELDS) int64 on one device, handed out in launch order."""
 
     def __init__(self, device: torch.device, capacity: int = 16384):
         self.device = device
-        self.init = torch.tensor(_INIT, dtype=torch.int64, device=device).repeat(capacity, 1)  # (capacity, 5)
+        self.init = torch.tensor(_INIT, dtype=torch.int64, device=device).repeat(capacity, 1)  # (capacity, FIELDS)
         self.slots = self.init.clone()
         self.names: list[str] = []
 
@@ -95,15 +98,21 @@ def arrive(stamps_ptr, STAMPS: tl.constexpr):
 
 @triton.jit
 def go(stamps_ptr, STAMPS: tl.constexpr):
-    """Right after the program's PDL wait returned."""
+    """Right after the program's PDL wait returned; returns the time (0 when off) for `end`."""
+    t = tl.full([], 0, tl.int64)
     if STAMPS:
         t = _now()
         tl.atomic_min(stamps_ptr + 2, t, sem="relaxed")
         tl.atomic_max(stamps_ptr + 3, t, sem="relaxed")
+    return t
 
 
 @triton.jit
-def end(stamps_ptr, STAMPS: tl.constexpr):
-    """At the program's end (after its last store)."""
+def end(stamps_ptr, t_go, STAMPS: tl.constexpr):
+    """At the program's end (after its last store); t_go: what `go` returned."""
     if STAMPS:
-        tl.atomic_max(stamps_ptr + 4, _now(), sem="relaxed")
+        t = _now()
+        tl.atomic_min(stamps_ptr + 4, t, sem="relaxed")
+        tl.atomic_max(stamps_ptr + 5, t, sem="relaxed")
+        tl.atomic_add(stamps_ptr + 6, t - t_go, sem="relaxed")
+        tl.atomic_add(stamps_ptr + 7, 1, sem="relaxed")

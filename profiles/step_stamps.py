@@ -11,8 +11,10 @@ writes the same slots, so the phases of each layer are read straight off the tim
   either     after    the next mixer's go - this one's end: the output projection + MLP chain, and the next layer's
                       normed in-projection (their weights' bytes over that time is the GEMVs' bandwidth in place)
 and, per kernel, `lead` = go - first arrival (how long it sat resident before its wait returned: a launch hidden
-behind the kernel before) and `spread` = last go - first go. The stamped graph's step time is printed beside an
-unstamped one's from the same process (the stamps' own cost: one atomic a program and stamp).
+behind the kernel before), `spread` = last go - first go, `first_end` = when its first program finished (from the
+first go) and `busy` = a program's mean time from its own go to its end: a phase far above `busy` is a tail.
+The stamped graph's step time is printed beside an unstamped one's from the same process (the stamps' own cost:
+a few atomics a program).
 """
 import argparse
 from collections import defaultdict
@@ -72,6 +74,8 @@ def layer_phases(rows: list[dict], kinds: list[str]) -> list[dict]:
         for r in own:
             phase[f"{r['name']}.lead"] = (r["first_go"] - r["first_arrive"]) * us
             phase[f"{r['name']}.spread"] = (r["last_go"] - r["first_go"]) * us
+            phase[f"{r['name']}.first_end"] = (r["first_end"] - r["first_go"]) * us
+            phase[f"{r['name']}.busy"] = r["busy_sum"] / max(r["programs"], 1) * us
         out.append(phase)
     return out
 

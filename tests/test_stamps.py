@@ -14,11 +14,11 @@ def test_slots_in_launch_order_and_read_back():
     buf = stamps.StampBuffer(torch.device("cpu"), capacity=3)
     a, b = buf.take("a"), buf.take("b")
     assert buf.take("c") is not None and buf.take("d") is None  # full: no slot
-    a[:] = torch.tensor([5, 9, 10, 12, 20])
+    a[:] = torch.tensor([5, 9, 10, 12, 18, 20, 14, 2])
     b[2:4] = torch.tensor([30, 31])
     assert [r["name"] for r in buf.read()] == ["a", "b"]  # c wrote no go stamp: not read
     assert buf.read()[0] == {"slot": 0, "name": "a", "first_arrive": 5, "last_arrive": 9, "first_go": 10,
-                             "last_go": 12, "last_end": 20}
+                             "last_go": 12, "first_end": 18, "last_end": 20, "busy_sum": 14, "programs": 2}
     buf.reset()
     assert buf.read() == [] and buf.slots[0, 0] == stamps.INT64_MAX
 
@@ -33,8 +33,9 @@ def test_slot_is_a_dummy_unless_recording_on_a_gpu():
 
 
 def _row(name, arrive, go, end, spread=0):
+    # two programs: one ends halfway, the other at `end`
     return {"name": name, "first_arrive": arrive, "last_arrive": arrive, "first_go": go, "last_go": go + spread,
-            "last_end": end}
+            "first_end": (go + end) // 2, "last_end": end, "busy_sum": (end - go) // 2 + (end - go), "programs": 2}
 
 
 def test_layer_phases_from_synthetic_stamps():
@@ -47,6 +48,7 @@ def test_layer_phases_from_synthetic_stamps():
     assert first["prep"] == pytest.approx(1.5) and first["split"] == pytest.approx(6.7)
     assert first["combine"] == pytest.approx(1.8) and first["after"] == pytest.approx(29.0)
     assert first["attention_split.lead"] == pytest.approx(2.0) and first["attention_split.spread"] == 0.3
+    assert first["attention_split.first_end"] == pytest.approx(3.25) and first["attention_split.busy"] == 4.875
     assert gdn["kernel"] == pytest.approx(4.0) and gdn["after"] == pytest.approx(46.0)
     assert "after" not in last  # the last layer's GEMVs run into the next step
     with pytest.raises(ValueError, match="expected"):
@@ -80,16 +82,17 @@ for on in (False, True):
 
 def test_stamps_sit_around_the_pdl_wait_in_sm90_ptx():
     # the decode split kernel compiled for sm_90a on the CPU: without STAMPS no timer and no atomic; with it one
-    # reading before griddepcontrol.wait (arrival), two after (go, end), five atomics (min/max, min/max, max)
+    # reading before griddepcontrol.wait (arrival), two after (go, end), eight atomics (min / max at arrival, go and
+    # end, and the busy sum and program count)
     off, on = [tuple(map(int, line.split())) for line in compiled_script_output(SM90_STAMPED, timeout=600).split("\n")
                if line]
-    assert off == (0, 0, 0) and on == (1, 2, 5), (off, on)
+    assert off == (0, 0, 0) and on == (1, 2, 8), (off, on)
 
 
 @pytest.mark.gpu
 def test_a_stamped_attention_layer_on_the_gpu():
     from kernels.attention_prep import attention_prep
-    from kernels.paged_decode_attention import paged_decode_attention
+    from kernels.paged_decode_attention import choose_num_splits, paged_decode_attention
     torch.manual_seed(0)
     dev = torch.device("cuda", torch.cuda.current_device())
     h, kv, d, page, ctx = 8, 2, 256, 16, 4097
@@ -116,5 +119,7 @@ def test_a_stamped_attention_layer_on_the_gpu():
     assert [prep["name"], split["name"], combine["name"]] == ["attention_prep", "attention_split", "attention_combine"]
     for r in (prep, split, combine):
         assert r["first_arrive"] <= r["last_arrive"] and r["first_arrive"] <= r["first_go"] <= r["last_go"], r
-        assert r["last_go"] <= r["last_end"], r
+        assert r["first_go"] <= r["first_end"] <= r["last_end"] and r["last_go"] <= r["last_end"], r
+        assert 0 <= r["busy_sum"] <= r["programs"] * (r["last_end"] - r["first_go"]), r
+    assert split["programs"] == 2 * choose_num_splits(1, kv, table.shape[1] * page)  # every program stamped
     assert prep["last_end"] <= split["first_go"] and split["last_end"] <= combine["first_go"], (prep, split, combine)
