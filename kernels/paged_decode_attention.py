@@ -123,7 +123,8 @@ COMBINE_RELEASE = True
 # The decode combine loads the splits' O rows beside their LSEs instead of after them (masked by which splits saw a
 # key), and zeroes the empty splits' rows with a select: one L2 round trip after its wait instead of two. Stamped
 # (session 29, H100, 2B at 8k): the combine ran 2.2-3.2 us from its go to its end for 1 MB of workspace; predicted
-# ~0.5 us off it a layer. A/B: `python -m profiles.step_stamps --knob combine_o=off`
+# ~0.5 us off it a layer; not yet timed on a GPU (exact: the NaN-filled workspace test). A/B: `python -m
+# profiles.step_stamps --knob combine_o=off`
 COMBINE_O_EARLY = True
 # The decode split kernel prefetches its first key tile (K and V rows) into L2 before its PDL wait: those keys are
 # cached, only the step's own key comes from attention_prep. Stamped on an H100 (session 29, `profiles.step_stamps`,
@@ -131,7 +132,10 @@ COMBINE_O_EARLY = True
 # idles; the split then took 11.8 us for 16.8 MB (5.6 us of bytes at 3.0 TB/s). Predicted: up to ~1.9 us off the
 # split a layer. (Session 29 first tried it with attention_prep releasing before its own wait, so that the split
 # launched during the in-projection GEMV: the prefetch then competed with the GEMV's weights, and the step tied.)
-# A/B: `python -m profiles.step_stamps --knob kv_prefetch=off`
+# Measured (H100, session 29, stamps, 50 replays; `step_stamps.json`): 2B prep 3.49 / split 11.0 / combine 2.91 us
+# against 2.87 / 11.6 / 3.03 without (17.4 against 17.5: the prefetch's traffic slows prep by what it saves the
+# split), step 1.551 ms against 1.557; 0.8B 16.8 us against 17.2, step 0.835 against 0.838. Kept: at most 0.4 us a
+# layer. A/B: `python -m profiles.step_stamps --knob kv_prefetch=off`
 PREFETCH_FIRST_TILE = True
 LOG2E = 1.4426950408889634
 H200_SMS = 132
