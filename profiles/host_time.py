@@ -326,9 +326,9 @@ def make_engine(model, max_num_seqs: int, max_len: int, **fields) -> LLMEngine:
     return LLMEngine(model, cfg)
 
 
-def decoding_engine(model, args, cuda_graphs: bool) -> LLMEngine:
+def decoding_engine(model, args, cuda_graphs: bool, page_size: int = 16) -> LLMEngine:
     """An engine whose next steps decode args.decode sequences over args.ctx tokens, after 5 warm-up steps."""
-    engine = make_engine(model, args.decode, args.ctx + 256, cuda_graphs=cuda_graphs)
+    engine = make_engine(model, args.decode, args.ctx + 256, cuda_graphs=cuda_graphs, page_size=page_size)
     decoding_batch(engine, args.decode, args.ctx)
     time_steps(engine, 5)
     return engine

@@ -26,7 +26,7 @@ from kernels import stamps
 from model import ops
 from model.layers import GatedAttention
 from profiles.common import environment, print_table, write_result
-from profiles.host_time import AB_KNOBS, decoding_batch, knob_setters, make_engine, time_steps
+from profiles.host_time import AB_KNOBS, decoding_engine, knob_setters, time_steps
 from serving.demo import load_model
 
 KERNELS = {"attention": ("attention_prep", "attention_split", "attention_combine"), "gdn": ("gdn_decode",)}
@@ -100,20 +100,12 @@ def summarise(replays: list[list[dict]], model) -> list[dict]:
     return rows
 
 
-def decoding_engine(model, args):
-    """A CUDA-graph engine whose next steps decode one sequence over args.ctx tokens in pages of args.page_size."""
-    engine = make_engine(model, 1, args.ctx + 256, cuda_graphs=True, page_size=args.page_size)
-    decoding_batch(engine, 1, args.ctx)
-    time_steps(engine, 5)
-    return engine
-
-
 def run(model, args) -> dict:
-    plain = decoding_engine(model, args)
+    plain = decoding_engine(model, args, True, args.page_size)
     plain_ms = time_steps(plain, 150)
     plain.close()
     with stamps.record(torch.device("cuda", torch.cuda.current_device())) as buf:
-        engine = decoding_engine(model, args)
+        engine = decoding_engine(model, args, True, args.page_size)
     stamped_ms = time_steps(engine, 150)
     kinds = layer_kinds(model)
     replays, spans = [], []
@@ -147,6 +139,7 @@ def main(argv=None) -> dict:
         if variant not in variants:
             raise SystemExit(f"--knob {knob}: expected NAME=VARIANT with NAME in AB_KNOBS and one of its variants")
         variants[variant]()
+    args.decode = 1
     ops.set_backend("triton")
     model, what = load_model(args.model, torch.device("cuda"))
     found = run(model, args)
