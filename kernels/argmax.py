@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, split_k
+from kernels import pdl, split_k, stamps
 from kernels.host_math import cdiv
 from kernels.norms import triton_runs_on
 from reference._checks import check_tensor
@@ -45,12 +45,12 @@ def _first_max(values, index, mask, past):
 
 
 @triton.jit
-def _argmax_kernel(logits_ptr, stride, part_val_ptr, part_idx_ptr, tickets_ptr, out_ptr, V,
-                   CHUNK: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, PDL: tl.constexpr):
+def _argmax_kernel(logits_ptr, stride, part_val_ptr, part_idx_ptr, tickets_ptr, out_ptr, stamps_ptr, V,
+                   CHUNK: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr):
     # grid (B, P): chunk `part` of row `row`; parked pairs at part_*[row * P + part]
     row, part = tl.program_id(0), tl.program_id(1)
     offs = part * CHUNK + tl.arange(0, CHUNK)
-    pdl.wait_for_producer(PDL)
+    stamps.wait(stamps_ptr, STAMPS, PDL)
     pdl.release_dependents(PDL)
     mask = offs < V
     x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=mask, other=float("-inf")).to(tl.float32)
@@ -106,8 +106,9 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         return out
     parts = cdiv(v, CHUNK)
     values, indices, tickets = _workspace(logits.device, rows, parts)
-    _argmax_kernel[(rows, parts)](logits, logits.stride(0), values, indices, tickets, out, v, CHUNK=CHUNK, P=parts,
-                                  PB=triton.next_power_of_2(parts), num_warps=NUM_WARPS,
+    stamp, stamping = stamps.slot("argmax", logits.device)
+    _argmax_kernel[(rows, parts)](logits, logits.stride(0), values, indices, tickets, out, stamp, v, CHUNK=CHUNK,
+                                  P=parts, PB=triton.next_power_of_2(parts), STAMPS=stamping, num_warps=NUM_WARPS,
                                   **pdl.launch_options(logits.device))
     return out
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, stamps
 from kernels.host_math import cdiv
 from kernels.norms import triton_runs_on
 from reference.gather import check_pairs
@@ -39,10 +39,11 @@ def _copy_piece(table_ptr, stride, rows, index_ptr, out_ptr, width, b, piece, CH
 
 @triton.jit
 def _gather_rows_kernel(t0, s0, r0, i0, o0, w0, t1, s1, r1, i1, o1, w1, t2, s2, r2, i2, o2, w2,
-                        t3, s3, r3, i3, o3, w3, first1, first2, first3, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                        t3, s3, r3, i3, o3, w3, first1, first2, first3, stamps_ptr, CHUNK: tl.constexpr,
+                        STAMPS: tl.constexpr, PDL: tl.constexpr):
     # grid (B, chunks): chunk c belongs to table k where first_k <= c < first_{k+1} (first0 = 0)
     b, c = tl.program_id(0), tl.program_id(1)
-    pdl.wait_for_producer(PDL)
+    stamps.wait(stamps_ptr, STAMPS, PDL)
     pdl.release_dependents(PDL)
     if c < first1:
         _copy_piece(t0, s0, r0, i0, o0, w0, b, c, CHUNK)
@@ -83,8 +84,9 @@ def gather_rows(tables: Sequence[torch.Tensor], indices: Sequence[torch.Tensor])
         j = min(k, len(tables) - 1)  # unused slots repeat the last pair: no chunk reaches them
         t = tables[j]
         args += [t, t.stride(0), t.shape[0], indices[j], outs[j], t.shape[1]]
-    _gather_rows_kernel[(batch, sum(pieces))](*args, *firsts, CHUNK=CHUNK, num_warps=NUM_WARPS,
-                                               **pdl.launch_options(tables[0].device))
+    stamp, stamping = stamps.slot("gather_rows", tables[0].device)
+    _gather_rows_kernel[(batch, sum(pieces))](*args, *firsts, stamp, CHUNK=CHUNK, STAMPS=stamping,
+                                               num_warps=NUM_WARPS, **pdl.launch_options(tables[0].device))
     return outs
 
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, split_k, tma_gemv
+from kernels import pdl, split_k, stamps, tma_gemv
 from kernels.activations import silu_and_mul
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
@@ -87,9 +87,10 @@ def _input_tile(x_ptr, res_ptr, rows, k, M, K, x_stride, res_stride, ADD: tl.con
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, M, N, K, x_stride, w_stride, out_stride,
-                   res_stride, sum_stride, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   NORM_BLOCK: tl.constexpr, INPUT: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, stamps_ptr, M, N, K, x_stride, w_stride,
+                   out_stride, res_stride, sum_stride, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, INPUT: tl.constexpr, ADD: tl.constexpr,
+                   STAMPS: tl.constexpr, PDL: tl.constexpr):
     # out[m, n] = sum_k in[m, k] * w[n, k] for the BLOCK_N columns n of this program and the M <= ROWS rows m.
     # INPUT: PLAIN, in = x; GATED, x (M, 2K) is SwiGLU's [gate | up] and in = silu(gate) * up; NORM, in =
     # rms_norm(s) with s = x (+ residual when ADD), each rounded to x's dtype as the unfused ops round, and the
@@ -102,7 +103,7 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, M, N, K,
     n_ok = (n < N)[:, None]
     # weights are read once a step (evict first: keep L2 for activations); they need no wait
     w = tl.load(w_rows + kk[None, :], mask=n_ok & (kk[None, :] < K), other=0.0, eviction_policy="evict_first")
-    pdl.wait_for_producer(PDL)
+    stamps.wait(stamps_ptr, STAMPS, PDL)
     pdl.release_dependents(PDL)
     if INPUT == NORM:  # a first pass over the rows: their sums of squares (every program; rows are L2-resident)
         squares = tl.zeros((ROWS,), dtype=tl.float32)
@@ -253,12 +254,13 @@ def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=
     block_n, block_k, warps = _checked_plan(plan, ("BLOCK_N", "BLOCK_K", "num_warps")) or launch_plan(m, n, k)
     rows = next_power_of_2(m)
     res2 = x2 if res2 is None else res2
+    stamp, stamping = stamps.slot("linear", x2.device, bytes=weight.numel() * weight.element_size())
     _linear_kernel[(cdiv(n, block_n),)](
-        x2, weight, o2, res2, x2 if norm_w is None else norm_w, x2 if s2 is None else s2, m, n, k, x2.stride(0),
-        weight.stride(0), o2.stride(0), res2.stride(0), 0 if s2 is None else s2.stride(0), float(eps),
+        x2, weight, o2, res2, x2 if norm_w is None else norm_w, x2 if s2 is None else s2, stamp, m, n, k,
+        x2.stride(0), weight.stride(0), o2.stride(0), res2.stride(0), 0 if s2 is None else s2.stride(0), float(eps),
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, INPUT=mode.value,
         NORM_BLOCK=max(block_k, min(next_power_of_2(k), NORM_ELEMENTS // rows)), ADD=s2 is not None,
-        num_warps=warps, **pdl.launch_options(x2.device))
+        STAMPS=stamping, num_warps=warps, **pdl.launch_options(x2.device))
 
 
 def _rows_dot(x2, weight, o2, plan):

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, stamps
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.row_buckets import empty_rows
 from reference._checks import check_no_self_overlap, check_real, check_same_device, check_tensor
@@ -68,9 +68,10 @@ def _launch_shape(n: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_rows, n, x_stride, res_stride, out_stride, eps,
-                     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+                     stamps_ptr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                     STAMPS: tl.constexpr, PDL: tl.constexpr):
     # rows [pid*ROWS, pid*ROWS + ROWS) of x (n_rows, n); with HAS_RES, s = x + res is stored into res first
-    pdl.wait_for_producer(PDL)
+    stamps.wait(stamps_ptr, STAMPS, PDL)
     pdl.release_dependents(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)                     # (ROWS,)
     cols = tl.arange(0, BLOCK_N)                                             # (BLOCK_N,)
@@ -111,9 +112,10 @@ def _norm(x, residual, weight, eps, out):
     if n_rows == 0 or n == 0:
         return out
     block_n, rows, warps = _launch_shape(n)
+    stamp, stamping = stamps.slot("rms_norm", x.device)
     _rms_norm_kernel[(cdiv(n_rows, rows),)](
-        x2, r2, weight, o2, n_rows, n, x2.stride(0), r2.stride(0), o2.stride(0), float(eps),
-        HAS_RES=residual is not None, BLOCK_N=block_n, ROWS=rows, num_warps=warps,
+        x2, r2, weight, o2, n_rows, n, x2.stride(0), r2.stride(0), o2.stride(0), float(eps), stamp,
+        HAS_RES=residual is not None, BLOCK_N=block_n, ROWS=rows, STAMPS=stamping, num_warps=warps,
         **pdl.launch_options(x.device))
     return out
 

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 FIELDS = ("first_arrive", "last_arrive", "first_go", "last_go", "first_end", "last_end", "busy_sum", "programs")
 INT64_MAX = 2**63 - 1
 _INIT = (INT64_MAX, 0, INT64_MAX, 0, INT64_MAX, 0, 0, 0)
@@ -37,20 +39,22 @@ class StampBuffer:
         self.init = torch.tensor(_INIT, dtype=torch.int64, device=device).repeat(capacity, 1)  # (capacity, FIELDS)
         self.slots = self.init.clone()
         self.names: list[str] = []
+        self.bytes: list[int] = []  # what each launch streams (a GEMV's weights), 0 where not given
 
-    def take(self, name: str) -> torch.Tensor | None:
+    def take(self, name: str, bytes: int = 0) -> torch.Tensor | None:
         if len(self.names) == self.slots.shape[0]:
             return None
         self.names.append(name)
+        self.bytes.append(bytes)
         return self.slots[len(self.names) - 1]
 
     def reset(self) -> None:
         self.slots.copy_(self.init)
 
     def read(self) -> list[dict]:
-        """The slots the last run wrote (a go stamp), in launch order: {'slot', 'name', FIELDS...}."""
+        """The slots the last run wrote (a go stamp), in launch order: {'slot', 'name', 'bytes', FIELDS...}."""
         rows = self.slots[:len(self.names)].tolist()
-        return [{"slot": i, "name": self.names[i], **dict(zip(FIELDS, row))}
+        return [{"slot": i, "name": self.names[i], "bytes": self.bytes[i], **dict(zip(FIELDS, row))}
                 for i, row in enumerate(rows) if row[3] > 0]
 
 
@@ -69,12 +73,13 @@ def record(device: torch.device, capacity: int = 16384):
         _ACTIVE = previous
 
 
-def slot(name: str, device: torch.device) -> tuple[torch.Tensor, bool]:
+def slot(name: str, device: torch.device, bytes: int = 0) -> tuple[torch.Tensor, bool]:
     """(the int64 slot a launch passes as its stamps pointer, whether to stamp): a dummy and False when off, full,
-    on another device, or not compiled for a GPU (the CPU interpreter runs no asm)."""
+    on another device, or not compiled for a GPU (the CPU interpreter runs no asm). bytes: what the launch streams
+    (a GEMV's weights), for a bandwidth beside its time."""
     on = (_ACTIVE is not None and _ACTIVE.device == device and device.type == "cuda"
           and os.environ.get("TRITON_INTERPRET") != "1")
-    taken = _ACTIVE.take(name) if on else None
+    taken = _ACTIVE.take(name, bytes) if on else None
     if taken is not None:
         return taken, True
     if device not in _DUMMY:
@@ -116,3 +121,12 @@ def end(stamps_ptr, t_go, STAMPS: tl.constexpr):
         tl.atomic_max(stamps_ptr + 5, t, sem="relaxed")
         tl.atomic_add(stamps_ptr + 6, t - t_go, sem="relaxed")
         tl.atomic_add(stamps_ptr + 7, 1, sem="relaxed")
+
+
+@triton.jit
+def wait(stamps_ptr, STAMPS: tl.constexpr, PDL: tl.constexpr):
+    """pdl.wait_for_producer between an arrival and a go stamp (the arrival: when the program reached its wait, which
+    is its start unless it loads weights first); returns go's time. For kernels that stamp no end."""
+    arrive(stamps_ptr, STAMPS)
+    pdl.wait_for_producer(PDL)
+    return go(stamps_ptr, STAMPS)

@@ -31,7 +31,7 @@ import operator
 
 import torch
 
-from kernels import pdl
+from kernels import pdl, stamps
 from kernels.cute_runtime import CompileCache, cu_stream, dsl_available
 from kernels.host_math import cdiv
 
@@ -57,6 +57,7 @@ RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 BOUNDARY_BYTES = 80 * 1024
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
+STAMP_FIELDS = len(stamps.FIELDS)
 CTA_SHARED_BYTES = 227 * 1024  # the most one CTA may take on sm_90: the ring, x and the barriers
 
 
@@ -85,6 +86,7 @@ class TmaGemvConfig:
     chain: tuple[GemvInput, ...] = ()  # GEMVs after the first in the same launch, each on the previous one's output
     slot_rows: int = SLOT_ROWS  # a ring slot: slot_rows x BLOCK_K weights, slot_rows / block_n boxes along K
     boundary_slots: int = 0  # see BOUNDARY_BYTES (0: no pause)
+    stamps: bool = False  # %globaltimer stamps into a kernels.stamps slot (profiles.step_stamps)
 
     @property
     def slot_bytes(self) -> int:
@@ -214,11 +216,13 @@ def _kernel_class():
         @cute.jit
         def __call__(self, x_ptr: cute.Pointer, w_ptrs: tuple, y_ptrs: tuple, res_ptr: cute.Pointer | None,
                      norm_w_ptr: cute.Pointer | None, s_ptr: cute.Pointer | None, sync_ptr: cute.Pointer | None,
-                     ns: tuple, num_ctas: Int32, eps: Float32, stream: cuda.CUstream):
+                     stamps_ptr: cute.Pointer | None, ns: tuple, num_ctas: Int32, eps: Float32,
+                     stream: cuda.CUstream):
             """x (1, K) or [gate | up] (1, 2K); GEMV g: weight w_ptrs[g] (ns[g], K_g) into y_ptrs[g] (1, ns[g]), on
             y_ptrs[g - 1] after the first; contiguous bf16; num_ctas: the SMs. The norm input: norm_w (K,); with
             add, residual (1, K) and s (1, K), where CTA 0 stores x + residual. sync: a chain's grid barrier, one
-            int64 that only grows, a multiple of num_ctas between launches (every chain launches num_ctas CTAs)."""
+            int64 that only grows, a multiple of num_ctas between launches (every chain launches num_ctas CTAs).
+            stamps (cfg.stamps): a kernels.stamps slot of int64."""
             cfg = self.cfg
             stages = cfg.stages
             tmas, mWs, mYs, blocks = [], [], [], []
@@ -242,6 +246,9 @@ def _kernel_class():
                 mS = cute.make_tensor(s_ptr, cute.make_layout(norm_k))
             if cutlass.const_expr(len(cfg.chain) > 0):
                 mSync = cute.make_tensor(sync_ptr, cute.make_layout(1))
+            mStamps = None
+            if cutlass.const_expr(cfg.stamps):
+                mStamps = cute.make_tensor(stamps_ptr, cute.make_layout(STAMP_FIELDS))
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
@@ -254,17 +261,20 @@ def _kernel_class():
             grid = num_ctas  # a chain: every SM's CTA takes part in each grid sync
             if cutlass.const_expr(len(cfg.chain) == 0):
                 grid = cutlass.max(cutlass.min(num_ctas, blocks[0]), 1)
-            self.kernel(tuple(tmas), tuple(mWs), mX, tuple(mYs), mRes, mNormW, mS, mSync, eps, tuple(blocks),
-                        grid).launch(grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1], stream=stream,
-                                     use_pdl=cfg.pdl)
+            self.kernel(tuple(tmas), tuple(mWs), mX, tuple(mYs), mRes, mNormW, mS, mSync, mStamps, eps,
+                        tuple(blocks), grid).launch(grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1],
+                                                    stream=stream, use_pdl=cfg.pdl)
 
         @cute.kernel
         def kernel(self, tmas: tuple, mWs: tuple, mX: cute.Tensor, mYs: tuple, mRes: cute.Tensor | None,
-                   mNormW: cute.Tensor | None, mS: cute.Tensor | None, mSync: cute.Tensor | None, eps: Float32,
-                   blocks: tuple, grid: Int32):
+                   mNormW: cute.Tensor | None, mS: cute.Tensor | None, mSync: cute.Tensor | None,
+                   mStamps: cute.Tensor | None, eps: Float32, blocks: tuple, grid: Int32):
             cfg = self.cfg
             stages, consumers = cfg.stages, cfg.consumer_warps
             tidx, _, _ = cute.arch.thread_idx()
+            if cutlass.const_expr(cfg.stamps):
+                if tidx == 0:
+                    self.stamp(mStamps, 0, 1)  # arrival
             bidx, _, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             lane = cute.arch.lane_idx()
@@ -314,6 +324,10 @@ def _kernel_class():
                 if cutlass.const_expr(cfg.pdl):
                     cute.arch.griddepcontrol_wait()  # x comes from the previous kernel
                     cute.arch.griddepcontrol_launch_dependents()
+                t_go = Int64(0)
+                if cutlass.const_expr(cfg.stamps):
+                    if tidx == 0:
+                        t_go = self.stamp(mStamps, 2, 3)  # go
                 sSumSq = storage.sum_sq.get_tensor(cute.make_layout(consumers))
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
                 for g in cutlass.range_constexpr(len(tmas)):
@@ -336,6 +350,20 @@ def _kernel_class():
                             if lane == 0 and row < cute.size(mY):
                                 mY[row] = total.to(BFloat16)
                         block += grid
+                if cutlass.const_expr(cfg.stamps):  # the CTA's last stores issued: its end
+                    cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
+                    if tidx == 0:
+                        t_end = self.stamp(mStamps, 4, 5)
+                        cute.arch.atomic_add(mStamps.iterator + 6, t_end - t_go, sem="relaxed", scope="gpu")
+                        cute.arch.atomic_add(mStamps.iterator + 7, Int64(1), sem="relaxed", scope="gpu")
+
+        @cute.jit
+        def stamp(self, mStamps: cute.Tensor, first: cutlass.Constexpr, last: cutlass.Constexpr) -> Int64:
+            """%globaltimer folded into kernels.stamps fields first (min) and last (max); returns it."""
+            t = Int64(cute.arch.globaltimer())
+            cute.arch.atomic_min(mStamps.iterator + first, t, sem="relaxed", scope="gpu")
+            cute.arch.atomic_max(mStamps.iterator + last, t, sem="relaxed", scope="gpu")
+            return t
 
         def make_ring(self, storage):
             """The weight ring's TMA pipeline on storage.mbar: one producer thread fills a slot, each consumer warp
@@ -479,8 +507,9 @@ def compile_config(cfg: TmaGemvConfig, keep_ptx: bool = False):
     return cute.compile(_kernel_class()(cfg), ptr(), tuple(ptr() for _ in range(gemvs)),
                         tuple(ptr() for _ in range(gemvs)), ptr() if add else None, ptr() if norm else None,
                         ptr() if add else None, ptr(cutlass.Int64) if cfg.chain else None,
-                        tuple(cutlass.Int32(1) for _ in range(gemvs)), cutlass.Int32(1), cutlass.Float32(1e-6),
-                        make_fake_stream(), options="--keep-ptx" if keep_ptx else None)
+                        ptr(cutlass.Int64) if cfg.stamps else None, tuple(cutlass.Int32(1) for _ in range(gemvs)),
+                        cutlass.Int32(1), cutlass.Float32(1e-6), make_fake_stream(),
+                        options="--keep-ptx" if keep_ptx else None)
 
 
 _CACHE = CompileCache(compile_config)
@@ -544,6 +573,9 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
     cfg = config or choose_config(weights[0].shape[0], first.k, first.gated, _SMS[index], norm=first.norm,
                                   add=first.add, pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES, chain=chain,
                                   slot_rows=SLOT_ROWS, boundary_bytes=BOUNDARY_BYTES)
+    stamp, stamping = stamps.slot("tma_gemv_chain" if chain else "tma_gemv", x.device,
+                                  bytes=sum(w.numel() * w.element_size() for w in weights))
+    cfg = dataclasses.replace(cfg, stamps=stamping)
     outs = [torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device) for w in weights[:-1]] + [out]
     stream = cu_stream(torch.cuda.current_stream(x.device).cuda_stream)
 
@@ -552,7 +584,8 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
 
     sync = _sync_counter(x.device, index) if chain else None
     args = (ptr(x), tuple(ptr(w) for w in weights), tuple(ptr(o) for o in outs), ptr(residual), ptr(norm_weight),
-            ptr(s_out), ptr(sync, cutlass.Int64), tuple(w.shape[0] for w in weights),
+            ptr(s_out), ptr(sync, cutlass.Int64), ptr(stamp, cutlass.Int64) if stamping else None,
+            tuple(w.shape[0] for w in weights),
             _SMS[index] * cfg.ctas_per_sm, cutlass.Float32(eps), stream)
     if index == torch.cuda.current_device():
         _CACHE.get(cfg)(*args)

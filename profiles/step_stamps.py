@@ -1,18 +1,15 @@
-"""A decode step's phases on the GPU's own clock, from its CUDA graph with PDL intact:
+"""A decode step's kernels on the GPU's own clock, from its CUDA graph with PDL intact:
 `python -m profiles.step_stamps --model qwen3.5-2b --ctx 8192`.
 
-The mixer kernels stamp %globaltimer (kernels/stamps.py) when their programs start, when their PDL wait returns
-(the kernel before them has completed) and when they end. Captured into the decode graph at batch 1, every replay
-writes the same slots, so the phases of each layer are read straight off the timer:
-  attention  prep     the split's go - prep's go         (prep's work, and the split's hand-off)
-             split    the combine's go - the split's go  (the KV stream)
-             combine  the combine's end - its go
-  gdn        kernel   its end - its go
-  either     after    the next mixer's go - this one's end: the output projection + MLP chain, and the next layer's
-                      normed in-projection (their weights' bytes over that time is the GEMVs' bandwidth in place)
-and, per kernel, `lead` = go - first arrival (how long it sat resident before its wait returned: a launch hidden
-behind the kernel before), `spread` = last go - first go, `first_end` = when its first program finished (from the
-first go) and `busy` = a program's mean time from its own go to its end: a phase far above `busy` is a tail.
+Every kernel of a batch-1 decode step stamps %globaltimer (kernels/stamps.py: the TMA GEMVs and chains, the Triton
+GEMV, the mixers, the norms, the row gathers and the argmax) when its programs reach their PDL wait, when the wait
+returns (the kernel before has completed) and, in the mixers and the TMA GEMVs, when they end. Captured into the
+decode graph, every replay writes the same slots. A launch's share of the step's critical path is the next
+launch's go minus its own (whatever overlapped it), so the shares add up to the step; a GEMV's weight bytes over its
+share is its bandwidth in place. Per launch also `lead` = go - first arrival (how long its programs sat resident
+before their wait returned: its launch and prologue hidden behind the kernel before), `spread` = last go - first go
+and `busy` = a program's mean time from its own go to its end (stamped kernels only): a share far above `busy` is
+a tail or a hand-off. Launches are grouped by kernel and weight size (e.g. 2B's 18 GDN in-projections of 50.6 MB).
 The stamped graph's step time is printed beside an unstamped one's from the same process (the stamps' own cost:
 a few atomics a program).
 """
@@ -24,79 +21,44 @@ import torch
 
 from kernels import stamps
 from model import ops
-from model.layers import GatedAttention
 from profiles.common import environment, print_table, write_result
 from profiles.host_time import AB_KNOBS, decoding_engine, knob_setters, time_steps
 from serving.demo import load_model
 
-KERNELS = {"attention": ("attention_prep", "attention_split", "attention_combine"), "gdn": ("gdn_decode",)}
 
-
-def layer_kinds(model) -> list[str]:
-    return ["attention" if isinstance(layer.mixer, GatedAttention) else "gdn" for layer in model.model.layers]
-
-
-def bytes_after(model, i: int) -> int:
-    """Weight bytes the GEMVs between layer i's mixer and layer i + 1's stream: i's output projection and MLP, then
-    i + 1's in-projection (0 for the last layer: its 'after' runs into the next step)."""
-    layers = model.model.layers
-    if i + 1 >= len(layers):
-        return 0
-    layer, nxt = layers[i], layers[i + 1]
-    elt = layer.mixer.out_weight.element_size()
-    mlp = sum(p.numel() for p in layer.mlp.parameters())
-    return elt * (layer.mixer.out_weight.numel() + mlp + nxt.mixer.widths[0] * model.config.hidden_size)
-
-
-def layer_phases(rows: list[dict], kinds: list[str]) -> list[dict]:
-    """One replay's stamped rows (launch order) -> per layer {'layer', 'kind', phase: us}; kernel rows carry
-    lead_us and spread_us under '<kernel>.lead' / '.spread'."""
-    expected = [name for kind in kinds for name in KERNELS[kind]]
-    names = [r["name"] for r in rows]
-    if names != expected:
-        raise ValueError(f"the replay stamped {names[:8]}... ({len(names)}), expected the layers' {len(expected)}")
+def critical_shares(rows: list[dict]) -> list[dict]:
+    """One replay's stamped launches (launch order, every kernel of the step stamped) -> per launch: its share of
+    the critical path (the next launch's go - its go; the last one's end - its go), lead, spread and busy (us), and
+    its bytes' TB/s over its share where it streams weights."""
     us = 1e-3
-    out, k = [], 0
-    for i, kind in enumerate(kinds):
-        own = rows[k:k + len(KERNELS[kind])]
-        k += len(own)
-        nxt = rows[k] if k < len(rows) else None
-        phase = {"layer": i, "kind": kind}
-        if kind == "attention":
-            prep, split, combine = own
-            phase |= {"prep": (split["first_go"] - prep["first_go"]) * us,
-                      "split": (combine["first_go"] - split["first_go"]) * us,
-                      "combine": (combine["last_end"] - combine["first_go"]) * us}
-        else:
-            phase["kernel"] = (own[0]["last_end"] - own[0]["first_go"]) * us
-        if nxt is not None:
-            phase["after"] = (nxt["first_go"] - own[-1]["last_end"]) * us
-        for r in own:
-            phase[f"{r['name']}.lead"] = (r["first_go"] - r["first_arrive"]) * us
-            phase[f"{r['name']}.spread"] = (r["last_go"] - r["first_go"]) * us
-            phase[f"{r['name']}.first_end"] = (r["first_end"] - r["first_go"]) * us
-            phase[f"{r['name']}.busy"] = r["busy_sum"] / max(r["programs"], 1) * us
-        out.append(phase)
+    out = []
+    for i, r in enumerate(rows):
+        until = rows[i + 1]["first_go"] if i + 1 < len(rows) else r["last_end"]
+        share = (until - r["first_go"]) * us
+        out.append({"name": r["name"], "MB": r["bytes"] / 1e6, "share_us": share,
+                    "lead_us": (r["first_go"] - r["first_arrive"]) * us,
+                    "spread_us": (r["last_go"] - r["first_go"]) * us,
+                    "busy_us": r["busy_sum"] / r["programs"] * us if r["programs"] else None,
+                    "TBps": r["bytes"] / share / 1e6 if r["bytes"] and share > 0 else None})
     return out
 
 
-def summarise(replays: list[list[dict]], model) -> list[dict]:
-    """Mean / min / max over replays and layers of each (kind, phase); 'after' rows with their GEMV bytes' TB/s."""
-    values, after_bytes = defaultdict(list), defaultdict(list)
-    for phases in replays:
-        for p in phases:
-            for key, v in p.items():
-                if key not in ("layer", "kind"):
-                    values[(p["kind"], key)].append(v)
-            if "after" in p:
-                after_bytes[p["kind"]].append(bytes_after(model, p["layer"]) / (p["after"] * 1e-6) / 1e12)
+def summarise(replays: list[list[dict]]) -> list[dict]:
+    """critical_shares' rows of every replay grouped by (name, MB): count a replay, mean share (min, max), its sum a
+    step, mean lead / spread / busy and the bytes' TB/s over the mean share; in the step's launch order."""
+    groups: dict = defaultdict(list)
+    for shares in replays:
+        for r in shares:
+            groups[(r["name"], round(r["MB"], 1))].append(r)
     rows = []
-    for (kind, phase), vs in values.items():
-        row = {"kind": kind, "phase": phase, "count": len(vs), "mean_us": mean(vs), "min_us": min(vs),
-               "max_us": max(vs)}
-        if phase == "after":
-            row["gemv_TBps"] = mean(after_bytes[kind])
-        rows.append(row)
+    for (name, mb), rs in groups.items():
+        share = mean(r["share_us"] for r in rs)
+        busy = [r["busy_us"] for r in rs if r["busy_us"] is not None]
+        rows.append({"name": name, "MB": mb, "count": len(rs) // len(replays), "share_us": share,
+                     "min_us": min(r["share_us"] for r in rs), "max_us": max(r["share_us"] for r in rs),
+                     "step_us": share * len(rs) / len(replays), "lead_us": mean(r["lead_us"] for r in rs),
+                     "spread_us": mean(r["spread_us"] for r in rs), "busy_us": mean(busy) if busy else None,
+                     "TBps": mb / share if mb else None})
     return rows
 
 
@@ -107,18 +69,17 @@ def run(model, args) -> dict:
     with stamps.record(torch.device("cuda", torch.cuda.current_device())) as buf:
         engine = decoding_engine(model, args, True, args.page_size)
     stamped_ms = time_steps(engine, 150)
-    kinds = layer_kinds(model)
     replays, spans = [], []
     for _ in range(args.steps):
         buf.reset()
         engine.step()
         torch.cuda.synchronize()
         rows = buf.read()
-        spans.append(1e-3 * (rows[-1]["last_end"] - rows[0]["first_go"]))
-        replays.append(layer_phases(rows, kinds))
+        spans.append(1e-3 * (max(r["last_end"] for r in rows) - rows[0]["first_go"]))
+        replays.append(critical_shares(rows))
     engine.close()
-    return {"graph_ms": plain_ms, "stamped_graph_ms": stamped_ms, "mixer_span_us": mean(spans),
-            "phases": summarise(replays, model), "per_layer_last_replay": replays[-1]}
+    return {"graph_ms": plain_ms, "stamped_graph_ms": stamped_ms, "span_us": mean(spans),
+            "launches": len(replays[-1]), "groups": summarise(replays), "last_replay": replays[-1]}
 
 
 def main(argv=None) -> dict:
@@ -143,10 +104,11 @@ def main(argv=None) -> dict:
     ops.set_backend("triton")
     model, what = load_model(args.model, torch.device("cuda"))
     found = run(model, args)
-    print(f"{what}: a batch-1 decode step over {args.ctx}, graph {found['graph_ms']:.3f} ms "
-          f"(stamped {found['stamped_graph_ms']:.3f}), first mixer's go to last mixer's end "
-          f"{found['mixer_span_us']:.1f} us; phases over {args.steps} replays:")
-    print_table(found["phases"], ["kind", "phase", "count", "mean_us", "min_us", "max_us", "gemv_TBps"])
+    print(f"{what}: a batch-1 decode step over {args.ctx}, graph {found['graph_ms']:.3f} ms (stamped "
+          f"{found['stamped_graph_ms']:.3f}); {found['launches']} stamped launches spanning {found['span_us']:.1f} us "
+          f"from the first go; each group's share of the critical path over {args.steps} replays:")
+    print_table(found["groups"], ["name", "MB", "count", "share_us", "min_us", "max_us", "step_us", "TBps", "lead_us",
+                                  "busy_us"])
     path = write_result("step_stamps", {"environment": environment(), "model": args.model, "ctx": args.ctx,
                                         "page_size": args.page_size, "knobs": args.knob, **found}, args.out)
     print(f"wrote {path}")

@@ -210,7 +210,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from kernels import linear as L
 for mode, add in ((L.PLAIN, False), (L.GATED, False), (L.NORM, False), (L.NORM, True)):
-    const = dict(ROWS=2, BLOCK_N=4, BLOCK_K=512, NORM_BLOCK=2048, INPUT=mode.value, ADD=add, PDL=True)
+    const = dict(ROWS=2, BLOCK_N=4, BLOCK_K=512, NORM_BLOCK=2048, INPUT=mode.value, ADD=add, STAMPS=False, PDL=True)
     sig = {n: "constexpr" if n in const else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
            for n in L._linear_kernel.arg_names}
     ptx = triton.compile(ASTSource(L._linear_kernel, sig, const), target=GPUTarget("cuda", 90, 32),

@@ -1,23 +1,23 @@
 """Kernel stamps (kernels/stamps.py) and the step timeline built from them (profiles/step_stamps.py): slots handed
-out in launch order and read back after a run, the phases of a layer from synthetic stamps, the stamps' place
-around the PDL wait in the sm_90a PTX, and on the GPU a stamped attention layer whose stamps are ordered as its
-kernels ran and whose output equals the unstamped one."""
+out in launch order and read back after a run, launches' critical-path shares from synthetic stamps, the stamps'
+place around the PDL wait in the sm_90a PTX (Triton's split kernel, the CuTe TMA GEMV chain), and on the GPU a
+stamped attention layer whose stamps are ordered as its kernels ran and whose output equals the unstamped one."""
 import pytest
 import torch
 from conftest import compiled_script_output, rel_err
 
-from kernels import stamps
-from profiles.step_stamps import layer_phases, summarise
+from kernels import stamps, tma_gemv
+from profiles.step_stamps import critical_shares, summarise
 
 
 def test_slots_in_launch_order_and_read_back():
     buf = stamps.StampBuffer(torch.device("cpu"), capacity=3)
-    a, b = buf.take("a"), buf.take("b")
+    a, b = buf.take("a", bytes=4096), buf.take("b")
     assert buf.take("c") is not None and buf.take("d") is None  # full: no slot
     a[:] = torch.tensor([5, 9, 10, 12, 18, 20, 14, 2])
     b[2:4] = torch.tensor([30, 31])
     assert [r["name"] for r in buf.read()] == ["a", "b"]  # c wrote no go stamp: not read
-    assert buf.read()[0] == {"slot": 0, "name": "a", "first_arrive": 5, "last_arrive": 9, "first_go": 10,
+    assert buf.read()[0] == {"slot": 0, "name": "a", "bytes": 4096, "first_arrive": 5, "last_arrive": 9, "first_go": 10,
                              "last_go": 12, "first_end": 18, "last_end": 20, "busy_sum": 14, "programs": 2}
     buf.reset()
     assert buf.read() == [] and buf.slots[0, 0] == stamps.INT64_MAX
@@ -32,36 +32,36 @@ def test_slot_is_a_dummy_unless_recording_on_a_gpu():
     assert stamps._ACTIVE is None
 
 
-def _row(name, arrive, go, end, spread=0):
-    # two programs: one ends halfway, the other at `end`
-    return {"name": name, "first_arrive": arrive, "last_arrive": arrive, "first_go": go, "last_go": go + spread,
-            "first_end": (go + end) // 2, "last_end": end, "busy_sum": (end - go) // 2 + (end - go), "programs": 2}
+def _row(name, arrive, go, end, spread=0, mb=0.0, programs=2):
+    # two programs: one busy half the time to `end`, the other all of it (end 0 / no programs: no end stamp)
+    return {"name": name, "bytes": int(mb * 1e6), "first_arrive": arrive, "last_arrive": arrive, "first_go": go,
+            "last_go": go + spread, "first_end": (go + end) // 2, "last_end": end,
+            "busy_sum": ((end - go) // 2 + (end - go)) if programs else 0, "programs": programs}
 
 
-def test_layer_phases_from_synthetic_stamps():
-    # an attention layer then a GDN layer then an attention layer, in ns
-    rows = [_row("attention_prep", 0, 1000, 2000), _row("attention_split", 500, 2500, 9000, spread=300),
-            _row("attention_combine", 2600, 9200, 11000), _row("gdn_decode", 15000, 40000, 44000),
-            _row("attention_prep", 60000, 90000, 91000), _row("attention_split", 90500, 92000, 99000),
-            _row("attention_combine", 92100, 99500, 101000)]
-    first, gdn, last = layer_phases(rows, ["attention", "gdn", "attention"])
-    assert first["prep"] == pytest.approx(1.5) and first["split"] == pytest.approx(6.7)
-    assert first["combine"] == pytest.approx(1.8) and first["after"] == pytest.approx(29.0)
-    assert first["attention_split.lead"] == pytest.approx(2.0) and first["attention_split.spread"] == 0.3
-    assert first["attention_split.first_end"] == pytest.approx(3.25) and first["attention_split.busy"] == 4.875
-    assert gdn["kernel"] == pytest.approx(4.0) and gdn["after"] == pytest.approx(46.0)
-    assert "after" not in last  # the last layer's GEMVs run into the next step
-    with pytest.raises(ValueError, match="expected"):
-        layer_phases(rows[:-1], ["attention", "gdn", "attention"])
+def test_critical_shares_add_up_to_the_step():
+    # a GEMV, a mixer, a chain, in ns: each launch's share runs from its go to the next one's
+    rows = [_row("tma_gemv", 0, 1000, 0, mb=21.0, programs=0), _row("gdn_decode", 500, 8000, 15000, spread=300),
+            _row("tma_gemv_chain", 2000, 16000, 56000, mb=80.0)]
+    gemv, gdn, chain = critical_shares(rows)
+    assert gemv["share_us"] == pytest.approx(7.0) and gemv["TBps"] == pytest.approx(3.0) and gemv["busy_us"] is None
+    assert gdn["share_us"] == pytest.approx(8.0) and gdn["lead_us"] == pytest.approx(7.5)
+    assert gdn["spread_us"] == pytest.approx(0.3) and gdn["busy_us"] == pytest.approx(5.25) and gdn["TBps"] is None
+    assert chain["share_us"] == pytest.approx(40.0) and chain["TBps"] == pytest.approx(2.0)  # the last: to its end
+    assert sum(r["share_us"] for r in (gemv, gdn, chain)) == pytest.approx(55.0)  # first go to last end
 
 
-def test_summary_prices_the_gemvs_between_mixers(monkeypatch):
-    import profiles.step_stamps as S
-    monkeypatch.setattr(S, "bytes_after", lambda model, i: 3_000_000)  # layer 0's 'after' streams 3 MB
-    rows = [{"layer": 0, "kind": "gdn", "kernel": 4.0, "after": 1.0}, {"layer": 1, "kind": "gdn", "kernel": 6.0}]
-    table = {(r["kind"], r["phase"]): r for r in summarise([rows], model=None)}
-    assert table[("gdn", "kernel")]["mean_us"] == 5.0 and table[("gdn", "kernel")]["count"] == 2
-    assert table[("gdn", "after")]["gemv_TBps"] == pytest.approx(3.0)  # 3 MB in 1 us
+def test_summary_groups_launches_by_kernel_and_size():
+    one = critical_shares([_row("tma_gemv", 0, 0, 0, mb=50.0, programs=0), _row("gdn_decode", 0, 20000, 25000),
+                           _row("tma_gemv", 0, 30000, 0, mb=50.0, programs=0), _row("gdn_decode", 0, 40000, 44000),
+                           _row("tma_gemv", 0, 46000, 0, mb=20.0, programs=0), _row("argmax", 0, 56000, 60000)])
+    table = {(r["name"], r["MB"]): r for r in summarise([one, one])}
+    big = table[("tma_gemv", 50.0)]
+    assert big["count"] == 2 and big["share_us"] == pytest.approx(15.0) and big["step_us"] == pytest.approx(30.0)
+    assert big["min_us"] == pytest.approx(10.0) and big["max_us"] == pytest.approx(20.0)
+    assert big["TBps"] == pytest.approx(50.0 / 15.0)
+    assert table[("tma_gemv", 20.0)]["count"] == 1 and table[("gdn_decode", 0.0)]["count"] == 2
+    assert [r["name"] for r in summarise([one])][:2] == ["tma_gemv", "gdn_decode"]  # launch order
 
 
 SM90_STAMPED = """
@@ -87,6 +87,30 @@ def test_stamps_sit_around_the_pdl_wait_in_sm90_ptx():
     off, on = [tuple(map(int, line.split())) for line in compiled_script_output(SM90_STAMPED, timeout=600).split("\n")
                if line]
     assert off == (0, 0, 0) and on == (1, 2, 8), (off, on)
+
+
+SM90_GEMV_STAMPED = """
+import dataclasses
+from kernels.tma_gemv import GemvInput, choose_config, compile_config
+chain = (GemvInput(2048, norm=True, add=True), GemvInput(6144, gated=True))
+for on in (False, True):
+    cfg = dataclasses.replace(choose_config(2048, 2048, chain=chain), stamps=on)
+    ptx = compile_config(cfg, keep_ptx=True).__ptx__
+    before, _, after = ptx.partition("griddepcontrol.wait")
+    print(before.count("%globaltimer"), after.count("%globaltimer"), ptx.count("atom.global"), flush=True)
+"""
+
+
+@pytest.mark.skipif(not tma_gemv.dsl_available(), reason="nvidia-cutlass-dsl is not installed")
+def test_the_tma_gemv_chain_stamps_around_its_wait(monkeypatch, tmp_path):
+    # the CuTe chain (2B's out_proj -> norm -> gate_up -> down) compiled for sm_90a on the CPU: stamped, thread 0
+    # reads the timer on arrival, at its go and at its CTA's end (after a consumer barrier), and adds eight
+    # atomics to the grid syncs' two
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
+    off, on = [tuple(map(int, line.split())) for line in
+               compiled_script_output(SM90_GEMV_STAMPED, timeout=600).splitlines()[-2:]]
+    assert off == (0, 0, 2) and on == (1, 2, 10), (off, on)
 
 
 @pytest.mark.gpu
