@@ -28,18 +28,18 @@ from serving.demo import load_model
 
 def critical_shares(rows: list[dict]) -> list[dict]:
     """One replay's stamped launches (launch order, every kernel of the step stamped) -> per launch: its share of
-    the critical path (the next launch's go - its go; the last one's end - its go), lead, spread and busy (us), and
-    its bytes' TB/s over its share where it streams weights."""
+    the critical path (the next launch's go - its go; the last one's end - its go, None when it stamps no end),
+    lead, spread and busy (us), and its bytes' TB/s over its share where it streams weights."""
     us = 1e-3
     out = []
     for i, r in enumerate(rows):
-        until = rows[i + 1]["first_go"] if i + 1 < len(rows) else r["last_end"]
-        share = (until - r["first_go"]) * us
+        until = rows[i + 1]["first_go"] if i + 1 < len(rows) else r["last_end"]  # 0: the last one stamps no end
+        share = (until - r["first_go"]) * us if until else None
         out.append({"name": r["name"], "MB": r["bytes"] / 1e6, "share_us": share,
                     "lead_us": (r["first_go"] - r["first_arrive"]) * us,
                     "spread_us": (r["last_go"] - r["first_go"]) * us,
                     "busy_us": r["busy_sum"] / r["programs"] * us if r["programs"] else None,
-                    "TBps": r["bytes"] / share / 1e6 if r["bytes"] and share > 0 else None})
+                    "TBps": r["bytes"] / share / 1e6 if r["bytes"] and share and share > 0 else None})
     return out
 
 
@@ -52,13 +52,15 @@ def summarise(replays: list[list[dict]]) -> list[dict]:
             groups[(r["name"], round(r["MB"], 1))].append(r)
     rows = []
     for (name, mb), rs in groups.items():
-        share = mean(r["share_us"] for r in rs)
+        shares = [r["share_us"] for r in rs if r["share_us"] is not None]
+        share = mean(shares) if shares else None
         busy = [r["busy_us"] for r in rs if r["busy_us"] is not None]
         rows.append({"name": name, "MB": mb, "count": len(rs) // len(replays), "share_us": share,
-                     "min_us": min(r["share_us"] for r in rs), "max_us": max(r["share_us"] for r in rs),
-                     "step_us": share * len(rs) / len(replays), "lead_us": mean(r["lead_us"] for r in rs),
-                     "spread_us": mean(r["spread_us"] for r in rs), "busy_us": mean(busy) if busy else None,
-                     "TBps": mb / share if mb else None})
+                     "min_us": min(shares, default=None), "max_us": max(shares, default=None),
+                     "step_us": share * len(rs) / len(replays) if shares else None,
+                     "lead_us": mean(r["lead_us"] for r in rs), "spread_us": mean(r["spread_us"] for r in rs),
+                     "busy_us": mean(busy) if busy else None,
+                     "TBps": mb / share if mb and share and share > 0 else None})
     return rows
 
 
@@ -66,7 +68,7 @@ def run(model, args) -> dict:
     plain = decoding_engine(model, args, True, args.page_size)
     plain_ms = time_steps(plain, 150)
     plain.close()
-    with stamps.record(torch.device("cuda", torch.cuda.current_device())) as buf:
+    with stamps.record(torch.device("cuda", torch.cuda.current_device()), capacity=65536) as buf:
         engine = decoding_engine(model, args, True, args.page_size)
     stamped_ms = time_steps(engine, 150)
     replays, spans = [], []
@@ -75,7 +77,10 @@ def run(model, args) -> dict:
         engine.step()
         torch.cuda.synchronize()
         rows = buf.read()
-        spans.append(1e-3 * (max(r["last_end"] for r in rows) - rows[0]["first_go"]))
+        if not rows:
+            raise RuntimeError(f"the replay stamped no launch: the {buf.slots.shape[0]} slots ran out before the "
+                               f"decode graph's capture, or its kernels were compiled without stamps")
+        spans.append(1e-3 * (max(max(r["last_end"], r["last_go"]) for r in rows) - rows[0]["first_go"]))
         replays.append(critical_shares(rows))
     engine.close()
     return {"graph_ms": plain_ms, "stamped_graph_ms": stamped_ms, "span_us": mean(spans),

@@ -62,6 +62,9 @@ def test_summary_groups_launches_by_kernel_and_size():
     assert big["TBps"] == pytest.approx(50.0 / 15.0)
     assert table[("tma_gemv", 20.0)]["count"] == 1 and table[("gdn_decode", 0.0)]["count"] == 2
     assert [r["name"] for r in summarise([one])][:2] == ["tma_gemv", "gdn_decode"]  # launch order
+    # a last launch without an end stamp (the argmax) has no share, rather than minus the timer's epoch
+    last = critical_shares([_row("gdn_decode", 0, 1000, 3000), _row("argmax", 0, 5000, 0, programs=0)])[-1]
+    assert last["share_us"] is None and summarise([[last]])[0]["share_us"] is None
 
 
 SM90_STAMPED = """
