@@ -137,6 +137,11 @@ COMBINE_O_EARLY = True
 # split), step 1.551 ms against 1.557; 0.8B 16.8 us against 17.2, step 0.835 against 0.838. Kept: at most 0.4 us a
 # layer. A/B: `python -m profiles.step_stamps --knob kv_prefetch=off`
 PREFETCH_FIRST_TILE = True
+# (num_warps, num_stages) of the decode split kernel in place of _config's, when set: the A/B of its pipeline depth
+# at one or two key tiles a program, where the 3-stage cp.async prologue adds a round trip for the page ids (a
+# 4-byte cp.async, its wait and a barrier) before the K/V loads (session 29's PTX). Not timed yet. A/B: `python -m
+# profiles.step_stamps --knob split_config=4w1s` (host_time's split_config variants)
+DECODE_CONFIG: tuple[int, int] | None = None
 LOG2E = 1.4426950408889634
 H200_SMS = 132
 
@@ -210,7 +215,7 @@ def plan(max_q_len: int, group: int, head_dim: int, elt_size: int, block_m: int 
     rows = max_q_len * group
     if block_m is None and max_q_len <= DECODE_MAX_Q_LEN and rows <= DECODE_MAX_ROWS:
         bm = max(16, next_power_of_2(rows))
-        return Plan(False, bm, 1, *_config(bm, head_dim, elt_size), PROGRAMS_PER_SM)
+        return Plan(False, bm, 1, *(DECODE_CONFIG or _config(bm, head_dim, elt_size)), PROGRAMS_PER_SM)
     if block_m is None:
         big = CHUNK_BLOCK_M if elt_size <= 2 else CHUNK_BLOCK_M // 2  # fp32: a 128 x 256 Q tile alone is 128 KB
         block_m = max(16, next_power_of_2(rows)) if rows <= 64 else big

@@ -271,6 +271,18 @@ def max_splits_setters():
     return {str(v): functools.partial(apply, v) for v in (128, 64, 32)}, functools.partial(apply, cap)
 
 
+def split_config_setters():
+    """The decode split kernel's (num_warps, num_stages) (paged_decode_attention.DECODE_CONFIG; auto: its rule)."""
+    from kernels import paged_decode_attention as P
+    current = P.DECODE_CONFIG
+
+    def apply(value) -> None:
+        P.DECODE_CONFIG = value
+        P.plan.cache_clear()
+    variants = {"auto": None, "4w1s": (4, 1), "4w2s": (4, 2), "8w3s": (8, 3)}
+    return {name: functools.partial(apply, v) for name, v in variants.items()}, functools.partial(apply, current)
+
+
 ON_OFF = {"off": False, "on": True}
 KIB, MIB = 2**10, 2**20
 # --ab knobs: name -> (module, attribute, {variant: value}) of a kernel setting, or a function that returns
@@ -281,7 +293,7 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
             "combine_release": ("kernels.paged_decode_attention", "COMBINE_RELEASE", ON_OFF),
-            "max_splits": max_splits_setters,
+            "max_splits": max_splits_setters, "split_config": split_config_setters,
             "kv_prefetch": ("kernels.paged_decode_attention", "PREFETCH_FIRST_TILE", ON_OFF),
             "combine_o": ("kernels.paged_decode_attention", "COMBINE_O_EARLY", ON_OFF),
             "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),
