@@ -14,7 +14,9 @@ The stamped graph's step time is printed beside an unstamped one's from the same
 a few atomics a program).
 """
 import argparse
+import json
 from collections import defaultdict
+from pathlib import Path
 from statistics import mean
 
 import torch
@@ -87,6 +89,23 @@ def run(model, args) -> dict:
             "launches": len(replays[-1]), "groups": summarise(replays), "last_replay": replays[-1]}
 
 
+def compare(base: dict, other: dict) -> list[dict]:
+    """Two step_stamps results' groups side by side (matched by kernel and MB): each one's share a launch and the
+    difference a step (other - base), in base's order; groups only one of them has are listed with the other's
+    share empty."""
+    theirs = {(g["name"], g["MB"]): g for g in other["groups"]}
+    rows = []
+    for g in base["groups"]:
+        o = theirs.pop((g["name"], g["MB"]), None)
+        rows.append({"name": g["name"], "MB": g["MB"], "count": g["count"], "base_us": g["share_us"],
+                     "other_us": o and o["share_us"],
+                     "step_delta_us": (o["step_us"] - g["step_us"]) if o and o["step_us"] is not None
+                     and g["step_us"] is not None else None})
+    rows += [{"name": o["name"], "MB": o["MB"], "count": o["count"], "base_us": None, "other_us": o["share_us"],
+              "step_delta_us": None} for o in theirs.values()]
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3.5-2b", help="preset (random weights) or checkpoint folder")
@@ -96,7 +115,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--knob", action="append", default=[], metavar="NAME=VARIANT",
                     help=f"set a decode knob first (profiles.host_time's AB_KNOBS: {', '.join(sorted(AB_KNOBS))})")
     ap.add_argument("--out", default=None, help="write step_stamps.json into this folder (default profiles/results)")
+    ap.add_argument("--compare", nargs=2, metavar=("BASE", "OTHER"), help="only print two step_stamps.json files' "
+                                                                        "groups side by side (no GPU)")
     args = ap.parse_args(argv)
+    if args.compare:
+        base, other = (json.loads(Path(p).read_text()) for p in args.compare)
+        rows = compare(base, other)
+        print(f"graph {base['graph_ms']:.3f} ms ({' '.join(base['knobs']) or 'defaults'}) against "
+              f"{other['graph_ms']:.3f} ms ({' '.join(other['knobs']) or 'defaults'}); per launch and a step:")
+        print_table(rows, ["name", "MB", "count", "base_us", "other_us", "step_delta_us"])
+        return {"compare": rows}
     if not torch.cuda.is_available():
         raise SystemExit("step_stamps reads the GPU's timer inside a CUDA graph: it needs CUDA")
     for knob in args.knob:

@@ -2,6 +2,8 @@
 out in launch order and read back after a run, launches' critical-path shares from synthetic stamps, the stamps'
 place around the PDL wait in the sm_90a PTX (Triton's split kernel, the CuTe TMA GEMV chain), and on the GPU a
 stamped attention layer whose stamps are ordered as its kernels ran and whose output equals the unstamped one."""
+import json
+
 import pytest
 import torch
 from conftest import compiled_script_output, rel_err
@@ -65,6 +67,23 @@ def test_summary_groups_launches_by_kernel_and_size():
     # a last launch without an end stamp (the argmax) has no share, rather than minus the timer's epoch
     last = critical_shares([_row("gdn_decode", 0, 1000, 3000), _row("argmax", 0, 5000, 0, programs=0)])[-1]
     assert last["share_us"] is None and summarise([[last]])[0]["share_us"] is None
+
+
+def test_compare_matches_groups_of_two_runs(tmp_path, capsys):
+    from profiles import step_stamps
+    one = critical_shares([_row("tma_gemv", 0, 0, 0, mb=50.0, programs=0), _row("gdn_decode", 0, 20000, 25000),
+                           _row("argmax", 0, 30000, 31000)])
+    two = critical_shares([_row("tma_gemv", 0, 0, 0, mb=50.0, programs=0), _row("gdn_decode", 0, 18000, 22000),
+                           _row("rms_norm", 0, 26000, 27000, programs=0), _row("argmax", 0, 28000, 29000)])
+    paths = []
+    for name, replay, knobs in (("base", one, []), ("other", two, ["kv_prefetch=off"])):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"graph_ms": 1.5, "knobs": knobs, "groups": summarise([replay])}))
+        paths.append(str(path))
+    rows = {r["name"]: r for r in step_stamps.main(["--compare", *paths])["compare"]}
+    assert rows["tma_gemv"]["step_delta_us"] == pytest.approx(-2.0) and rows["gdn_decode"]["other_us"] == 8.0
+    assert rows["rms_norm"]["base_us"] is None and rows["rms_norm"]["other_us"] == 2.0  # only in the other run
+    assert "kv_prefetch=off" in capsys.readouterr().out
 
 
 SM90_STAMPED = """
