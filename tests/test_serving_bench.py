@@ -84,6 +84,24 @@ def test_host_time_profiles_a_returning_step_on_the_cpu(capsys):
     assert result["python_wall_ms"] > 0 and len(result["python"]) == 3
 
 
+def test_split_knobs_reach_the_cached_plans_and_restore():
+    # host_time's callable knobs behind step_stamps --knob: the split kernel's config and count are lru-cached host
+    # choices, so applying a variant must clear those caches, and restoring must bring the rule back
+    from kernels import paged_decode_attention as P
+    from profiles.host_time import knob_setters
+    auto_plan, auto_splits = P.plan(1, 4, 256, 2), P.choose_num_splits(1, 2, 65536)
+    variants, restore = knob_setters("split_config")
+    variants["4w1s"]()
+    assert (P.plan(1, 4, 256, 2).num_warps, P.plan(1, 4, 256, 2).num_stages) == (4, 1)
+    restore()
+    assert P.plan(1, 4, 256, 2) == auto_plan and P.DECODE_CONFIG is None
+    variants, restore = knob_setters("max_splits")
+    variants["32"]()
+    assert P.choose_num_splits(1, 2, 65536) <= 32 < auto_splits
+    restore()
+    assert P.choose_num_splits(1, 2, 65536) == auto_splits and P.MAX_SPLITS == 128
+
+
 @pytest.mark.parametrize("knob,names", [("prenorm", ("fused", "unfused")), ("split_k", ("off", "on")),
                                         ("gdn_early", ("off", "on")), ("tma_gemv", ("off", "on"))])
 def test_host_time_ab_alternates_the_variants(capsys, knob, names):
