@@ -70,9 +70,7 @@ def _attention_prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr
                            H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_D: tl.constexpr, HEADS: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr):
     # token n, HEADS consecutive heads of the H + KV (q heads first, then k heads with their v heads)
-    stamps.arrive(stamps_ptr, STAMPS)
-    pdl.wait_for_producer(PDL)
-    t_go = stamps.go(stamps_ptr, STAMPS)
+    t_go = stamps.wait(stamps_ptr, STAMPS, PDL)
     pdl.release_dependents(PDL)
     n = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)              # (HEADS,)

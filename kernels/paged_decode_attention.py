@@ -470,9 +470,7 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
     RELEASE: tl.constexpr, O_EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
 ):
-    stamps.arrive(stamps_ptr, STAMPS)
-    pdl.wait_for_producer(PDL)  # launched early: wait for the split kernel's writes
-    t_go = stamps.go(stamps_ptr, STAMPS)
+    t_go = stamps.wait(stamps_ptr, STAMPS, PDL)  # launched early: wait for the split kernel's writes
     if RELEASE:  # COMBINE_RELEASE
         pdl.release_dependents(PDL)
     token = tl.program_id(0)

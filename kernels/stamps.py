@@ -126,7 +126,7 @@ def end(stamps_ptr, t_go, STAMPS: tl.constexpr):
 @triton.jit
 def wait(stamps_ptr, STAMPS: tl.constexpr, PDL: tl.constexpr):
     """pdl.wait_for_producer between an arrival and a go stamp (the arrival: when the program reached its wait, which
-    is its start unless it loads weights first); returns go's time. For kernels that stamp no end."""
+    is its start unless it loads something first); returns go's time, for `end` where the kernel stamps one."""
     arrive(stamps_ptr, STAMPS)
     pdl.wait_for_producer(PDL)
     return go(stamps_ptr, STAMPS)

@@ -93,17 +93,12 @@ SPLIT_SWEEP = (8, 16, 24, 32, 48, 64, 96, 128)
 def sweep_splits(h: int, kv: int, contexts=(4096, 8192, 12288, 16384), cap: int = 24576) -> list[dict]:
     """B1 decode attention (d256) at each split count of SPLIT_SWEEP, in a CUDA graph, beside the count
     choose_num_splits takes for a page table of `cap` tokens (a serving run's max_model_len)."""
-    from kernels.paged_decode_attention import alloc_workspace, choose_num_splits, paged_decode_attention
+    from kernels.paged_decode_attention import choose_num_splits
     rows = []
     for ctx in contexts:
-        q, kp, vp, table, seqused = make_paged(1, ctx, h, kv, 256)
-        out = torch.empty_like(q)
+        pools = [make_paged(1, ctx, h, kv, 256)]
         row = {"H/KV": f"{h}/{kv}", "ctx": ctx, "chosen": choose_num_splits(1, kv, cap)}
-        for s in SPLIT_SWEEP:
-            ws = alloc_workspace(1, h, s, 256, "cuda")
-            call = functools.partial(paged_decode_attention, q, kp, vp, table, seqused, num_splits=s, out=out,
-                                     workspace=ws)
-            row[f"s{s}_us"] = bench_us(call, graph=True)
+        row |= {f"s{s}_us": us for s, us in _split_times(pools, h, SPLIT_SWEEP).items()}
         row["best"] = min(SPLIT_SWEEP, key=lambda s: row[f"s{s}_us"])
         rows.append(progress(row))
     return rows
@@ -114,24 +109,32 @@ def _call_each(calls) -> None:
         call()
 
 
+def _split_times(pools: list, h: int, splits) -> dict[int, float]:
+    """B1 decode attention (d256) at each split count: us a call, in a CUDA graph that calls it once on each of the
+    pools (make_paged's tuples) in turn, so that with enough of them every call reads its KV from DRAM."""
+    from kernels.paged_decode_attention import alloc_workspace, paged_decode_attention
+    out = torch.empty_like(pools[0][0])
+    times = {}
+    for s in splits:
+        ws = alloc_workspace(1, h, s, 256, "cuda")
+        calls = [functools.partial(paged_decode_attention, q, kp, vp, table, seqused, num_splits=s, out=out,
+                                   workspace=ws, check_metadata=False) for q, kp, vp, table, seqused in pools]
+        times[s] = bench_us(functools.partial(_call_each, calls), graph=True) / len(pools)
+    return times
+
+
 def sweep_splits_cold(h: int = 8, kv: int = 2, ctx: int = 8192, pages=(16, 64), splits=(32, 64, 128),
                       ring_bytes: float = 256e6) -> list[dict]:
     """B1 decode attention (d256) with its KV read from DRAM, as inside a decode step (whose weights push the KV out
     of L2 between steps; `sweep_splits` replays one KV, which at 8k stays in the 50 MB L2): a CUDA graph calls it on
     each of enough pools (~ring_bytes in all) that none is still cached when its turn comes back. Per page size
     (16: the engine's) and split count: us a call and the KV bytes' TB/s."""
-    from kernels.paged_decode_attention import alloc_workspace, paged_decode_attention
     kv_bytes = 2 * ctx * kv * 256 * 2
     copies = max(2, min(32, math.ceil(ring_bytes / kv_bytes)))
     rows = []
     for page in pages:
         pools = [make_paged(1, ctx, h, kv, 256, seed=i, page=page) for i in range(copies)]
-        out = torch.empty_like(pools[0][0])
-        for s in splits:
-            ws = alloc_workspace(1, h, s, 256, "cuda")
-            calls = [functools.partial(paged_decode_attention, q, kp, vp, table, seqused, num_splits=s, out=out,
-                                       workspace=ws, check_metadata=False) for q, kp, vp, table, seqused in pools]
-            us = bench_us(functools.partial(_call_each, calls), graph=True) / copies
+        for s, us in _split_times(pools, h, splits).items():
             rows.append(progress({"H/KV": f"{h}/{kv}", "ctx": ctx, "page": page, "splits": s, "copies": copies,
                                   "us": us, "TBps": kv_bytes / us / 1e6}))
         del pools

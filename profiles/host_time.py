@@ -260,26 +260,16 @@ def _index_selects(tables, indices):
     return [t.index_select(0, i) for t, i in zip(tables, indices)]
 
 
-def max_splits_setters():
-    """The decode split count's cap (paged_decode_attention.MAX_SPLITS: 128 splits of one tile each at B1 8k)."""
+def split_setters(attribute: str, variants: dict):
+    """Setters of a paged_decode_attention host choice behind lru-caches (plan, choose_num_splits): each variant
+    sets the attribute and clears both caches; the last one restores the current value."""
     from kernels import paged_decode_attention as P
-    cap = P.MAX_SPLITS
-
-    def apply(value: int) -> None:
-        P.MAX_SPLITS = value
-        P.choose_num_splits.cache_clear()
-    return {str(v): functools.partial(apply, v) for v in (128, 64, 32)}, functools.partial(apply, cap)
-
-
-def split_config_setters():
-    """The decode split kernel's (num_warps, num_stages) (paged_decode_attention.DECODE_CONFIG; auto: its rule)."""
-    from kernels import paged_decode_attention as P
-    current = P.DECODE_CONFIG
+    current = getattr(P, attribute)
 
     def apply(value) -> None:
-        P.DECODE_CONFIG = value
+        setattr(P, attribute, value)
         P.plan.cache_clear()
-    variants = {"auto": None, "4w1s": (4, 1), "4w2s": (4, 2), "8w3s": (8, 3)}
+        P.choose_num_splits.cache_clear()
     return {name: functools.partial(apply, v) for name, v in variants.items()}, functools.partial(apply, current)
 
 
@@ -293,7 +283,10 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
             "combine_release": ("kernels.paged_decode_attention", "COMBINE_RELEASE", ON_OFF),
-            "max_splits": max_splits_setters, "split_config": split_config_setters,
+            # the decode split count's cap (128: one tile a split at B1 8k) and its (num_warps, num_stages)
+            "max_splits": functools.partial(split_setters, "MAX_SPLITS", {"128": 128, "64": 64, "32": 32}),
+            "split_config": functools.partial(split_setters, "DECODE_CONFIG",
+                                              {"auto": None, "4w1s": (4, 1), "4w2s": (4, 2), "8w3s": (8, 3)}),
             "kv_prefetch": ("kernels.paged_decode_attention", "PREFETCH_FIRST_TILE", ON_OFF),
             "combine_o": ("kernels.paged_decode_attention", "COMBINE_O_EARLY", ON_OFF),
             "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),

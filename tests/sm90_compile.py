@@ -33,6 +33,22 @@ def triton_sm90(fn, const: dict, arg_type, num_warps: int, num_stages: int) -> d
                 ptx=k.asm["ptx"])
 
 
+def split_kernel_sm90(**overrides) -> dict:
+    """kernels.paged_decode_attention's decode split kernel at the 2B attention shape (bf16 d256 GQA 4, one query,
+    pages of 16, the L2 prefetch on, no stamps; overrides replace constexprs) through triton_sm90."""
+    from kernels import paged_decode_attention as P
+    tile = P.plan(1, 4, 256, 2)
+    bf16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr")
+
+    def arg_type(n: str) -> str:
+        return ("*bf16" if n in bf16 else "*fp32" if n.startswith("ws_") else "*i64" if n == "stamps_ptr" else
+                "*i32" if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32")
+    const = dict(Q_LEN=1, VARLEN=True, GROUP=4, HEAD_DIM=256, PAGE_SIZE=16, BLOCK_M=tile.block_m,
+                 BLOCK_N=P.BLOCK_N, DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", PREFETCH=True, STAMPS=False,
+                 PDL=True)
+    return triton_sm90(P._split_kernel, {**const, **overrides}, arg_type, tile.num_warps, tile.num_stages)
+
+
 def ptx_counts(ptx: str, patterns: dict[str, str]) -> dict[str, int]:
     """How often each pattern stands in a kernel's PTX, by name: what the compile tests check of a CuTe kernel."""
     return {name: ptx.count(text) for name, text in patterns.items()}

@@ -153,16 +153,9 @@ def test_model_op_adapter(monkeypatch):
 
 
 SM90_SPLIT_COMPILE = """
-from kernels import paged_decode_attention as P
-from tests.sm90_compile import triton_sm90
-tile = P.plan(1, 4, 256, 2)
-bf16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr")
-arg_type = lambda n: ("*bf16" if n in bf16 else "*fp32" if n.startswith("ws_") else "*i32" if n.endswith("_ptr") else
-                      "fp32" if n == "qk_scale" else "i32")
-const = dict(Q_LEN=1, VARLEN=True, GROUP=4, HEAD_DIM=256, PAGE_SIZE=64, BLOCK_M=tile.block_m, BLOCK_N=P.BLOCK_N,
-             DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", PREFETCH=True, STAMPS=False, PDL=True)
+from tests.sm90_compile import split_kernel_sm90
 for page in (64, 16):  # 16: the engine's default (a page lookup per key)
-    r = triton_sm90(P._split_kernel, {**const, "PAGE_SIZE": page}, arg_type, tile.num_warps, tile.num_stages)
+    r = split_kernel_sm90(PAGE_SIZE=page)
     prefetch = "cp.async.bulk.prefetch.L2.global"
     print(r["smem"], r["regs"], r["spill"], r["ptx"].split("griddepcontrol.wait")[0].count(prefetch),
           r["ptx"].count(prefetch), flush=True)

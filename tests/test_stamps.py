@@ -87,16 +87,9 @@ def test_compare_matches_groups_of_two_runs(tmp_path, capsys):
 
 
 SM90_STAMPED = """
-from kernels import paged_decode_attention as P
-from tests.sm90_compile import triton_sm90
-tile = P.plan(1, 4, 256, 2)
-bf16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr")
-arg_type = lambda n: ("*bf16" if n in bf16 else "*fp32" if n.startswith("ws_") else "*i64" if n == "stamps_ptr" else
-                      "*i32" if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32")
-const = dict(Q_LEN=1, VARLEN=True, GROUP=4, HEAD_DIM=256, PAGE_SIZE=16, BLOCK_M=tile.block_m, BLOCK_N=P.BLOCK_N,
-             DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", PREFETCH=False, PDL=True)
+from tests.sm90_compile import split_kernel_sm90
 for on in (False, True):
-    ptx = triton_sm90(P._split_kernel, {**const, "STAMPS": on}, arg_type, tile.num_warps, tile.num_stages)["ptx"]
+    ptx = split_kernel_sm90(PREFETCH=False, STAMPS=on)["ptx"]
     before, _, after = ptx.partition("griddepcontrol.wait")
     print(before.count("%globaltimer"), after.count("%globaltimer"), ptx.count("atom.global"), flush=True)
 """
