@@ -137,11 +137,14 @@ COMBINE_O_EARLY = True
 # split), step 1.551 ms against 1.557; 0.8B 16.8 us against 17.2, step 0.835 against 0.838. Kept: at most 0.4 us a
 # layer. A/B: `python -m profiles.step_stamps --knob kv_prefetch=off`
 PREFETCH_FIRST_TILE = True
-# (num_warps, num_stages) of the decode split kernel in place of _config's, when set: the A/B of its pipeline depth
-# at one or two key tiles a program, where the 3-stage cp.async prologue adds a round trip for the page ids (a
-# 4-byte cp.async, its wait and a barrier) before the K/V loads (session 29's PTX). Not timed yet. A/B: `python -m
-# profiles.step_stamps --knob split_config=4w1s` (host_time's split_config variants)
-DECODE_CONFIG: tuple[int, int] | None = None
+# Pipeline depth (Triton num_stages) of the decode split kernel's key loop. One stage: plain loads, no cp.async
+# prologue (whose page-id round trip came before the K/V loads), and 43 KB of shared memory at d256 instead of 76
+# (sm_90a compile), which likely lets the next GEMV's programs become resident during the split and start on their
+# weights. Stamped (H100, session 30, `profiles.step_stamps`, batch 1 over 8192, 30-50 replays, two runs each): the
+# split itself ties (11.0 us) but the combine's share of the step falls from 5.4-5.8 to 2.3 us; step 2B 1.554 ->
+# 1.530 ms (twice), 0.8B 0.837 -> 0.824 (8 warps with 3 stages: 1.554, a tie). Not yet timed at long contexts or
+# batches above 1. A/B: `python -m profiles.step_stamps --knob split_stages=3`, host_time's `--ab split_stages`.
+DECODE_STAGES = 1
 LOG2E = 1.4426950408889634
 H200_SMS = 132
 
@@ -196,7 +199,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_seqlen_k: int, num_sms: int
 
 
 def _config(block_m: int, head_dim: int, elt_size: int) -> tuple[int, int]:
-    """(num_warps, num_stages) of the decode split kernel for an M x D query tile and elt_size-byte K/V."""
+    """(num_warps, num_stages) of a split program for an M x D query tile and elt_size-byte K/V (the decode plan
+    takes its warps and DECODE_STAGES; small chunk tiles take both)."""
     num_warps = 4 if block_m * head_dim <= 8192 else 8
     row_bytes = head_dim * elt_size
     return num_warps, (4 if row_bytes <= 256 else 3 if row_bytes <= 512 else 2)
@@ -215,7 +219,7 @@ def plan(max_q_len: int, group: int, head_dim: int, elt_size: int, block_m: int 
     rows = max_q_len * group
     if block_m is None and max_q_len <= DECODE_MAX_Q_LEN and rows <= DECODE_MAX_ROWS:
         bm = max(16, next_power_of_2(rows))
-        return Plan(False, bm, 1, *(DECODE_CONFIG or _config(bm, head_dim, elt_size)), PROGRAMS_PER_SM)
+        return Plan(False, bm, 1, _config(bm, head_dim, elt_size)[0], DECODE_STAGES, PROGRAMS_PER_SM)
     if block_m is None:
         big = CHUNK_BLOCK_M if elt_size <= 2 else CHUNK_BLOCK_M // 2  # fp32: a 128 x 256 Q tile alone is 128 KB
         block_m = max(16, next_power_of_2(rows)) if rows <= 64 else big

@@ -283,10 +283,9 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
             "combine_release": ("kernels.paged_decode_attention", "COMBINE_RELEASE", ON_OFF),
-            # the decode split count's cap (128: one tile a split at B1 8k) and its (num_warps, num_stages)
+            # the decode split count's cap (128: one tile a split at B1 8k) and its key loop's pipeline depth
             "max_splits": functools.partial(split_setters, "MAX_SPLITS", {"128": 128, "64": 64, "32": 32}),
-            "split_config": functools.partial(split_setters, "DECODE_CONFIG",
-                                              {"auto": None, "4w1s": (4, 1), "4w2s": (4, 2), "8w3s": (8, 3)}),
+            "split_stages": functools.partial(split_setters, "DECODE_STAGES", {"1": 1, "2": 2, "3": 3}),
             "kv_prefetch": ("kernels.paged_decode_attention", "PREFETCH_FIRST_TILE", ON_OFF),
             "combine_o": ("kernels.paged_decode_attention", "COMBINE_O_EARLY", ON_OFF),
             "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),

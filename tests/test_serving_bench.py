@@ -90,11 +90,11 @@ def test_split_knobs_reach_the_cached_plans_and_restore():
     from kernels import paged_decode_attention as P
     from profiles.host_time import knob_setters
     auto_plan, auto_splits = P.plan(1, 4, 256, 2), P.choose_num_splits(1, 2, 65536)
-    variants, restore = knob_setters("split_config")
-    variants["4w1s"]()
-    assert (P.plan(1, 4, 256, 2).num_warps, P.plan(1, 4, 256, 2).num_stages) == (4, 1)
+    variants, restore = knob_setters("split_stages")
+    variants["3"]()
+    assert (P.plan(1, 4, 256, 2).num_warps, P.plan(1, 4, 256, 2).num_stages) == (4, 3)
     restore()
-    assert P.plan(1, 4, 256, 2) == auto_plan and P.DECODE_CONFIG is None
+    assert P.plan(1, 4, 256, 2) == auto_plan and P.DECODE_STAGES == 1
     variants, restore = knob_setters("max_splits")
     variants["32"]()
     assert P.choose_num_splits(1, 2, 65536) <= 32 < auto_splits
