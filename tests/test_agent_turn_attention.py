@@ -146,8 +146,8 @@ def test_chunk_property(data):
 # ---- host plan and routing ---------------------------------------------------------------------------------
 
 def test_plan_and_splits_for_the_benchmark_shapes():
-    assert plan(1, 4, 256, 2) == Plan(False, 16, 1, 4, 3, 2)  # decode: unchanged
-    assert plan(8, 8, 128, 2) == Plan(False, 64, 1, 4, 4, 2)
+    assert plan(1, 4, 256, 2) == Plan(False, 16, 1, 4, 1, 2)  # decode: one stage (DECODE_STAGES)
+    assert plan(8, 8, 128, 2) == Plan(False, 64, 1, 4, 1, 2)
     for q_len, ctx, batch, want_splits in [(64, 50000, 1, 16), (256, 50000, 1, 4), (500, 8000, 1, 2),
                                            (64, 32768, 8, 2), (512, 50000, 1, 2)]:
         tile = plan(q_len, 4, 256, 2)
