@@ -146,6 +146,13 @@ PREFETCH_FIRST_TILE = True
 # 1.530 ms (twice), 0.8B 0.837 -> 0.824 (8 warps with 3 stages: 1.554, a tie). Not yet timed at long contexts or
 # batches above 1. A/B: `python -m profiles.step_stamps --knob split_stages=3`, host_time's `--ab split_stages`.
 DECODE_STAGES = 1
+# At one stage the split's key loop has no look-ahead of its own: each program loads a tile, then computes on it
+# while nothing of its next tile is in flight. So it asks L2 for the next tile's K and V rows before computing
+# (no registers, no shared memory, nothing to wait for). At batch 1 over 8192 a split has one tile: no change
+# there. Predicted: at long contexts (64k: 8 tiles a split) DRAM keeps streaming through the compute, as the
+# 3-stage cp.async ring did. Not yet timed. A/B: `python -m profiles.host_time --model M --decode 1 --ctx 65536
+# --ab kv_prefetch_next --ab split_stages`
+PREFETCH_NEXT_TILE = True
 LOG2E = 1.4426950408889634
 H200_SMS = 132
 
@@ -253,6 +260,17 @@ def _pages_of(pt_row, start, end, n, n_ok, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
+def _prefetch_tile(k_base, v_base, pt_row, start, end, stride_kp, stride_kt, stride_vp, stride_vt,
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ROW_BYTES: tl.constexpr):
+    """Ask L2 for the K and V rows of the key tile [start, start + BLOCK_N) below end (none when start >= end)."""
+    n = start + tl.arange(0, BLOCK_N)
+    n_ok = n < end
+    page, slot = _pages_of(pt_row, start, end, n, n_ok, PAGE_SIZE, BLOCK_N)
+    pdl.prefetch_l2(k_base + page * stride_kp + slot * stride_kt, n_ok, ROW_BYTES)
+    pdl.prefetch_l2(v_base + page * stride_vp + slot * stride_vt, n_ok, ROW_BYTES)
+
+
+@triton.jit
 def _kv_rows(page, slot, stride_p, stride_t, d):
     """(N, D) offsets of the K or V rows at page, slot (N,) (a page-major pool's strides), columns d."""
     return (page * stride_p + slot * stride_t)[:, None] + d[None, :]
@@ -301,8 +319,8 @@ def _split_kernel(
     qk_scale, num_splits, capacity, stamps_ptr,
     Q_LEN: tl.constexpr, VARLEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, STAMPS: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_NEXT: tl.constexpr,
+    STAMPS: tl.constexpr, PDL: tl.constexpr,
 ):
     # seqused_k and cu_seqlens_q (the host's) load before the PDL wait; q and the step's own keys come from
     # attention_prep, so every key tile loads after it (session 25 loaded the first tile's older keys before the
@@ -323,13 +341,10 @@ def _split_kernel(
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
     pt_row = pt_ptr + b * stride_ptb
+    row_bytes: tl.constexpr = HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8
     if PREFETCH:  # the first tile's cached K and V rows into L2 while attention_prep runs (PREFETCH_FIRST_TILE)
-        n = kv_start + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_end
-        page, slot = _pages_of(pt_row, kv_start, kv_end, n, n_ok, PAGE_SIZE, BLOCK_N)
-        row_bytes = HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8
-        pdl.prefetch_l2(k_base + page * stride_kp + slot * stride_kt, n_ok, row_bytes)
-        pdl.prefetch_l2(v_base + page * stride_vp + slot * stride_vt, n_ok, row_bytes)
+        _prefetch_tile(k_base, v_base, pt_row, kv_start, kv_end, stride_kp, stride_kt, stride_vp, stride_vt,
+                       PAGE_SIZE, BLOCK_N, row_bytes)
     pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
     t_go = stamps.go(stamps_ptr, STAMPS)
     pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
@@ -351,6 +366,9 @@ def _split_kernel(
         page, slot = _pages_of(pt_row, start, kv_end, n, n_ok, PAGE_SIZE, BLOCK_N)
         k = tl.load(k_base + _kv_rows(page, slot, stride_kp, stride_kt, d), mask=n_ok[:, None], other=0.0)  # (N, D)
         v = tl.load(v_base + _kv_rows(page, slot, stride_vp, stride_vt, d), mask=n_ok[:, None], other=0.0)
+        if PREFETCH_NEXT:  # the next tile's rows into L2 while this one computes (PREFETCH_NEXT_TILE)
+            _prefetch_tile(k_base, v_base, pt_row, start + BLOCK_N, kv_end, stride_kp, stride_kt, stride_vp,
+                           stride_vt, PAGE_SIZE, BLOCK_N, row_bytes)
         acc, l_i, m_i = _split_tile(acc, l_i, m_i, q, k, v, n, n_ok, last_key, qk_scale, DOT_PRECISION)
 
     _finish(acc, l_i, m_i, q_start + qi, head, row_ok, d, split, num_splits, num_heads, gate_ptr, out_ptr, ws_o_ptr,
@@ -699,7 +717,9 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     else:
         stamp, stamping = stamps.slot("attention_split", q.device)
         _split_kernel[(batch, kv_heads, num_splits)](*args, stamp, Q_LEN=q_len, STAMPS=stamping,
-                                                     PREFETCH=PREFETCH_FIRST_TILE and launch["PDL"], **common)
+                                                     PREFETCH=PREFETCH_FIRST_TILE and launch["PDL"],
+                                                     PREFETCH_NEXT=PREFETCH_NEXT_TILE and launch["PDL"]
+                                                     and tile.num_stages == 1, **common)
     if num_splits > 1 and tile.chunk:
         _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     elif num_splits > 1:

@@ -287,6 +287,7 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "max_splits": functools.partial(split_setters, "MAX_SPLITS", {"128": 128, "64": 64, "32": 32}),
             "split_stages": functools.partial(split_setters, "DECODE_STAGES", {"1": 1, "2": 2, "3": 3}),
             "kv_prefetch": ("kernels.paged_decode_attention", "PREFETCH_FIRST_TILE", ON_OFF),
+            "kv_prefetch_next": ("kernels.paged_decode_attention", "PREFETCH_NEXT_TILE", ON_OFF),
             "combine_o": ("kernels.paged_decode_attention", "COMBINE_O_EARLY", ON_OFF),
             "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),
             "tma_slot": ("kernels.tma_gemv", "SLOT_ROWS", {"16k": 32, "8k": 16}),

@@ -35,7 +35,7 @@ def triton_sm90(fn, const: dict, arg_type, num_warps: int, num_stages: int) -> d
 
 def split_kernel_sm90(**overrides) -> dict:
     """kernels.paged_decode_attention's decode split kernel at the 2B attention shape (bf16 d256 GQA 4, one query,
-    pages of 16, the L2 prefetch on, no stamps; overrides replace constexprs) through triton_sm90."""
+    pages of 16, the L2 prefetches on, no stamps; overrides replace constexprs) through triton_sm90."""
     from kernels import paged_decode_attention as P
     tile = P.plan(1, 4, 256, 2)
     bf16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr")
@@ -44,8 +44,8 @@ def split_kernel_sm90(**overrides) -> dict:
         return ("*bf16" if n in bf16 else "*fp32" if n.startswith("ws_") else "*i64" if n == "stamps_ptr" else
                 "*i32" if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32")
     const = dict(Q_LEN=1, VARLEN=True, GROUP=4, HEAD_DIM=256, PAGE_SIZE=16, BLOCK_M=tile.block_m,
-                 BLOCK_N=P.BLOCK_N, DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", PREFETCH=True, STAMPS=False,
-                 PDL=True)
+                 BLOCK_N=P.BLOCK_N, DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", PREFETCH=True,
+                 PREFETCH_NEXT=tile.num_stages == 1, STAMPS=False, PDL=True)
     return triton_sm90(P._split_kernel, {**const, **overrides}, arg_type, tile.num_warps, tile.num_stages)
 
 
