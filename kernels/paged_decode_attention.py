@@ -65,6 +65,9 @@ Measured with it, before the combine used PDL: B1 32k 3.35 TB/s (S = 64), B1 128
 B8 32k 4.42 (S = 8), B64 8k 4.51 (S = 1), against a torch.sum read ceiling of 4.27 in the same run.
 At B1 32k the split kernel alone runs at 3.54 TB/s; the combine (one load per program) adds ~2 us,
 which PDL is meant to hide in part.
+Since session 30 the decode plan runs one stage instead (DECODE_STAGES; 43 KB of shared memory, ~224
+registers), each program asking L2 for its next tile before computing (PREFETCH_NEXT_TILE): faster in the batch-1
+decode step (see DECODE_STAGES), not yet re-timed on these long-context rows.
 
 Chunk bound (H200, bf16; FLOPs = 4 * visible (query, key) pairs * H * D at ~700 TFLOP/s, the best measured
 attention rate, against the K/V bytes 2 * ctx * KV * D * 2 B at ~4.4 TB/s). FLOPs per K/V byte are
