@@ -36,7 +36,7 @@ Algorithm (two kernels):
    times sigmoid(gate) when a gate is given, stored in q's dtype; rows that see no key give 0. Each
    program reads all splits of a BLOCK_D slice in one load. On sm_90 it is launched with
    programmatic dependent launch, so its launch overlaps the split kernel (it waits in griddepcontrol), and it
-   lets the next kernel launch once it has waited (COMBINE_RELEASE).
+   lets the next kernel launch once it has waited, or from its start (COMBINE_RELEASE).
 
 K/V are gathered through the page table per token (page = table[b, n // page_size]); when a page
 holds a whole number of tiles, one page index per tile is loaded instead. Page sizes need not be
@@ -67,7 +67,8 @@ At B1 32k the split kernel alone runs at 3.54 TB/s; the combine (one load per pr
 which PDL is meant to hide in part.
 Since session 30 the decode plan runs one stage instead (DECODE_STAGES; 43 KB of shared memory, ~224
 registers), each program asking L2 for its next tile before computing (PREFETCH_NEXT_TILE): faster in the batch-1
-decode step (see DECODE_STAGES), not yet re-timed on these long-context rows.
+decode step (see DECODE_STAGES), not yet re-timed on these long-context rows. Its keys a tile are DECODE_BLOCK_N
+(64; 32 would leave an SM room for the next out-proj chain's CTA during the split, untimed).
 
 Chunk bound (H200, bf16; FLOPs = 4 * visible (query, key) pairs * H * D at ~700 TFLOP/s, the best measured
 attention rate, against the K/V bytes 2 * ctx * KV * D * 2 B at ~4.4 TB/s). FLOPs per K/V byte are
@@ -116,13 +117,16 @@ PROGRAMS_PER_SM = 2  # resident split programs per SM that choose_num_splits aim
 RESCALE_THRESHOLD = 8.0  # chunk variant: log2 growth of the running max that forces an O rescale (0: always)
 COMBINE_TILE = 4096  # splits x head dims one combine program reduces
 COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk variant's combine reduces
-# The combine lets the next kernel launch right after its PDL wait, as every other decode kernel does. Until session
-# 26 it released nothing, so the layer's out-proj chain (a TMA GEMV whose producer streams weights before its own
-# wait) launched only once every combine program had exited: its first weights came behind the combine, once an
-# attention layer. Predicted: 1-3 us a layer, 6-18 us a 2B / 0.8B step (6 attention layers). Timed in session 27 (H100,
-# 0.8B): on 0.872 / 0.876 ms, off 0.867 / 0.905, inside the noise; kept on. A/B:
-# `python -m profiles.host_time --model M --decode 1 --ab combine_release`
-COMBINE_RELEASE = True
+# When the combine lets the next kernel (the layer's out-proj chain, a TMA GEMV whose producer streams weights before
+# its own wait) launch: "after_wait" (right after its PDL wait, as most decode kernels do), "early" (at its start,
+# before the wait) or "off" (at its exit). Until session 26 it was "off": the chain's first weights came behind the
+# combine. Timed in session 27 (H100, 0.8B): after_wait 0.872 / 0.876 ms, off 0.867 / 0.905, inside the noise.
+# Session 30's stamps (H100, 2B) found the chain after an attention layer resident only 1.4 us before its go, against
+# 6.4-7.2 after a GDN layer (whose kernel releases at its start): its 128 KB rings fill after the split, not during
+# it, and the chain takes 31.8 us against 27.8. "early" lets it launch while the split runs, on SMs with room for
+# its CTA beside the split's programs, which DECODE_BLOCK_N decides (prediction there). A/B: `python -m
+# profiles.step_stamps --knob combine_release=early --knob split_block_n=32`, host_time's `--ab combine_release`.
+COMBINE_RELEASE = "after_wait"
 # The decode combine loads the splits' O rows beside their LSEs instead of after them (masked by which splits saw a
 # key), and zeroes the empty splits' rows with a select: one L2 round trip after its wait instead of two. Stamped
 # (session 29, H100, 2B at 8k): the combine ran 2.2-3.2 us from its go to its end for 1 MB of workspace; predicted
@@ -156,6 +160,17 @@ DECODE_STAGES = 1
 # 3-stage cp.async ring did. Not yet timed. A/B: `python -m profiles.host_time --model M --decode 1 --ctx 65536
 # --ab kv_prefetch_next --ab split_stages`
 PREFETCH_NEXT_TILE = True
+# Keys a tile of the decode split kernel (the chunk variant keeps BLOCK_N). What an SM holds while the split runs
+# decides whether the next chain CTA can launch early (COMBINE_RELEASE "early"): the chain takes 16,128 registers
+# (sm_90a ptxas: 52 a thread, 56 allocated, 288 threads) and ~141 KB of shared memory (its 128 KB ring and x), a
+# combine program 7,168 (56 x 128). Two split programs at 64 keys take 2 x 224 x 128 = 57,344 registers (and
+# 2 x 43 KB): no room. At 32 keys 2 x 144 x 128 = 36,864 (ptxas: 142 a thread; 2 x 25.6 KB, no spills): room for
+# both (60,160 of 65,536). Predicted, 32 keys with "early" against today's 64 with "after_wait", 2B at 8k: the
+# chain after each attention layer resident during the split, its share 31.8 -> ~28 us (as after a GDN layer),
+# less a second tile a split program (128 splits of 64 keys: +0.5-1.5 us): 12-20 us a 2B step. Less on an H100,
+# whose ~3.1 TB/s ceiling the rings' 17 MB and the split's 16.8 MB of KV share in its ~11 us. (The module's
+# old standalone sweep, three stages: 32 keys 30% slower than 64.) A/B: see COMBINE_RELEASE.
+DECODE_BLOCK_N = 64
 LOG2E = 1.4426950408889634
 H200_SMS = 132
 
@@ -171,6 +186,7 @@ class Plan(NamedTuple):
     chunk: bool  # the chunk variant (M-blocks, two loops) rather than the decode one
     block_m: int  # packed (query token, head) rows per M-block
     m_blocks: int  # M-blocks per (sequence, KV head), from the host bound max_seqlen_q
+    block_n: int  # keys a tile
     num_warps: int
     num_stages: int
     programs_per_sm: int  # what choose_num_splits aims to keep resident
@@ -196,10 +212,11 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def choose_num_splits(batch: int, kv_heads: int, max_seqlen_k: int, num_sms: int = H200_SMS, *, m_blocks: int = 1,
-                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+                      programs_per_sm: int = PROGRAMS_PER_SM, block_n: int | None = None) -> int:
     """Splits per (sequence, M-block, KV head): the fewest whose programs fill programs_per_sm per SM in waves
-    within 5% of the best wave efficiency, counting only the splits that tile rounding leaves non-empty."""
-    n_blocks = max(1, cdiv(max_seqlen_k, BLOCK_N))
+    within 5% of the best wave efficiency, counting only the splits that tile rounding leaves non-empty.
+    block_n: the plan's keys a tile (None: the decode plan's, DECODE_BLOCK_N)."""
+    n_blocks = max(1, cdiv(max_seqlen_k, block_n or DECODE_BLOCK_N))
     max_splits = min(MAX_SPLITS, n_blocks)
     effs = []
     for s in range(1, max_splits + 1):
@@ -230,7 +247,7 @@ def plan(max_q_len: int, group: int, head_dim: int, elt_size: int, block_m: int 
     rows = max_q_len * group
     if block_m is None and max_q_len <= DECODE_MAX_Q_LEN and rows <= DECODE_MAX_ROWS:
         bm = max(16, next_power_of_2(rows))
-        return Plan(False, bm, 1, _config(bm, head_dim, elt_size)[0], DECODE_STAGES, PROGRAMS_PER_SM)
+        return Plan(False, bm, 1, DECODE_BLOCK_N, _config(bm, head_dim, elt_size)[0], DECODE_STAGES, PROGRAMS_PER_SM)
     if block_m is None:
         big = CHUNK_BLOCK_M if elt_size <= 2 else CHUNK_BLOCK_M // 2  # fp32: a 128 x 256 Q tile alone is 128 KB
         block_m = max(16, next_power_of_2(rows)) if rows <= 64 else big
@@ -239,7 +256,7 @@ def plan(max_q_len: int, group: int, head_dim: int, elt_size: int, block_m: int 
     else:
         num_warps = 4 if block_m * head_dim * elt_size <= 16384 else 8
         num_stages = 4 if head_dim * elt_size <= 128 else 3 if head_dim * elt_size <= 512 else 2
-    return Plan(True, block_m, cdiv(rows, block_m), num_warps, num_stages, 2 if num_warps == 4 else 1)
+    return Plan(True, block_m, cdiv(rows, block_m), BLOCK_N, num_warps, num_stages, 2 if num_warps == 4 else 1)
 
 
 def _short_rows_plan(tile: Plan, group: int, head_dim: int, elt_size: int) -> tuple[int, Plan] | None:
@@ -496,8 +513,10 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
     RELEASE: tl.constexpr, O_EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
 ):
+    if RELEASE == "early":  # COMBINE_RELEASE
+        pdl.release_dependents(PDL)
     t_go = stamps.wait(stamps_ptr, STAMPS, PDL)  # launched early: wait for the split kernel's writes
-    if RELEASE:  # COMBINE_RELEASE
+    if RELEASE == "after_wait":
         pdl.release_dependents(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -531,8 +550,10 @@ def _combine_rows_kernel(
 ):
     """The chunk variant's combine: grid (cdiv(N * H, ROWS), D / BLOCK_D), ROWS (token, head) rows a program,
     the same sum as `_combine_kernel` (chunks have many rows and few splits, so rows are batched)."""
+    if RELEASE == "early":  # COMBINE_RELEASE
+        pdl.release_dependents(PDL)
     pdl.wait_for_producer(PDL)  # launched early: wait for the split kernel's writes
-    if RELEASE:  # COMBINE_RELEASE
+    if RELEASE == "after_wait":
         pdl.release_dependents(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,) rows token * H + head
     r_ok = r < num_rows
@@ -679,7 +700,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     tile = plan(q_len, group, head_dim, q.element_size(), block_m)
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_seqlen_k or capacity, _num_sms(q.device),
-                                       m_blocks=tile.m_blocks, programs_per_sm=tile.programs_per_sm)
+                                       m_blocks=tile.m_blocks, programs_per_sm=tile.programs_per_sm,
+                                       block_n=tile.block_n)
     if not is_int(num_splits) or not 1 <= num_splits <= 256:
         raise ValueError(f"num_splits must be an int in 1..256, got {num_splits!r}")
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
@@ -701,7 +723,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
             g3.stride(0), g3.stride(1), out3.stride(0), out3.stride(1),
             scale * LOG2E, num_splits, capacity)
     common = dict(VARLEN=cu_seqlens_q is not None, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-                  BLOCK_M=tile.block_m, BLOCK_N=BLOCK_N, DIRECT=num_splits == 1, HAS_GATE=gate is not None,
+                  BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, DIRECT=num_splits == 1, HAS_GATE=gate is not None,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tile.num_warps,
                   num_stages=tile.num_stages, **launch)
     if tile.chunk:
@@ -818,7 +840,7 @@ def split_kv_pays(batch: int, max_q_len: int, group: int, kv_heads: int, head_di
     if batch * tile.m_blocks * kv_heads >= forward_fill * num_sms:  # the forward fills the SMs enough
         return False
     return choose_num_splits(batch, kv_heads, max_seqlen_k, num_sms, m_blocks=tile.m_blocks,
-                             programs_per_sm=tile.programs_per_sm) > 1
+                             programs_per_sm=tile.programs_per_sm, block_n=tile.block_n) > 1
 
 
 def forward_fill(q, k_pages, page_table, max_q_len: int) -> float:

@@ -282,10 +282,12 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
-            "combine_release": ("kernels.paged_decode_attention", "COMBINE_RELEASE", ON_OFF),
-            # the decode split count's cap (128: one tile a split at B1 8k) and its key loop's pipeline depth
+            "combine_release": ("kernels.paged_decode_attention", "COMBINE_RELEASE",
+                                {v: v for v in ("after_wait", "early", "off")}),
+            # the decode split count's cap (128: one tile a split at B1 8k), its key loop's pipeline depth and tile
             "max_splits": functools.partial(split_setters, "MAX_SPLITS", {"128": 128, "64": 64, "32": 32}),
             "split_stages": functools.partial(split_setters, "DECODE_STAGES", {"1": 1, "2": 2, "3": 3}),
+            "split_block_n": functools.partial(split_setters, "DECODE_BLOCK_N", {"64": 64, "32": 32}),
             "kv_prefetch": ("kernels.paged_decode_attention", "PREFETCH_FIRST_TILE", ON_OFF),
             "kv_prefetch_next": ("kernels.paged_decode_attention", "PREFETCH_NEXT_TILE", ON_OFF),
             "combine_o": ("kernels.paged_decode_attention", "COMBINE_O_EARLY", ON_OFF),
@@ -296,8 +298,26 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "tma_min": ("kernels.linear", "TMA_MIN_BYTES", {"16m": 16 * MIB, "8m": 8 * MIB, "4m": 4 * MIB})}
 
 
+def ab_knob(name: str) -> str:
+    """argparse type of --ab: a knob of AB_KNOBS, or several joined by '+' (every combination of their variants)."""
+    unknown = [k for k in name.split("+") if k not in AB_KNOBS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown knob {unknown[0]!r}; one of {', '.join(sorted(AB_KNOBS))}")
+    return name
+
+
+def _in_turn(*setters: Callable[[], None]) -> None:
+    for apply in setters:
+        apply()
+
+
 def knob_setters(knob: str) -> tuple[dict, Callable[[], None]]:
-    """({variant name: apply it}, restore the knob's current setting) of one of AB_KNOBS."""
+    """({variant name: apply it}, restore the knob's current setting) of one of AB_KNOBS; of 'A+B', every pair of
+    A's and B's variants, named 'a/b'."""
+    if "+" in knob:
+        (first, restore_first), (second, restore_second) = (knob_setters(k) for k in knob.split("+", 1))
+        pairs = {f"{a}/{b}": functools.partial(_in_turn, fa, fb) for a, fa in first.items() for b, fb in second.items()}
+        return pairs, functools.partial(_in_turn, restore_first, restore_second)
     if callable(AB_KNOBS[knob]):
         return AB_KNOBS[knob]()
     module_name, attribute, values = AB_KNOBS[knob]
@@ -418,9 +438,10 @@ def main(argv=None) -> dict:
                          "(auto: kernels.linear.FUSED_NORM_MAX_K)")
     ap.add_argument("--timeline", action="store_true", help="with --decode: one graph replay's kernels by their "
                                                              "increments of the step's critical path")
-    ap.add_argument("--ab", choices=sorted(AB_KNOBS), action="append", default=None,
+    ap.add_argument("--ab", type=ab_knob, action="append", default=None, metavar="KNOB[+KNOB]",
                     help="with --decode: time this knob's variants in one process, alternated (repeatable: each "
-                         "knob in turn, on one loaded model)")
+                         "knob in turn, on one loaded model; A+B: every pair of variants): "
+                         f"{', '.join(sorted(AB_KNOBS))}")
     args = ap.parse_args(argv)
     if args.admission:
         rows = admission_keys(args.ctx, args.new)

@@ -10,6 +10,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+# What a 2B decode layer's out-proj chain CTA (kernels.tma_gemv) holds of an SM, at most: registers (52 a thread by
+# ptxas in session 31, allocated in 8s, 288 threads) and shared memory (the 128 KB ring, x's 12 KB and 1 KB for its
+# barriers: tma_gemv's own bound). test_chain_compiles_for_sm90 checks that it still fits them;
+# test_split_kernel_keeps_two_programs_an_sm whether the decode split's programs leave room for it.
+CHAIN_CTA_REGS, CHAIN_CTA_SMEM = 56 * 288, 128 * 1024 + 2 * 6144 + 1024
 
 
 def triton_sm90(fn, const: dict, arg_type, num_warps: int, num_stages: int) -> dict:
@@ -21,16 +26,30 @@ def triton_sm90(fn, const: dict, arg_type, num_warps: int, num_stages: int) -> d
              if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_ptb")}
     k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps, "num_stages": num_stages})
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(k.asm["ptx"])
-    info = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                          text=True).stderr
-    os.unlink(f.name)
+    info = ptxas_sm90a(k.asm["ptx"])
     ttgir = k.asm["ttgir"]
-    return dict(smem=k.metadata.shared, regs=int(re.search(r"Used (\d+) registers", info).group(1)),
-                spill=int(re.search(r"(\d+) bytes spill stores", info).group(1)),
+    return dict(smem=k.metadata.shared, regs=info["regs"], spill=info["spill"],
                 wgmma=ttgir.count("warp_group_dot "), cp_async=ttgir.count("async_copy_global_to_local"),
                 ptx=k.asm["ptx"])
+
+
+def cuda_ptxas() -> str:
+    """The CUDA toolkit's ptxas (nvidia-cuda-nvcc): CuTe-DSL's PTX is newer than Triton's ptxas reads."""
+    import nvidia.cuda_nvcc
+    return os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
+
+
+def ptxas_sm90a(ptx: str, ptxas: str = PTXAS) -> dict:
+    """ptxas -v on a kernel's PTX for sm_90a: registers a thread, spilled bytes (None where it reports none) and how
+    many wgmma fences it injected itself (warning C7519)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx.rstrip(chr(0)))
+    info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                          text=True).stderr
+    os.unlink(f.name)
+    regs, spill = re.search(r"Used (\d+) registers", info), re.search(r"(\d+) bytes spill stores", info)
+    return {"regs": int(regs.group(1)) if regs else None, "spill": int(spill.group(1)) if spill else None,
+            "injected_fences": info.count("C7519"), "info": info}
 
 
 def split_kernel_sm90(**overrides) -> dict:

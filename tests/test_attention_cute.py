@@ -146,12 +146,10 @@ def test_auto_takes_cute_where_it_runs(monkeypatch):
 # ------------------------------------------------------------------ CPU: compile for sm_90a
 
 SM90_COMPILE = """
-import json, os, re, subprocess, sys, tempfile, time, traceback
-import nvidia.cuda_nvcc
+import json, re, time, traceback
 from fa4.cute.config import representative_configs
 from fa4.cute.compile_cache import compile_config
-from tests.sm90_compile import parity_resets_in_loops
-ptxas = os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin", "ptxas")
+from tests.sm90_compile import cuda_ptxas, parity_resets_in_loops, ptxas_sm90a
 for index, cfg in enumerate(representative_configs()):
     start = time.time()
     try:
@@ -159,17 +157,12 @@ for index, cfg in enumerate(representative_configs()):
     except Exception:
         print(json.dumps({"index": index, "error": traceback.format_exc()[-4000:]}), flush=True)
         continue
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx.rstrip(chr(0)))
-    info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                          text=True).stderr
-    os.unlink(f.name)
-    spill = re.search(r"(\\d+) bytes spill stores", info)
+    info = ptxas_sm90a(ptx, cuda_ptxas())
     print(json.dumps({"index": index, "seconds": time.time() - start, "wgmma": ptx.count("wgmma.mma_async"),
                       "tma": ptx.count("cp.async.bulk.tensor"), "setmaxnreg": ptx.count("setmaxnreg"),
                       "ex2": ptx.count("ex2.approx"), "o_stores": re.findall(r"st\\.global[.a-z0-9]*", ptx),
-                      "spill_bytes": int(spill.group(1)) if spill else None, "resets": parity_resets_in_loops(ptx),
-                      "injected_fences": info.count("C7519"), "config": repr(cfg)}), flush=True)
+                      "spill_bytes": info["spill"], "resets": parity_resets_in_loops(ptx),
+                      "injected_fences": info["injected_fences"], "config": repr(cfg)}), flush=True)
 """
 
 

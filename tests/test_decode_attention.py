@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import kernels.paged_decode_attention as P
 import reference as R
 from kernels.paged_decode_attention import (
     MAX_SPLITS,
@@ -23,6 +24,7 @@ from kernels.paged_decode_attention import (
 from model.ops import _BACKENDS
 from model.step import StepInput
 from tests.conftest import HAS_CUDA, compiled_script_output, rel_err
+from tests.sm90_compile import CHAIN_CTA_REGS, CHAIN_CTA_SMEM
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -80,8 +82,20 @@ CASES = [  # (dtype, head_dim, heads, kv_heads, page, lens, q_len, num_splits, g
 ]
 
 
+@pytest.fixture(params=[64, 32])
+def decode_block_n(request, monkeypatch):
+    """The decode plan's keys a tile (DECODE_BLOCK_N, a knob of profiles.host_time), its cached plans cleared before
+    and after."""
+    monkeypatch.setattr(P, "DECODE_BLOCK_N", request.param)
+    P.plan.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    P.plan.cache_clear()
+
+
 @pytest.mark.parametrize("dtype,d,h,kv,page,lens,q_len,splits,gated", CASES)
-def test_matches_reference(dtype, d, h, kv, page, lens, q_len, splits, gated):
+def test_matches_reference(decode_block_n, dtype, d, h, kv, page, lens, q_len, splits, gated):
+    assert P.plan(q_len, h // kv, d, torch.tensor([], dtype=dtype).element_size()).block_n == decode_block_n
     k_pages, v_pages, table, seqused = make_cache(lens, kv, d, page, dtype, seed=d + h)
     q = randn(len(lens), q_len, h, d, dtype=dtype, seed=1)
     gate = randn(*q.shape, dtype=dtype, seed=2) if gated else None
@@ -154,23 +168,31 @@ def test_model_op_adapter(monkeypatch):
 
 SM90_SPLIT_COMPILE = """
 from tests.sm90_compile import split_kernel_sm90
-for page in (64, 16):  # 16: the engine's default (a page lookup per key)
-    r = split_kernel_sm90(PAGE_SIZE=page)
+for page, block_n in ((64, 64), (16, 64), (16, 32)):  # 16: the engine's default (a page lookup per key)
+    r = split_kernel_sm90(PAGE_SIZE=page, BLOCK_N=block_n)
     prefetch = "cp.async.bulk.prefetch.L2.global"
-    print(r["smem"], r["regs"], r["spill"], r["ptx"].split("griddepcontrol.wait")[0].count(prefetch),
+    print(block_n, r["smem"], r["regs"], r["spill"], r["ptx"].split("griddepcontrol.wait")[0].count(prefetch),
           r["ptx"].count(prefetch), flush=True)
 """
+SM_REGS, SM_SMEM, CTA_RESERVED_SMEM = 65536, 228 * 1024, 1024
+COMBINE_REGS = 56 * 128  # a combine program (sm_90a ptxas, session 31: 55 registers, 128 threads)
 
 
 def test_split_kernel_keeps_two_programs_an_sm():
     # the decode split kernel at the 2B attention shape (bf16 d256 GQA 4), compiled for sm_90a on the CPU, at pages
     # of 64 and 16 keys: two programs fit an SM (shared memory and registers; the measured condition for full
     # bandwidth), no spills; the first tile's L2 prefetches (K and V) stand before the PDL wait, and the next
-    # tile's (one stage: PREFETCH_NEXT) in the key loop after it, as many again
-    for line in compiled_script_output(SM90_SPLIT_COMPILE, timeout=600).splitlines()[-2:]:
-        smem, regs, spill, early, total = map(int, line.split())
-        assert 2 * smem <= 227 * 1024 and 2 * 128 * regs <= 65536 and spill == 0, (smem, regs, spill)
+    # tile's (one stage: PREFETCH_NEXT) in the key loop after it, as many again. With 32-key tiles two programs
+    # leave room for the out-proj chain's CTA and a combine program (DECODE_BLOCK_N); with 64-key tiles they do not
+    room = {}
+    for line in compiled_script_output(SM90_SPLIT_COMPILE, timeout=600).splitlines()[-3:]:
+        block_n, smem, regs, spill, early, total = map(int, line.split())
+        assert 2 * smem <= 227 * 1024 and 2 * 128 * regs <= SM_REGS and spill == 0, (smem, regs, spill)
         assert early >= 2 and total == 2 * early, (early, total)
+        regs_held = 2 * 128 * -(-regs // 8) * 8 + CHAIN_CTA_REGS + COMBINE_REGS
+        smem_held = 2 * (smem + CTA_RESERVED_SMEM) + CHAIN_CTA_SMEM + CTA_RESERVED_SMEM
+        room[block_n] = regs_held <= SM_REGS and smem_held <= SM_SMEM
+    assert room == {64: False, 32: True}, room
 
 
 def test_split_kv_pays_for_long_chunks_only_when_the_forward_underfills():
@@ -274,7 +296,7 @@ GPU_LENS = [1, 2, 65, 1000, 33000]
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("q_len", [1, 3, 8])
-def test_gpu_matches_reference(dtype, d, group, q_len):
+def test_gpu_matches_reference(decode_block_n, dtype, d, group, q_len):
     kv, page = 2, (16 if group in (1, 4) else 64)
     lens = [max(n, q_len) for n in GPU_LENS]
     k_pages, v_pages, table, seqused = make_cache(lens, kv, d, page, dtype, seed=group * 10 + q_len)
@@ -297,7 +319,7 @@ def test_gpu_largest_tile_and_small_head_dim(dtype, d):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 7, 64])
-def test_gpu_varlen_mixed_q_lens(splits):
+def test_gpu_varlen_mixed_q_lens(decode_block_n, splits):
     dtype, d, h, kv, page = torch.bfloat16, 256, 16, 4, 64
     q_lens = [1, 8, 3, 5, 2, 7, 4, 6]
     lens = [8, 70, 1000, 33000, 4, 513, 20000, 129]

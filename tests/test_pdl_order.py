@@ -95,10 +95,10 @@ def test_gdn_decode_reads_the_projection_after_the_wait(monkeypatch, early, hk, 
 
 
 @pytest.mark.parametrize("q_len", [1, 20])  # the decode variant's split and combine; the chunk variant's
-def test_attention_programs_release_their_dependents_after_the_wait(monkeypatch, q_len):
-    """Every program of the split-KV attention's kernels (split and combine, or chunk and row combine) waits, then
-    lets the next kernel launch (COMBINE_RELEASE; the out-proj chain after it streams its weights from its launch);
-    without COMBINE_RELEASE the combine's programs only wait."""
+def test_attention_programs_release_their_dependents_where_told(monkeypatch, q_len):
+    """Every program of the split kernel (decode or chunk variant) waits, then lets the next kernel launch; every
+    combine program does as COMBINE_RELEASE says: after its wait, before it ("early": the out-proj chain after it may
+    launch while the split runs), or not at all ("off": only its exit does)."""
     events = []
     builder = interpreter.interpreter_builder
     start = builder.set_grid_idx
@@ -107,15 +107,15 @@ def test_attention_programs_release_their_dependents_after_the_wait(monkeypatch,
     monkeypatch.setattr(pdl, "release_dependents", lambda PDL: events.append("release"))
     k_pages, v_pages, table, seqused = make_cache([70, 25], 2, 64, 16, torch.float32, seed=4)
     q = torch.randn(2, q_len, 8, 64, generator=torch.Generator().manual_seed(4))
-    for release in (True, False):
+    programs = {}
+    for release, combine_order in {"early": "release wait", "off": "wait", "after_wait": "wait release"}.items():
         monkeypatch.setattr(attention, "COMBINE_RELEASE", release)
         events.clear()
         attention.paged_decode_attention(q, k_pages, v_pages, table, seqused, num_splits=2)
-        programs = " ".join(events).split("start")[1:]
-        kinds = collections.Counter(p.strip() for p in programs)
-        waiting_only = kinds.pop("wait", 0)
-        assert set(kinds) == {"wait release"} and (waiting_only == 0) == release, kinds
-        assert release or waiting_only > 0
+        kinds = collections.Counter(p.strip() for p in " ".join(events).split("start")[1:])
+        assert set(kinds) == {"wait release", combine_order}, (release, kinds)
+        programs[release] = sum(kinds.values())
+    assert len(set(programs.values())) == 1, programs  # the same programs each time
 
 
 def test_argmax_reads_the_logits_after_the_wait(monkeypatch):

@@ -100,6 +100,22 @@ def test_split_knobs_reach_the_cached_plans_and_restore():
     assert P.choose_num_splits(1, 2, 65536) <= 32 < auto_splits
     restore()
     assert P.choose_num_splits(1, 2, 65536) == auto_splits and P.MAX_SPLITS == 128
+    # two knobs joined by '+': every pair of variants, each applied in turn; both restored
+    variants, restore = knob_setters("combine_release+split_block_n")
+    assert list(variants) == [f"{r}/{n}" for r in ("after_wait", "early", "off") for n in ("64", "32")]
+    variants["early/32"]()
+    assert (P.COMBINE_RELEASE, P.plan(1, 4, 256, 2).block_n) == ("early", 32)
+    assert P.choose_num_splits(1, 2, 2048) == 64  # 64 tiles of 32 keys, where 64-key tiles give 32 splits
+    restore()
+    assert P.plan(1, 4, 256, 2) == auto_plan and P.COMBINE_RELEASE == "after_wait" and P.DECODE_BLOCK_N == 64
+    assert P.choose_num_splits(1, 2, 2048) == 32
+
+
+def test_host_time_ab_refuses_an_unknown_knob(capsys):
+    from profiles import host_time
+    with pytest.raises(SystemExit):
+        host_time.main(["--decode", "1", "--device", "cpu", "--ab", "combine_release+no_such_knob"])
+    assert "unknown knob 'no_such_knob'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("knob,names", [("prenorm", ("fused", "unfused")), ("split_k", ("off", "on")),

@@ -159,8 +159,24 @@ def gpu_model():
 GPU_ENGINE = EngineConfig(num_pages=512, page_size=16, max_num_seqs=8, snapshot_slots=8, max_model_len=1024)
 
 
+@pytest.fixture(params=[("after_wait", 64), ("early", 32)], ids=["default_handoff", "early_handoff_32"])
+def attention_handoff(request, monkeypatch):
+    """The decode combine's release point and the split's keys a tile (kernels.paged_decode_attention's
+    COMBINE_RELEASE, DECODE_BLOCK_N): the default, and the pair that lets the out-proj chain launch during the split."""
+    from kernels import paged_decode_attention as P
+    release, block_n = request.param
+    monkeypatch.setattr(P, "COMBINE_RELEASE", release)
+    monkeypatch.setattr(P, "DECODE_BLOCK_N", block_n)
+    P.plan.cache_clear()
+    P.choose_num_splits.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    P.plan.cache_clear()
+    P.choose_num_splits.cache_clear()
+
+
 @pytest.mark.gpu
-def test_batch1_greedy_graphs_equal_eager_and_model_greedy(gpu_model):
+def test_batch1_greedy_graphs_equal_eager_and_model_greedy(gpu_model, attention_handoff):
     with ops.use_backend("triton"):
         graphs = LLMEngine(gpu_model, GPU_ENGINE)
         eager = LLMEngine(gpu_model, replace(GPU_ENGINE, cuda_graphs=False))

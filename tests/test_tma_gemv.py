@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 from conftest import HAS_CUDA, assert_rel, compiled_script_output
+from sm90_compile import CHAIN_CTA_REGS, CHAIN_CTA_SMEM
 
 import reference as R
 from kernels import linear as L
@@ -140,12 +141,14 @@ def test_out_proj_mlp_routes_one_row_to_the_chain(monkeypatch):
 SM90_CHAIN_COMPILE = """
 import json
 from kernels.tma_gemv import BOUNDARY_BYTES, GemvInput, choose_config, compile_config
-from tests.sm90_compile import parity_resets_in_loops
+from tests.sm90_compile import cuda_ptxas, parity_resets_in_loops, ptxas_sm90a
 chain = (GemvInput(2048, norm=True, add=True), GemvInput(6144, gated=True))
 unpaused = compile_config(choose_config(2048, 2048, chain=chain), keep_ptx=True).__ptx__
 cfg = choose_config(2048, 2048, chain=chain, boundary_bytes=BOUNDARY_BYTES)
 ptx = compile_config(cfg, keep_ptx=True).__ptx__
-print(json.dumps({"tma": ptx.count("cp.async.bulk.tensor."), "wait": ptx.count("griddepcontrol.wait"),
+print(json.dumps({"regs": ptxas_sm90a(ptx, cuda_ptxas())["regs"], "threads": 32 * (cfg.consumer_warps + 1),
+                  "smem": cfg.stages * cfg.slot_bytes + 2 * cfg.x_width + 1024,
+                  "tma": ptx.count("cp.async.bulk.tensor."), "wait": ptx.count("griddepcontrol.wait"),
                   "fences": ptx.count("fence.acq_rel.gpu"), "nc_loads": ptx.count("ld.global.nc"),
                   "arrive": ptx.count("atom.global.release.add.u64"), "poll": ptx.count("ld.acquire.gpu"),
                   "rsqrt": ptx.count("rsqrt"), "ex2": ptx.count("ex2.approx"),
@@ -220,6 +223,8 @@ def test_chain_compiles_for_sm90(monkeypatch):
     # BOUNDARY_BYTES: a consumer's arrive a grid sync; the producer's wait in gate_up's loop and after it (for a CTA
     # with too few of its slots to reach the first), and in down's loop
     assert row["pause"] == [2, 3], row
+    # what an SM must hold for it (the decode split's 32-key tiles leave room for this: test_decode_attention)
+    assert -(-row["regs"] // 8) * 8 * row["threads"] <= CHAIN_CTA_REGS and row["smem"] <= CHAIN_CTA_SMEM, row
 
 
 def _pair(n, k, seed=0, gated=False):
