@@ -123,9 +123,10 @@ COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk v
 # combine. Timed in session 27 (H100, 0.8B): after_wait 0.872 / 0.876 ms, off 0.867 / 0.905, inside the noise.
 # Session 30's stamps (H100, 2B) found the chain after an attention layer resident only 1.4 us before its go, against
 # 6.4-7.2 after a GDN layer (whose kernel releases it as its ~7 us of work begin): its 128 KB rings fill after the
-# split, not during it, and the chain takes 31.8 us against 27.8. "early" lets it launch while the split runs, on SMs with room for
-# its CTA beside the split's programs, which DECODE_BLOCK_N decides (prediction there). A/B: `python -m
-# profiles.step_stamps --knob combine_release=early --knob split_block_n=32`, host_time's `--ab combine_release`.
+# split, not during it, and the chain takes 31.8 us against 27.8. "early" lets it launch while the split runs, on
+# SMs with room for its CTA beside the split's programs, which DECODE_BLOCK_N decides (prediction there). A/B:
+# `python -m profiles.step_stamps --knob combine_release=early --knob split_block_n=32`, host_time's
+# `--ab combine_release+split_block_n`.
 COMBINE_RELEASE = "after_wait"
 # The decode combine loads the splits' O rows beside their LSEs instead of after them (masked by which splits saw a
 # key), and zeroes the empty splits' rows with a select: one L2 round trip after its wait instead of two. Stamped

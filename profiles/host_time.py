@@ -283,7 +283,7 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
             "combine_release": ("kernels.paged_decode_attention", "COMBINE_RELEASE",
-                                {v: v for v in ("after_wait", "early", "off")}),
+                                {"after_wait": "after_wait", "early": "early"}),
             # the decode split count's cap (128: one tile a split at B1 8k), its key loop's pipeline depth and tile
             "max_splits": functools.partial(split_setters, "MAX_SPLITS", {"128": 128, "64": 64, "32": 32}),
             "split_stages": functools.partial(split_setters, "DECODE_STAGES", {"1": 1, "2": 2, "3": 3}),
