@@ -164,13 +164,16 @@ PREFETCH_NEXT_TILE = True
 # Keys a tile of the decode split kernel (the chunk variant keeps BLOCK_N). What an SM holds while the split runs
 # decides whether the next chain CTA can launch early (COMBINE_RELEASE "early"): the chain takes 16,128 registers
 # (sm_90a ptxas: 52 a thread, 56 allocated, 288 threads) and ~141 KB of shared memory (its 128 KB ring and x), a
-# combine program 7,168 (56 x 128). Two split programs at 64 keys take 2 x 224 x 128 = 57,344 registers (and
-# 2 x 43 KB): no room. At 32 keys 2 x 144 x 128 = 36,864 (ptxas: 142 a thread; 2 x 25.6 KB, no spills): room for
-# both (60,160 of 65,536). Predicted, 32 keys with "early" against today's 64 with "after_wait", 2B at 8k: the
-# chain after each attention layer resident during the split, its share 31.8 -> ~28 us (as after a GDN layer),
-# less a second tile a split program (128 splits of 64 keys: +0.5-1.5 us): 12-20 us a 2B step. Less on an H100,
-# whose ~3.1 TB/s ceiling the rings' 17 MB and the split's 16.8 MB of KV share in its ~11 us. (The module's
-# old standalone sweep, three stages: 32 keys 30% slower than 64.) A/B: see COMBINE_RELEASE.
+# combine program 7,168 (56 x 128). One split program at 64 keys takes 224 x 128 = 28,672 registers and 43 KB, so
+# an SM with one has room; two take 57,344: no room. At 32 keys two take 36,864 (ptxas: 142 a thread; 2 x 25.6 KB,
+# no spills): room (60,160 of 65,536). How many programs an SM gets: at B1 H8/KV2 with the serving run's page
+# tables (15,648 tokens: choose_num_splits gives 123 splits; chunks round up to whole tiles) 128 programs at 8192
+# tokens, 192 at 12,288 (the short trace's mean context), 236 at 15,000; host_time's and step_stamps' tables of
+# ctx + 256 give 128 at 8192. Predicted, 2B at B1: "early" alone takes 3-4 us a layer off at 8192 (the chain after
+# attention 31.8 -> ~28 us, as after a GDN layer: 18-24 us a step) and less at 12,288, where 60 SMs hold two
+# programs; 32 keys with "early" recover those (less a third and fourth tile a program: +0.5-1.5 us). Less on an
+# H100, whose ~3.1 TB/s is about what the chain's 17 MB of rings and the split's KV need together in ~11 us. (The
+# module's old standalone sweep, three stages: 32 keys 30% slower than 64.) A/B: see COMBINE_RELEASE.
 DECODE_BLOCK_N = 64
 LOG2E = 1.4426950408889634
 H200_SMS = 132
