@@ -15,8 +15,10 @@ by model, trace and concurrency. --hf-baseline then times transformers' greedy g
 
 `--sweep interleave=4,8,12 --repeat 2` replays once per value of an engine knob on one loaded model, alternating
 the values, and prints them side by side with each value's mean (serving.json keeps every run and a `sweep|...`
-summary). On the H200 one configuration's c16 figure moves by about 7% from run to run, within one process too,
-so compare variants this way rather than across processes.
+summary). Decode kernel knobs sweep the same way by variant name (`--sweep combine_release=after_wait,early`;
+`combine_release+split_block_n=after_wait/64,early/32` for pairs: profiles.host_time's AB_KNOBS). On the H200
+one configuration's c16 figure moves by about 7% from run to run, within one process too, so compare variants this
+way rather than across processes.
 """
 import argparse
 import gc
@@ -264,6 +266,7 @@ def warm_up(engine: LLMEngine, traces: list[Trace]) -> None:
     first = prefix + [prefix[-1]] * 8
     out = engine.generate([first], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     n_back = len(t.turns[1].new_ids) if len(t.turns) > 1 else 64
+    n_back = min(n_back, engine.cfg.max_model_len - len(first) - len(out.output_ids) - 4)  # fits one-turn traces
     back = first + out.output_ids + [(i * 7919) % engine.model.config.vocab_size for i in range(n_back)]
     engine.generate([back], SamplingParams(max_tokens=4, ignore_eos=True))
 
@@ -322,8 +325,9 @@ def main(argv=None, model=None) -> dict:
                     help="launch each decode step before reading the last one's tokens (EngineConfig.decode_ahead)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
-                    help=f"replay once per value of an engine knob ({', '.join(ENGINE_KNOBS)}), one model load, "
-                         "and print the variants side by side")
+                    help=f"replay once per value of an engine knob ({', '.join(ENGINE_KNOBS)}) or per variant of a "
+                         "decode kernel knob (profiles.host_time's AB_KNOBS, e.g. combine_release=after_wait,early), "
+                         "one model load, and print the variants side by side")
     ap.add_argument("--repeat", type=int, default=1, help="replay every variant this many times, alternating "
                                                           "the variants (run-to-run spread on the GPU: ~7%%)")
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate (GPU)")
@@ -355,38 +359,45 @@ def main(argv=None, model=None) -> dict:
     return run_variants(args, model, what, device, out, knob, values)
 
 
-def parse_sweep(spec: str | None) -> tuple[str | None, list[int]]:
-    """--sweep KNOB=V1,V2,... -> (the ENGINE_KNOBS name, its int values); (None, []) without it."""
+def parse_sweep(spec: str | None) -> tuple[str | None, list]:
+    """--sweep KNOB=V1,V2,... -> (the knob, its values): an ENGINE_KNOBS name with int values, or a decode kernel
+    knob of profiles.host_time's AB_KNOBS with variant names; (None, []) without it."""
     if spec is None:
         return None, []
     name, _, listed = spec.partition("=")
     name = name.strip().replace("-", "_")
+    listed = [v.strip() for v in listed.split(",") if v.strip()]
+    if not listed:
+        raise SystemExit(f"--sweep {spec!r}: give values, as in {name}=4,12")
     if name not in ENGINE_KNOBS:
-        raise SystemExit(f"--sweep: unknown knob {name!r}; one of {', '.join(ENGINE_KNOBS)}")
+        from profiles.host_time import AB_KNOBS, knob_setters
+        if any(part not in AB_KNOBS for part in name.split("+")):  # A+B: pairs of variants, as in host_time --ab
+            raise SystemExit(f"--sweep: unknown knob {name!r}; one of {', '.join(ENGINE_KNOBS)} (engine) or "
+                             f"{', '.join(sorted(AB_KNOBS))} (kernels, joined by + for pairs)")
+        unknown = [v for v in listed if v not in knob_setters(name)[0]]
+        if unknown:
+            raise SystemExit(f"--sweep {spec!r}: {name} has no variant {unknown[0]!r}; one of "
+                             f"{', '.join(knob_setters(name)[0])}")
+        return name, listed
     try:
-        values = [int(v) for v in listed.split(",") if v.strip()]
+        return name, [int(v) for v in listed]
     except ValueError:
         raise SystemExit(f"--sweep {spec!r}: values must be integers") from None
-    if not values:
-        raise SystemExit(f"--sweep {spec!r}: give values, as in {name}=4,12")
-    return name, values
 
 
-def run_variants(args, model, what: str, device: torch.device, out, knob: str | None, values: list[int]) -> dict:
+def run_variants(args, model, what: str, device: torch.device, out, knob: str | None, values: list) -> dict:
     """Replay each value of knob (or the one configuration) args.repeat times, alternating them so that a drift of
-    the machine hits every variant alike; print and save the variants' figures side by side."""
-    rows = []
-    for rep in range(args.repeat):
-        for value in values or [None]:
-            if knob is not None:
-                setattr(args, knob, value)
-            out.write(f"=== {knob or 'run'} {'' if value is None else value}, repeat {rep + 1} of {args.repeat}\n")
-            overall = run_once(args, model, what, device, out)["overall"]
-            rows.append({"variant": "default" if value is None else f"{knob}={value}", "repeat": rep + 1,
-                         **{k: overall[k] for k in SWEEP_COLUMNS}})
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    the machine hits every variant alike; print and save the variants' figures side by side. A kernel knob's
+    variant is set before its replay's engine captures its graphs, and the knob restored after."""
+    kernel_variants, restore = {}, None
+    if knob is not None and knob not in ENGINE_KNOBS:
+        from profiles.host_time import knob_setters
+        kernel_variants, restore = knob_setters(knob)
+    try:
+        rows = _replay_variants(args, model, what, device, out, knob, values, kernel_variants)
+    finally:
+        if restore is not None:
+            restore()
     means = [{"variant": v, "repeat": "mean",
               **{k: mean([r[k] for r in rows if r["variant"] == v and r[k] is not None]) for k in SWEEP_COLUMNS}}
              for v in dict.fromkeys(r["variant"] for r in rows)]
@@ -396,6 +407,26 @@ def run_variants(args, model, what: str, device: torch.device, out, knob: str | 
     key = f"sweep|{args.model}|{args.trace}|c{args.concurrency}|{args.device_name}|{knob or 'repeat'}"
     out.write(f"wrote {save(summary, key, args.out_dir)}\n")
     return summary
+
+
+def _replay_variants(args, model, what: str, device: torch.device, out, knob: str | None, values: list,
+                     kernel_variants: dict) -> list[dict]:
+    """run_variants' replays: one row a variant and repeat."""
+    rows = []
+    for rep in range(args.repeat):
+        for value in values or [None]:
+            if value in kernel_variants:
+                kernel_variants[value]()
+            elif knob is not None:
+                setattr(args, knob, value)
+            out.write(f"=== {knob or 'run'} {'' if value is None else value}, repeat {rep + 1} of {args.repeat}\n")
+            overall = run_once(args, model, what, device, out)["overall"]
+            rows.append({"variant": "default" if value is None else f"{knob}={value}", "repeat": rep + 1,
+                         **{k: overall[k] for k in SWEEP_COLUMNS}})
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
 
 
 SWEEP_COLUMNS = ("decode_tok_s", "min_user_decode_tok_s", "ttft_return_p50_ms", "throughput_tok_s", "wall_s")

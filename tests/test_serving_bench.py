@@ -267,9 +267,36 @@ def test_bench_sweep_alternates_the_variants_and_saves_them_side_by_side(model, 
                                                                for n in (0, 3)}
 
 
+def test_bench_replays_one_turn_traces(model, tmp_path):
+    # the warm-up's returning turn fits the engine sized for one-turn traces (it was 64 tokens past it)
+    result = bench.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "1", "--max-new", "2",
+                         "--out-dir", str(tmp_path), "--no-progress"], model=model)
+    assert result["overall"]["requests"] == 1
+
+
+def test_bench_sweeps_a_kernel_knob_and_restores_it(model, tmp_path, monkeypatch):
+    """--sweep of a decode kernel knob (profiles.host_time's AB_KNOBS): each variant set before its engine is built
+    (its graphs captured), the knob's setting back afterwards."""
+    from kernels import paged_decode_attention as P
+    seen = []
+    real_make_engine = bench.make_engine
+
+    def make_engine(m, args, ts):
+        seen.append(P.COMBINE_RELEASE)
+        return real_make_engine(m, args, ts)
+    monkeypatch.setattr(bench, "make_engine", make_engine)
+    summary = bench.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "2", "--max-new", "2",
+                          "--concurrency", "2", "--page-size", "8", "--out-dir", str(tmp_path), "--no-progress",
+                          "--sweep", "combine_release=early,after_wait"], model=model)
+    assert seen == ["early", "after_wait"] and P.COMBINE_RELEASE == "after_wait"
+    assert [r["variant"] for r in summary["runs"]] == ["combine_release=early", "combine_release=after_wait"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--sweep", "slices=4"], "unknown knob"), (["--sweep", "interleave=a,b"], "integers"),
-    (["--sweep", "interleave="], "give values"), (["--repeat", "0"], "--repeat")])
+    (["--sweep", "interleave="], "give values"), (["--repeat", "0"], "--repeat"),
+    (["--sweep", "combine_release=soon"], "no variant 'soon'"),
+    (["--sweep", "combine_release+split_block_n=early/16"], "no variant 'early/16'")])
 def test_bench_refuses_a_bad_sweep(model, argv, message):
     with pytest.raises(SystemExit, match=message):
         bench.main(["--device", "cpu", *argv], model=model)
