@@ -238,17 +238,23 @@ def test_hf_baseline_needs_the_gpu():
         bench.main(["--device", "cpu", "--hf-baseline"])
 
 
-def test_bench_sweep_alternates_the_variants_and_saves_them_side_by_side(model, tmp_path, capsys, monkeypatch):
-    """--sweep KNOB=V1,V2 --repeat 2: one model, the variants alternated (v1, v2, v1, v2), each on a fresh engine
-    with that knob; a table of every run plus each variant's mean, and one summary entry in serving.json beside the
-    per-variant runs."""
+def engines_built(monkeypatch, what) -> list:
+    """What each engine the bench builds sees: what(args) at each bench.make_engine call, in order."""
     seen = []
     real_make_engine = bench.make_engine
 
     def make_engine(m, args, ts):
-        seen.append(args.interleave)
+        seen.append(what(args))
         return real_make_engine(m, args, ts)
     monkeypatch.setattr(bench, "make_engine", make_engine)
+    return seen
+
+
+def test_bench_sweep_alternates_the_variants_and_saves_them_side_by_side(model, tmp_path, capsys, monkeypatch):
+    """--sweep KNOB=V1,V2 --repeat 2: one model, the variants alternated (v1, v2, v1, v2), each on a fresh engine
+    with that knob; a table of every run plus each variant's mean, and one summary entry in serving.json beside the
+    per-variant runs."""
+    seen = engines_built(monkeypatch, lambda args: args.interleave)
     summary = bench.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "2", "--max-new", "2",
                           "--concurrency", "2", "--page-size", "8", "--out-dir", str(tmp_path), "--no-progress",
                           "--sweep", "interleave=0,3", "--repeat", "2"], model=model)
@@ -278,13 +284,7 @@ def test_bench_sweeps_a_kernel_knob_and_restores_it(model, tmp_path, monkeypatch
     """--sweep of a decode kernel knob (profiles.host_time's AB_KNOBS): each variant set before its engine is built
     (its graphs captured), the knob's setting back afterwards."""
     from kernels import paged_decode_attention as P
-    seen = []
-    real_make_engine = bench.make_engine
-
-    def make_engine(m, args, ts):
-        seen.append(P.COMBINE_RELEASE)
-        return real_make_engine(m, args, ts)
-    monkeypatch.setattr(bench, "make_engine", make_engine)
+    seen = engines_built(monkeypatch, lambda args: P.COMBINE_RELEASE)
     summary = bench.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "2", "--max-new", "2",
                           "--concurrency", "2", "--page-size", "8", "--out-dir", str(tmp_path), "--no-progress",
                           "--sweep", "combine_release=early,after_wait"], model=model)
