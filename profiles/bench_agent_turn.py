@@ -88,7 +88,7 @@ def ours_fn(q, kp, vp, table, seqused, cu, q_len, **knobs):
     tile = plan(q_len, q.shape[1] // kv, d, q.element_size(), knobs.get("block_m"))
     splits = knobs.pop("num_splits", None) or choose_num_splits(
         batch, kv, int(seqused.max()), torch.cuda.get_device_properties(0).multi_processor_count,
-        m_blocks=tile.m_blocks, programs_per_sm=tile.programs_per_sm)
+        m_blocks=tile.m_blocks, programs_per_sm=tile.programs_per_sm, block_n=tile.block_n)
     out = torch.empty_like(q)
     ws = alloc_workspace(q.shape[0], q.shape[1], splits, d, "cuda")
 

@@ -146,14 +146,14 @@ def test_chunk_property(data):
 # ---- host plan and routing ---------------------------------------------------------------------------------
 
 def test_plan_and_splits_for_the_benchmark_shapes():
-    assert plan(1, 4, 256, 2) == Plan(False, 16, 1, 4, 1, 2)  # decode: one stage (DECODE_STAGES)
-    assert plan(8, 8, 128, 2) == Plan(False, 64, 1, 4, 1, 2)
+    assert plan(1, 4, 256, 2) == Plan(False, 16, 1, 64, 4, 1, 2)  # decode: one stage (DECODE_STAGES), 64 keys
+    assert plan(8, 8, 128, 2) == Plan(False, 64, 1, 64, 4, 1, 2)
     for q_len, ctx, batch, want_splits in [(64, 50000, 1, 16), (256, 50000, 1, 4), (500, 8000, 1, 2),
                                            (64, 32768, 8, 2), (512, 50000, 1, 2)]:
         tile = plan(q_len, 4, 256, 2)
         assert tile.chunk and tile.block_m == 128 and tile.num_warps == 8 and tile.programs_per_sm == 1
-        assert tile.m_blocks == -(-q_len * 4 // 128)
-        s = choose_num_splits(batch, 4, ctx + q_len, m_blocks=tile.m_blocks, programs_per_sm=1)
+        assert tile.m_blocks == -(-q_len * 4 // 128) and tile.block_n == 64
+        s = choose_num_splits(batch, 4, ctx + q_len, m_blocks=tile.m_blocks, programs_per_sm=1, block_n=tile.block_n)
         assert s == want_splits, f"{batch} x {q_len} over {ctx}: {s} splits"
     assert plan(17, 1, 256, 2).block_m == 32 and plan(3, 4, 64, 2, block_m=16).chunk
 
