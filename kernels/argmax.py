@@ -50,7 +50,7 @@ def _argmax_kernel(logits_ptr, stride, part_val_ptr, part_idx_ptr, tickets_ptr, 
     # grid (B, P): chunk `part` of row `row`; parked pairs at part_*[row * P + part]
     row, part = tl.program_id(0), tl.program_id(1)
     offs = part * CHUNK + tl.arange(0, CHUNK)
-    stamps.wait(stamps_ptr, STAMPS, PDL)
+    t_go = stamps.wait(stamps_ptr, STAMPS, PDL)
     pdl.release_dependents(PDL)
     mask = offs < V
     x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=mask, other=float("-inf")).to(tl.float32)
@@ -65,6 +65,7 @@ def _argmax_kernel(logits_ptr, stride, part_val_ptr, part_idx_ptr, tickets_ptr, 
         _, token = _first_max(values, indices, in_row, V)  # chunks in order: the first index wins ties
         tl.store(out_ptr + row, token.to(tl.int64))
         split_k.reset_ticket(tickets_ptr + row)
+        stamps.end(stamps_ptr, t_go, STAMPS)  # the step's last kernel: its end closes the stamped step
 
 
 _workspaces: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}

@@ -85,8 +85,11 @@ def run(model, args) -> dict:
         spans.append(1e-3 * (max(max(r["last_end"], r["last_go"]) for r in rows) - rows[0]["first_go"]))
         replays.append(critical_shares(rows))
     engine.close()
+    # between replays: the stamped step's wall time beyond its kernels' span (the first go to the argmax's end): the
+    # copies and graph launch between two steps, and the first kernel's own launch
     return {"graph_ms": plain_ms, "stamped_graph_ms": stamped_ms, "span_us": mean(spans),
-            "launches": len(replays[-1]), "groups": summarise(replays), "last_replay": replays[-1]}
+            "between_us": 1e3 * stamped_ms - mean(spans), "launches": len(replays[-1]), "groups": summarise(replays),
+            "last_replay": replays[-1]}
 
 
 def compare(base: dict, other: dict) -> list[dict]:
@@ -139,7 +142,8 @@ def main(argv=None) -> dict:
     found = run(model, args)
     print(f"{what}: a batch-1 decode step over {args.ctx}, graph {found['graph_ms']:.3f} ms (stamped "
           f"{found['stamped_graph_ms']:.3f}); {found['launches']} stamped launches spanning {found['span_us']:.1f} us "
-          f"from the first go; each group's share of the critical path over {args.steps} replays:")
+          f"from the first go to the argmax's end ({found['between_us']:.1f} us a step outside them: the copies and "
+          f"graph launch between steps); each group's share of the critical path over {args.steps} replays:")
     print_table(found["groups"], ["name", "MB", "count", "share_us", "min_us", "max_us", "step_us", "TBps", "lead_us",
                                   "busy_us"])
     path = write_result("step_stamps", {"environment": environment(), "model": args.model, "ctx": args.ctx,

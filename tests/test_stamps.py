@@ -64,7 +64,7 @@ def test_summary_groups_launches_by_kernel_and_size():
     assert big["TBps"] == pytest.approx(50.0 / 15.0)
     assert table[("tma_gemv", 20.0)]["count"] == 1 and table[("gdn_decode", 0.0)]["count"] == 2
     assert [r["name"] for r in summarise([one])][:2] == ["tma_gemv", "gdn_decode"]  # launch order
-    # a last launch without an end stamp (the argmax) has no share, rather than minus the timer's epoch
+    # a last launch without an end stamp has no share, rather than minus the timer's epoch
     last = critical_shares([_row("gdn_decode", 0, 1000, 3000), _row("argmax", 0, 5000, 0, programs=0)])[-1]
     assert last["share_us"] is None and summarise([[last]])[0]["share_us"] is None
 
@@ -87,21 +87,31 @@ def test_compare_matches_groups_of_two_runs(tmp_path, capsys):
 
 
 SM90_STAMPED = """
-from tests.sm90_compile import split_kernel_sm90
+from kernels import argmax as A
+from tests.sm90_compile import split_kernel_sm90, triton_sm90
+arg_type = lambda n: {"logits_ptr": "*bf16", "part_val_ptr": "*fp32", "stamps_ptr": "*i64"}.get(
+    n, "*i32" if n.endswith("_ptr") and n != "out_ptr" else "*i64" if n == "out_ptr" else "i32")
 for on in (False, True):
-    ptx = split_kernel_sm90(PREFETCH=False, STAMPS=on)["ptx"]
-    before, _, after = ptx.partition("griddepcontrol.wait")
-    print(before.count("%globaltimer"), after.count("%globaltimer"), ptx.count("atom.global"), flush=True)
+    split = split_kernel_sm90(PREFETCH=False, STAMPS=on)["ptx"]
+    greedy = triton_sm90(A._argmax_kernel, dict(CHUNK=A.CHUNK, P=122, PB=128, STAMPS=on, PDL=True), arg_type,
+                         A.NUM_WARPS, 1)["ptx"]
+    for ptx in (split, greedy):
+        before, _, after = ptx.partition("griddepcontrol.wait")
+        print(before.count("%globaltimer"), after.count("%globaltimer"), ptx.count("atom.global"), flush=True)
 """
 
 
 def test_stamps_sit_around_the_pdl_wait_in_sm90_ptx():
     # the decode split kernel compiled for sm_90a on the CPU: without STAMPS no timer and no atomic; with it one
     # reading before griddepcontrol.wait (arrival), two after (go, end), eight atomics (min / max at arrival, go and
-    # end, and the busy sum and program count)
-    off, on = [tuple(map(int, line.split())) for line in compiled_script_output(SM90_STAMPED, timeout=600).split("\n")
-               if line]
-    assert off == (0, 0, 0) and on == (1, 2, 8), (off, on)
+    # end, and the busy sum and program count). The greedy argmax, the step's last kernel, stamps its end too (its
+    # last program, after the token), so step_stamps' span reaches the step's end; its atomics: the ticket's besides
+    # the stamps' eight
+    split_off, argmax_off, split_on, argmax_on = [
+        tuple(map(int, line.split())) for line in compiled_script_output(SM90_STAMPED, timeout=600).split("\n")
+        if line]
+    assert split_off == (0, 0, 0) and split_on == (1, 2, 8), (split_off, split_on)
+    assert argmax_off[:2] == (0, 0) and argmax_on == (1, 2, argmax_off[2] + 8), (argmax_off, argmax_on)
 
 
 SM90_GEMV_STAMPED = """
