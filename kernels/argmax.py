@@ -25,6 +25,7 @@ from kernels import pdl, split_k, stamps
 from kernels.host_math import cdiv
 from kernels.norms import triton_runs_on
 from reference._checks import check_tensor
+from reference.sampling import DecodeAdvance
 
 CHUNK = 2048  # logits a program reduces: 122 programs a row at Qwen3.5's vocabulary
 NUM_WARPS = 4
@@ -45,9 +46,26 @@ def _first_max(values, index, mask, past):
 
 
 @triton.jit
+def _advance_row(inputs_ptr, stride, table_ptr, table_stride, width, page_size, dummy_slot, row, token):
+    """reference.advance_decode_inputs for one row: inputs (5, B) int32 rows `stride` apart."""
+    slot = tl.load(inputs_ptr + 2 * stride + row)
+    if slot != dummy_slot:
+        nxt = tl.load(inputs_ptr + stride + row) + 1
+        column = tl.minimum(nxt // page_size, width - 1)
+        page = tl.load(table_ptr + slot.to(tl.int64) * table_stride + column)
+        tl.store(inputs_ptr + row, token.to(tl.int32))
+        tl.store(inputs_ptr + stride + row, nxt)
+        tl.store(inputs_ptr + 3 * stride + row, page * page_size + nxt % page_size)
+        tl.store(inputs_ptr + 4 * stride + row, nxt + 1)
+
+
+@triton.jit
 def _argmax_kernel(logits_ptr, stride, part_val_ptr, part_idx_ptr, tickets_ptr, out_ptr, stamps_ptr, V,
-                   CHUNK: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr):
-    # grid (B, P): chunk `part` of row `row`; parked pairs at part_*[row * P + part]
+                   inputs_ptr, inputs_stride, table_ptr, table_stride, width, page_size, dummy_slot,
+                   CHUNK: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, ADVANCE: tl.constexpr,
+                   STAMPS: tl.constexpr, PDL: tl.constexpr):
+    # grid (B, P): chunk `part` of row `row`; parked pairs at part_*[row * P + part]. ADVANCE: the row's last
+    # program also writes the next decode step's inputs (reference.DecodeAdvance)
     row, part = tl.program_id(0), tl.program_id(1)
     offs = part * CHUNK + tl.arange(0, CHUNK)
     t_go = stamps.wait(stamps_ptr, STAMPS, PDL)
@@ -64,6 +82,8 @@ def _argmax_kernel(logits_ptr, stride, part_val_ptr, part_idx_ptr, tickets_ptr, 
         indices = tl.load(part_idx_ptr + row * P + parts, mask=in_row, other=V, cache_modifier=".cg")
         _, token = _first_max(values, indices, in_row, V)  # chunks in order: the first index wins ties
         tl.store(out_ptr + row, token.to(tl.int64))
+        if ADVANCE:
+            _advance_row(inputs_ptr, inputs_stride, table_ptr, table_stride, width, page_size, dummy_slot, row, token)
         split_k.reset_ticket(tickets_ptr + row)
         stamps.end(stamps_ptr, t_go, STAMPS)  # the step's last kernel: its end closes the stamped step
 
@@ -88,8 +108,22 @@ def _workspace(device: torch.device, rows: int, parts: int) -> tuple[torch.Tenso
     return held[-1]
 
 
-def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """logits: (B, V) -> (B,) int64, the index of each row's first maximum (the first NaN where a row has one)."""
+def _check_advance(advance: DecodeAdvance, rows: int, device: torch.device) -> None:
+    check_tensor("advance.inputs", advance.inputs, ndim=2, dtype=torch.int32, device=device)
+    check_tensor("advance.table", advance.table, ndim=2, dtype=torch.int32, device=device)
+    if advance.inputs.shape != (5, rows) or advance.inputs.stride(1) != 1:
+        raise ValueError(f"advance.inputs must be (5, {rows}) int32 rows contiguous along B, got "
+                         f"{tuple(advance.inputs.shape)} with strides {advance.inputs.stride()}")
+    if advance.table.stride(1) != 1 or advance.table.shape[1] < 1:
+        raise ValueError(f"advance.table must be contiguous along its pages, got strides {advance.table.stride()}")
+    if not isinstance(advance.page_size, int) or advance.page_size < 1:
+        raise ValueError(f"advance.page_size must be a positive int, got {advance.page_size!r}")
+
+
+def argmax(logits: torch.Tensor, advance: DecodeAdvance | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: (B, V) -> (B,) int64, the index of each row's first maximum (the first NaN where a row has one).
+    advance: also write the tokens and the next decode step's positions, KV slots and cached tokens into
+    advance.inputs (reference.advance_decode_inputs), from each row's last program."""
     check_tensor("logits", logits, ndim=2, dtype=DTYPES)
     if logits.stride(1) != 1:
         raise ValueError(f"logits must be contiguous within a row, got strides {logits.stride()}")
@@ -103,14 +137,19 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     elif out.shape != (rows,) or out.dtype != torch.int64 or out.device != logits.device or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous ({rows},) int64 tensor on {logits.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if advance is not None:
+        _check_advance(advance, rows, logits.device)
     if rows == 0:
         return out
     parts = cdiv(v, CHUNK)
     values, indices, tickets = _workspace(logits.device, rows, parts)
     stamp, stamping = stamps.slot("argmax", logits.device)
-    _argmax_kernel[(rows, parts)](logits, logits.stride(0), values, indices, tickets, out, stamp, v, CHUNK=CHUNK,
-                                  P=parts, PB=triton.next_power_of_2(parts), STAMPS=stamping, num_warps=NUM_WARPS,
-                                  **pdl.launch_options(logits.device))
+    inputs, table = (advance.inputs, advance.table) if advance is not None else (out, out)  # out: unused stand-ins
+    _argmax_kernel[(rows, parts)](logits, logits.stride(0), values, indices, tickets, out, stamp, v,
+                                  inputs, inputs.stride(0), table, table.stride(0), table.shape[-1],
+                                  advance.page_size if advance else 1, advance.dummy_slot if advance else 0,
+                                  CHUNK=CHUNK, P=parts, PB=triton.next_power_of_2(parts), ADVANCE=advance is not None,
+                                  STAMPS=stamping, num_warps=NUM_WARPS, **pdl.launch_options(logits.device))
     return out
 
 

@@ -140,9 +140,17 @@ def gather_rows(tables, indices):
     return _run("gather_rows", tables, indices)
 
 
-def argmax(logits):
-    # logits: (B, V) -> (B,) int64 greedy tokens (the first maximum; a NaN counts as the largest)
-    return _run("argmax", logits)
+def argmax(logits, advance=None):
+    # logits: (B, V) -> (B,) int64 greedy tokens (the first maximum; a NaN counts as the largest); advance (a
+    # reference.DecodeAdvance): also write them, and the next decode step's other inputs, into advance.inputs
+    return _run("argmax", logits, advance)
+
+
+def _ref_argmax(logits, advance=None):
+    tokens = R.argmax(logits)
+    if advance is not None:
+        R.advance_decode_inputs(tokens, advance)
+    return tokens
 
 
 def attention_prep(q, k, v, q_norm_w, k_norm_w, step: StepInput, k_pages, v_pages, eps):
@@ -281,6 +289,6 @@ _BACKENDS["reference"] = {
     "paged_attention": _ref_paged_attention,
     "gated_deltanet": _ref_gated_deltanet,
     "moe": R.moe,
-    "argmax": R.argmax,
+    "argmax": _ref_argmax,
     "gather_rows": R.gather_rows,
 }

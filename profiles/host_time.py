@@ -273,6 +273,20 @@ def split_setters(attribute: str, variants: dict):
     return {name: functools.partial(apply, v) for name, v in variants.items()}, functools.partial(apply, current)
 
 
+# EngineConfig fields every engine built here takes: what the engine knobs of AB_KNOBS set
+ENGINE_FIELDS: dict = {}
+
+
+def engine_setters(field: str, variants: dict):
+    """Setters of an EngineConfig field for the engines built here (ENGINE_FIELDS); restore puts back what was set."""
+    held = dict(ENGINE_FIELDS)
+
+    def restore() -> None:
+        ENGINE_FIELDS.clear()
+        ENGINE_FIELDS.update(held)
+    return {name: functools.partial(ENGINE_FIELDS.__setitem__, field, v) for name, v in variants.items()}, restore
+
+
 ON_OFF = {"off": False, "on": True}
 KIB, MIB = 2**10, 2**20
 # --ab knobs: name -> (module, attribute, {variant: value}) of a kernel setting, or a function that returns
@@ -288,6 +302,8 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "max_splits": functools.partial(split_setters, "MAX_SPLITS", {"128": 128, "64": 64, "32": 32}),
             "split_stages": functools.partial(split_setters, "DECODE_STAGES", {"1": 1, "2": 2, "3": 3}),
             "split_block_n": functools.partial(split_setters, "DECODE_BLOCK_N", {"64": 64, "32": 32}),
+            # the decode step's inputs written by the last step's argmax, no copy before a fed graph
+            "fed_decode": functools.partial(engine_setters, "fed_decode", ON_OFF),
             "kv_prefetch": ("kernels.paged_decode_attention", "PREFETCH_FIRST_TILE", ON_OFF),
             "kv_prefetch_next": ("kernels.paged_decode_attention", "PREFETCH_NEXT_TILE", ON_OFF),
             "combine_o": ("kernels.paged_decode_attention", "COMBINE_O_EARLY", ON_OFF),
@@ -347,7 +363,7 @@ def make_engine(model, max_num_seqs: int, max_len: int, **fields) -> LLMEngine:
     """An engine whose KV pool holds what the profile needs (2 x max_num_seqs x max_len tokens), on either device:
     profile_decode builds two in turn, and a pool sized from free memory would leave the second none."""
     cfg = EngineConfig.for_token_budget(2 * max_num_seqs * max_len, max_num_seqs=max_num_seqs, max_model_len=max_len,
-                                        snapshot_slots=4, **fields)
+                                        snapshot_slots=4, **{**ENGINE_FIELDS, **fields})
     return LLMEngine(model, cfg)
 
 

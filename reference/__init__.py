@@ -7,7 +7,7 @@ from reference.linear import add_rms_norm_linear, linear, out_proj_mlp, silu_and
 from reference.moe import moe, sigmoid_gate_mul, silu_and_mul, swiglu, topk_route
 from reference.norms import add_rms_norm, gated_rms_norm, l2norm, rms_norm
 from reference.rope import apply_rope, rope_cos_sin
-from reference.sampling import argmax
+from reference.sampling import DecodeAdvance, advance_decode_inputs, argmax
 
 __all__ = [
     "attention", "gather_pages", "paged_attention", "write_kv_pages",
@@ -18,5 +18,5 @@ __all__ = [
     "moe", "sigmoid_gate_mul", "silu_and_mul", "swiglu", "topk_route",
     "add_rms_norm", "gated_rms_norm", "l2norm", "rms_norm",
     "apply_rope", "rope_cos_sin",
-    "argmax",
+    "DecodeAdvance", "advance_decode_inputs", "argmax",
 ]

@@ -1,7 +1,34 @@
-"""Greedy decoding's reduction: the argmax of each row of logits."""
+"""Greedy decoding's reduction: the argmax of each row of logits; and the next decode step's inputs it can write."""
+from typing import NamedTuple
+
 import torch
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     # logits: (B, V) -> (B,) int64: each row's first maximum, a NaN counting as the largest (torch.argmax)
     return logits.argmax(-1)
+
+
+class DecodeAdvance(NamedTuple):
+    """Where a decode step's greedy argmax also writes the next step's inputs (serving.model_runner's fed decode).
+    inputs: (5, B) int32 rows token, position, state slot, KV slot, cached tokens (the step's own, rewritten in
+    place); table: (slots, W) int32 page table, a row a state slot; rows whose slot is dummy_slot (padding) stay."""
+    inputs: torch.Tensor
+    table: torch.Tensor
+    page_size: int
+    dummy_slot: int
+
+
+def advance_decode_inputs(tokens: torch.Tensor, advance: DecodeAdvance) -> None:
+    """tokens: (B,) int64, the step's greedy tokens. Each row not of the dummy slot moves one position on: its token
+    the greedy one, position p + 1, KV slot table[slot, (p + 1) // page] * page + (p + 1) % page (the column clamped
+    to the table), p + 2 cached tokens."""
+    token, position, slot, kv_slot, cached = advance.inputs
+    real = slot != advance.dummy_slot
+    nxt = position + 1
+    column = torch.clamp(nxt // advance.page_size, max=advance.table.shape[1] - 1)
+    page = advance.table[slot.long(), column.long()]
+    token.copy_(torch.where(real, tokens.to(token.dtype), token))
+    kv_slot.copy_(torch.where(real, page * advance.page_size + nxt % advance.page_size, kv_slot))
+    cached.copy_(torch.where(real, nxt + 1, cached))
+    position.copy_(torch.where(real, nxt, position))

@@ -249,7 +249,7 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
                   snapshot_slots=3 * args.concurrency + 16, max_num_batched_tokens=args.chunk,
                   fast_lane_tokens=args.fast_lane, cuda_graphs=not args.eager, seed=args.seed,
                   interleave_slices=args.interleave, prefill_graph_tokens=args.prefill_graphs,
-                  decode_ahead=bool(args.decode_ahead))
+                  decode_ahead=bool(args.decode_ahead), fed_decode=bool(args.fed_decode))
     if model.lm_head.weight.device.type == "cuda":
         return LLMEngine(model, EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common))
     # CPU: room for every user's longest trace plus the cache of one more
@@ -274,7 +274,7 @@ def warm_up(engine: LLMEngine, traces: list[Trace]) -> None:
 # engine knobs of the command line, and their defaults: a run with another value gets its own row in serving.json
 ENGINE_KNOBS = {"chunk": EngineConfig.max_num_batched_tokens, "fast_lane": 1024, "page_size": 16,
                 "interleave": EngineConfig.interleave_slices, "prefill_graphs": EngineConfig.prefill_graph_tokens,
-                "decode_ahead": int(EngineConfig.decode_ahead)}
+                "decode_ahead": int(EngineConfig.decode_ahead), "fed_decode": int(EngineConfig.fed_decode)}
 
 
 def run_key(args) -> str:
@@ -323,6 +323,9 @@ def main(argv=None, model=None) -> dict:
                          "(EngineConfig.prefill_graph_tokens; 0: off)")
     ap.add_argument("--decode-ahead", type=int, choices=(0, 1), default=ENGINE_KNOBS["decode_ahead"],
                     help="launch each decode step before reading the last one's tokens (EngineConfig.decode_ahead)")
+    ap.add_argument("--fed-decode", type=int, choices=(0, 1), default=ENGINE_KNOBS["fed_decode"],
+                    help="each decode step's argmax writes the next step's inputs; a fed step copies nothing "
+                         "(EngineConfig.fed_decode)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
                     help=f"replay once per value of an engine knob ({', '.join(ENGINE_KNOBS)}) or per variant of a "
@@ -449,7 +452,7 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
     warm_up(engine, traces)
     runner = engine.runner
     steps_before = (runner.num_graph_steps, runner.num_eager_decode_steps, runner.num_eager_steps,
-                    runner.num_graph_prefill_steps, engine.num_ahead_steps)
+                    runner.num_graph_prefill_steps, engine.num_ahead_steps, runner.num_fed_steps)
     with TritonCompileLog() as compiles:
         requests, users, wall = replay(engine, traces, args.concurrency, progress=not args.no_progress)
     rows, overall = summarize(requests, users, wall)
@@ -463,7 +466,8 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
               f"prefilled tok/s, wall {wall:.2f} s; steps: "
               f"{runner.num_graph_steps - steps_before[0]} graph decode, "
               f"{runner.num_eager_decode_steps - steps_before[1]} eager decode "
-              f"({engine.num_ahead_steps - steps_before[4]} of the decodes launched ahead), "
+              f"({engine.num_ahead_steps - steps_before[4]} of the decodes launched ahead, "
+              f"{runner.num_fed_steps - steps_before[5]} fed), "
               f"{runner.num_eager_steps - steps_before[2]} eager (prefill or mixed; "
               f"{runner.num_graph_prefill_steps - steps_before[3]} of them through prefill graphs)\n")
     if overall["return_sample_ms"] is not None:
@@ -481,7 +485,8 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
                           eager_decode=runner.num_eager_decode_steps - steps_before[1],
                           eager=runner.num_eager_steps - steps_before[2],
                           graph_prefill=runner.num_graph_prefill_steps - steps_before[3],
-                          decode_ahead=engine.num_ahead_steps - steps_before[4]),
+                          decode_ahead=engine.num_ahead_steps - steps_before[4],
+                          fed=runner.num_fed_steps - steps_before[5]),
                triton_compiles=dict(count=len(compiles.names), seconds=compiles.seconds,
                                     kernels=sorted(set(compiles.names))),
                requests=[request_row(r) for r in requests])

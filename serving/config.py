@@ -35,6 +35,10 @@ class EngineConfig:
     the GPU instead of idling it. Not when a request waits, when a sequence ends by length at this step, when a
     page is short, or under tensor parallelism. A sequence that stops (eos) at this step wasted its row of the
     step ahead, whose writes land past its tokens.
+    fed_decode: a decode step's greedy argmax (inside its graph) also writes the next step's inputs (token, position,
+    KV slot through the page table, cached tokens: reference.advance_decode_inputs), and a decode launched ahead
+    whose rows moved on exactly so, every row greedy, replays its graph with no copy before it (serving.model_runner).
+    Pages are then allocated a token ahead. Off by default until timed (serving.bench --sweep fed_decode=0,1).
     prefill_graph_tokens: eager steps of GEMV_MAX_ROWS + 1 up to this many tokens replay CUDA graphs of their
     row-wise stretches (serving.prefill_graphs), captured at every multiple of 64 rows up to it, when decode graphs
     are on and the model allows (not MoE, not tensor parallel); 0: off."""
@@ -52,6 +56,7 @@ class EngineConfig:
     max_graph_batch: int | None = None
     interleave_slices: int = 12
     decode_ahead: bool = True
+    fed_decode: bool = False
     prefill_graph_tokens: int = 2048
 
     def __post_init__(self):

@@ -91,7 +91,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.pools, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
                                   max_num_seqs=cfg.max_num_seqs, dummy_page=cfg.num_pages, dummy_slot=num_slots - 1,
                                   graph_sizes=cfg.graph_batch_sizes() if use_graphs or pad_decode else (),
-                                  use_graphs=use_graphs, link=self.link, prefill_graphs=prefill_graphs)
+                                  use_graphs=use_graphs, link=self.link, prefill_graphs=prefill_graphs,
+                                  fed_decode=cfg.fed_decode)
         self.runner.capture()
         sizes = list(self.runner.graph_sizes)
         self.graphs = f"decode CUDA graphs at batch {sizes}" if use_graphs else f"eager decode ({why_not})"
@@ -244,6 +245,10 @@ class LLMEngine:
             return None
         if not all(self.block_manager.allocate(c.seq, c.seq.num_computed_tokens + 1) for c in chunks):
             return None  # pages allocated so far stay: the next step needs them anyway
+        if self.runner.fed_decode:  # the page after this step's, where it opens one, for the argmax's next inputs
+            for c in chunks:
+                if c.seq.num_computed_tokens + 2 <= self.cfg.max_model_len:
+                    self.block_manager.allocate(c.seq, c.seq.num_computed_tokens + 2)
         ahead = [ScheduledChunk(c.seq, 1) for c in chunks]
         logits, greedy, _ = self.runner.execute(ahead, tokens.on_device)
         self.num_ahead_steps += 1

@@ -7,7 +7,10 @@ Two paths.
   The host writes five int32 rows for the batch into one pinned buffer (DECODE_INPUT_ROWS: token, position,
   state slot, KV slot = pages[pos // page_size] * page_size + pos % page_size, seqused_k = pos + 1), and one
   non-blocking copy moves them; a decode launched ahead (EngineConfig.decode_ahead) then overwrites the token row
-  on the device with the last step's samples, which the host has not read. The rest is gathered on the device
+  on the device with the last step's samples, which the host has not read. With EngineConfig.fed_decode the greedy
+  argmax at the end of each decode step writes the next step's rows itself (reference.advance_decode_inputs), and
+  a step launched ahead whose rows are exactly those (the same sequences one position on, every token the greedy
+  one, the next page already in the table) copies nothing before its graph. The rest is gathered on the device
   inside the graph (three launches; deriving the KV slots and seqused_k there took eight more small ones a step):
     page_table   = table[state_slots]                       (B, W) int32, W = ceil(max_model_len / page_size)
     cu_seqlens = arange(B + 1);  cos, sin = rope tables at pos
@@ -79,10 +82,12 @@ DECODE_INPUT_ROWS = 5  # a decode step's host-built rows: token, position, state
 class ModelRunner:
     def __init__(self, model: Qwen35ForCausalLM, pools: CachePools, *, page_size: int, max_model_len: int,
                  max_num_seqs: int, dummy_page: int, dummy_slot: int, graph_sizes: tuple[int, ...] = (),
-                 use_graphs: bool = False, link=None, prefill_graphs: PrefillGraphs | None = None):
+                 use_graphs: bool = False, link=None, prefill_graphs: PrefillGraphs | None = None,
+                 fed_decode: bool = False):
         """graph_sizes: the ladder decode batches are padded to (empty: no padding); use_graphs: capture them
         (CUDA only). Padding without graphs runs the same shapes eagerly (tests of the padding on the CPU).
-        prefill_graphs: the row-wise stretches of eager steps, captured by capture() (serving.prefill_graphs)."""
+        prefill_graphs: the row-wise stretches of eager steps, captured by capture() (serving.prefill_graphs).
+        fed_decode: EngineConfig.fed_decode (world size 1 only)."""
         self.model, self.pools, self.page_size = model, pools, page_size
         self.link = link  # rank 0's serving.tp_worker.StepBroadcaster under tensor parallelism, else None
         self.cfg = model.config
@@ -113,7 +118,11 @@ class ModelRunner:
             self.rope = R.rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.prefill_graphs = prefill_graphs
+        self.fed_decode = fed_decode and link is None and GREEDY_IN_GRAPH
+        self._moved_on: tuple | None = None  # (bs, n, inputs past the first n tokens) the last decode's argmax left
+        self._last_greedy: torch.Tensor | None = None  # the last decode step's greedy tokens (bs,)
         self.num_graph_steps = self.num_eager_decode_steps = self.num_eager_steps = self.num_graph_prefill_steps = 0
+        self.num_fed_steps = 0
 
     # ---- the engine's entry point ------------------------------------------------------------------------
 
@@ -206,20 +215,41 @@ class ModelRunner:
         values = [v for row, padding in zip(rows_of, self.padding_row) for v in row + [padding] * pad]
         if self.link is not None:
             self.link.send("decode", (bs, n, values))
-        return self.decode_values(bs, n, values, device_tokens)
+        fed = (device_tokens is not None and self._moved_on == (bs, n, values[n:])
+               and device_tokens.data_ptr() == self._last_greedy.data_ptr())
+        out = self.decode_values(bs, n, values, device_tokens, fed=fed)
+        self._moved_on = self._next_inputs(rows, bs, n, values) if self.fed_decode else None
+        return out
 
-    def decode_values(self, bs: int, n: int, values: list[int],
-                      device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _next_inputs(self, rows: list[ScheduledChunk], bs: int, n: int, values: list[int]) -> tuple | None:
+        """(bs, n, the decode inputs past the first n tokens) that this step's argmax leaves for the next one (fed
+        decode): each row one position on, its KV slot from its page list; None where a row's next page is not in
+        its list (so not in the page table the argmax read)."""
+        nxt = values[n:]  # value i of values is nxt[i - n]
+        for r, c in enumerate(rows):
+            p = values[bs + r] + 1
+            if p // self.page_size >= len(c.seq.pages):
+                return None
+            nxt[bs + r - n], nxt[4 * bs + r - n] = p, p + 1
+            nxt[3 * bs + r - n] = c.seq.pages[p // self.page_size] * self.page_size + p % self.page_size
+        return bs, n, nxt
+
+    def decode_values(self, bs: int, n: int, values: list[int], device_tokens: torch.Tensor | None = None,
+                      fed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode step of n rows padded to bs: values holds the (DECODE_INPUT_ROWS, bs) rows token, position,
         state slot, KV slot, cached tokens (padding rows: token 0 at position 0 of the dummy slot and page); the
-        first n tokens come from device_tokens instead when given."""
+        first n tokens come from device_tokens instead when given. fed: the inputs on the device already hold
+        values and device_tokens (the last decode's argmax wrote them): nothing is copied."""
         size = DECODE_INPUT_ROWS * bs
-        self._wait(self._host)
-        self._host.numpy()[:size] = values
-        self.inputs[:size].copy_(self._host[:size], non_blocking=True)
-        if device_tokens is not None:
-            self.inputs[:n].copy_(device_tokens)  # the token row comes first
-        self._record(self._host)
+        if fed:
+            self.num_fed_steps += 1
+        else:
+            self._wait(self._host)
+            self._host.numpy()[:size] = values
+            self.inputs[:size].copy_(self._host[:size], non_blocking=True)
+            if device_tokens is not None:
+                self.inputs[:n].copy_(device_tokens)  # the token row comes first
+            self._record(self._host)
         graph = self.graphs.get(bs)
         if graph is not None:
             self.num_graph_steps += 1
@@ -228,6 +258,7 @@ class ModelRunner:
         else:
             self.num_eager_decode_steps += 1
             logits, greedy = self._decode_forward(bs, zero_dummy=bs > n)
+        self._last_greedy = greedy
         return logits[:n], None if greedy is None else greedy[:n]
 
     def _record(self, staging: torch.Tensor) -> None:
@@ -264,6 +295,10 @@ class ModelRunner:
                          state_slots=slots, cos=cos, sin=sin, embeddings=embeddings)
         with decode_step_rows():  # eager: the projections' kernels of the captured step
             logits = self.model.forward_step(step, self.pools, all_logits=True)
+        if self.fed_decode:  # the argmax writes the next step's inputs too
+            advance = R.DecodeAdvance(self.inputs[:DECODE_INPUT_ROWS * bs].view(-1, bs), self.table, self.page_size,
+                                      self.dummy_slot)
+            return logits, ops.argmax(logits, advance)
         return logits, ops.argmax(logits) if GREEDY_IN_GRAPH else None
 
     def sync_page_tables(self, seqs) -> None:

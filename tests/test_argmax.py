@@ -69,6 +69,39 @@ def test_argmax_property(rows, v, ties, seed):
     assert torch.equal(argmax(x), R.argmax(x))
 
 
+def advance_case(bs: int, page: int, width: int, seed: int) -> R.DecodeAdvance:
+    """Decode inputs (5, bs) of random rows (a dummy-slot padding row last when bs > 1) over a random page table;
+    positions reach page boundaries and the table's last column."""
+    gen = torch.Generator().manual_seed(seed)
+    slots, dummy = torch.randperm(6, generator=gen)[:bs].int(), 7
+    if bs > 1:
+        slots[-1] = dummy
+    positions = torch.randint(0, page * width, (bs,), generator=gen).int()
+    positions[0] = page - 1  # the next position opens a page
+    if bs > 2:
+        positions[1] = page * width - 1  # the next position is past the table: its column is clamped
+    table = torch.randint(0, 1000, (8, width), generator=gen).int()
+    kv = table[slots.long(), (positions // page).long()] * page + positions % page
+    inputs = torch.stack([torch.randint(0, 50, (bs,), generator=gen).int(), positions, slots, kv, positions + 1])
+    return R.DecodeAdvance(inputs.to(DEV), table.to(DEV), page, dummy)
+
+
+@pytest.mark.parametrize("bs,page,width", [(1, 16, 4), (3, 16, 3), (5, 24, 6)])
+def test_advance_writes_the_next_decode_inputs(bs, page, width):
+    """argmax(logits, advance): the tokens as before, and advance.inputs moved on one position (the token, position,
+    KV slot through the page table, cached tokens) for every row but the dummy slot's, as the reference does."""
+    x = logits_of(bs, 2 * CHUNK + 9, torch.float32, seed=bs)
+    got, want = advance_case(bs, page, width, seed=bs), advance_case(bs, page, width, seed=bs)
+    before = got.inputs.clone()
+    tokens = argmax(x, got)
+    R.advance_decode_inputs(R.argmax(x), want)
+    assert torch.equal(tokens, R.argmax(x)) and torch.equal(got.inputs, want.inputs)
+    moved = before[2] != got.dummy_slot
+    assert torch.equal(got.inputs[1], torch.where(moved, before[1] + 1, before[1]))
+    assert torch.equal(got.inputs[:, ~moved], before[:, ~moved])  # padding rows as they were
+    assert int(got.inputs[3, 0]) == int(got.table[got.inputs[2, 0], 1]) * page  # the first slot of the next page
+
+
 @pytest.mark.parametrize("bad,match", [
     (lambda: torch.randn(4, device=DEV), "logits"),
     (lambda: torch.randint(0, 5, (2, 8), device=DEV), "logits"),
@@ -83,6 +116,18 @@ def test_bad_input_names_the_argument(bad, match):
 def test_bad_out_names_the_argument():
     with pytest.raises(ValueError, match="out"):
         argmax(torch.randn(2, 8, device=DEV), out=torch.empty(2, dtype=torch.int32, device=DEV))
+
+
+@pytest.mark.parametrize("field,bad,match", [
+    ("inputs", lambda a: a.inputs[:4], r"advance.inputs must be \(5, 2\)"),
+    ("inputs", lambda a: a.inputs.long(), "advance.inputs must have dtype"),
+    ("table", lambda a: a.table.t(), "advance.table must be contiguous"),
+    ("page_size", lambda a: 0, "advance.page_size"),
+])
+def test_bad_advance_names_the_argument(field, bad, match):
+    advance = advance_case(2, 16, 4, seed=0)
+    with pytest.raises(ValueError, match=match):
+        argmax(logits_of(2, 8, torch.float32, seed=0), advance._replace(**{field: bad(advance)}))
 
 
 def test_empty_batch():

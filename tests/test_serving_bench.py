@@ -119,7 +119,8 @@ def test_host_time_ab_refuses_an_unknown_knob(capsys):
 
 
 @pytest.mark.parametrize("knob,names", [("prenorm", ("fused", "unfused")), ("split_k", ("off", "on")),
-                                        ("gdn_early", ("off", "on")), ("tma_gemv", ("off", "on"))])
+                                        ("gdn_early", ("off", "on")), ("tma_gemv", ("off", "on")),
+                                        ("fed_decode", ("off", "on"))])
 def test_host_time_ab_alternates_the_variants(capsys, knob, names):
     from kernels import gdn_decode, linear
     from model import ops
@@ -132,6 +133,7 @@ def test_host_time_ab_alternates_the_variants(capsys, knob, names):
     assert (linear.SPLIT_K, gdn_decode.STATE_BEFORE_WAIT, linear.TMA_GEMV, linear.TMA_NORM) == defaults
     triton_ops = ops._BACKENDS["triton"]
     assert triton_ops["linear"] is linear.linear and triton_ops["add_rms_norm_linear"].keywords == {"fused": None}
+    assert host_time.ENGINE_FIELDS == {}  # an engine knob's setting gone with it
 
 
 def test_host_time_ab_argmax_moves_the_greedy_argmax():

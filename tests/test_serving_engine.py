@@ -335,6 +335,45 @@ def test_decode_ahead_equals_plain_steps(model, budget, padded):
     assert results[True][0][0] == expected(model, prompt, params.max_tokens)
 
 
+@pytest.mark.parametrize("budget", [128, 2])
+@padded
+def test_fed_decode_equals_plain_steps(model, budget, padded):
+    """EngineConfig.fed_decode: the argmax of each decode step writes the next step's inputs, and a decode launched
+    ahead on exactly those inputs copies nothing. The same tokens and finish reasons as without it (greedy requests
+    across page boundaries, a stop token, seeded samples, which are never fed), steps really fed, nothing leaking."""
+    requests = _mixed_requests(model) + [(random_prompt(6, seed=250), SamplingParams(max_tokens=30))]
+    results = {}
+    for fed in (False, True):
+        engine = small_engine(model, padded=padded, max_num_batched_tokens=budget, max_num_seqs=6, fed_decode=fed)
+        ids = [engine.add_request(p, params) for p, params in requests]
+        while engine.has_unfinished:
+            engine.step()
+        results[fed] = [(o.output_ids, o.finish_reason) for o in map(engine.pop_output, ids)]
+        assert (engine.runner.num_fed_steps > 0) == fed, engine.runner.num_fed_steps
+        assert_nothing_leaks(engine)
+    assert results[True] == results[False]
+    assert results[True][-1][0] == expected(model, requests[-1][0], 30)  # 30 tokens over pages of 8
+
+
+def test_fed_decode_is_not_fed_past_a_change(model):
+    """A decode after a sequence joined, left or drew a sample is rebuilt from the host's rows, not fed."""
+    engine = small_engine(model, fed_decode=True)
+    a = engine.add_request(random_prompt(5, seed=260), SamplingParams(max_tokens=12))
+    while engine.runner.num_fed_steps < 2:
+        engine.step()
+    fed = engine.runner.num_fed_steps
+    b = engine.add_request(random_prompt(3, seed=261), SamplingParams(max_tokens=12))
+    engine.step()  # the newcomer's prefill beside the decode
+    engine.step()  # both decode: rows changed since the last decode
+    assert engine.runner.num_fed_steps == fed
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.pop_output(a).output_ids == expected(model, random_prompt(5, seed=260), 12)
+    assert engine.pop_output(b).output_ids == expected(model, random_prompt(3, seed=261), 12)
+    assert engine.runner.num_fed_steps > fed
+    assert_nothing_leaks(engine)
+
+
 def test_decode_ahead_survives_an_abort_of_a_sequence_in_flight(model):
     """A sequence finished from outside (the server's abort) while its decode is launched ahead: that row is
     dropped, the others go on equal to greedy, and its pages and slot come back."""

@@ -128,6 +128,30 @@ def test_padded_decode_on_triton_ops_follows_the_reference_cpu():
 
 
 @interpreter_only
+def test_fed_decode_on_triton_ops_equals_unfed_cpu():
+    """EngineConfig.fed_decode on the Triton kernels (interpreter): the argmax kernel writes each next decode step's
+    inputs, across a page boundary (pages of 16: the 14-token prompt's fourth token opens its second page) and with
+    a padding row (batch 3 -> 4); the tokens and logits equal an unfed run's bit for bit, and steps were fed."""
+    model = Qwen35ForCausalLM.random(KERNEL_SMALL, seed=3)
+    prompts = prompts_of((5, 14, 12), KERNEL_SMALL.vocab_size, seed=2)
+    results = {}
+    for fed in (False, True):
+        cfg = EngineConfig(num_pages=32, page_size=16, max_num_seqs=4, snapshot_slots=4, fed_decode=fed)
+        engine = LLMEngine(model, cfg, pad_decode=True)
+        logits = record_logits(engine)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=5, ignore_eos=True)) for p in prompts]
+        engine.step()  # the prefills, on the reference ops
+        with ops.use_backend("triton"):
+            while engine.has_unfinished:
+                engine.step()
+        results[fed] = [engine.pop_output(i).output_ids for i in ids], [logits[i] for i in sorted(logits)]
+        assert (engine.runner.num_fed_steps >= 2) == fed, engine.runner.num_fed_steps
+    assert results[True][0] == results[False][0]
+    for fed_rows, rows in zip(results[True][1], results[False][1]):
+        assert len(fed_rows) == len(rows) and all(torch.equal(a, b) for a, b in zip(fed_rows, rows))
+
+
+@interpreter_only
 def test_padded_decode_equals_unpadded_cpu():
     """Five sequences decode on the Triton kernels (interpreter, fp32) padded to batch 8 (three dummy rows) and
     unpadded: the real rows agree to fp32 rounding. The paged attention takes two KV splits at both batch sizes,

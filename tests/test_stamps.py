@@ -93,8 +93,8 @@ arg_type = lambda n: {"logits_ptr": "*bf16", "part_val_ptr": "*fp32", "stamps_pt
     n, "*i32" if n.endswith("_ptr") and n != "out_ptr" else "*i64" if n == "out_ptr" else "i32")
 for on in (False, True):
     split = split_kernel_sm90(PREFETCH=False, STAMPS=on)["ptx"]
-    greedy = triton_sm90(A._argmax_kernel, dict(CHUNK=A.CHUNK, P=122, PB=128, STAMPS=on, PDL=True), arg_type,
-                         A.NUM_WARPS, 1)["ptx"]
+    const = dict(CHUNK=A.CHUNK, P=122, PB=128, ADVANCE=False, STAMPS=on, PDL=True)
+    greedy = triton_sm90(A._argmax_kernel, const, arg_type, A.NUM_WARPS, 1)["ptx"]
     for ptx in (split, greedy):
         before, _, after = ptx.partition("griddepcontrol.wait")
         print(before.count("%globaltimer"), after.count("%globaltimer"), ptx.count("atom.global"), flush=True)
