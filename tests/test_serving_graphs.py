@@ -341,15 +341,17 @@ def test_interleaved_prefill_with_graphs_follows_the_plain_engine(gpu_model):
 
 
 @pytest.mark.gpu
-def test_decode_ahead_with_graphs_equals_plain_steps(gpu_model):
+@pytest.mark.parametrize("fed", [False, True], ids=["copied", "fed"])
+def test_decode_ahead_with_graphs_equals_plain_steps(gpu_model, fed):
     """EngineConfig.decode_ahead on the GPU: the graph of the next decode is replayed with its tokens copied on the
-    device before the host reads them. Same kernels on the same shapes as without it: the same tokens and
-    bit-identical logits, batched, with a sequence that ends early (max_tokens) while a decode is launched ahead."""
+    device before the host reads them (fed: written by the last step's argmax, with the rest of its inputs, and
+    nothing copied). Same kernels on the same shapes as without it: the same tokens and bit-identical logits,
+    batched, with a sequence that ends early (max_tokens) while a decode is launched ahead."""
     with ops.use_backend("triton"):
         prompts = prompts_of((30, 77, 128, 9), GPU_CFG.vocab_size, seed=8)
         results = []
         for ahead in (False, True):
-            engine = LLMEngine(gpu_model, replace(GPU_ENGINE, decode_ahead=ahead))
+            engine = LLMEngine(gpu_model, replace(GPU_ENGINE, decode_ahead=ahead, fed_decode=fed and ahead))
             logits = record_sampled_logits(engine)
             ids = [engine.add_request(p, SamplingParams(max_tokens=12 + 5 * i, ignore_eos=True))
                    for i, p in enumerate(prompts)]
@@ -357,6 +359,7 @@ def test_decode_ahead_with_graphs_equals_plain_steps(gpu_model):
                 engine.step()
             results.append(([engine.pop_output(i).output_ids for i in ids], [logits[i] for i in ids]))
             assert (engine.num_ahead_steps > 0) == ahead and engine.runner.num_graph_steps > 0
+            assert (engine.runner.num_fed_steps > 0) == (fed and ahead)
         (out_a, log_a), (out_b, log_b) = results
         assert out_a == out_b and [len(o) for o in out_a] == [12, 17, 22, 27]
         for seq, (a, b) in enumerate(zip(log_a, log_b)):
