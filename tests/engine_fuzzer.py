@@ -294,7 +294,7 @@ def run_scenario(sc: dict, check_contents: bool = True) -> dict:
     cfg = EngineConfig(num_pages=c["num_pages"], page_size=ps, max_num_seqs=c["max_num_seqs"],
                        snapshot_slots=c["snapshot_slots"], max_num_batched_tokens=c["budget"],
                        fast_lane_tokens=c["fast_lane"], eos_token_ids=tuple(c["eos"]),
-                       interleave_slices=c["slices"], decode_ahead=c["ahead"])
+                       interleave_slices=c["slices"], decode_ahead=c["ahead"], fed_decode=c.get("fed", False))
     engine = LLMEngine(model(), cfg, pad_decode=c["padded"])
     rows: dict[int, list[torch.Tensor]] = {}  # seq id -> the logits rows it sampled from, in order
     orig_sample = engine._sample
@@ -409,6 +409,7 @@ def run_scenario(sc: dict, check_contents: bool = True) -> dict:
           "end: private snapshot left")
     STATS["preemptions"] += engine.scheduler.num_preemptions
     STATS["ahead_steps"] += engine.num_ahead_steps
+    STATS["fed_steps"] += engine.runner.num_fed_steps
     STATS["examples"] += 1
     if check_contents:
         check_cache_contents(engine, sources)
@@ -447,6 +448,7 @@ def strategies():
         eos=st.lists(st.integers(0, 9), max_size=2),  # indices into EOS_POOL
         slices=st.sampled_from([0, 0, 1, 2, 3, 4]),
         ahead=st.booleans(),
+        fed=st.booleans(),
         padded=st.booleans(),
         cap_tokens=st.one_of(st.integers(12, 48), st.integers(12, 320)),
         extra_pages=st.integers(0, 6),
