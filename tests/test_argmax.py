@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import reference as R
 from kernels.argmax import CHUNK, argmax
-from tests.conftest import HAS_CUDA
+from tests.conftest import HAS_CUDA, compiled_script_output
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -100,6 +100,26 @@ def test_advance_writes_the_next_decode_inputs(bs, page, width):
     assert torch.equal(got.inputs[1], torch.where(moved, before[1] + 1, before[1]))
     assert torch.equal(got.inputs[:, ~moved], before[:, ~moved])  # padding rows as they were
     assert int(got.inputs[3, 0]) == int(got.table[got.inputs[2, 0], 1]) * page  # the first slot of the next page
+
+
+SM90_ADVANCE = """
+from kernels import argmax as A
+from tests.sm90_compile import triton_sm90
+arg_type = lambda n: {"logits_ptr": "*bf16", "part_val_ptr": "*fp32", "stamps_ptr": "*i64", "out_ptr": "*i64"}.get(
+    n, "*i32" if n.endswith("_ptr") else "i32")
+for advance in (False, True):
+    r = triton_sm90(A._argmax_kernel, dict(CHUNK=A.CHUNK, P=122, PB=128, ADVANCE=advance, STAMPS=False, PDL=True),
+                    arg_type, A.NUM_WARPS, 1)
+    print(r["regs"], r["spill"], r["ptx"].count("st.global"), r["ptx"].count("ld.global"), flush=True)
+"""
+
+
+def test_advance_compiles_for_sm90_into_the_last_program():
+    # sm_90a on the CPU: the advance adds the next inputs' four stores and its three loads (state slot, position,
+    # page-table entry), no spill, no more registers than the argmax's
+    plain, advance = [tuple(map(int, line.split())) for line in compiled_script_output(SM90_ADVANCE).splitlines()]
+    assert advance[1] == plain[1] == 0 and advance[0] <= max(plain[0], 64), (plain, advance)
+    assert advance[2] - plain[2] == 4 and advance[3] - plain[3] == 3, (plain, advance)
 
 
 @pytest.mark.parametrize("bad,match", [
