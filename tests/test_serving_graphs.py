@@ -295,7 +295,11 @@ def test_pools_sized_from_gpu_memory(gpu_model):
         engine = LLMEngine(gpu_model, EngineConfig.for_gpu_memory(util, max_num_seqs=4, max_model_len=4096))
     assert engine.cfg.num_pages * engine.cfg.page_size >= 4096 and engine.cfg.max_model_len == 4096
     assert engine.sizing["peak_GiB"] > 0 and "KV pool" in engine.pool_summary
-    assert torch.cuda.memory_allocated() - before <= share * total, engine.pool_summary  # the pools fit the share
+    # the pools fit the card's utilization as the engine saw it: other xdist workers may free memory between the
+    # reading above and the engine's own, and the engine then takes more than `share` (37 GiB of an H100 in
+    # session 31), rightly
+    room = engine.sizing["free_GiB"] * 2**30 - (1 - util) * total
+    assert torch.cuda.memory_allocated() - before <= room, (engine.pool_summary, engine.sizing)
 
 
 def record_sampled_logits(engine: LLMEngine) -> dict[int, list[torch.Tensor]]:
