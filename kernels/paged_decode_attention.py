@@ -124,10 +124,13 @@ COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk v
 # Session 30's stamps (H100, 2B) found the chain after an attention layer resident only 1.4 us before its go, against
 # 6.4-7.2 after a GDN layer (whose kernel releases it as its ~7 us of work begin): its 128 KB rings fill after the
 # split, not during it, and the chain takes 31.8 us against 27.8. "early" lets it launch while the split runs, on
-# SMs with room for its CTA beside the split's programs, which DECODE_BLOCK_N decides (prediction there). A/B:
-# `python -m profiles.step_stamps --knob combine_release=early --knob split_block_n=32`, host_time's
-# `--ab combine_release+split_block_n`.
-COMBINE_RELEASE = "after_wait"
+# SMs with room for its CTA beside the split's programs, which DECODE_BLOCK_N decides (prediction there). Measured
+# (H100, session 31, `python -m profiles.host_time --decode 1 --ab combine_release+split_block_n`, alternated in one
+# process, ms a step): 2B at 8192 early 1.53 / 1.54 against 1.54 / 1.54, at 12,288 1.56 / 1.56 against 1.57 / 1.57;
+# 0.8B at 12,288 0.836 / 0.835 against 0.844 / 0.843. Stamped (2B, 8192): the chains' share 14.7 us less a step,
+# the split +1.4 us and the combine +3.1 (their KV and workspace reads now share DRAM with the chain's rings), step
+# 1.535 ms against 1.541: less than the 18-24 us predicted, as the H100's DRAM was expected to allow. Kept: early.
+COMBINE_RELEASE = "early"
 # The decode combine loads the splits' O rows beside their LSEs instead of after them (masked by which splits saw a
 # key), and zeroes the empty splits' rows with a select: one L2 round trip after its wait instead of two. Stamped
 # (session 29, H100, 2B at 8k): the combine ran 2.2-3.2 us from its go to its end for 1 MB of workspace; predicted
@@ -173,7 +176,10 @@ PREFETCH_NEXT_TILE = True
 # attention 31.8 -> ~28 us, as after a GDN layer: 18-24 us a step) and less at 12,288, where 60 SMs hold two
 # programs; 32 keys with "early" recover those (less a third and fourth tile a program: +0.5-1.5 us). Less on an
 # H100, whose ~3.1 TB/s is about what the chain's 17 MB of rings and the split's KV need together in ~11 us. (The
-# module's old standalone sweep, three stages: 32 keys 30% slower than 64.) A/B: see COMBINE_RELEASE.
+# module's old standalone sweep, three stages: 32 keys 30% slower than 64.) Measured (H100, session 31, with
+# "early"): 32 keys lose everywhere, 2B 1.55 / 1.55 ms against 1.53 / 1.54 at 8192 and 1.58 / 1.58 against 1.56 /
+# 1.56 at 12,288, 0.8B 0.863 / 0.862 against 0.836 / 0.835 at 12,288; stamped at 12,288 the chains gain 14.6 us a
+# step but the split takes 18.9 us against 14.2 (four dependent tiles a program instead of two). Kept: 64.
 DECODE_BLOCK_N = 64
 LOG2E = 1.4426950408889634
 H200_SMS = 132

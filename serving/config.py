@@ -38,7 +38,10 @@ class EngineConfig:
     fed_decode: a decode step's greedy argmax (inside its graph) also writes the next step's inputs (token, position,
     KV slot through the page table, cached tokens: reference.advance_decode_inputs), and a decode launched ahead
     whose rows moved on exactly so, every row greedy, replays its graph with no copy before it (serving.model_runner).
-    Pages are then allocated a token ahead. Off by default until timed (serving.bench --sweep fed_decode=0,1).
+    Pages are then allocated a token ahead. Measured (H100, session 31, `python -m profiles.host_time --decode 1 --ab
+    fed_decode`, alternated): 0.8B at 12,288 0.839 / 0.840 ms against 0.846 / 0.849, 2B at 8192 1.54 / 1.54 against
+    1.55 / 1.54; stamped (2B): 1.536 ms against 1.541, the argmax 0.8 us longer. On by default; serving.bench
+    --sweep fed_decode=0,1 compares.
     prefill_graph_tokens: eager steps of GEMV_MAX_ROWS + 1 up to this many tokens replay CUDA graphs of their
     row-wise stretches (serving.prefill_graphs), captured at every multiple of 64 rows up to it, when decode graphs
     are on and the model allows (not MoE, not tensor parallel); 0: off."""
@@ -56,7 +59,7 @@ class EngineConfig:
     max_graph_batch: int | None = None
     interleave_slices: int = 12
     decode_ahead: bool = True
-    fed_decode: bool = False
+    fed_decode: bool = True
     prefill_graph_tokens: int = 2048
 
     def __post_init__(self):

@@ -183,10 +183,11 @@ def gpu_model():
 GPU_ENGINE = EngineConfig(num_pages=512, page_size=16, max_num_seqs=8, snapshot_slots=8, max_model_len=1024)
 
 
-@pytest.fixture(params=[("after_wait", 64), ("early", 32)], ids=["default_handoff", "early_handoff_32"])
+@pytest.fixture(params=[("early", 64), ("after_wait", 32)], ids=["default_handoff", "after_wait_32"])
 def attention_handoff(request, monkeypatch):
     """The decode combine's release point and the split's keys a tile (kernels.paged_decode_attention's
-    COMBINE_RELEASE, DECODE_BLOCK_N): the default, and the pair that lets the out-proj chain launch during the split."""
+    COMBINE_RELEASE, DECODE_BLOCK_N): the default (the out-proj chain launches during the split), and the chain
+    launched after it with the other tile."""
     from kernels import paged_decode_attention as P
     release, block_n = request.param
     monkeypatch.setattr(P, "COMBINE_RELEASE", release)
