@@ -157,6 +157,13 @@ PREFETCH_FIRST_TILE = True
 # 1.530 ms (twice), 0.8B 0.837 -> 0.824 (8 warps with 3 stages: 1.554, a tie). Not yet timed at long contexts or
 # batches above 1. A/B: `python -m profiles.step_stamps --knob split_stages=3`, host_time's `--ab split_stages`.
 DECODE_STAGES = 1
+# ... but only for short splits: a split of more than SHORT_SPLIT_TILES tiles runs LONG_SPLIT_STAGES. Measured (H100,
+# session 31, `host_time --decode B --ab split_stages`, alternated): one stage loses where a split program walks
+# many tiles: 2B at B1 over 65,536 (~9 tiles a split) 1.81 / 1.81 ms against 1.79 / 1.79 at two stages (three:
+# 1.79 / 1.79), at B16 over 4096 2.42 / 2.42 against 2.37 / 2.36 (three: 2.38 / 2.38). The serving run's batch-1
+# splits hold 2 tiles (15,648-token tables: 123 splits of 128 keys), session 30's step_stamps' too.
+SHORT_SPLIT_TILES = 2
+LONG_SPLIT_STAGES = 2
 # At one stage the split's key loop has no look-ahead of its own: each program loads a tile, then computes on it
 # while nothing of its next tile is in flight. So it asks L2 for the next tile's K and V rows before computing
 # (no registers, no shared memory, nothing to wait for). At batch 1 over 8192 a split has one tile: no change
@@ -735,7 +742,9 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     common = dict(VARLEN=cu_seqlens_q is not None, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, DIRECT=num_splits == 1, HAS_GATE=gate is not None,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tile.num_warps,
-                  num_stages=tile.num_stages, **launch)
+                  num_stages=tile.num_stages if tile.chunk else decode_stages(max_seqlen_k or capacity, num_splits,
+                                                                              tile.block_n),
+                  **launch)
     if tile.chunk:
         # seqlen_q: the fixed q_len without cu_seqlens_q (unused with it)
         q_min = 0
@@ -754,12 +763,19 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         _split_kernel[(batch, kv_heads, num_splits)](*args, stamp, Q_LEN=q_len, STAMPS=stamping,
                                                      PREFETCH=PREFETCH_FIRST_TILE and launch["PDL"],
                                                      PREFETCH_NEXT=PREFETCH_NEXT_TILE and launch["PDL"]
-                                                     and tile.num_stages == 1, **common)
+                                                     and common["num_stages"] == 1, **common)
     if num_splits > 1 and tile.chunk:
         _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     elif num_splits > 1:
         _combine(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     return out
+
+
+def decode_stages(max_seqlen_k: int, num_splits: int, block_n: int) -> int:
+    """The decode split kernel's pipeline depth: DECODE_STAGES for splits of up to SHORT_SPLIT_TILES tiles of
+    block_n keys (of max_seqlen_k / num_splits keys), else LONG_SPLIT_STAGES."""
+    tiles = cdiv(cdiv(max_seqlen_k, num_splits), block_n)
+    return DECODE_STAGES if tiles <= SHORT_SPLIT_TILES else LONG_SPLIT_STAGES
 
 
 def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, launch: dict) -> None:

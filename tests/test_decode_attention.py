@@ -220,6 +220,14 @@ def test_forward_fill_asks_cute_for_long_chunks_only(monkeypatch):
     assert forward_fill(q, pages, table, ALWAYS_Q_LEN + 1) == 1.0
 
 
+def test_decode_stages_by_the_tiles_a_split_walks():
+    from kernels.paged_decode_attention import decode_stages
+    assert decode_stages(15648, choose_num_splits(1, 2, 15648), 64) == 1  # the serving c1 run: 2 tiles a split
+    assert decode_stages(8448, choose_num_splits(1, 2, 8448), 64) == 1  # step_stamps at 8k
+    assert decode_stages(65792, choose_num_splits(1, 2, 65792), 64) == 2  # 64k: ~9 tiles a split
+    assert decode_stages(4352, choose_num_splits(16, 2, 4352), 64) == 2  # B16 over 4k
+
+
 def test_choose_num_splits():
     assert choose_num_splits(64, 4, 8192) == 1  # 256 programs already fill two waves
     assert choose_num_splits(1, 4, 64) == 1  # one tile cannot be split
