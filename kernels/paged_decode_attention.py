@@ -65,9 +65,9 @@ Measured with it, before the combine used PDL: B1 32k 3.35 TB/s (S = 64), B1 128
 B8 32k 4.42 (S = 8), B64 8k 4.51 (S = 1), against a torch.sum read ceiling of 4.27 in the same run.
 At B1 32k the split kernel alone runs at 3.54 TB/s; the combine (one load per program) adds ~2 us,
 which PDL is meant to hide in part.
-Since session 30 the decode plan runs one stage instead (DECODE_STAGES; 43 KB of shared memory, ~224
-registers), each program asking L2 for its next tile before computing (PREFETCH_NEXT_TILE): faster in the batch-1
-decode step (see DECODE_STAGES), not yet re-timed on these long-context rows. Its keys a tile are DECODE_BLOCK_N
+Since session 30 the decode plan runs one stage instead where a split holds at most two tiles (DECODE_STAGES,
+SHORT_SPLIT_TILES; 43 KB of shared memory, ~224 registers): faster in the batch-1 decode step; longer splits run
+two stages (LONG_SPLIT_STAGES, session 31). Its keys a tile are DECODE_BLOCK_N
 (64; 32 would leave an SM room for the next out-proj chain's CTA during the split, untimed).
 
 Chunk bound (H200, bf16; FLOPs = 4 * visible (query, key) pairs * H * D at ~700 TFLOP/s, the best measured
@@ -166,11 +166,12 @@ SHORT_SPLIT_TILES = 2
 LONG_SPLIT_STAGES = 2
 # At one stage the split's key loop has no look-ahead of its own: each program loads a tile, then computes on it
 # while nothing of its next tile is in flight. So it asks L2 for the next tile's K and V rows before computing
-# (no registers, no shared memory, nothing to wait for). At batch 1 over 8192 a split has one tile: no change
-# there. Predicted: at long contexts (64k: 8 tiles a split) DRAM keeps streaming through the compute, as the
-# 3-stage cp.async ring did. Not yet timed. A/B: `python -m profiles.host_time --model M --decode 1 --ctx 65536
-# --ab kv_prefetch_next --ab split_stages`
-PREFETCH_NEXT_TILE = True
+# (no registers, no shared memory, nothing to wait for). Predicted (session 30): at long contexts DRAM keeps
+# streaming through the compute, as the 3-stage cp.async ring did. Measured (H100, session 31, `python -m
+# profiles.host_time --model qwen3.5-2b --decode 1 [--ctx C] --ab kv_prefetch_next`, alternated): it loses or ties
+# everywhere: 65,536 (one stage then) 1.82 / 1.82 ms against 1.80 / 1.80 off, 8192 (2 tiles a split) 1.53 / 1.54
+# against 1.52 / 1.53, 12,288 1.55 either way. Off; long splits now run two stages instead (LONG_SPLIT_STAGES).
+PREFETCH_NEXT_TILE = False
 # Keys a tile of the decode split kernel (the chunk variant keeps BLOCK_N). What an SM holds while the split runs
 # decides whether the next chain CTA can launch early (COMBINE_RELEASE "early"): the chain takes 16,128 registers
 # (sm_90a ptxas: 52 a thread, 56 allocated, 288 threads) and ~141 KB of shared memory (its 128 KB ring and x), a
