@@ -67,8 +67,8 @@ At B1 32k the split kernel alone runs at 3.54 TB/s; the combine (one load per pr
 which PDL is meant to hide in part.
 Since session 30 the decode plan runs one stage instead where a split holds at most two tiles (DECODE_STAGES,
 SHORT_SPLIT_TILES; 43 KB of shared memory, ~224 registers): faster in the batch-1 decode step; longer splits run
-two stages (LONG_SPLIT_STAGES, session 31). Its keys a tile are DECODE_BLOCK_N
-(64; 32 would leave an SM room for the next out-proj chain's CTA during the split, untimed).
+two stages (LONG_SPLIT_STAGES, session 31). Its keys a tile are DECODE_BLOCK_N (64; 32, which leaves an SM
+room for the next out-proj chain's CTA during the split, lost on the H100 in session 31).
 
 Chunk bound (H200, bf16; FLOPs = 4 * visible (query, key) pairs * H * D at ~700 TFLOP/s, the best measured
 attention rate, against the K/V bytes 2 * ctx * KV * D * 2 B at ~4.4 TB/s). FLOPs per K/V byte are

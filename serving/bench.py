@@ -377,10 +377,10 @@ def parse_sweep(spec: str | None) -> tuple[str | None, list]:
         if any(part not in AB_KNOBS for part in name.split("+")):  # A+B: pairs of variants, as in host_time --ab
             raise SystemExit(f"--sweep: unknown knob {name!r}; one of {', '.join(ENGINE_KNOBS)} (engine) or "
                              f"{', '.join(sorted(AB_KNOBS))} (kernels, joined by + for pairs)")
-        unknown = [v for v in listed if v not in knob_setters(name)[0]]
+        variants = knob_setters(name)[0]
+        unknown = [v for v in listed if v not in variants]
         if unknown:
-            raise SystemExit(f"--sweep {spec!r}: {name} has no variant {unknown[0]!r}; one of "
-                             f"{', '.join(knob_setters(name)[0])}")
+            raise SystemExit(f"--sweep {spec!r}: {name} has no variant {unknown[0]!r}; one of {', '.join(variants)}")
         return name, listed
     try:
         return name, [int(v) for v in listed]

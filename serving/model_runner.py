@@ -230,8 +230,7 @@ class ModelRunner:
             p = values[bs + r] + 1
             if p // self.page_size >= len(c.seq.pages):
                 return None
-            nxt[bs + r - n], nxt[4 * bs + r - n] = p, p + 1
-            nxt[3 * bs + r - n] = c.seq.pages[p // self.page_size] * self.page_size + p % self.page_size
+            nxt[bs + r - n], nxt[3 * bs + r - n], nxt[4 * bs + r - n] = p, c.seq.kv_slot(p, self.page_size), p + 1
         return bs, n, nxt
 
     def decode_values(self, bs: int, n: int, values: list[int], device_tokens: torch.Tensor | None = None,
