@@ -50,7 +50,7 @@ from reference._checks import check_real, check_tensor
 STATE_PER_PROGRAM = 2 * 128 * 128  # fp32 state values one program holds (128 KiB): 8 warps x 128 a thread
 STATE_PER_THREAD = 128
 FEW_PROGRAMS = 132  # the H200's SM count: below it, programs take several value heads at once
-MIN_WARPS = 2
+MIN_WARPS, MAX_WARPS = 2, 16
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Load the states before the PDL wait when a program updates all its value heads in one pass (kernel's EARLY).
 # Predicted: their slot-then-state DRAM round trips (~1-2 us) hidden behind the in-projection's tail, ~20-40 us a
@@ -269,12 +269,13 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     conv_w, A_log, dt_bias, norm_w = (t.contiguous() for t in (conv_w, A_log, dt_bias, norm_w))  # no-ops: weights
     bk, bv = next_power_of_2(dk), next_power_of_2(dv)
     g = _heads_at_once(hv // hk, bk * bv, hk * bsz)
+    num_warps = max(MIN_WARPS, min(MAX_WARPS, g * bk * bv // STATE_PER_THREAD // 32))
     stamp, stamping = stamps.slot("gdn_decode", qkv.device)
     _gdn_decode_kernel[(hk, bsz)](
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
         K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk, STAMPS=stamping,
-        num_warps=max(MIN_WARPS, min(8, g * bk * bv // STATE_PER_THREAD // 32)), **pdl.launch_options(qkv.device))
+        num_warps=num_warps, **pdl.launch_options(qkv.device))
     return out
 
 
