@@ -65,6 +65,10 @@ IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (H200, session 26, against session 24's kernel in the graph step, alternated; dv still split then): 0.8B 0.771 /
 # 0.771 ms against 0.772 / 0.772, 2B 1.27 either way: no gain, kept as the simpler order
 STATE_BEFORE_WAIT = True
+# The delta rule's output from the state as loaded (_delta_rule's ONE_PASS): its two 128-long sums over dk (serial
+# FMA chains in a thread at 4 warps) run side by side instead of one after the other. Predicted: ~0.3 us a GDN layer
+# (one 128-FMA chain of ~4 cycles a step), 5 us a 2B / 0.8B step; knob `gdn_one_pass` (host_time --ab)
+ONE_PASS_DELTA = False
 
 
 @triton.jit
@@ -102,8 +106,16 @@ def _l2norm(x):
 
 
 @triton.jit
-def _delta_rule(s, q, k, v, decay, beta):
-    """s: states (G, BK, BV) fp32; q, k: (BK,); v: (G, BV); decay, beta: (G,). Returns (new s, o = s^T q (G, BV))."""
+def _delta_rule(s, q, k, v, decay, beta, ONE_PASS: tl.constexpr):
+    """s: states (G, BK, BV) fp32; q, k: (BK,); v: (G, BV); decay, beta: (G,). Returns (new s, o = s^T q (G, BV)).
+    ONE_PASS: o = decay s^T q + (k . q) u, so s^T k and s^T q are two independent sums over the old state (one
+    pass, interleaved) instead of the second waiting for the updated state."""
+    if ONE_PASS:
+        sk = tl.sum(s * k[None, :, None], axis=1)  # (G, BV), both sums over the state as loaded
+        sq = tl.sum(s * q[None, :, None], axis=1)
+        u = beta[:, None] * (v - decay[:, None] * sk)  # (G, BV)
+        o = decay[:, None] * sq + tl.sum(k * q, axis=0) * u
+        return s * decay[:, None, None] + k[None, :, None] * u[:, None, :], o
     s = s * decay[:, None, None]
     u = beta[:, None] * (v - tl.sum(s * k[None, :, None], axis=1))  # (G, BV)
     s += k[None, :, None] * u[:, None, :]
@@ -122,7 +134,8 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
                        scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr):
+                       EARLY: tl.constexpr, ONE_PASS: tl.constexpr, STAMPS: tl.constexpr,
+                       PDL: tl.constexpr):
     # grid (Hk, B): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time. EARLY (one
     # pass of G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is
     # loaded before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the
@@ -185,7 +198,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
             g, beta = gate_values(tl.load(a_row + heads), tl.load(b_row + heads), tl.load(a_log_ptr + heads),
                                   tl.load(dt_bias_ptr + heads))
             z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
-        s, o = _delta_rule(s, q, k, v, tl.exp(g), beta)
+        s, o = _delta_rule(s, q, k, v, tl.exp(g), beta, ONE_PASS)
         out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
         tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
@@ -274,7 +287,8 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     _gdn_decode_kernel[(hk, bsz)](
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
-        K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk, STAMPS=stamping,
+        K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk,
+        ONE_PASS=ONE_PASS_DELTA, STAMPS=stamping,
         num_warps=num_warps, **pdl.launch_options(qkv.device))
     return out
 
