@@ -56,7 +56,8 @@ PARTS = ("gdn", "attention", "agent", "curve", "cute")
 # -> config overrides (a head dim left out does not run the variant). pingpong flips the default ping-pong of the
 # consumer warpgroups, which take turns issuing their GEMMs with it (ncu of the d256 causal row: barrier stalls 1.21
 # per issued instruction against flash-attn-4's 0.33; fa4.cute.config.default_pingpong). wide_tile: FA3's K/V tiles
-# on the H100 (d128 176 keys, d256 80); 3_stages: a deeper K/V ring at d128 (32 + 3 x 64 KiB of smem).
+# on the H100 (d128 176 keys, d256 80); 3_stages: a deeper K/V ring at d128 (32 + 3 x 64 KiB of smem); hoisted_desc:
+# QK^T with our own wgmma descriptors, built once outside the loop (AttentionConfig.hoisted_qk_desc).
 
 
 def _every_dim(**overrides) -> dict:
@@ -68,7 +69,8 @@ CUTE_VARIANTS = [("default", _every_dim()), ("no_overlap", _every_dim(intra_wg_o
                  ("poly1/8", _every_dim(poly_exp2_fraction=0.125)), ("poly1/4", _every_dim(poly_exp2_fraction=0.25)),
                  ("persistent", _every_dim(persistent=True)),
                  ("pingpong", {128: dict(pingpong=True), 256: dict(pingpong=False)}),
-                 ("wide_tile", {128: dict(tile_n=176), 256: dict(tile_n=80)}), ("3_stages", {128: dict(kv_stages=3)})]
+                 ("wide_tile", {128: dict(tile_n=176), 256: dict(tile_n=80)}), ("3_stages", {128: dict(kv_stages=3)}),
+                 ("hoisted_desc", _every_dim(hoisted_qk_desc=True))]
 
 
 def attention_flops(batch, seqlen, heads, dim, causal):

@@ -2,6 +2,7 @@
 
     python -m profiles.sass_loop --cases 0,2            # ours (this tree's fa4/) and flash-attn-4, per case
     python -m profiles.sass_loop --cases 0 --refs       # and every copy in ab_refs/ (profiles.ab_refs prepare REF...)
+    python -m profiles.sass_loop --cases 0 --no-peer --set hoisted_qk_desc=True   # ours with config overrides
 
 No GPU. Ours compiles through fa4.cute.compile_cache (the config `flash_attention` picks for the case); flash-attn-4
 compiles through its own interface in torch's fake-tensor mode (FLASH_ATTENTION_ARCH=sm_90, its documented CPU-only
@@ -17,6 +18,7 @@ timing it (`profiles.ab_refs run`). Counts are of the loop's text, branches not 
 an unmasked tile, the rare rescale): they are not executed counts.
 """
 import argparse
+import ast
 import collections
 import functools
 import importlib
@@ -135,14 +137,15 @@ def disassemble(cubin: bytes) -> str:
         return subprocess.run([str(nvdisasm()), "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
-def ours_cubin(package: str, case: tuple) -> bytes:
-    """The cubin of `package`'s CuTe forward (this tree's fa4, or a copy in ab_refs/) for a bench_prefill case."""
+def ours_cubin(package: str, case: tuple, overrides: dict | None = None) -> bytes:
+    """The cubin of `package`'s CuTe forward (this tree's fa4, or a copy in ab_refs/) for a bench_prefill case, with
+    `overrides` of its config's fields."""
     import cutlass.cute as cute
     config = importlib.import_module(f"{package}.cute.config")
     compile_cache = importlib.import_module(f"{package}.cute.compile_cache")
     kernel = importlib.import_module(f"{package}.cute.kernel")
     _, _, h, kv, d, causal = case
-    cfg = config.choose_config(d, causal, h, kv).validate()
+    cfg = config.choose_config(d, causal, h, kv, **(overrides or {})).validate()
     compiled = cute.compile(kernel.FlashAttentionForwardSm90(cfg), *compile_cache._example_args(cfg),
                             options="--keep-cubin")
     return compiled.__cubin__
@@ -173,13 +176,28 @@ def set_cpu_compile_env(dump_dir: str) -> None:
                       CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=dump_dir, QUACK_CACHE_ENABLED="0")
 
 
+def parse_overrides(items: list[str]) -> dict:
+    """["field=literal", ...] -> {field: value}."""
+    overrides = {}
+    for item in items:
+        field, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE")
+        overrides[field] = ast.literal_eval(value)
+    return overrides
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="0", help="indices into profiles.bench_prefill.ATTN_CASES (d128 / d256)")
     ap.add_argument("--refs", action="store_true", help="also every fa4 copy in ab_refs/ (profiles.ab_refs prepare)")
     ap.add_argument("--no-peer", action="store_true", help="ours only (no flash-attn-4 needed)")
     ap.add_argument("--out", help="write sass_loop.json into this folder")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a field of our config (a Python literal: hoisted_qk_desc=True, tile_n=176); "
+                         "repeatable; not applied to the ab_refs copies")
     args = ap.parse_args(argv)
+    overrides = parse_overrides(args.set)
     set_cpu_compile_env(tempfile.mkdtemp(prefix="sass_loop_"))
     from profiles.bench_prefill import ATTN_CASES
     from profiles.common import environment, print_table, write_result
@@ -191,7 +209,8 @@ def main(argv=None) -> list[dict]:
     rows = []
     for case in (ATTN_CASES[int(c)] for c in args.cases.split(",")):
         b, s, h, kv, d, causal = case
-        builds = {"ours" if p == "fa4" else p: functools.partial(ours_cubin, p, case) for p in packages}
+        builds = {"ours" if p == "fa4" else p: functools.partial(ours_cubin, p, case, overrides if p == "fa4" else None)
+                  for p in packages}
         if not args.no_peer:
             builds["flash-attn-4"] = functools.partial(fa4_cubin, case)
         for code, build in builds.items():

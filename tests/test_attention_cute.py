@@ -145,11 +145,16 @@ def test_auto_takes_cute_where_it_runs(monkeypatch):
 
 # ------------------------------------------------------------------ CPU: compile for sm_90a
 
+# representative configs compiled again with hoisted_qk_desc (d128 full, d256 causal): their PTX against the default's
+HOISTED_BASES = (0, 3)
 SM90_COMPILE = """
-import json, re, time, traceback
+import dataclasses, json, re, time, traceback
 from fa4.cute.config import representative_configs
 from fa4.cute.compile_cache import compile_config
+from profiles.ptx_wgmma import compare
 from tests.sm90_compile import cuda_ptxas, parity_resets_in_loops, ptxas_sm90a
+HOISTED_BASES = {hoisted_bases}
+default_ptx = {}
 for index, cfg in enumerate(representative_configs()):
     start = time.time()
     try:
@@ -157,13 +162,26 @@ for index, cfg in enumerate(representative_configs()):
     except Exception:
         print(json.dumps({"index": index, "error": traceback.format_exc()[-4000:]}), flush=True)
         continue
+    if index in HOISTED_BASES:
+        default_ptx[index] = ptx
     info = ptxas_sm90a(ptx, cuda_ptxas())
     print(json.dumps({"index": index, "seconds": time.time() - start, "wgmma": ptx.count("wgmma.mma_async"),
                       "tma": ptx.count("cp.async.bulk.tensor"), "setmaxnreg": ptx.count("setmaxnreg"),
                       "ex2": ptx.count("ex2.approx"), "o_stores": re.findall(r"st\\.global[.a-z0-9]*", ptx),
                       "spill_bytes": info["spill"], "resets": parity_resets_in_loops(ptx),
                       "injected_fences": info["injected_fences"], "config": repr(cfg)}), flush=True)
-"""
+for base in default_ptx:
+    try:
+        ptx = compile_config(dataclasses.replace(representative_configs()[base], hoisted_qk_desc=True),
+                             keep_ptx=True).__ptx__
+        problems, pairs = compare(default_ptx[base], ptx)
+    except Exception:
+        print(json.dumps({"index": f"hoisted{base}", "error": traceback.format_exc()[-4000:]}), flush=True)
+        continue
+    info = ptxas_sm90a(ptx, cuda_ptxas())
+    print(json.dumps({"index": f"hoisted{base}", "problems": problems, "pairs": pairs, "spill_bytes": info["spill"],
+                      "injected_fences": info["injected_fences"], "regs": info["regs"]}), flush=True)
+""".replace("{hoisted_bases}", repr(HOISTED_BASES))
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +232,23 @@ def test_cute_kernel_compiles_for_sm90(index, sm90_compiles):
     # our fence, as when P's conversion sinks past the next QK^T's issue; softmax.store_p pins it)
     assert stats["spill_bytes"] == 0 and stats["injected_fences"] == 0, stats
     assert stats["resets"] == 0, stats  # the Q, K and V ring states carried across tiles (not restarted at slot 0)
+
+
+@needs_dsl
+@pytest.mark.parametrize("base", HOISTED_BASES)
+def test_cute_hoisted_qk_desc_issues_the_default_wgmmas(base, sm90_compiles):
+    # hoisted_qk_desc builds QK^T's descriptors itself (fa4/cute/wgmma_desc.py): every QK^T wgmma group of its PTX
+    # equals one of the default config's (instruction, scale-d and transpose operands, descriptor values at each
+    # smem base, warpgroup and ring stage, and what reads the accumulator: its register order), profiles.ptx_wgmma;
+    # ptxas spills nothing and injects no wgmma fence
+    all_stats, stderr = sm90_compiles
+    stats = all_stats.get(f"hoisted{base}")
+    assert stats is not None, stderr
+    assert "error" not in stats, stats.get("error")
+    print(stats)
+    copies = 3 if representative_configs()[base].intra_wg_overlap else 1
+    assert stats["problems"] == [] and len(stats["pairs"]) == copies, stats
+    assert stats["spill_bytes"] == 0 and stats["injected_fences"] == 0, stats
 
 
 @needs_dsl
@@ -407,7 +442,9 @@ def test_cute_gpu_softmax_scale_and_cache():
                                          (128, dict(tile_n=64)), (256, dict(pingpong=False)),
                                          (256, dict(tile_n=32, kv_stages=3)), (128, dict(tile_n=176)),
                                          (128, dict(kv_stages=3)), (256, dict(tile_n=80)),
-                                         (128, dict(rescale_threshold=0.0, pingpong=True))],
+                                         (128, dict(rescale_threshold=0.0, pingpong=True)),
+                                         (128, dict(hoisted_qk_desc=True)), (256, dict(hoisted_qk_desc=True)),
+                                         (128, dict(hoisted_qk_desc=True, pingpong=True, intra_wg_overlap=False))],
                          ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else f"d{x}")
 def test_cute_gpu_config_variants(d, overrides):
     check_cute_config(d, overrides, ((1, 1), (65, 65), (1000, 1000), (300, 1000), (1000, 300)))

@@ -59,3 +59,9 @@ def test_our_kernel_compiled_here_has_the_loop():
     (row,) = json.loads(out.splitlines()[-1])
     assert row["code"] == "ours" and row["HGMMA"] == 16 and row["MUFU"] >= 64, row
     assert "qk x8" in row["events"] and "pv x8" in row["events"], row
+
+
+def test_config_overrides():
+    assert S.parse_overrides(["hoisted_qk_desc=True", "tile_n=176"]) == {"hoisted_qk_desc": True, "tile_n": 176}
+    with pytest.raises(SystemExit, match="FIELD=VALUE"):
+        S.parse_overrides(["hoisted_qk_desc"])

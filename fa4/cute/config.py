@@ -58,6 +58,9 @@ class AttentionConfig:
     kv_mode: str = "dense"  # "dense", "varlen" (cu_seqlens_k) or "paged" (page_table + seqused_k)
     page_size: int = 0  # keys per page (kv_mode "paged" only)
     persistent: bool = False  # grid = SMs, tiles claimed in a static strided order, longest first if causal
+    # QK^T issued with our own wgmma descriptors (fa4/cute/wgmma_desc.py): Q's built once before the tile loop, K's
+    # as a hoisted base plus the ring stage, where cute.gemm rebuilds both from the smem base at every issue
+    hoisted_qk_desc: bool = False
 
     @property
     def rows_per_wg(self) -> int:

@@ -34,8 +34,11 @@ from fa4.cute import mask as M
 from fa4.cute import pipeline as P
 from fa4.cute import softmax as S
 from fa4.cute import tile_scheduler as TS
+from fa4.cute import wgmma_desc as WD
 from fa4.cute.config import BUFFER_ALIGN, WGMMA_M, AttentionConfig
 from fa4.cute.seqlen import sequence_bounds
+
+WGMMA_K = 16  # k of one bf16 wgmma: QK^T's k-blocks along the head dim
 
 try:  # 4.8 moved these; the old paths warn
     from cutlass.memory import SmemAllocator
@@ -248,6 +251,10 @@ class FlashAttentionForwardSm90:
             tSrQ = tiled_mma_qk.make_fragment_A(thr_qk.partition_A(sQ_wg))  # (MMA, 1, D / 16)
             tSrK = tiled_mma_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, D / 16, stages)
             tOrV = tiled_mma_pv.make_fragment_B(thr_pv.partition_B(sV))  # (MMA, D / n, N / 16, stages)
+            q_descs = k_operand = None  # hoisted_qk_desc: Q's descriptors (one a k-block), K's (a hoisted base)
+            if cutlass.const_expr(cfg.hoisted_qk_desc):
+                q_descs = WD.KMajorOperand(sQ_wg, sQ_layout, self.dtype, WGMMA_K).descriptors()
+                k_operand = WD.KMajorOperand(sK, sK_layout, self.dtype, WGMMA_K)
             coords = thr_qk.partition_C(cute.make_identity_tensor((WGMMA_M, n_tile)))
             pingpong = cfg.pingpong and cfg.num_consumer_wg == 2
             acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((WGMMA_M, d)))
@@ -280,8 +287,8 @@ class FlashAttentionForwardSm90:
                                 k_pipe.consumer_wait(k_state)
                                 P.pingpong_wait(cwg, pingpong)
                                 warpgroup.fence()
-                                tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index],
-                                                     True)
+                                tiled_mma_qk = self.gemm_qk(tiled_mma_qk, acc_s, tSrQ, tSrK, k_state.index, q_descs,
+                                                            k_operand)
                                 warpgroup.commit_group()
                                 P.pingpong_pass(cwg, i == n_max - 1, pingpong)
                                 warpgroup.wait_group(0)
@@ -312,7 +319,8 @@ class FlashAttentionForwardSm90:
                             k_pipe.consumer_wait(k_state)
                             P.pingpong_wait(cwg, pingpong)
                             warpgroup.fence()
-                            tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, k_state.index], True)
+                            tiled_mma_qk = self.gemm_qk(tiled_mma_qk, acc_s, tSrQ, tSrK, k_state.index, q_descs,
+                                                        k_operand)
                             warpgroup.commit_group()
                             P.pingpong_pass(cwg, False, pingpong)
                             warpgroup.wait_group(0)
@@ -341,8 +349,8 @@ class FlashAttentionForwardSm90:
                                     v_pipe.consumer_wait(v_state)
                                     P.pingpong_wait(cwg, pingpong)
                                     warpgroup.fence()
-                                    tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ,
-                                                         tSrK[None, None, None, k_state.index], True)
+                                    tiled_mma_qk = self.gemm_qk(tiled_mma_qk, acc_s, tSrQ, tSrK, k_state.index,
+                                                                q_descs, k_operand)
                                     warpgroup.commit_group()
                                     tiled_mma_pv = _gemm(tiled_mma_pv, acc_o, tOrP,
                                                          tOrV[None, None, None, v_state.index], False)
@@ -384,6 +392,17 @@ class FlashAttentionForwardSm90:
                     q_pipe.consumer_release(q_state)  # O's staging in Q's buffer is read: the next Q may land
                     q_state.advance()
                 tile = TS.next_tile(tile, cfg.persistent)
+
+    @cute.jit
+    def gemm_qk(self, tiled_mma_qk: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                stage: Int32, q_descs, k_operand):
+        """S = Q K^T from K's ring slot `stage`: through cute.gemm, or (hoisted_qk_desc) our wgmmas with Q's
+        descriptors built before the loops and K's from its hoisted base (q_descs, k_operand: wgmma_desc.py)."""
+        if cutlass.const_expr(self.cfg.hoisted_qk_desc):
+            WD.wgmma_ss(acc_s, q_descs, k_operand.descriptors(stage), self.cfg.tile_n, True)
+        else:
+            tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True)
+        return tiled_mma_qk
 
     @cute.jit
     def tile_work(self, tile: Int32, num_m_blocks: Int32, num_head_groups: Int32, batch_size: Int32,
