@@ -48,6 +48,12 @@ from model.ops import _BACKENDS
 from reference._checks import check_real, check_tensor
 
 STATE_PER_PROGRAM = 2 * 128 * 128  # fp32 state values one program holds (128 KiB): 8 warps x 128 a thread
+# fp32 state values a thread holds (128: 4 warps a 128 x 128 head, each thread a column's 128 rows, summed as one serial
+# FMA chain; ptxas spills 552 bytes). Measured (H200, session 32, 0.8B graph step at B1 over 12,288, alternated,
+# `host_time --decode 1 --ab gdn_per_thread`): 128 0.698 / 0.699 ms, 64 (8 warps, no spill) 0.698 / 0.705, 32
+# (16 warps, chains of 32) 0.737 / 0.738. An o taken from the state as loaded (o = decay s^T q + (k . q) u, the two
+# sums side by side; 11 more barriers for its layouts) lost too: 0.702-0.708. The kernel's serial arithmetic is not
+# what its share of the step waits on.
 STATE_PER_THREAD = 128
 FEW_PROGRAMS = 132  # the H200's SM count: below it, programs take several value heads at once
 MIN_WARPS, MAX_WARPS = 2, 16
@@ -65,10 +71,6 @@ IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (H200, session 26, against session 24's kernel in the graph step, alternated; dv still split then): 0.8B 0.771 /
 # 0.771 ms against 0.772 / 0.772, 2B 1.27 either way: no gain, kept as the simpler order
 STATE_BEFORE_WAIT = True
-# The delta rule's output from the state as loaded (_delta_rule's ONE_PASS): its two 128-long sums over dk (serial
-# FMA chains in a thread at 4 warps) run side by side instead of one after the other. Predicted: ~0.3 us a GDN layer
-# (one 128-FMA chain of ~4 cycles a step), 5 us a 2B / 0.8B step; knob `gdn_one_pass` (host_time --ab)
-ONE_PASS_DELTA = False
 
 
 @triton.jit
@@ -106,16 +108,8 @@ def _l2norm(x):
 
 
 @triton.jit
-def _delta_rule(s, q, k, v, decay, beta, ONE_PASS: tl.constexpr):
-    """s: states (G, BK, BV) fp32; q, k: (BK,); v: (G, BV); decay, beta: (G,). Returns (new s, o = s^T q (G, BV)).
-    ONE_PASS: o = decay s^T q + (k . q) u, so s^T k and s^T q are two independent sums over the old state (one
-    pass, interleaved) instead of the second waiting for the updated state."""
-    if ONE_PASS:
-        sk = tl.sum(s * k[None, :, None], axis=1)  # (G, BV), both sums over the state as loaded
-        sq = tl.sum(s * q[None, :, None], axis=1)
-        u = beta[:, None] * (v - decay[:, None] * sk)  # (G, BV)
-        o = decay[:, None] * sq + tl.sum(k * q, axis=0) * u
-        return s * decay[:, None, None] + k[None, :, None] * u[:, None, :], o
+def _delta_rule(s, q, k, v, decay, beta):
+    """s: states (G, BK, BV) fp32; q, k: (BK,); v: (G, BV); decay, beta: (G,). Returns (new s, o = s^T q (G, BV))."""
     s = s * decay[:, None, None]
     u = beta[:, None] * (v - tl.sum(s * k[None, :, None], axis=1))  # (G, BV)
     s += k[None, :, None] * u[:, None, :]
@@ -134,8 +128,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
                        scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       EARLY: tl.constexpr, ONE_PASS: tl.constexpr, STAMPS: tl.constexpr,
-                       PDL: tl.constexpr):
+                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr):
     # grid (Hk, B): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time. EARLY (one
     # pass of G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is
     # loaded before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the
@@ -198,7 +191,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
             g, beta = gate_values(tl.load(a_row + heads), tl.load(b_row + heads), tl.load(a_log_ptr + heads),
                                   tl.load(dt_bias_ptr + heads))
             z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
-        s, o = _delta_rule(s, q, k, v, tl.exp(g), beta, ONE_PASS)
+        s, o = _delta_rule(s, q, k, v, tl.exp(g), beta)
         out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
         tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
@@ -287,8 +280,7 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     _gdn_decode_kernel[(hk, bsz)](
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
-        K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk,
-        ONE_PASS=ONE_PASS_DELTA, STAMPS=stamping,
+        K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk, STAMPS=stamping,
         num_warps=num_warps, **pdl.launch_options(qkv.device))
     return out
 

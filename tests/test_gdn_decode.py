@@ -87,16 +87,6 @@ def test_matches_reference(dtype, shape, bsz):
               seed=bsz, slot_dtype=torch.int32 if dtype == torch.float16 else torch.int64)
 
 
-@pytest.mark.parametrize("dtype,shape,bsz", CASES[:3], ids=lambda x: str(x).replace("torch.", "").replace(", ", "-"))
-def test_one_pass_delta_matches_reference(monkeypatch, dtype, shape, bsz):
-    # gdn_decode.ONE_PASS_DELTA: o = decay s^T q + (k . q) u from the state as loaded, the same tolerances
-    monkeypatch.setattr(gdn_decode, "ONE_PASS_DELTA", True)
-    launches = record_launches(monkeypatch, gdn_decode, "_gdn_decode_kernel")
-    run_steps(*shape, dtype, bsz, n_slots=bsz + 3, steps=3, tol_out=TOLS[dtype][0], tol_state=TOLS[dtype][1],
-              seed=bsz + 7)
-    assert launches and all(kwargs["ONE_PASS"] for _, kwargs in launches)
-
-
 @pytest.mark.parametrize("early", [True, False])
 def test_states_loaded_before_or_after_the_wait(monkeypatch, early):
     # gdn_decode.STATE_BEFORE_WAIT: one pass over the value heads loads the states first (B1, 2 value heads a key
@@ -114,8 +104,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from kernels import gdn_decode as G
 for early in (False, True):  # 9B's B1 launch: 16 key heads, both value heads a pass
-    const = dict(HK=16, HV=32, DK=128, DV=128, K=4, G=2, BK=128, BV=128, BT=4, EARLY=early, ONE_PASS=False,
-                 STAMPS=False, PDL=True)
+    const = dict(HK=16, HV=32, DK=128, DV=128, K=4, G=2, BK=128, BV=128, BT=4, EARLY=early, STAMPS=False, PDL=True)
     types = {"state_ptr": "*fp32", "slots_ptr": "*i32", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
              "scale": "fp32", "eps": "fp32"}
     sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
