@@ -67,6 +67,12 @@ def test_cute_config_choice():
                 for d in (128, 256) for causal in (True, False) for mode in ("dense", "varlen", "paged")}
     assert {key for key, on in pingpong.items() if not on} == {(128, True, "dense"), (128, False, "dense")}
     assert choose_config(128, False, 8, 8, pingpong=True).pingpong
+    # our own QK^T descriptors only where they were timed faster: dense d128 causal (default_hoisted_qk_desc)
+    hoisted = {(d, causal, mode): choose_config(d, causal, 16, 4, varlen_q=mode == "varlen",
+                                                kv_mode=mode, page_size=64 if mode == "paged" else 0).hoisted_qk_desc
+               for d in (128, 256) for causal in (True, False) for mode in ("dense", "varlen", "paged")}
+    assert {key for key, on in hoisted.items() if on} == {(128, True, "dense")}
+    assert not choose_config(128, True, 8, 8, hoisted_qk_desc=False).hoisted_qk_desc
     assert hash(c) == hash(choose_config(128, True, 32, 4))  # a cache key
     for cfg in representative_configs():
         assert cfg.smem_bytes() <= 227 * 1024

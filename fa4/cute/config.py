@@ -154,6 +154,13 @@ def paged_tile_n(head_dim: int, page_size: int) -> int:
     return tile_n
 
 
+def default_hoisted_qk_desc(head_dim: int, causal: bool, dense: bool) -> bool:
+    """Our own QK^T descriptors (AttentionConfig.hoisted_qk_desc) where they were timed faster: dense d128 causal
+    (H200, session 32, paired ratio to flash-attn-4 1.030 against 0.989); d128 non-causal 0.987 against 0.996 and
+    d256 causal 0.992-0.993 against 1.002 lose (profiles/results/prefill.json 'cute_hoisted_desc_session32')."""
+    return head_dim == 128 and causal and dense
+
+
 def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int, *, rescale_threshold: float = 8.0,
                   poly_exp2_fraction: float = 0.0, varlen_q: bool = False, kv_mode: str = "dense", page_size: int = 0,
                   **overrides) -> AttentionConfig:
@@ -163,7 +170,8 @@ def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int
                   tile_n=tile_n, pingpong=default_pingpong(head_dim, kv_mode == "dense" and not varlen_q),
                   rescale_threshold=float(rescale_threshold),
                   poly_exp2_fraction=float(poly_exp2_fraction), varlen_q=varlen_q, kv_mode=kv_mode,
-                  page_size=page_size if kv_mode == "paged" else 0)
+                  page_size=page_size if kv_mode == "paged" else 0,
+                  hoisted_qk_desc=default_hoisted_qk_desc(head_dim, causal, kv_mode == "dense" and not varlen_q))
     fields.update(overrides)
     return AttentionConfig(**fields).validate()
 
