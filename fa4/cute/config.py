@@ -156,7 +156,7 @@ def paged_tile_n(head_dim: int, page_size: int) -> int:
 
 def default_hoisted_qk_desc(head_dim: int, causal: bool, dense: bool) -> bool:
     """Our own QK^T descriptors (AttentionConfig.hoisted_qk_desc) where they were timed faster: dense d128 causal
-    (H200, session 32, paired ratio to flash-attn-4 1.030 against 0.989); d128 non-causal 0.987 against 0.996 and
+    (H200, session 32, paired ratio to flash-attn-4 1.030 against 0.989); d128 non-causal 0.987 against 0.995 and
     d256 causal 0.992-0.993 against 1.002 lose (profiles/results/prefill.json 'cute_hoisted_desc_session32')."""
     return head_dim == 128 and causal and dense
 
