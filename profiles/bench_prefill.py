@@ -74,6 +74,23 @@ CUTE_VARIANTS = [("default", _every_dim()), ("no_overlap", _every_dim(intra_wg_o
                  ("hoisted_desc", _every_dim(hoisted_qk_desc=True)), ("dsl_desc", _every_dim(hoisted_qk_desc=False))]
 
 
+def select_cute_variants(labels: list[str] | None) -> list[tuple[str, dict]]:
+    """CUTE_VARIANTS entries by label (all when labels is None). "a+b" joins entries: their overrides merged, on the
+    head dims both have (b's fields win). Raises ValueError naming an unknown label."""
+    known = dict(CUTE_VARIANTS)
+    if labels is None:
+        return list(CUTE_VARIANTS)
+    unknown = sorted({part for label in labels for part in label.split("+")} - set(known))
+    if unknown:
+        raise ValueError(f"--cute-variants: unknown {unknown}; known {list(known)}")
+    chosen = []
+    for label in labels:
+        parts = [known[part] for part in label.split("+")]
+        dims = set.intersection(*(set(part) for part in parts))
+        chosen.append((label, {d: {k: v for part in parts for k, v in part[d].items()} for d in sorted(dims)}))
+    return chosen
+
+
 def attention_flops(batch, seqlen, heads, dim, causal):
     return 4 * batch * seqlen * seqlen * heads * dim / (2 if causal else 1)
 
@@ -183,8 +200,8 @@ def bench_agent_row(cute=False):
     return row
 
 
-def bench_cute_case(batch, seqlen, h, kv, d, causal, labels=None, iters=ITERS):
-    """The CuTe kernel with each CUTE_VARIANTS entry (those named in labels, when given) against flash-attn-4 and
+def bench_cute_case(batch, seqlen, h, kv, d, causal, variants=CUTE_VARIANTS, iters=ITERS):
+    """The CuTe kernel with each variant (select_cute_variants) against flash-attn-4 and
     cuDNN: TFLOP/s of each call's median time over `iters` interleaved iterations (interleaved_us), and each call's
     speed over flash-attn-4's as the median (and p10-p90) of the iterations' paired ratios (paired_ratio)."""
     from fa4.cute.entry import cute_attention
@@ -193,7 +210,7 @@ def bench_cute_case(batch, seqlen, h, kv, d, causal, labels=None, iters=ITERS):
     row = {"B": batch, "S": seqlen, "H/KV": f"{h}/{kv}", "D": d, "causal": causal}
     calls = {f"cute_{label}": functools.partial(cute_attention, q, k, v, causal=causal, softmax_scale=d ** -0.5,
                                                 **by_dim[d])
-             for label, by_dim in CUTE_VARIANTS if d in by_dim and not (labels and label not in labels)}
+             for label, by_dim in variants if d in by_dim}
     calls.update({name: peer_attention(name, q, k, v, causal) for name in ("fa4", "cudnn")})
     for name, call in list(calls.items()):
         try:
@@ -208,7 +225,7 @@ def bench_cute_case(batch, seqlen, h, kv, d, causal, labels=None, iters=ITERS):
             ratio = paired_ratio(times, name, "fa4")
             row[f"{name}_vs_fa4"] = ratio["median"]
             row[f"{name}_vs_fa4_p10_p90"] = f"{ratio['p10']:.3f}-{ratio['p90']:.3f}"
-    ours = {label: row[f"cute_{label}_vs_fa4"] for label, _ in CUTE_VARIANTS if row.get(f"cute_{label}_vs_fa4")}
+    ours = {label: row[f"cute_{label}_vs_fa4"] for label, _ in variants if row.get(f"cute_{label}_vs_fa4")}
     if ours:
         row["cute_best"] = max(ours, key=ours.get)
         row["cute_best_vs_fa4"] = ours[row["cute_best"]]
@@ -246,15 +263,16 @@ def main(argv=None):
                     help="run these parts only (repeatable); their keys are merged into an existing prefill.json")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the plots from a prefill.json (into --out)")
     ap.add_argument("--cute-variants", default=None, metavar="A,B",
-                    help="the cute part runs only these CUTE_VARIANTS labels (default: all)")
+                    help="the cute part runs only these CUTE_VARIANTS labels (default: all); a+b joins two")
     ap.add_argument("--iters", type=int, default=ITERS,
                     help="the cute part: iterations, each running every variant and peer once, back to back in "
                          "rotated order; medians of times and of paired ratios count")
     args = ap.parse_args(argv)
     labels = args.cute_variants.split(",") if args.cute_variants else None
-    unknown = set(labels or ()) - {label for label, _ in CUTE_VARIANTS}
-    if unknown:
-        ap.error(f"--cute-variants: unknown {sorted(unknown)}; known {[label for label, _ in CUTE_VARIANTS]}")
+    try:
+        variants = select_cute_variants(labels)
+    except ValueError as err:
+        ap.error(str(err))
     if args.plot:
         plot_all(json.loads(Path(args.plot).read_text()), Path(args.out))
         return
@@ -285,9 +303,9 @@ def main(argv=None):
         print(f"\ncausal H32 d128, {CURVE[0]} tokens a call, TFLOP/s against seqlen")
         print_table(result["curve"], ["S", "B", "ours_TFLOPs", "fa4_TFLOPs", "cudnn_TFLOPs", "vs_fa4"])
     if "cute" in parts:
-        result["cute"] = [progress(bench_cute_case(*c, labels=labels, iters=args.iters)) for c in ATTN_CASES[:4]]
+        result["cute"] = [progress(bench_cute_case(*c, variants=variants, iters=args.iters)) for c in ATTN_CASES[:4]]
         print("\nCuTe-DSL kernel (fa4/cute), bf16, TFLOP/s per variant, against flash-attn-4 and cuDNN")
-        print_table(result["cute"], ["B", "S", "H/KV", "D", "causal", *[f"cute_{v[0]}_TFLOPs" for v in CUTE_VARIANTS],
+        print_table(result["cute"], ["B", "S", "H/KV", "D", "causal", *[f"cute_{v[0]}_TFLOPs" for v in variants],
                                      "fa4_TFLOPs", "cudnn_TFLOPs", "cute_best", "cute_best_vs_fa4",
                                      f"cute_{labels[0] if labels else 'default'}_vs_fa4_p10_p90"])
         result["cute_agent_turn"] = [progress(bench_agent_row(cute=True))]
