@@ -55,6 +55,10 @@ RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 # weight at a launch's end; both lengthened the step, 2B 1.30-1.37 ms against 1.27, host_time.json
 # 'decode_knobs_session23'.)
 BOUNDARY_BYTES = 80 * 1024
+# Grid syncs of a chain: None syncs at every boundary. A timing probe only (`host_time --ab chain_syncs`): with 1, a
+# chain syncs before its second GEMV and no more, so the GEMVs after read outputs that may be incomplete (wrong
+# tokens). It prices what a chain without the gate_up -> down sync (a split-K down projection) could save at most.
+GRID_SYNCS = None
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
 STAMP_FIELDS = len(stamps.FIELDS)
@@ -87,6 +91,7 @@ class TmaGemvConfig:
     slot_rows: int = SLOT_ROWS  # a ring slot: slot_rows x BLOCK_K weights, slot_rows / block_n boxes along K
     boundary_slots: int = 0  # see BOUNDARY_BYTES (0: no pause)
     stamps: bool = False  # %globaltimer stamps into a kernels.stamps slot (profiles.step_stamps)
+    grid_syncs: int | None = None  # see GRID_SYNCS (None: every boundary)
 
     @property
     def slot_bytes(self) -> int:
@@ -332,7 +337,8 @@ def _kernel_class():
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
                 for g in cutlass.range_constexpr(len(tmas)):
                     if cutlass.const_expr(g > 0):  # every CTA's part of the previous output is stored
-                        self.grid_sync(mSync, grid, tidx)
+                        if cutlass.const_expr(cfg.grid_syncs is None or g <= cfg.grid_syncs):
+                            self.grid_sync(mSync, grid, tidx)
                         if cutlass.const_expr(cfg.boundary_slots > 0):
                             if tidx == 0:
                                 cute.arch.mbarrier_arrive(synced)
@@ -588,6 +594,8 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
             ptr(s_out), ptr(sync, cutlass.Int64), ptr(stamp, cutlass.Int64) if stamping else None,
             tuple(w.shape[0] for w in weights),
             _SMS[index] * cfg.ctas_per_sm, cutlass.Float32(eps), stream)
+    if GRID_SYNCS is not None and chain:
+        cfg = dataclasses.replace(cfg, grid_syncs=GRID_SYNCS)
     if index == torch.cuda.current_device():
         _CACHE.get(cfg)(*args)
     else:  # the launch goes to the current device's context
