@@ -299,8 +299,8 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
             # timing only (wrong tokens): the chains' grid syncs after the first left out, the most a split-K down
-            # projection could save (kernels.tma_gemv.GRID_SYNCS)
-            "chain_syncs": ("kernels.tma_gemv", "GRID_SYNCS", {"all": None, "first": 1}),
+            # projection could save (kernels.tma_gemv.GRID_SYNCS; "none": no sync at all)
+            "chain_syncs": ("kernels.tma_gemv", "GRID_SYNCS", {"all": None, "first": 1, "none": 0}),
             "combine_release": ("kernels.paged_decode_attention", "COMBINE_RELEASE",
                                 {"after_wait": "after_wait", "early": "early"}),
             # the decode split count's cap (128: one tile a split at B1 8k), its key loop's pipeline depth and tile
