@@ -71,6 +71,10 @@ IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (H200, session 26, against session 24's kernel in the graph step, alternated; dv still split then): 0.8B 0.771 /
 # 0.771 ms against 0.772 / 0.772, 2B 1.27 either way: no gain, kept as the simpler order
 STATE_BEFORE_WAIT = True
+# A timing probe only (`host_time --ab gdn_store`, wrong tokens after the first step): False leaves out what follows
+# the output's store (the states' write-back, the conv windows' shift), for the most that releasing the next kernel
+# right after the output (a flag, not the grid's completion) could save.
+STORE_STATE = True
 
 
 @triton.jit
@@ -128,7 +132,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
                        scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr):
+                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr):
     # grid (Hk, B): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time. EARLY (one
     # pass of G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is
     # loaded before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the
@@ -194,10 +198,12 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         s, o = _delta_rule(s, q, k, v, tl.exp(g), beta)
         out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
-        tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
-        tl.store(s_ptrs, s, mask=s_mask)
-        _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
-    _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
+        if STORE:
+            tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
+            tl.store(s_ptrs, s, mask=s_mask)
+            _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
+    if STORE:
+        _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
     stamps.end(stamps_ptr, t_go, STAMPS)
 
 
@@ -281,7 +287,7 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
         K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk, STAMPS=stamping,
-        num_warps=num_warps, **pdl.launch_options(qkv.device))
+        STORE=STORE_STATE, num_warps=num_warps, **pdl.launch_options(qkv.device))
     return out
 
 

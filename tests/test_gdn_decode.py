@@ -98,13 +98,30 @@ def test_states_loaded_before_or_after_the_wait(monkeypatch, early):
     assert [kwargs["EARLY"] for _, kwargs in launches] == [early, early, False]
 
 
+def test_store_probe_leaves_the_states(monkeypatch):
+    # gdn_decode.STORE_STATE = False (a timing probe): the output as before, the states and windows untouched
+    monkeypatch.setattr(gdn_decode, "STORE_STATE", False)
+    gen = torch.Generator().manual_seed(5)
+    hk, hv, dk, dv = 2, 4, 16, 16
+    conv_w, a_log, dt_bias, norm_w, conv0, rec0 = make_layer(gen, hk, hv, dk, dv, torch.float32, 3)
+    slots = torch.tensor([2, 0], device=DEVICE)
+    qkv, z, b, a = make_token(gen, 2, hk, hv, dk, dv, torch.float32)
+    conv, rec = conv0.clone(), rec0.clone()
+    out = gdn_decode_step(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv, rec, slots, hk, EPS)
+    ref = _ref_gated_deltanet(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv0.clone(), rec0.clone(),
+                              decode_step(slots), hk, EPS)
+    assert_close(out, ref, 1e-5, "probe output")
+    assert torch.equal(conv, conv0) and torch.equal(rec, rec0)
+
+
 SM90_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from kernels import gdn_decode as G
 for early in (False, True):  # 9B's B1 launch: 16 key heads, both value heads a pass
-    const = dict(HK=16, HV=32, DK=128, DV=128, K=4, G=2, BK=128, BV=128, BT=4, EARLY=early, STAMPS=False, PDL=True)
+    const = dict(HK=16, HV=32, DK=128, DV=128, K=4, G=2, BK=128, BV=128, BT=4, EARLY=early, STAMPS=False, PDL=True,
+                 STORE=True)
     types = {"state_ptr": "*fp32", "slots_ptr": "*i32", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
              "scale": "fp32", "eps": "fp32"}
     sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
