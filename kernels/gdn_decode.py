@@ -75,6 +75,10 @@ STATE_BEFORE_WAIT = True
 # the output's store (the states' write-back, the conv windows' shift), for the most that releasing the next kernel
 # right after the output (a flag, not the grid's completion) could save.
 STORE_STATE = True
+# Store the new states as soon as they are computed, before o = s^T q, the gated norm and the output's store, so that
+# their 64 KiB a program drain while those run (the kernel completes, and the next kernel's wait returns, once every
+# store has landed). Predicted from the store probe above: up to 0.5-1 us a GDN layer (o's reduction and the norm).
+STATE_STORE_FIRST = True
 
 
 @triton.jit
@@ -112,12 +116,11 @@ def _l2norm(x):
 
 
 @triton.jit
-def _delta_rule(s, q, k, v, decay, beta):
-    """s: states (G, BK, BV) fp32; q, k: (BK,); v: (G, BV); decay, beta: (G,). Returns (new s, o = s^T q (G, BV))."""
+def _delta_rule(s, k, v, decay, beta):
+    """s: states (G, BK, BV) fp32; k: (BK,); v: (G, BV); decay, beta: (G,). Returns the new s (o = s^T q after)."""
     s = s * decay[:, None, None]
     u = beta[:, None] * (v - tl.sum(s * k[None, :, None], axis=1))  # (G, BV)
-    s += k[None, :, None] * u[:, None, :]
-    return s, tl.sum(s * q[None, :, None], axis=1)
+    return s + k[None, :, None] * u[:, None, :]
 
 
 @triton.jit
@@ -132,7 +135,8 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
                        scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr):
+                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr,
+                       STORE_FIRST: tl.constexpr):
     # grid (Hk, B): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time. EARLY (one
     # pass of G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is
     # loaded before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the
@@ -195,13 +199,17 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
             g, beta = gate_values(tl.load(a_row + heads), tl.load(b_row + heads), tl.load(a_log_ptr + heads),
                                   tl.load(dt_bias_ptr + heads))
             z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
-        s, o = _delta_rule(s, q, k, v, tl.exp(g), beta)
-        out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
+        s = _delta_rule(s, k, v, tl.exp(g), beta)
+        if STORE and STORE_FIRST:
+            tl.debug_barrier()  # every thread has read what the store overwrites (small tiles replicate)
+            tl.store(s_ptrs, s, mask=s_mask)
+        out = gated_norm(tl.sum(s * q[None, :, None], axis=1), z, w, eps, DV, out_ptr.dtype.element_ty)  # o = s^T q
         tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
         if STORE:
-            tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
-            tl.store(s_ptrs, s, mask=s_mask)
-            _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
+            if not STORE_FIRST:
+                tl.debug_barrier()
+                tl.store(s_ptrs, s, mask=s_mask)
+            _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)  # after the barrier, as the states
     if STORE:
         _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
     stamps.end(stamps_ptr, t_go, STAMPS)
@@ -287,7 +295,7 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
         K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk, STAMPS=stamping,
-        STORE=STORE_STATE, num_warps=num_warps, **pdl.launch_options(qkv.device))
+        STORE=STORE_STATE, STORE_FIRST=STATE_STORE_FIRST, num_warps=num_warps, **pdl.launch_options(qkv.device))
     return out
 
 
