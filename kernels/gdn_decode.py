@@ -78,7 +78,7 @@ STORE_STATE = True
 # Store the new states as soon as they are computed, before o = s^T q, the gated norm and the output's store, so that
 # their 64 KiB a program drain while those run (the kernel completes, and the next kernel's wait returns, once every
 # store has landed). Predicted from the store probe above: up to 0.5-1 us a GDN layer (o's reduction and the norm).
-STATE_STORE_FIRST = True
+STATE_STORE_FIRST = False  # until timed on a GPU
 
 
 @triton.jit

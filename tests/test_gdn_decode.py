@@ -130,7 +130,7 @@ from triton.compiler.compiler import ASTSource
 from kernels import gdn_decode as G
 for early in (False, True):  # 9B's B1 launch: 16 key heads, both value heads a pass
     const = dict(HK=16, HV=32, DK=128, DV=128, K=4, G=2, BK=128, BV=128, BT=4, EARLY=early, STAMPS=False, PDL=True,
-                 STORE=True, STORE_FIRST=True)
+                 STORE=True, STORE_FIRST=False)
     types = {"state_ptr": "*fp32", "slots_ptr": "*i32", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
              "scale": "fp32", "eps": "fp32"}
     sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
