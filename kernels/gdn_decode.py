@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, stamps
+from kernels import handoff, pdl, stamps
 from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm
 from kernels.host_math import next_power_of_2
 from kernels.norms import triton_runs_on
@@ -131,12 +131,13 @@ def _state_ptrs(state_ptr, slot, heads, rk, rv, HV: tl.constexpr, DK: tl.constex
 
 @triton.jit
 def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-                       conv_ptr, state_ptr, slots_ptr, out_ptr, stamps_ptr, stride_qkv, stride_z, stride_b, stride_a,
+                       conv_ptr, state_ptr, slots_ptr, out_ptr, stamps_ptr, handoff_ptr, stride_qkv, stride_z,
+                       stride_b, stride_a,
                        scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                        EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr,
-                       STORE_FIRST: tl.constexpr):
+                       STORE_FIRST: tl.constexpr, HANDOFF: tl.constexpr):
     # grid (Hk, B): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time. EARLY (one
     # pass of G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is
     # loaded before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the
@@ -205,6 +206,10 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
             tl.store(s_ptrs, s, mask=s_mask)
         out = gated_norm(tl.sum(s * q[None, :, None], axis=1), z, w, eps, DV, out_ptr.dtype.element_ty)  # o = s^T q
         tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
+        if HANDOFF:  # kernels/handoff.py: the program's output is stored, the chain may read it
+            if c == GROUP // G - 1:
+                tl.debug_barrier()
+                tl.atomic_add(handoff_ptr, 1, sem="release", scope="gpu")
         if STORE:
             if not STORE_FIRST:
                 tl.debug_barrier()
@@ -275,10 +280,12 @@ def _heads_at_once(group: int, tile: int, programs: int) -> int:
 
 
 def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots,
-                    num_k_heads, eps, out=None):
+                    num_k_heads, eps, out=None, hand_off: bool = False):
     """One decode token for each of B sequences. qkv: (B, C); z: (B, Hv, dv); b, a: (B, Hv); conv_w: (C, K);
     A_log, dt_bias: (Hv,); norm_w: (dv,); conv_states: (slots, C, K-1) in qkv's dtype and recurrent_states:
-    (slots, Hv, dk, dv) fp32, both updated in place at state_slots (B,) int32 or int64. Returns out (B, Hv, dv)."""
+    (slots, Hv, dk, dv) fp32, both updated in place at state_slots (B,) int32 or int64. Returns out (B, Hv, dv).
+    hand_off: the next op is the layer's out_proj_mlp, which takes the output by kernels.handoff (with
+    handoff.ENABLED, at B1)."""
     bsz, hk, hv, dk, dv, kw = _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
                                           recurrent_states, state_slots, num_k_heads, out)
     eps = check_real("eps", eps)
@@ -291,11 +298,16 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     g = _heads_at_once(hv // hk, bk * bv, hk * bsz)
     num_warps = max(MIN_WARPS, min(MAX_WARPS, g * bk * bv // STATE_PER_THREAD // 32))
     stamp, stamping = stamps.slot("gdn_decode", qkv.device)
+    hand_off = hand_off and handoff.ENABLED and bsz == 1
+    flag = handoff.counter(qkv.device) if hand_off else stamp  # any pointer when unused
+    if hand_off:
+        handoff.arm(out, hk * bsz)
     _gdn_decode_kernel[(hk, bsz)](
-        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp,
+        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp, flag,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
         K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk, STAMPS=stamping,
-        STORE=STORE_STATE, STORE_FIRST=STATE_STORE_FIRST, num_warps=num_warps, **pdl.launch_options(qkv.device))
+        STORE=STORE_STATE, STORE_FIRST=STATE_STORE_FIRST, HANDOFF=hand_off, num_warps=num_warps,
+        **pdl.launch_options(qkv.device))
     return out
 
 
@@ -304,7 +316,7 @@ def gated_deltanet_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
     """model.ops.gated_deltanet: the kernel when every sequence has one new token, else the reference."""
     if step.max_seqlen_q == 1:
         return gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
-                               step.state_slots, num_k_heads, eps)
+                               step.state_slots, num_k_heads, eps, hand_off=step.gdn_handoff)
     return _BACKENDS["reference"]["gated_deltanet"](qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
                                                     recurrent_states, step, num_k_heads, eps)
 
