@@ -198,7 +198,8 @@ def test_adapter_dispatch_and_out_buffer(monkeypatch):
     assert got is out
     assert_close(out, ref, 1e-5, "out= buffer")
     calls = []
-    monkeypatch.setattr(gdn_decode, "gdn_decode_step", lambda *args: calls.append(1) or gdn_decode_step(*args))
+    monkeypatch.setattr(gdn_decode, "gdn_decode_step",
+                        lambda *args, **kw: calls.append(1) or gdn_decode_step(*args, **kw))
     assert_close(gated_deltanet_op(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv.clone(), rec.clone(),
                                    decode_step(slots), hk, EPS),
                  _ref_gated_deltanet(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, r_conv.clone(), r_rec.clone(),
