@@ -59,6 +59,8 @@ BOUNDARY_BYTES = 80 * 1024
 # chain syncs before its second GEMV and no more, so the GEMVs after read outputs that may be incomplete (wrong
 # tokens). It prices what a chain without the gate_up -> down sync (a split-K down projection) could save at most.
 GRID_SYNCS = None
+# nanoseconds a consumer sleeps between two polls of a kernels.handoff counter (0: a tight loop)
+HANDOFF_POLL_NS = 256
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
 STAMP_FIELDS = len(stamps.FIELDS)
@@ -95,6 +97,7 @@ class TmaGemvConfig:
     # the consumers wait for a kernels.handoff counter to reach a count instead of the previous grid's completion;
     # CTA 0 zeroes it after the first grid sync; the producer waits for the previous grid before it exits
     after_counter: bool = False
+    poll_ns: int = 0  # see HANDOFF_POLL_NS
 
     @property
     def slot_bytes(self) -> int:
@@ -213,11 +216,18 @@ def _kernel_class():
     import cutlass.cute as cute
     import cutlass.pipeline as pipeline
     from cutlass import BFloat16, Float32, Int32, Int64
+    from cutlass._mlir.dialects import llvm
     from cutlass.cute.nvgpu import cpasync
+    from cutlass.cutlass_dsl import dsl_user_op
     try:
         from cutlass.memory import SmemAllocator
     except ImportError:  # pragma: no cover
         from cutlass.utils import SmemAllocator
+
+    @dsl_user_op
+    def nanosleep(ns: Int32, *, loc=None, ip=None):
+        llvm.inline_asm(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r", has_side_effects=True,
+                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
     class TmaGemvSm90:
         def __init__(self, cfg: TmaGemvConfig):
@@ -340,7 +350,8 @@ def _kernel_class():
                 if cutlass.const_expr(cfg.after_counter):  # x is stored once the counter reaches after_count
                     if tidx == 0:
                         while cute.arch.load(mAfter.iterator, Int32, sem="acquire", scope="gpu") < after_count:
-                            pass
+                            if cutlass.const_expr(cfg.poll_ns > 0):
+                                nanosleep(Int32(cfg.poll_ns))
                     cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
                     cute.arch.griddepcontrol_launch_dependents()
                 elif cutlass.const_expr(cfg.pdl):
@@ -621,7 +632,7 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
     if GRID_SYNCS is not None and chain:
         cfg = dataclasses.replace(cfg, grid_syncs=GRID_SYNCS)
     if after is not None:
-        cfg = dataclasses.replace(cfg, after_counter=True).validate()
+        cfg = dataclasses.replace(cfg, after_counter=True, poll_ns=HANDOFF_POLL_NS).validate()
     if index == torch.cuda.current_device():
         _CACHE.get(cfg)(*args)
     else:  # the launch goes to the current device's context
