@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import handoff, pdl, stamps
+from kernels import pdl, stamps
 from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm
 from kernels.host_math import next_power_of_2
 from kernels.norms import triton_runs_on
@@ -72,13 +72,13 @@ IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 0.771 ms against 0.772 / 0.772, 2B 1.27 either way: no gain, kept as the simpler order
 STATE_BEFORE_WAIT = True
 # A timing probe only (`host_time --ab gdn_store`, wrong tokens after the first step): False leaves out what follows
-# the output's store (the states' write-back, the conv windows' shift), for the most that releasing the next kernel
-# right after the output (a flag, not the grid's completion) could save.
+# the output's store (the states' write-back, the conv windows' shift). Measured (H100, session 33, 2B graph step at B1
+# over 12,288, alternated): 1.50 / 1.50 ms without against 1.54 / 1.54, and 1.50 / 1.51 with only the states' 64 KiB
+# a program left out: ~2 us a GDN layer go with the write-back. Tried the same session and removed (commits 4e03ca9,
+# cbdb118, 730c0dc): the states stored before o and the norm (1.54 either way), and the output handed to the out-proj
+# chain by a counter that each program bumps after its output's store, the chain polling it instead of waiting for
+# the grid (2B 1.55 / 1.55-1.56 against 1.54, 0.8B 0.841-0.845 against 0.825, with or without a 256 ns back-off).
 STORE_STATE = True
-# Store the new states as soon as they are computed, before o = s^T q, the gated norm and the output's store, so that
-# their 64 KiB a program drain while those run (the kernel completes, and the next kernel's wait returns, once every
-# store has landed). Predicted from the store probe above: up to 0.5-1 us a GDN layer (o's reduction and the norm).
-STATE_STORE_FIRST = False  # until timed on a GPU
 
 
 @triton.jit
@@ -116,11 +116,12 @@ def _l2norm(x):
 
 
 @triton.jit
-def _delta_rule(s, k, v, decay, beta):
-    """s: states (G, BK, BV) fp32; k: (BK,); v: (G, BV); decay, beta: (G,). Returns the new s (o = s^T q after)."""
+def _delta_rule(s, q, k, v, decay, beta):
+    """s: states (G, BK, BV) fp32; q, k: (BK,); v: (G, BV); decay, beta: (G,). Returns (new s, o = s^T q (G, BV))."""
     s = s * decay[:, None, None]
     u = beta[:, None] * (v - tl.sum(s * k[None, :, None], axis=1))  # (G, BV)
-    return s + k[None, :, None] * u[:, None, :]
+    s += k[None, :, None] * u[:, None, :]
+    return s, tl.sum(s * q[None, :, None], axis=1)
 
 
 @triton.jit
@@ -131,13 +132,11 @@ def _state_ptrs(state_ptr, slot, heads, rk, rv, HV: tl.constexpr, DK: tl.constex
 
 @triton.jit
 def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
-                       conv_ptr, state_ptr, slots_ptr, out_ptr, stamps_ptr, handoff_ptr, stride_qkv, stride_z,
-                       stride_b, stride_a,
+                       conv_ptr, state_ptr, slots_ptr, out_ptr, stamps_ptr, stride_qkv, stride_z, stride_b, stride_a,
                        scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr,
-                       STORE_FIRST: tl.constexpr, HANDOFF: tl.constexpr):
+                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr):
     # grid (Hk, B): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time. EARLY (one
     # pass of G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is
     # loaded before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the
@@ -200,21 +199,13 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
             g, beta = gate_values(tl.load(a_row + heads), tl.load(b_row + heads), tl.load(a_log_ptr + heads),
                                   tl.load(dt_bias_ptr + heads))
             z = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
-        s = _delta_rule(s, k, v, tl.exp(g), beta)
-        if STORE and STORE_FIRST:
-            tl.debug_barrier()  # every thread has read what the store overwrites (small tiles replicate)
-            tl.store(s_ptrs, s, mask=s_mask)
-        out = gated_norm(tl.sum(s * q[None, :, None], axis=1), z, w, eps, DV, out_ptr.dtype.element_ty)  # o = s^T q
+        s, o = _delta_rule(s, q, k, v, tl.exp(g), beta)
+        out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
-        if HANDOFF:  # kernels/handoff.py: the program's output is stored, the chain may read it
-            if c == GROUP // G - 1:
-                tl.debug_barrier()
-                tl.atomic_add(handoff_ptr, 1, sem="release", scope="gpu")
         if STORE:
-            if not STORE_FIRST:
-                tl.debug_barrier()
-                tl.store(s_ptrs, s, mask=s_mask)
-            _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)  # after the barrier, as the states
+            tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
+            tl.store(s_ptrs, s, mask=s_mask)
+            _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
     if STORE:
         _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
     stamps.end(stamps_ptr, t_go, STAMPS)
@@ -280,12 +271,10 @@ def _heads_at_once(group: int, tile: int, programs: int) -> int:
 
 
 def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots,
-                    num_k_heads, eps, out=None, hand_off: bool = False):
+                    num_k_heads, eps, out=None):
     """One decode token for each of B sequences. qkv: (B, C); z: (B, Hv, dv); b, a: (B, Hv); conv_w: (C, K);
     A_log, dt_bias: (Hv,); norm_w: (dv,); conv_states: (slots, C, K-1) in qkv's dtype and recurrent_states:
-    (slots, Hv, dk, dv) fp32, both updated in place at state_slots (B,) int32 or int64. Returns out (B, Hv, dv).
-    hand_off: the next op is the layer's out_proj_mlp, which takes the output by kernels.handoff (with
-    handoff.ENABLED, at B1)."""
+    (slots, Hv, dk, dv) fp32, both updated in place at state_slots (B,) int32 or int64. Returns out (B, Hv, dv)."""
     bsz, hk, hv, dk, dv, kw = _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
                                           recurrent_states, state_slots, num_k_heads, out)
     eps = check_real("eps", eps)
@@ -298,16 +287,11 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     g = _heads_at_once(hv // hk, bk * bv, hk * bsz)
     num_warps = max(MIN_WARPS, min(MAX_WARPS, g * bk * bv // STATE_PER_THREAD // 32))
     stamp, stamping = stamps.slot("gdn_decode", qkv.device)
-    hand_off = hand_off and handoff.ENABLED and bsz == 1
-    flag = handoff.counter(qkv.device) if hand_off else stamp  # any pointer when unused
-    if hand_off:
-        handoff.arm(out, hk * bsz)
     _gdn_decode_kernel[(hk, bsz)](
-        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp, flag,
+        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
         K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk, STAMPS=stamping,
-        STORE=STORE_STATE, STORE_FIRST=STATE_STORE_FIRST, HANDOFF=hand_off, num_warps=num_warps,
-        **pdl.launch_options(qkv.device))
+        STORE=STORE_STATE, num_warps=num_warps, **pdl.launch_options(qkv.device))
     return out
 
 
@@ -316,7 +300,7 @@ def gated_deltanet_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
     """model.ops.gated_deltanet: the kernel when every sequence has one new token, else the reference."""
     if step.max_seqlen_q == 1:
         return gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
-                               step.state_slots, num_k_heads, eps, hand_off=step.gdn_handoff)
+                               step.state_slots, num_k_heads, eps)
     return _BACKENDS["reference"]["gated_deltanet"](qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
                                                     recurrent_states, step, num_k_heads, eps)
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import handoff, pdl, split_k, stamps, tma_gemv
+from kernels import pdl, split_k, stamps, tma_gemv
 from kernels.activations import silu_and_mul
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
@@ -396,7 +396,6 @@ def out_proj_mlp(o, residual, out_weight, norm_weight, eps, gate_up_weight, down
     for name, t in (("o", o), ("out_weight", out_weight), ("norm_weight", norm_weight),
                      ("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
         check_tensor(name, t)
-    after = handoff.take(o)  # o is a GDN decode output whose kernel counts its programs out (kernels/handoff.py)
     weights = (out_weight, gate_up_weight, down_weight)
     inputs = (tma_gemv.GemvInput(out_weight.shape[1]),
               tma_gemv.GemvInput(gate_up_weight.shape[1], norm=True, add=True),
@@ -408,14 +407,9 @@ def out_proj_mlp(o, residual, out_weight, norm_weight, eps, gate_up_weight, down
                       gate_up_weight=gate_up_weight, down_weight=down_weight)
         s = torch.empty_like(residual)
         out = torch.empty_like(residual)
-        if after is not None and not pdl.enabled(o.device):  # the chain waits for the GDN grid to complete
-            after[0].zero_()
-            after = None
         tma_gemv.tma_gemv_chain(o, weights, inputs, out, norm_weight=norm_weight, eps=eps, residual=residual,
-                                s_out=s, after=after)
+                                s_out=s)
         return out, s
-    if after is not None:  # the counter back to zero, after the GDN kernel (stream order)
-        after[0].zero_()
     return ops.out_proj_mlp_by_ops(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight)
 
 

@@ -55,12 +55,6 @@ RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 # weight at a launch's end; both lengthened the step, 2B 1.30-1.37 ms against 1.27, host_time.json
 # 'decode_knobs_session23'.)
 BOUNDARY_BYTES = 80 * 1024
-# Grid syncs of a chain: None syncs at every boundary. A timing probe only (`host_time --ab chain_syncs`): with 1, a
-# chain syncs before its second GEMV and no more, so the GEMVs after read outputs that may be incomplete (wrong
-# tokens). It prices what a chain without the gate_up -> down sync (a split-K down projection) could save at most.
-GRID_SYNCS = None
-# nanoseconds a consumer sleeps between two polls of a kernels.handoff counter (0: a tight loop)
-HANDOFF_POLL_NS = 256
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
 STAMP_FIELDS = len(stamps.FIELDS)
@@ -93,11 +87,6 @@ class TmaGemvConfig:
     slot_rows: int = SLOT_ROWS  # a ring slot: slot_rows x BLOCK_K weights, slot_rows / block_n boxes along K
     boundary_slots: int = 0  # see BOUNDARY_BYTES (0: no pause)
     stamps: bool = False  # %globaltimer stamps into a kernels.stamps slot (profiles.step_stamps)
-    grid_syncs: int | None = None  # see GRID_SYNCS (None: every boundary)
-    # the consumers wait for a kernels.handoff counter to reach a count instead of the previous grid's completion;
-    # CTA 0 zeroes it after the first grid sync; the producer waits for the previous grid before it exits
-    after_counter: bool = False
-    poll_ns: int = 0  # see HANDOFF_POLL_NS
 
     @property
     def slot_bytes(self) -> int:
@@ -131,8 +120,6 @@ class TmaGemvConfig:
             raise ValueError("at most one GEMV of a chain takes a norm input (one norm weight and residual)")
         if self.slot_rows not in (16, 32):
             raise ValueError(f"slot_rows must be 16 or 32, got {self.slot_rows}")
-        if self.after_counter and not (self.chain and self.pdl):
-            raise ValueError("after_counter needs a chain (its first grid sync orders the counter's reset) and pdl")
         if self.chain and self.ctas_per_sm != 1:  # every CTA of a grid sync must be resident: one an SM
             raise ValueError(f"a chain syncs its grid: ctas_per_sm must be 1, got {self.ctas_per_sm}")
         if not 2 <= self.stages <= 32:
@@ -216,18 +203,11 @@ def _kernel_class():
     import cutlass.cute as cute
     import cutlass.pipeline as pipeline
     from cutlass import BFloat16, Float32, Int32, Int64
-    from cutlass._mlir.dialects import llvm
     from cutlass.cute.nvgpu import cpasync
-    from cutlass.cutlass_dsl import dsl_user_op
     try:
         from cutlass.memory import SmemAllocator
     except ImportError:  # pragma: no cover
         from cutlass.utils import SmemAllocator
-
-    @dsl_user_op
-    def nanosleep(ns: Int32, *, loc=None, ip=None):
-        llvm.inline_asm(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
     class TmaGemvSm90:
         def __init__(self, cfg: TmaGemvConfig):
@@ -236,14 +216,13 @@ def _kernel_class():
         @cute.jit
         def __call__(self, x_ptr: cute.Pointer, w_ptrs: tuple, y_ptrs: tuple, res_ptr: cute.Pointer | None,
                      norm_w_ptr: cute.Pointer | None, s_ptr: cute.Pointer | None, sync_ptr: cute.Pointer | None,
-                     stamps_ptr: cute.Pointer | None, after_ptr: cute.Pointer | None, after_count: Int32, ns: tuple,
-                     num_ctas: Int32, eps: Float32, stream: cuda.CUstream):
+                     stamps_ptr: cute.Pointer | None, ns: tuple, num_ctas: Int32, eps: Float32,
+                     stream: cuda.CUstream):
             """x (1, K) or [gate | up] (1, 2K); GEMV g: weight w_ptrs[g] (ns[g], K_g) into y_ptrs[g] (1, ns[g]), on
             y_ptrs[g - 1] after the first; contiguous bf16; num_ctas: the SMs. The norm input: norm_w (K,); with
             add, residual (1, K) and s (1, K), where CTA 0 stores x + residual. sync: a chain's grid barrier, one
             int64 that only grows, a multiple of num_ctas between launches (every chain launches num_ctas CTAs).
-            stamps (cfg.stamps): a kernels.stamps slot of int64. after (cfg.after_counter): a kernels.handoff
-            counter (int32) the consumers wait on until it reaches after_count."""
+            stamps (cfg.stamps): a kernels.stamps slot of int64."""
             cfg = self.cfg
             stages = cfg.stages
             tmas, mWs, mYs, blocks = [], [], [], []
@@ -267,11 +246,9 @@ def _kernel_class():
                 mS = cute.make_tensor(s_ptr, cute.make_layout(norm_k))
             if cutlass.const_expr(len(cfg.chain) > 0):
                 mSync = cute.make_tensor(sync_ptr, cute.make_layout(1))
-            mStamps = mAfter = None
+            mStamps = None
             if cutlass.const_expr(cfg.stamps):
                 mStamps = cute.make_tensor(stamps_ptr, cute.make_layout(STAMP_FIELDS))
-            if cutlass.const_expr(cfg.after_counter):
-                mAfter = cute.make_tensor(after_ptr, cute.make_layout(1))
             @cute.struct
             class SharedStorage:
                 mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
@@ -284,15 +261,14 @@ def _kernel_class():
             grid = num_ctas  # a chain: every SM's CTA takes part in each grid sync
             if cutlass.const_expr(len(cfg.chain) == 0):
                 grid = cutlass.max(cutlass.min(num_ctas, blocks[0]), 1)
-            self.kernel(tuple(tmas), tuple(mWs), mX, tuple(mYs), mRes, mNormW, mS, mSync, mStamps, mAfter, after_count,
-                        eps, tuple(blocks), grid).launch(grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1],
+            self.kernel(tuple(tmas), tuple(mWs), mX, tuple(mYs), mRes, mNormW, mS, mSync, mStamps, eps,
+                        tuple(blocks), grid).launch(grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1],
                                                     stream=stream, use_pdl=cfg.pdl)
 
         @cute.kernel
         def kernel(self, tmas: tuple, mWs: tuple, mX: cute.Tensor, mYs: tuple, mRes: cute.Tensor | None,
                    mNormW: cute.Tensor | None, mS: cute.Tensor | None, mSync: cute.Tensor | None,
-                   mStamps: cute.Tensor | None, mAfter: cute.Tensor | None, after_count: Int32, eps: Float32,
-                   blocks: tuple, grid: Int32):
+                   mStamps: cute.Tensor | None, eps: Float32, blocks: tuple, grid: Int32):
             cfg = self.cfg
             stages, consumers = cfg.stages, cfg.consumer_warps
             tidx, _, _ = cute.arch.thread_idx()
@@ -344,17 +320,8 @@ def _kernel_class():
                     if cutlass.const_expr(0 < g < len(cfg.chain) and cfg.boundary_slots > 0):
                         if issued <= cfg.boundary_slots:  # too few slots to reach the wait: wait here, so that the
                             cute.arch.mbarrier_wait(synced, (g - 1) % 2)  # next GEMV's wait has its phase in step
-                if cutlass.const_expr(cfg.after_counter):  # the chain completes after the kernel before it
-                    cute.arch.griddepcontrol_wait()
             else:
-                if cutlass.const_expr(cfg.after_counter):  # x is stored once the counter reaches after_count
-                    if tidx == 0:
-                        while cute.arch.load(mAfter.iterator, Int32, sem="acquire", scope="gpu") < after_count:
-                            if cutlass.const_expr(cfg.poll_ns > 0):
-                                nanosleep(Int32(cfg.poll_ns))
-                    cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
-                    cute.arch.griddepcontrol_launch_dependents()
-                elif cutlass.const_expr(cfg.pdl):
+                if cutlass.const_expr(cfg.pdl):
                     cute.arch.griddepcontrol_wait()  # x comes from the previous kernel
                     cute.arch.griddepcontrol_launch_dependents()
                 t_go = Int64(0)
@@ -365,14 +332,10 @@ def _kernel_class():
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
                 for g in cutlass.range_constexpr(len(tmas)):
                     if cutlass.const_expr(g > 0):  # every CTA's part of the previous output is stored
-                        if cutlass.const_expr(cfg.grid_syncs is None or g <= cfg.grid_syncs):
-                            self.grid_sync(mSync, grid, tidx)
+                        self.grid_sync(mSync, grid, tidx)
                         if cutlass.const_expr(cfg.boundary_slots > 0):
                             if tidx == 0:
                                 cute.arch.mbarrier_arrive(synced)
-                        if cutlass.const_expr(cfg.after_counter and g == 1):  # every CTA has passed its poll
-                            if bidx == 0 and tidx == 0:
-                                mAfter[0] = Int32(0)
                     self.stage_x(cfg.inputs[g], mX if g == 0 else mYs[g - 1], mRes, mNormW, mS, eps, sX, sSumSq,
                                  tidx, warp, lane, bidx)
                     cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
@@ -544,8 +507,7 @@ def compile_config(cfg: TmaGemvConfig, keep_ptx: bool = False):
     return cute.compile(_kernel_class()(cfg), ptr(), tuple(ptr() for _ in range(gemvs)),
                         tuple(ptr() for _ in range(gemvs)), ptr() if add else None, ptr() if norm else None,
                         ptr() if add else None, ptr(cutlass.Int64) if cfg.chain else None,
-                        ptr(cutlass.Int64) if cfg.stamps else None, ptr(cutlass.Int32) if cfg.after_counter else None,
-                        cutlass.Int32(1), tuple(cutlass.Int32(1) for _ in range(gemvs)),
+                        ptr(cutlass.Int64) if cfg.stamps else None, tuple(cutlass.Int32(1) for _ in range(gemvs)),
                         cutlass.Int32(1), cutlass.Float32(1e-6), make_fake_stream(),
                         options="--keep-ptx" if keep_ptx else None)
 
@@ -579,14 +541,12 @@ def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
 
 def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = None, *,
                    norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-                   s_out: torch.Tensor | None = None, config: TmaGemvConfig | None = None,
-                   after: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                   s_out: torch.Tensor | None = None, config: TmaGemvConfig | None = None) -> torch.Tensor:
     """GEMVs in one launch, each on the previous one's output: y_0 = in_0(x) @ weights[0]^T, y_g = in_g(y_{g-1}) @
     weights[g]^T, where inputs[g] (GemvInput) says how row g is staged (gated: y_{g-1} is [gate | up]). Between two
     GEMVs the CTAs sync over the grid while the next weights already stream into their rings. Returns the last
     GEMV's (1, N) bf16, into out when given. The norm input (at most one) takes norm_weight, and residual and s_out
-    as tma_gemv does. after: (a kernels.handoff counter, a count) to wait on instead of the previous kernel's
-    completion (a chain of two or more under PDL; else ValueError). The caller checks `available` first."""
+    as tma_gemv does. The caller checks `available` first."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
@@ -626,13 +586,8 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
     sync = _sync_counter(x.device, index) if chain else None
     args = (ptr(x), tuple(ptr(w) for w in weights), tuple(ptr(o) for o in outs), ptr(residual), ptr(norm_weight),
             ptr(s_out), ptr(sync, cutlass.Int64), ptr(stamp, cutlass.Int64) if stamping else None,
-            None if after is None else ptr(after[0], cutlass.Int32), cutlass.Int32(0 if after is None else after[1]),
             tuple(w.shape[0] for w in weights),
             _SMS[index] * cfg.ctas_per_sm, cutlass.Float32(eps), stream)
-    if GRID_SYNCS is not None and chain:
-        cfg = dataclasses.replace(cfg, grid_syncs=GRID_SYNCS)
-    if after is not None:
-        cfg = dataclasses.replace(cfg, after_counter=True, poll_ns=HANDOFF_POLL_NS).validate()
     if index == torch.cuda.current_device():
         _CACHE.get(cfg)(*args)
     else:  # the launch goes to the current device's context

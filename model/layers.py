@@ -285,16 +285,11 @@ class DecoderLayer(nn.Module):
         h = NormedInput(x, residual, self.input_layernorm)
         return self.mixer.project_in(h), h.residual
 
-    @property
-    def out_proj_mlp_in_one_op(self) -> bool:
-        """Whether mixer_out is ops.out_proj_mlp alone (a dense layer on one rank)."""
-        return isinstance(self.mlp, MLP) and not self.tp.enabled
-
     def mixer_out(self, o, residual):
         """o: the mixer core's (N, width) -> (this layer's output: the MLP's, its residual). A dense layer on one
         rank runs it as one op (ops.out_proj_mlp: one launch at batch-1 decode on the H200)."""
         norm = self.post_attention_layernorm
-        if self.out_proj_mlp_in_one_op:
+        if isinstance(self.mlp, MLP) and not self.tp.enabled:
             return ops.out_proj_mlp(o, residual, self.mixer.out_weight, norm.weight, norm.eps,
                                     self.mlp.gate_up_proj.weight, self.mlp.down_proj.weight)
         out = self.tp.all_reduce(ops.linear(o, self.mixer.out_weight))  # no-op at world size 1

@@ -8,8 +8,6 @@ Tensor parallel (model.parallel): built with a ParallelContext of world size N, 
 slices (ShardPlan) and forward_step runs the collectives; every rank runs it on the same inputs and gets the
 same logits. At world size 1 nothing differs from the plain model.
 """
-import dataclasses
-import functools
 import math
 
 import torch
@@ -48,11 +46,6 @@ class Qwen35ForCausalLM(nn.Module):
         # layer index -> its ordinal among layers of its kind (the index into the cache pools)
         self._pool_index = {i: cfg.full_attention_layers.index(i) if t == "full_attention"
                             else cfg.linear_attention_layers.index(i) for i, t in enumerate(cfg.layer_types)}
-
-    @functools.cached_property
-    def mixers_feed_out_proj_mlp(self) -> bool:
-        """Whether every layer's mixer output goes to ops.out_proj_mlp alone (StepInput.gdn_handoff)."""
-        return all(layer.out_proj_mlp_in_one_op for layer in self.model.layers)
 
     @property
     def tp(self) -> ParallelContext:
@@ -162,8 +155,6 @@ class Qwen35ForCausalLM(nn.Module):
         """forward_step as a generator: yields None after each decoder layer's kernels are launched, then the
         logits (serving interleaves other work between a prefill's layers)."""
         self.prepare_rope(step)
-        if self.mixers_feed_out_proj_mlp and not step.gdn_handoff:
-            step = dataclasses.replace(step, gdn_handoff=True)
         x = self.embed(step.token_ids) if step.embeddings is None else step.embeddings
         residual = None
         for i, layer in enumerate(self.model.layers):

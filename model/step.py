@@ -24,8 +24,6 @@ class StepInput:
     slot snapshot_slots[b] ((B,) int64), for the prefix cache: a snapshot inside a chunk costs no extra step
     embeddings: (N, hidden), the token embeddings when the step builder gathered them together with its other rows
     (a decode step's page-table rows and RoPE rows: kernels.gather_rows, one launch); None: the model embeds token_ids
-    gdn_handoff: every GDN mixer's next op is the layer's out_proj_mlp (dense layers on one rank), which may then
-    take the mixer's output before the GDN kernel completes (kernels/handoff.py); the model sets it
     """
     token_ids: torch.Tensor
     positions: torch.Tensor
@@ -42,7 +40,6 @@ class StepInput:
     snapshot_offsets: tuple[int, ...] | None = None
     snapshot_slots: torch.Tensor | None = None
     embeddings: torch.Tensor | None = None
-    gdn_handoff: bool = False
 
     @property
     def num_seqs(self) -> int:

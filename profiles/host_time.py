@@ -296,17 +296,10 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
             # timing only (wrong tokens): the GDN decode without its state write-back and window shifts
             "gdn_store": ("kernels.gdn_decode", "STORE_STATE", ON_OFF),
-            # the GDN decode's new states stored before its output is computed, or after it is stored
-            "gdn_store_first": ("kernels.gdn_decode", "STATE_STORE_FIRST", ON_OFF),
-            # a GDN layer's output handed to its out-proj chain by a counter, not the grid's completion
-            "gdn_handoff": ("kernels.handoff", "ENABLED", ON_OFF),
             # fp32 state values a GDN decode thread holds: 128 is 4 warps a (128 x 128) head, 64 is 8, 32 is 16
             "gdn_per_thread": ("kernels.gdn_decode", "STATE_PER_THREAD", {"128": 128, "64": 64, "32": 32}),
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
             "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
-            # timing only (wrong tokens): the chains' grid syncs after the first left out, the most a split-K down
-            # projection could save (kernels.tma_gemv.GRID_SYNCS; "none": no sync at all)
-            "chain_syncs": ("kernels.tma_gemv", "GRID_SYNCS", {"all": None, "first": 1, "none": 0}),
             "combine_release": ("kernels.paged_decode_attention", "COMBINE_RELEASE",
                                 {"after_wait": "after_wait", "early": "early"}),
             # the decode split count's cap (128: one tile a split at B1 8k), its key loop's pipeline depth and tile

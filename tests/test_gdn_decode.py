@@ -98,15 +98,6 @@ def test_states_loaded_before_or_after_the_wait(monkeypatch, early):
     assert [kwargs["EARLY"] for _, kwargs in launches] == [early, early, False]
 
 
-@pytest.mark.parametrize("first", [True, False])
-def test_states_stored_before_or_after_the_output(monkeypatch, first):
-    # gdn_decode.STATE_STORE_FIRST: the new states stored before o = s^T q and the output, or after the output
-    monkeypatch.setattr(gdn_decode, "STATE_STORE_FIRST", first)
-    launches = record_launches(monkeypatch, gdn_decode, "_gdn_decode_kernel")
-    run_steps(2, 4, 16, 16, torch.float32, 3, n_slots=5, steps=2, tol_out=1e-5, tol_state=1e-5)
-    assert [kwargs["STORE_FIRST"] for _, kwargs in launches] == [first, first]
-
-
 def test_store_probe_leaves_the_states(monkeypatch):
     # gdn_decode.STORE_STATE = False (a timing probe): the output as before, the states and windows untouched
     monkeypatch.setattr(gdn_decode, "STORE_STATE", False)
@@ -130,7 +121,7 @@ from triton.compiler.compiler import ASTSource
 from kernels import gdn_decode as G
 for early in (False, True):  # 9B's B1 launch: 16 key heads, both value heads a pass
     const = dict(HK=16, HV=32, DK=128, DV=128, K=4, G=2, BK=128, BV=128, BT=4, EARLY=early, STAMPS=False, PDL=True,
-                 STORE=True, STORE_FIRST=False)
+                 STORE=True)
     types = {"state_ptr": "*fp32", "slots_ptr": "*i32", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
              "scale": "fp32", "eps": "fp32"}
     sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
@@ -198,8 +189,7 @@ def test_adapter_dispatch_and_out_buffer(monkeypatch):
     assert got is out
     assert_close(out, ref, 1e-5, "out= buffer")
     calls = []
-    monkeypatch.setattr(gdn_decode, "gdn_decode_step",
-                        lambda *args, **kw: calls.append(1) or gdn_decode_step(*args, **kw))
+    monkeypatch.setattr(gdn_decode, "gdn_decode_step", lambda *args: calls.append(1) or gdn_decode_step(*args))
     assert_close(gated_deltanet_op(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv.clone(), rec.clone(),
                                    decode_step(slots), hk, EPS),
                  _ref_gated_deltanet(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, r_conv.clone(), r_rec.clone(),

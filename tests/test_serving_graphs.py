@@ -183,19 +183,15 @@ def gpu_model():
 GPU_ENGINE = EngineConfig(num_pages=512, page_size=16, max_num_seqs=8, snapshot_slots=8, max_model_len=1024)
 
 
-@pytest.fixture(params=[("early", 64, False), ("after_wait", 32, False), ("early", 64, True)],
-                ids=["default_handoff", "after_wait_32", "gdn_counter"])
+@pytest.fixture(params=[("early", 64), ("after_wait", 32)], ids=["default_handoff", "after_wait_32"])
 def attention_handoff(request, monkeypatch):
     """The decode combine's release point and the split's keys a tile (kernels.paged_decode_attention's
     COMBINE_RELEASE, DECODE_BLOCK_N): the default (the out-proj chain launches during the split), and the chain
-    launched after it with the other tile; and the GDN layers' outputs handed to their chains by a counter
-    (kernels.handoff.ENABLED)."""
-    from kernels import handoff
+    launched after it with the other tile."""
     from kernels import paged_decode_attention as P
-    release, block_n, gdn_counter = request.param
+    release, block_n = request.param
     monkeypatch.setattr(P, "COMBINE_RELEASE", release)
     monkeypatch.setattr(P, "DECODE_BLOCK_N", block_n)
-    monkeypatch.setattr(handoff, "ENABLED", gdn_counter)
     P.plan.cache_clear()
     P.choose_num_splits.cache_clear()
     yield request.param
