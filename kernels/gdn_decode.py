@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import l2_policy, pdl, stamps
+from kernels import pdl, stamps
 from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm
 from kernels.host_math import next_power_of_2
 from kernels.norms import triton_runs_on
@@ -77,23 +77,20 @@ STATE_BEFORE_WAIT = True
 # a program left out: ~2 us a GDN layer go with the write-back. Tried the same session and removed (commits 4e03ca9,
 # cbdb118, 730c0dc): the states stored before o and the norm (1.54 either way), and the output handed to the out-proj
 # chain by a counter that each program bumps after its output's store, the chain polling it instead of waiting for
-# the grid (2B 1.55 / 1.55-1.56 against 1.54, 0.8B 0.841-0.845 against 0.825, with or without a 256 ns back-off).
+# the grid (2B 1.55 / 1.55-1.56 against 1.54, 0.8B 0.841-0.845 against 0.825, with or without a 256 ns back-off);
+# and the states kept in L2 between steps (commit 176c25f: evict_last hints, the context's persisting L2 limit raised to
+# 32 MiB): the raised limit alone slowed every step, 2B 1.54 -> 1.71-1.72 ms, 0.8B 0.826 -> 0.887-0.894, the hints
+# adding nothing, so the step needs the whole L2 (host_time.json 'decode_probes_session33_h100').
 STORE_STATE = True
-# The states (and conv windows) loaded and stored with the L2 evict_last hint, with the context's persisting L2 limit
-# raised to hold a step's states (kernels/l2_policy.py), so that they stay in L2 from one step to the next instead of
-# a DRAM read and a dirty eviction each. Predicted from the store probe above: up to ~2 us a GDN layer. Off until
-# timed (`host_time --decode 1 --ab gdn_l2`).
-STATE_IN_L2 = False
-L2_STATE_BYTES = 32 << 20  # the persisting L2 asked for: 2B / 0.8B's 18 MiB of batch-1 states, and their windows
 
 
 @triton.jit
-def _conv_taps(conv_row, conv_w_ptr, ch, mask, K: tl.constexpr, BT: tl.constexpr, EVICT: tl.constexpr):
+def _conv_taps(conv_row, conv_w_ptr, ch, mask, K: tl.constexpr, BT: tl.constexpr):
     """The stored taps 0..K-2 of channels ch (R, N) of one sequence (conv_row: conv_states[slot]) and their conv
     weights, each (R, N, BT)."""
     tap = tl.arange(0, BT)[None, None, :]
     c3, m3 = ch[:, :, None], mask[:, :, None]
-    old = tl.load(conv_row + c3 * (K - 1) + tap, mask=m3 & (tap < K - 1), other=0.0, eviction_policy=EVICT)
+    old = tl.load(conv_row + c3 * (K - 1) + tap, mask=m3 & (tap < K - 1), other=0.0)
     w = tl.load(conv_w_ptr + c3 * K + tap, mask=m3 & (tap < K), other=0.0)
     return old, w
 
@@ -109,11 +106,10 @@ def _conv_apply(x, old, w, K: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _shift_window(conv_row, ch, mask, window, K: tl.constexpr, BT: tl.constexpr, EVICT: tl.constexpr):
+def _shift_window(conv_row, ch, mask, window, K: tl.constexpr, BT: tl.constexpr):
     # conv_states[slot, ch, :] = window[..., 1:K]: tap t moves to t - 1
     tap = tl.arange(0, BT)[None, None, :]
-    tl.store(conv_row + ch[:, :, None] * (K - 1) + tap - 1, window, mask=mask[:, :, None] & (tap >= 1) & (tap < K),
-             eviction_policy=EVICT)
+    tl.store(conv_row + ch[:, :, None] * (K - 1) + tap - 1, window, mask=mask[:, :, None] & (tap >= 1) & (tap < K))
 
 
 @triton.jit
@@ -143,8 +139,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
                        scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr,
-                       EVICT: tl.constexpr):
+                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr):
     # grid (Hk, B): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time. EARLY (one
     # pass of G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is
     # loaded before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the
@@ -168,10 +163,9 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
     if EARLY:
         heads = kh * GROUP + rg  # the one pass's (G,) value heads
         v_ch = 2 * HK * DK + heads[:, None] * DV + rv[None, :]  # (G, BV)
-        s_early = tl.load(_state_ptrs(state_ptr, slot, heads, rk, rv, HV, DK, DV), mask=s_mask, other=0.0,
-                          eviction_policy=EVICT)
-        qk_old, qk_w = _conv_taps(conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT, EVICT)
-        v_old, v_w = _conv_taps(conv_row, conv_w_ptr, v_ch, v_mask, K, BT, EVICT)
+        s_early = tl.load(_state_ptrs(state_ptr, slot, heads, rk, rv, HV, DK, DV), mask=s_mask, other=0.0)
+        qk_old, qk_w = _conv_taps(conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT)
+        v_old, v_w = _conv_taps(conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
         a_log, dt_bias = tl.load(a_log_ptr + heads), tl.load(dt_bias_ptr + heads)
         w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
     pdl.wait_for_producer(PDL)
@@ -183,7 +177,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         a_early, b_early = tl.load(a_row + heads), tl.load(b_row + heads)
         z_early = tl.load(z_row + heads[:, None] * DV + rv[None, :], mask=v_mask, other=0.0)
     else:
-        qk_old, qk_w = _conv_taps(conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT, EVICT)
+        qk_old, qk_w = _conv_taps(conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT)
         x_qk = tl.load(x_row + qk_ch, mask=qk_mask, other=0.0)
         w = tl.load(norm_w_ptr + rv, mask=rv < DV, other=0.0)
     qk_window, qk = _conv_apply(x_qk, qk_old, qk_w, K, BT)
@@ -202,8 +196,8 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
             g, beta = gate_values(a_early, b_early, a_log, dt_bias)
             z = z_early
         else:
-            s = tl.load(s_ptrs, mask=s_mask, other=0.0, eviction_policy=EVICT)
-            v_old, v_w = _conv_taps(conv_row, conv_w_ptr, v_ch, v_mask, K, BT, EVICT)
+            s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+            v_old, v_w = _conv_taps(conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
             v_window, v = _conv_apply(tl.load(x_row + v_ch, mask=v_mask, other=0.0), v_old, v_w, K, BT)
             g, beta = gate_values(tl.load(a_row + heads), tl.load(b_row + heads), tl.load(a_log_ptr + heads),
                                   tl.load(dt_bias_ptr + heads))
@@ -213,10 +207,10 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
         if STORE:
             tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
-            tl.store(s_ptrs, s, mask=s_mask, eviction_policy=EVICT)
-            _shift_window(conv_row, v_ch, v_mask, v_window, K, BT, EVICT)
+            tl.store(s_ptrs, s, mask=s_mask)
+            _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
     if STORE:
-        _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT, EVICT)  # after the loop's barrier
+        _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
     stamps.end(stamps_ptr, t_go, STAMPS)
 
 
@@ -296,14 +290,11 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     g = _heads_at_once(hv // hk, bk * bv, hk * bsz)
     num_warps = max(MIN_WARPS, min(MAX_WARPS, g * bk * bv // STATE_PER_THREAD // 32))
     stamp, stamping = stamps.slot("gdn_decode", qkv.device)
-    if STATE_IN_L2:  # one step's states of the B sequences a layer, every GDN layer of the model
-        l2_policy.reserve(qkv.device, L2_STATE_BYTES)
     _gdn_decode_kernel[(hk, bsz)](
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
         K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk, STAMPS=stamping,
-        STORE=STORE_STATE, EVICT="evict_last" if STATE_IN_L2 else "", num_warps=num_warps,
-        **pdl.launch_options(qkv.device))
+        STORE=STORE_STATE, num_warps=num_warps, **pdl.launch_options(qkv.device))
     return out
 
 
