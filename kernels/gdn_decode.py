@@ -84,6 +84,7 @@ STATE_BEFORE_WAIT = True
 STORE_STATE = True
 # The L2 eviction hint of the states' write-back ("" or "evict_first": the dirty lines leave L2 first, right after the
 # kernel, instead of among the next weights' reads). Predicted: part of the ~2 us a GDN layer the store probe prices.
+# Untimed (session 33 ran out of device time): `host_time --decode 1 --ab gdn_store_hint`.
 STATE_STORE_HINT = ""
 
 
