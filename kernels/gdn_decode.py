@@ -71,8 +71,10 @@ IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (H200, session 26, against session 24's kernel in the graph step, alternated; dv still split then): 0.8B 0.771 /
 # 0.771 ms against 0.772 / 0.772, 2B 1.27 either way: no gain, kept as the simpler order
 STATE_BEFORE_WAIT = True
-# A timing probe only (`host_time --ab gdn_store`, wrong tokens after the first step): False leaves out what follows
-# the output's store (the states' write-back, the conv windows' shift). Measured (H100, session 33, 2B graph step at B1
+# A timing probe only (`host_time --ab gdn_store`, wrong tokens after the first step): "none" leaves out what follows
+# the output's store (the states' write-back, the conv windows' shift); "one_head" stores every program's states over
+# its sequence's first value head, so that a step leaves 64 KiB of dirty lines a layer in L2 instead of 1 MiB (the
+# stores and their drain as before, a sixteenth of the DRAM write-back). Measured (H100, session 33, 2B graph step at B1
 # over 12,288, alternated): 1.50 / 1.50 ms without against 1.54 / 1.54, and 1.50 / 1.51 with only the states' 64 KiB
 # a program left out: ~2 us a GDN layer go with the write-back. Tried the same session and removed (commits 4e03ca9,
 # cbdb118, 730c0dc): the states stored before o and the norm (1.54 either way), and the output handed to the out-proj
@@ -81,7 +83,7 @@ STATE_BEFORE_WAIT = True
 # and the states kept in L2 between steps (commit 176c25f: evict_last hints, the context's persisting L2 limit raised to
 # 32 MiB): the raised limit alone slowed every step, 2B 1.54 -> 1.71-1.72 ms, 0.8B 0.826 -> 0.887-0.894, the hints
 # adding nothing, so the step needs the whole L2 (host_time.json 'decode_probes_session33_h100').
-STORE_STATE = True
+STORE_STATE = "states"  # "states" (the kernel), "none" or "one_head" (probes)
 # The L2 eviction hint of the states' write-back ("" or "evict_first": the dirty lines leave L2 first, right after the
 # kernel, instead of among the next weights' reads). Predicted: part of the ~2 us a GDN layer the store probe prices.
 # Untimed (session 33 ran out of device time): `host_time --decode 1 --ab gdn_store_hint`.
@@ -210,11 +212,13 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         s, o = _delta_rule(s, q, k, v, tl.exp(g), beta)
         out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
-        if STORE:
+        if STORE != "none":
             tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
+            if STORE == "one_head":
+                s_ptrs = _state_ptrs(state_ptr, slot, heads * 0, rk, rv, HV, DK, DV)
             tl.store(s_ptrs, s, mask=s_mask, eviction_policy=STORE_HINT)
             _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
-    if STORE:
+    if STORE != "none":
         _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
     stamps.end(stamps_ptr, t_go, STAMPS)
 

@@ -295,7 +295,7 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
             # timing only (wrong tokens): the GDN decode without its state write-back and window shifts
-            "gdn_store": ("kernels.gdn_decode", "STORE_STATE", ON_OFF),
+            "gdn_store": ("kernels.gdn_decode", "STORE_STATE", {"on": "states", "off": "none", "one_head": "one_head"}),
             "gdn_store_hint": ("kernels.gdn_decode", "STATE_STORE_HINT", {"normal": "", "first": "evict_first"}),
             # fp32 state values a GDN decode thread holds: 128 is 4 warps a (128 x 128) head, 64 is 8, 32 is 16
             "gdn_per_thread": ("kernels.gdn_decode", "STATE_PER_THREAD", {"128": 128, "64": 64, "32": 32}),

@@ -106,9 +106,12 @@ def test_state_store_hint(monkeypatch):
     assert [kwargs["STORE_HINT"] for _, kwargs in launches] == ["evict_first"] * 2
 
 
-def test_store_probe_leaves_the_states(monkeypatch):
-    # gdn_decode.STORE_STATE = False (a timing probe): the output as before, the states and windows untouched
-    monkeypatch.setattr(gdn_decode, "STORE_STATE", False)
+@pytest.mark.parametrize("mode", ["none", "one_head"])
+def test_store_probes(monkeypatch, mode):
+    # gdn_decode.STORE_STATE's timing probes: the output as before; "none" leaves the states and windows untouched,
+    # "one_head" writes every program's states over its sequence's first value head (which holds one of them) and
+    # shifts the windows as the kernel does
+    monkeypatch.setattr(gdn_decode, "STORE_STATE", mode)
     gen = torch.Generator().manual_seed(5)
     hk, hv, dk, dv = 2, 4, 16, 16
     conv_w, a_log, dt_bias, norm_w, conv0, rec0 = make_layer(gen, hk, hv, dk, dv, torch.float32, 3)
@@ -116,10 +119,16 @@ def test_store_probe_leaves_the_states(monkeypatch):
     qkv, z, b, a = make_token(gen, 2, hk, hv, dk, dv, torch.float32)
     conv, rec = conv0.clone(), rec0.clone()
     out = gdn_decode_step(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv, rec, slots, hk, EPS)
-    ref = _ref_gated_deltanet(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv0.clone(), rec0.clone(),
-                              decode_step(slots), hk, EPS)
+    r_conv, r_rec = conv0.clone(), rec0.clone()
+    ref = _ref_gated_deltanet(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, r_conv, r_rec, decode_step(slots), hk,
+                              EPS)
     assert_close(out, ref, 1e-5, "probe output")
-    assert torch.equal(conv, conv0) and torch.equal(rec, rec0)
+    if mode == "none":
+        assert torch.equal(conv, conv0) and torch.equal(rec, rec0)
+        return
+    assert torch.equal(conv, r_conv) and torch.equal(rec[:, 1:], rec0[:, 1:])
+    for slot in slots.tolist():  # the first head holds the new states of one of the sequence's value heads
+        assert any(rel_err(rec[slot, 0], r_rec[slot, j]) < 1e-5 for j in range(hv)), slot
 
 
 SM90_COMPILE = """
@@ -129,7 +138,7 @@ from triton.compiler.compiler import ASTSource
 from kernels import gdn_decode as G
 for early in (False, True):  # 9B's B1 launch: 16 key heads, both value heads a pass
     const = dict(HK=16, HV=32, DK=128, DV=128, K=4, G=2, BK=128, BV=128, BT=4, EARLY=early, STAMPS=False, PDL=True,
-                 STORE=True, STORE_HINT="")
+                 STORE="states", STORE_HINT="")
     types = {"state_ptr": "*fp32", "slots_ptr": "*i32", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
              "scale": "fp32", "eps": "fp32"}
     sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
