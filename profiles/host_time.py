@@ -294,7 +294,9 @@ KIB, MIB = 2**10, 2**20
 AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_setters, "gather_rows": gather_setters,
             "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
-            # timing only (wrong tokens): the GDN decode without its state write-back and window shifts
+            # timing only (wrong tokens): the GDN decode without its state write-back and window shifts ("off"), or
+            # with every program's states over one head (one_head: the stores, a sixteenth of the dirty lines);
+            # gdn_store_hint: the write-back's L2 eviction hint (kernels.gdn_decode.STATE_STORE_HINT)
             "gdn_store": ("kernels.gdn_decode", "STORE_STATE", {"on": "states", "off": "none", "one_head": "one_head"}),
             "gdn_store_hint": ("kernels.gdn_decode", "STATE_STORE_HINT", {"normal": "", "first": "evict_first"}),
             # fp32 state values a GDN decode thread holds: 128 is 4 warps a (128 x 128) head, 64 is 8, 32 is 16
