@@ -58,8 +58,7 @@ PARTS = ("gdn", "attention", "agent", "curve", "cute")
 # per issued instruction against flash-attn-4's 0.33; fa4.cute.config.default_pingpong). wide_tile: FA3's K/V tiles
 # on the H100 (d128 176 keys, d256 80); 3_stages: a deeper K/V ring at d128 (32 + 3 x 64 KiB of smem); hoisted_desc:
 # QK^T with our own wgmma descriptors, built once outside the loop (AttentionConfig.hoisted_qk_desc; the default at
-# dense d128 causal only, fa4.cute.config.default_hoisted_qk_desc), dsl_desc: QK^T through cute.gemm everywhere;
-# cluster2: K/V multicast over clusters of two neighbouring Q tiles (AttentionConfig.cluster_m; non-causal rows only).
+# dense d128 causal only, fa4.cute.config.default_hoisted_qk_desc), dsl_desc: QK^T through cute.gemm everywhere.
 
 
 def _every_dim(**overrides) -> dict:
@@ -72,8 +71,7 @@ CUTE_VARIANTS = [("default", _every_dim()), ("no_overlap", _every_dim(intra_wg_o
                  ("persistent", _every_dim(persistent=True)),
                  ("pingpong", {128: dict(pingpong=True), 256: dict(pingpong=False)}),
                  ("wide_tile", {128: dict(tile_n=176), 256: dict(tile_n=80)}), ("3_stages", {128: dict(kv_stages=3)}),
-                 ("hoisted_desc", _every_dim(hoisted_qk_desc=True)), ("dsl_desc", _every_dim(hoisted_qk_desc=False)),
-                 ("cluster2", _every_dim(cluster_m=2))]
+                 ("hoisted_desc", _every_dim(hoisted_qk_desc=True)), ("dsl_desc", _every_dim(hoisted_qk_desc=False))]
 
 
 def select_cute_variants(labels: list[str] | None) -> list[tuple[str, dict]]:

@@ -101,10 +101,6 @@ def test_cute_config_choice():
     (dict(kv_mode="paged", page_size=96), "page_size 96 neither is a multiple of the K/V tile"),
     (dict(kv_mode="paged", page_size=4), "page_size 4 neither"),
     (dict(page_size=64), "only read with kv_mode 'paged'"),
-    (dict(cluster_m=4), "cluster_m must be 1 or 2"),
-    (dict(cluster_m=2, causal=True), "cluster_m > 1 needs dense non-causal"),
-    (dict(cluster_m=2, kv_mode="varlen"), "cluster_m > 1 needs dense non-causal"),
-    (dict(cluster_m=2, persistent=True), "cluster_m > 1 needs dense non-causal"),
 ])
 def test_cute_config_rejects(fields, match):
     base = dict(head_dim=128, causal=False)
@@ -177,9 +173,6 @@ for index, cfg in enumerate(representative_configs()):
     info = ptxas_sm90a(ptx, cuda_ptxas())
     print(json.dumps({"index": index, "seconds": time.time() - start, "wgmma": ptx.count("wgmma.mma_async"),
                       "tma": ptx.count("cp.async.bulk.tensor"), "setmaxnreg": ptx.count("setmaxnreg"),
-                      "multicast": len(re.findall(r"cp\\.async\\.bulk\\.tensor[^;]*\\.multicast::cluster", ptx)),
-                      "remote_releases": ptx.count("mbarrier.arrive.shared::cluster"),
-                      "cluster_sync": ptx.count("barrier.cluster.wait"),
                       "ex2": ptx.count("ex2.approx"), "o_stores": re.findall(r"st\\.global[.a-z0-9]*", ptx),
                       "spill_bytes": info["spill"], "resets": parity_resets_in_loops(ptx),
                       "injected_fences": info["injected_fences"], "config": repr(cfg)}), flush=True)
@@ -220,7 +213,6 @@ def sm90_compiles(tmp_path_factory):
                               f"{'-persistent' if c.persistent else ''}"
                               f"{f'-n{c.tile_n}' if c.tile_n != default_tile_n(c.head_dim) else ''}"
                               f"{'-always-rescale' if c.rescale_threshold == 0 else ''}"
-                              f"{f'-cluster{c.cluster_m}' if c.cluster_m > 1 else ''}"
                               for c in representative_configs()])
 def test_cute_kernel_compiles_for_sm90(index, sm90_compiles):
     all_stats, stderr = sm90_compiles
@@ -237,11 +229,6 @@ def test_cute_kernel_compiles_for_sm90(index, sm90_compiles):
     # TMA: Q (a box per consumer warpgroup), K and V (a box per page inside a tile), each split in 64-column boxes
     q_boxes, kv_boxes, col_boxes = cfg.num_consumer_wg, cfg.tile_n // cfg.kv_box_rows, cfg.head_dim // 64
     assert stats["tma"] == col_boxes * (q_boxes + 2 * kv_boxes) and stats["setmaxnreg"] == 2, stats
-    # a cluster: K and V multicast (each CTA its share of the rows), the slots released in every CTA of it, and the
-    # barriers' init made visible to the whole cluster; none of it without
-    clustered = cfg.cluster_m > 1
-    assert stats["multicast"] == (col_boxes * 2 * kv_boxes if clustered else 0), stats
-    assert (stats["remote_releases"] > 0) == clustered and stats["cluster_sync"] == int(clustered), stats
     cols = cfg.tile_n // 4  # per thread and row: 2 rows of 64 x tile_n over 128 threads
     assert stats["ex2"] == copies * (2 * cols * (1 - cfg.poly_exp2_fraction) + 2), stats  # + 2 rescale factors
     # O leaves 16 bytes a store: a thread's 64 x D / 128 values in D / 64 vector stores (the row stride is declared
@@ -469,22 +456,10 @@ def test_cute_gpu_config_variants(d, overrides):
     check_cute_config(d, overrides, ((1, 1), (65, 65), (1000, 1000), (300, 1000), (1000, 300)))
 
 
-@pytest.mark.gpu
-@needs_dsl
-@pytest.mark.parametrize("d,overrides", [(128, {}), (256, {}), (128, dict(pingpong=True)), (128, dict(kv_stages=3)),
-                                         (256, dict(tile_n=80))],
-                         ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else f"d{x}")
-def test_cute_gpu_cluster_multicast(d, overrides):
-    # K/V multicast over clusters of 2 neighbouring Q tiles: odd tile counts (1 and 65 rows: one tile, whose
-    # cluster has a padding CTA; 1000 rows packed by 8: 63 tiles), ragged key tiles, GQA packing
-    check_cute_config(d, dict(cluster_m=2, **overrides), ((1, 1), (65, 65), (1000, 1000), (300, 1000), (1000, 300),
-                                                          (4097, 129)), causal_flags=(False,))
-
-
-def check_cute_config(d, overrides, lengths, causal_flags=(True, False)):
-    """The kernel entry with config overrides, dense B2 H16/KV2, at each causal flag and (sq, sk)."""
+def check_cute_config(d, overrides, lengths):
+    """The kernel entry with config overrides, dense B2 H16/KV2, causal and not, at each (sq, sk)."""
     from fa4.cute.entry import cute_attention
-    for causal in causal_flags:
+    for causal in (True, False):
         for sq, sk in lengths:
             q, k, v = qkv(2, sq, sk, 16, 2, d, BF16)
             out = cute_attention(q, k, v, causal=causal, softmax_scale=d ** -0.5, **overrides)

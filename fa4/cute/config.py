@@ -61,10 +61,6 @@ class AttentionConfig:
     # QK^T issued with our own wgmma descriptors (fa4/cute/wgmma_desc.py): Q's built once before the tile loop, K's
     # as a hoisted base plus the ring stage, where cute.gemm rebuilds both from the smem base at every issue
     hoisted_qk_desc: bool = False
-    # CTAs of a cluster along m (neighbouring Q tiles of one head group): each loads 1 / cluster_m of every K and V
-    # tile and multicasts it into all of them, so L2 serves each tile once a cluster (dense non-causal only: the
-    # CTAs must walk the same K/V tiles). flash-attn-4's Hopper kernel runs without clusters
-    cluster_m: int = 1
 
     @property
     def rows_per_wg(self) -> int:
@@ -102,11 +98,6 @@ class AttentionConfig:
             raise ValueError(f"pack_gqa must divide {WGMMA_M}, got {self.pack_gqa}")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
-        if self.cluster_m not in (1, 2):
-            raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
-        if self.cluster_m > 1 and (self.causal or self.kv_mode != "dense" or self.varlen_q or self.persistent):
-            raise ValueError("cluster_m > 1 needs dense non-causal attention (no varlen, paging or persistent loop): "
-                             "the CTAs of a cluster share every K/V tile")
         if self.kv_stages < 1:
             raise ValueError(f"kv_stages must be >= 1, got {self.kv_stages}")
         if self.poly_exp2_fraction not in POLY_FRACTIONS:
@@ -188,8 +179,8 @@ def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int
 def representative_configs() -> list[AttentionConfig]:
     """The CPU compile-test set: each head dim, causal and not, with and without GQA packing, FA4 flags and
     the intra-warpgroup overlap on (the default) and off; varlen, paged (pages of 64 and 16 keys), the
-    persistent scheduler, the wider K/V tiles (d128 176 keys, d256 80: 11 and 5 wgmma K steps of PV),
-    rescale_threshold 0 (no vote, no branch) with the overlap on and off, and K/V multicast in a cluster of 2."""
+    persistent scheduler, the wider K/V tiles (d128 176 keys, d256 80: 11 and 5 wgmma K steps of PV), and
+    rescale_threshold 0 (no vote, no branch) with the overlap on and off."""
     return [
         choose_config(128, False, 8, 8),
         choose_config(128, True, 8, 2, poly_exp2_fraction=0.25),
@@ -204,5 +195,4 @@ def representative_configs() -> list[AttentionConfig]:
         choose_config(128, True, 8, 8, rescale_threshold=0.0),
         choose_config(128, False, 8, 8, rescale_threshold=0.0, intra_wg_overlap=False),
         choose_config(256, True, 16, 4, tile_n=80),
-        choose_config(128, False, 8, 2, cluster_m=2),
     ]

@@ -56,15 +56,6 @@ def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cut
     return tiled_mma  # set() rebinds the atom's accumulate flag: callers rebind it so loops carry it
 
 
-def _cluster_share(cluster: int):
-    """(this CTA's rank in its cluster: its share of each K/V tile; the K/V copies' keywords: its share lands in
-    every CTA of the cluster). Rank 0 and no keyword without a cluster."""
-    if cluster == 1:
-        return 0, {}
-    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-    return rank, {"mcast_mask": cutlass.Int16((1 << cluster) - 1)}
-
-
 class FlashAttentionForwardSm90:
     def __init__(self, config: AttentionConfig):
         self.cfg = config.validate()
@@ -128,10 +119,8 @@ class FlashAttentionForwardSm90:
         if cutlass.const_expr(box != n_tile):
             sK_box = cute.composition(sK_box, (cute.make_layout(box), cute.make_layout(d)))  # rows 0..box of a tile
             sV_box = cute.composition(sV_box, (cute.make_layout(d), cute.make_layout(box)))
-        # cluster_m > 1: a CTA loads 1 / cluster_m of each K/V box and multicasts it into the cluster's CTAs
-        kv_g2s = cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_m > 1 else g2s
-        tma_k, mK_tma = cpasync.make_tiled_tma_atom(kv_g2s, mK, sK_box, (box, d), num_multicast=cfg.cluster_m)
-        tma_v, mV_tma = cpasync.make_tiled_tma_atom(kv_g2s, mV, sV_box, (d, box), num_multicast=cfg.cluster_m)
+        tma_k, mK_tma = cpasync.make_tiled_tma_atom(g2s, mK, sK_box, (box, d))
+        tma_v, mV_tma = cpasync.make_tiled_tma_atom(g2s, mV, sV_box, (d, box))
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)  # both halves, one barrier
         self.kv_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
 
@@ -147,15 +136,13 @@ class FlashAttentionForwardSm90:
         self.shared_storage = SharedStorage
 
         num_m_blocks = (seqlen_q * pack + (cfg.tile_m - 1)) // cfg.tile_m
-        # a cluster's CTAs are neighbouring m blocks; a padding CTA past the last one loads its share and stores no row
-        grid = ((num_m_blocks + cfg.cluster_m - 1) // cfg.cluster_m * cfg.cluster_m, num_heads // pack, batch)
+        grid = (num_m_blocks, num_heads // pack, batch)
         if cutlass.const_expr(cfg.persistent):
             grid = (cutlass.max(cutlass.min(num_ctas, num_m_blocks * (num_heads // pack) * batch), 1), 1, 1)
         self.kernel(tma_q, mQ_tma, tma_k, mK_tma, tma_v, mV_tma, mO, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout,
                     sV_layout, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, batch, seqlen_q, seqlen_k,
                     num_heads // num_kv, scale_log2, num_m_blocks, num_heads // pack, pairs_per_section).launch(
-            grid=grid, block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
-            **({"cluster": [cfg.cluster_m, 1, 1]} if cfg.cluster_m > 1 else {}))
+            grid=grid, block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -177,10 +164,8 @@ class FlashAttentionForwardSm90:
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         q_pipe = P.make_tma_pipeline(storage.q_mbar.data_ptr(), 1, self.q_bytes, cfg.num_consumer_wg)
-        k_pipe = P.make_tma_pipeline(storage.k_mbar.data_ptr(), cfg.kv_stages, self.kv_bytes, cfg.num_consumer_wg,
-                                     cfg.cluster_m)
-        v_pipe = P.make_tma_pipeline(storage.v_mbar.data_ptr(), cfg.kv_stages, self.kv_bytes, cfg.num_consumer_wg,
-                                     cfg.cluster_m)
+        k_pipe = P.make_tma_pipeline(storage.k_mbar.data_ptr(), cfg.kv_stages, self.kv_bytes, cfg.num_consumer_wg)
+        v_pipe = P.make_tma_pipeline(storage.v_mbar.data_ptr(), cfg.kv_stages, self.kv_bytes, cfg.num_consumer_wg)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, D, num_consumer_wg)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (N, D, stages)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (D, N, stages)
@@ -189,7 +174,8 @@ class FlashAttentionForwardSm90:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
-        P.init_sync(cfg.cluster_m)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
 
         total_tiles = TS.num_tiles(num_m_blocks, num_head_groups, batch_size, cfg.persistent)
         box = cfg.kv_box_rows
@@ -204,13 +190,11 @@ class FlashAttentionForwardSm90:
                 k_state = P.producer_state(cfg.kv_stages)
                 v_state = P.producer_state(cfg.kv_stages)
                 tile = TS.first_tile(cfg.persistent)
-                # the K/V share this CTA loads (of cluster_m), and the CTAs it multicasts into (all of the cluster)
-                rank, kv_copy_kw = _cluster_share(cfg.cluster_m)
                 while tile < total_tiles:
                     m_block, head_group, batch, q_start, seqlen_q, k_start, seqlen_k = self.tile_work(
                         tile, num_m_blocks, num_head_groups, batch_size, pairs_per_section, max_seqlen_q,
                         dense_seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k)
-                    if self.has_rows(m_block, seqlen_q):
+                    if m_block * cfg.tile_m < seqlen_q * pack:  # else: past this sequence (varlen)
                         kv_head = (head_group * pack) // group
                         n_max = M.n_block_max(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
                         gQ = cute.local_tile(cute.domain_offset(((0, q_start), 0), mQ[None, None, head_group]),
@@ -223,10 +207,10 @@ class FlashAttentionForwardSm90:
                                              (0, None))
                         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                                            cute.group_modes(gQ, 0, 2))
-                        tKsK, tKgK = cpasync.tma_partition(tma_k, rank, cute.make_layout(cfg.cluster_m),
+                        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
                                                            cute.group_modes(cute.flat_divide(sK, (box, d)), 0, 2),
                                                            cute.group_modes(gK, 0, 2))
-                        tVsV, tVgV = cpasync.tma_partition(tma_v, rank, cute.make_layout(cfg.cluster_m),
+                        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
                                                            cute.group_modes(cute.flat_divide(sV, (d, box)), 0, 2),
                                                            cute.group_modes(gV, 0, 2))
                         # Q is loaded even when no key is visible: the consumers' epilogue stages O in its buffer
@@ -247,18 +231,15 @@ class FlashAttentionForwardSm90:
                             for j in cutlass.range_constexpr(boxes):
                                 cute.copy(tma_k, tKgK[None, self.box_index(pages_now, n_block, j)],
                                           tKsK[None, j, 0, k_state.index],
-                                          tma_bar_ptr=k_pipe.producer_get_barrier(k_state), **kv_copy_kw)
+                                          tma_bar_ptr=k_pipe.producer_get_barrier(k_state))
                             k_state.advance()
                             v_pipe.producer_acquire(v_state)
                             for j in cutlass.range_constexpr(boxes):
                                 cute.copy(tma_v, tVgV[None, self.box_index(pages_now, n_block, j)],
                                           tVsV[None, 0, j, v_state.index],
-                                          tma_bar_ptr=v_pipe.producer_get_barrier(v_state), **kv_copy_kw)
+                                          tma_bar_ptr=v_pipe.producer_get_barrier(v_state))
                             v_state.advance()
                     tile = TS.next_tile(tile, cfg.persistent)
-                if cutlass.const_expr(cfg.cluster_m > 1):  # the other CTAs' last releases land before this CTA exits
-                    k_pipe.producer_tail(k_state)
-                    v_pipe.producer_tail(v_state)
         else:
             # ------------------------------------------------ consumer warpgroups
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
@@ -290,7 +271,7 @@ class FlashAttentionForwardSm90:
                 m_block, head_group, batch, q_start, seqlen_q, k_start, seqlen_k = self.tile_work(
                     tile, num_m_blocks, num_head_groups, batch_size, pairs_per_section, max_seqlen_q, dense_seqlen_k,
                     cu_seqlens_q, cu_seqlens_k, seqused_k)
-                if self.has_rows(m_block, seqlen_q):
+                if m_block * cfg.tile_m < seqlen_q * pack:  # else: past this sequence (varlen)
                     n_max = M.n_block_max(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
                     n_nomask = M.n_block_nomask(m_block, seqlen_q, seqlen_k, cfg.causal, pack, cfg.tile_m, n_tile)
                     row_max, row_sum, row_scale = S.make_state(2)
@@ -422,15 +403,6 @@ class FlashAttentionForwardSm90:
         else:
             tiled_mma_qk = _gemm(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], True)
         return tiled_mma_qk
-
-    @cute.jit
-    def has_rows(self, m_block: Int32, seqlen_q: Int32) -> cutlass.Boolean:
-        """Whether the tile computes: it holds query rows (not so past a varlen sequence's end), or it is a
-        cluster's padding CTA, which must load and release its share of the K/V tiles though it stores no row."""
-        rows = m_block * self.cfg.tile_m < seqlen_q * self.cfg.pack_gqa
-        if cutlass.const_expr(self.cfg.cluster_m > 1):
-            rows = cutlass.Boolean(True)
-        return rows
 
     @cute.jit
     def tile_work(self, tile: Int32, num_m_blocks: Int32, num_head_groups: Int32, batch_size: Int32,

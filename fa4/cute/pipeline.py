@@ -4,8 +4,7 @@
   (tx = both halves); both consumer warpgroups wait on it once.
 - K and V: two rings of `kv_stages` buffers each (`cutlass.pipeline.PipelineTmaAsync`): the producer
   acquires an empty slot and arms its full barrier with the tile's bytes; each consumer warp releases a slot
-  when its wgmma has read it, so a slot is free again once all 8 consumer warps are done with it (with a
-  cluster, all 8 of every CTA: each CTA's producer writes its share of a tile into all of them).
+  when its wgmma has read it, so a slot is free again once all 8 consumer warps are done with it.
 - Ping-pong (`pingpong_*`): two named barriers order the consumer warpgroups' QK^T issue, so that one
   warpgroup's softmax runs while the other's matmul occupies the tensor cores. Warpgroup 0 goes first;
   each warpgroup waits for its turn, issues, and hands the turn to the other. The other's last hand-back is
@@ -22,32 +21,16 @@ EPILOGUE_BARRIER = 1  # + consumer warpgroup index
 PINGPONG_BARRIER = 3  # + consumer warpgroup index
 
 
-def make_tma_pipeline(barrier_ptr, num_stages: int, tx_bytes: int, num_consumer_wg: int, cluster: int = 1):
-    """A TMA-fed pipeline: one producer thread arms the barrier, each consumer warp releases. With a cluster of
-    `cluster` CTAs that multicast into each other, lane r of each consumer warp releases the slot in CTA r, so a
-    slot is free once every consumer warp of the cluster is done with it."""
+def make_tma_pipeline(barrier_ptr, num_stages: int, tx_bytes: int, num_consumer_wg: int):
+    """A TMA-fed pipeline: one producer thread arms the barrier, each consumer warp releases."""
     return pipeline.PipelineTmaAsync.create(
         barrier_storage=barrier_ptr,
         num_stages=num_stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                 CONSUMER_WARPS_PER_WG * num_consumer_wg * cluster),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WARPS_PER_WG * num_consumer_wg),
         tx_count=tx_bytes,
-        cta_layout_vmnk=cute.make_layout((1, cluster, 1, 1)) if cluster > 1 else None,
         defer_sync=True,
     )
-
-
-@cute.jit
-def init_sync(cluster: cutlass.Constexpr):
-    """After the mbarriers' init: visible to this CTA, or to every CTA of the cluster (whose multicasts and
-    releases reach them)."""
-    cute.arch.mbarrier_init_fence()
-    if cutlass.const_expr(cluster > 1):
-        cute.arch.cluster_arrive_relaxed()
-        cute.arch.cluster_wait()
-    else:
-        cute.arch.sync_threads()
 
 
 def producer_state(num_stages: int):
