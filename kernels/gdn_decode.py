@@ -83,11 +83,10 @@ STATE_BEFORE_WAIT = True
 # and the states kept in L2 between steps (commit 176c25f: evict_last hints, the context's persisting L2 limit raised to
 # 32 MiB): the raised limit alone slowed every step, 2B 1.54 -> 1.71-1.72 ms, 0.8B 0.826 -> 0.887-0.894, the hints
 # adding nothing, so the step needs the whole L2 (host_time.json 'decode_probes_session33_h100').
+# Session 34 (H100, the same step, `--ab gdn_store`): on 1.55 / 1.55, off 1.52 / 1.52, one_head 1.54 / 1.54: the cost is
+# the stores themselves, not the dirty lines' write-back to DRAM; the stores with the evict_first L2 hint tied (1.55 /
+# 1.55 against 1.54 / 1.55) and were removed (host_time.json 'gdn_store_probes_session34_h100').
 STORE_STATE = "states"  # "states" (the kernel), "none" or "one_head" (probes)
-# The L2 eviction hint of the states' write-back ("" or "evict_first": the dirty lines leave L2 first, right after the
-# kernel, instead of among the next weights' reads). Predicted: part of the ~2 us a GDN layer the store probe prices.
-# Untimed (session 33 ran out of device time): `host_time --decode 1 --ab gdn_store_hint`.
-STATE_STORE_HINT = ""
 
 
 @triton.jit
@@ -145,8 +144,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
                        scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr,
-                       STORE_HINT: tl.constexpr):
+                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr):
     # grid (Hk, B): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time. EARLY (one
     # pass of G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is
     # loaded before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the
@@ -216,7 +214,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
             tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
             if STORE == "one_head":
                 s_ptrs = _state_ptrs(state_ptr, slot, heads * 0, rk, rv, HV, DK, DV)
-            tl.store(s_ptrs, s, mask=s_mask, eviction_policy=STORE_HINT)
+            tl.store(s_ptrs, s, mask=s_mask)
             _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
     if STORE != "none":
         _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
@@ -303,7 +301,7 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
         K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk, STAMPS=stamping,
-        STORE=STORE_STATE, STORE_HINT=STATE_STORE_HINT, num_warps=num_warps, **pdl.launch_options(qkv.device))
+        STORE=STORE_STATE, num_warps=num_warps, **pdl.launch_options(qkv.device))
     return out
 
 

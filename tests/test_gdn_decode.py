@@ -98,14 +98,6 @@ def test_states_loaded_before_or_after_the_wait(monkeypatch, early):
     assert [kwargs["EARLY"] for _, kwargs in launches] == [early, early, False]
 
 
-def test_state_store_hint(monkeypatch):
-    # gdn_decode.STATE_STORE_HINT: the states' write-back with an L2 eviction hint, the same results
-    monkeypatch.setattr(gdn_decode, "STATE_STORE_HINT", "evict_first")
-    launches = record_launches(monkeypatch, gdn_decode, "_gdn_decode_kernel")
-    run_steps(2, 4, 16, 16, torch.float32, 2, n_slots=4, steps=2, tol_out=1e-5, tol_state=1e-5)
-    assert [kwargs["STORE_HINT"] for _, kwargs in launches] == ["evict_first"] * 2
-
-
 @pytest.mark.parametrize("mode", ["none", "one_head"])
 def test_store_probes(monkeypatch, mode):
     # gdn_decode.STORE_STATE's timing probes: the output as before; "none" leaves the states and windows untouched,
@@ -138,7 +130,7 @@ from triton.compiler.compiler import ASTSource
 from kernels import gdn_decode as G
 for early in (False, True):  # 9B's B1 launch: 16 key heads, both value heads a pass
     const = dict(HK=16, HV=32, DK=128, DV=128, K=4, G=2, BK=128, BV=128, BT=4, EARLY=early, STAMPS=False, PDL=True,
-                 STORE="states", STORE_HINT="")
+                 STORE="states")
     types = {"state_ptr": "*fp32", "slots_ptr": "*i32", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
              "scale": "fp32", "eps": "fp32"}
     sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
