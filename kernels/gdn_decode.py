@@ -87,9 +87,6 @@ STATE_BEFORE_WAIT = True
 # the stores themselves, not the dirty lines' write-back to DRAM; the stores with the evict_first L2 hint tied (1.55 /
 # 1.55 against 1.54 / 1.55) and were removed (host_time.json 'gdn_store_probes_session34_h100').
 STORE_STATE = "states"  # "states" (the kernel), "none" or "one_head" (probes)
-# A timing probe only (`host_time --ab gdn_load`, wrong tokens): "one_row" reads every row of a program's states from
-# its first row (the loads hit L1 or fold into one), so the step shows what the states' load costs on its critical path.
-LOAD_STATE = "states"  # "states" (the kernel) or "one_row" (probe)
 
 
 @triton.jit
@@ -147,8 +144,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
                        scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr,
-                       LOAD: tl.constexpr):
+                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr):
     # grid (Hk, B): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time. EARLY (one
     # pass of G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is
     # loaded before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the
@@ -172,10 +168,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
     if EARLY:
         heads = kh * GROUP + rg  # the one pass's (G,) value heads
         v_ch = 2 * HK * DK + heads[:, None] * DV + rv[None, :]  # (G, BV)
-        load_rows = rk
-        if LOAD == "one_row":
-            load_rows = rk * 0
-        s_early = tl.load(_state_ptrs(state_ptr, slot, heads, load_rows, rv, HV, DK, DV), mask=s_mask, other=0.0)
+        s_early = tl.load(_state_ptrs(state_ptr, slot, heads, rk, rv, HV, DK, DV), mask=s_mask, other=0.0)
         qk_old, qk_w = _conv_taps(conv_row, conv_w_ptr, qk_ch, qk_mask, K, BT)
         v_old, v_w = _conv_taps(conv_row, conv_w_ptr, v_ch, v_mask, K, BT)
         a_log, dt_bias = tl.load(a_log_ptr + heads), tl.load(dt_bias_ptr + heads)
@@ -308,7 +301,7 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
         K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk, STAMPS=stamping,
-        STORE=STORE_STATE, LOAD=LOAD_STATE, num_warps=num_warps, **pdl.launch_options(qkv.device))
+        STORE=STORE_STATE, num_warps=num_warps, **pdl.launch_options(qkv.device))
     return out
 
 
