@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, stamps
+from kernels import gdn_decode_cute, pdl, stamps
 from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm
 from kernels.host_math import next_power_of_2
 from kernels.norms import triton_runs_on
@@ -87,6 +87,10 @@ STATE_BEFORE_WAIT = True
 # the stores themselves, not the dirty lines' write-back to DRAM; the stores with the evict_first L2 hint tied (1.55 /
 # 1.55 against 1.54 / 1.55) and were removed (host_time.json 'gdn_store_probes_session34_h100').
 STORE_STATE = "states"  # "states" (the kernel), "none" or "one_head" (probes)
+# Calls that kernels/gdn_decode_cute.py supports (bf16, dk = dv = 128, one value head a key head: 0.8B, 2B) run there:
+# its layout leaves 2 barriers after the PDL wait where this kernel has 19. Untimed: off until measured
+# (`host_time --decode 1 --ab gdn_cute`).
+CUTE_DECODE = False
 
 
 @triton.jit
@@ -293,6 +297,10 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     if bsz == 0:
         return out
     conv_w, A_log, dt_bias, norm_w = (t.contiguous() for t in (conv_w, A_log, dt_bias, norm_w))  # no-ops: weights
+    if CUTE_DECODE and gdn_decode_cute.supports(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
+                                                 recurrent_states, hk):
+        return gdn_decode_cute.gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
+                                               recurrent_states, state_slots, eps, out)
     bk, bv = next_power_of_2(dk), next_power_of_2(dv)
     g = _heads_at_once(hv // hk, bk * bv, hk * bsz)
     num_warps = max(MIN_WARPS, min(MAX_WARPS, g * bk * bv // STATE_PER_THREAD // 32))

@@ -297,6 +297,9 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             # timing only (wrong tokens): the GDN decode without its state write-back and window shifts ("off"), or
             # with every program's states over one head (one_head: the stores, a sixteenth of the dirty lines)
             "gdn_store": ("kernels.gdn_decode", "STORE_STATE", {"on": "states", "off": "none", "one_head": "one_head"}),
+            # the CuTe-DSL GDN decode (kernels/gdn_decode_cute.py) where it runs, and its warps a program
+            "gdn_cute": ("kernels.gdn_decode", "CUTE_DECODE", ON_OFF),
+            "gdn_cute_warps": ("kernels.gdn_decode_cute", "WARPS", {"4": 4, "8": 8}),
             # fp32 state values a GDN decode thread holds: 128 is 4 warps a (128 x 128) head, 64 is 8, 32 is 16
             "gdn_per_thread": ("kernels.gdn_decode", "STATE_PER_THREAD", {"128": 128, "64": 64, "32": 32}),
             "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
