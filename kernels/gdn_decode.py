@@ -88,9 +88,11 @@ STATE_BEFORE_WAIT = True
 # 1.55 against 1.54 / 1.55) and were removed (host_time.json 'gdn_store_probes_session34_h100').
 STORE_STATE = "states"  # "states" (the kernel), "none" or "one_head" (probes)
 # Calls that kernels/gdn_decode_cute.py supports (bf16, dk = dv = 128, one value head a key head: 0.8B, 2B) run there:
-# its layout leaves 2 barriers after the PDL wait where this kernel has 19. Untimed: off until measured
-# (`host_time --decode 1 --ab gdn_cute`).
-CUTE_DECODE = False
+# its layout leaves 2 barriers after the PDL wait where this kernel has 19. Measured (H100, session 34, graph step at
+# B1 over 12,288, alternated, `host_time --decode 1 --ab gdn_cute+gdn_cute_warps`): 2B 1.52 / 1.53 ms at 8 warps and
+# 1.53 / 1.53 at 4 against 1.54 / 1.54; 0.8B 0.816 / 0.821 against 0.827 / 0.828; stamped, the GDN decode's share of
+# the 2B step 6.8 us a layer against 7.9 (busy after its wait 5.0 us against 6.8)
+CUTE_DECODE = True
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""The CuTe-DSL Gated DeltaNet decode (kernels/gdn_decode_cute.py) behind kernels.gdn_decode.CUTE_DECODE: its
+"""The CuTe-DSL Gated DeltaNet decode (kernels/gdn_decode_cute.py) behind kernels.gdn_decode.CUTE_DECODE (on): its
 routing, its sm_90a compile (barriers after the PDL wait, registers beside a GEMV CTA), and on the GPU the
 reference op's output, conv windows and fp32 states over consecutive steps at 2B's shape (bf16), with scattered
 slots of both integer types, rows that are views of one projection, and CUDA-graph replay."""
