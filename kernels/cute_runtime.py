@@ -47,3 +47,28 @@ def cu_stream(handle: int):
         from cuda.bindings import driver
         stream = _STREAMS[handle] = driver.CUstream(handle)
     return stream
+
+
+@functools.cache
+def device_stamps():
+    """The CuTe kernels' kernels.stamps fields on the device, as cute.jit functions (built on first use, so that this
+    module imports without the DSL): stamp(mStamps, first, last) folds %globaltimer into fields first (min) and last
+    (max) and returns it; stamp_end(mStamps, t_go) stamps a program's end and adds its busy time and count."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int64
+
+    @cute.jit
+    def stamp(mStamps: cute.Tensor, first: cutlass.Constexpr, last: cutlass.Constexpr) -> Int64:
+        t = Int64(cute.arch.globaltimer())
+        cute.arch.atomic_min(mStamps.iterator + first, t, sem="relaxed", scope="gpu")
+        cute.arch.atomic_max(mStamps.iterator + last, t, sem="relaxed", scope="gpu")
+        return t
+
+    @cute.jit
+    def stamp_end(mStamps: cute.Tensor, t_go: Int64):
+        t_end = stamp(mStamps, 4, 5)
+        cute.arch.atomic_add(mStamps.iterator + 6, t_end - t_go, sem="relaxed", scope="gpu")
+        cute.arch.atomic_add(mStamps.iterator + 7, Int64(1), sem="relaxed", scope="gpu")
+
+    return stamp, stamp_end

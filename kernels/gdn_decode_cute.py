@@ -27,7 +27,7 @@ import operator
 import torch
 
 from kernels import pdl, stamps
-from kernels.cute_runtime import CompileCache, cu_stream, dsl_available
+from kernels.cute_runtime import CompileCache, cu_stream, device_stamps, dsl_available
 
 HEAD_DIM = 128  # dk = dv
 TAPS = 4  # conv kernel width: 3 stored taps and the new token
@@ -79,7 +79,7 @@ def _kernel_class():
         from cutlass.memory import SmemAllocator
     except ImportError:  # pragma: no cover
         from cutlass.utils import SmemAllocator
-
+    stamp, stamp_end = device_stamps()
     D, C3 = HEAD_DIM, TAPS - 1
 
     class GdnDecodeSm90:
@@ -141,7 +141,7 @@ def _kernel_class():
             tidx, _, _ = cute.arch.thread_idx()
             if cutlass.const_expr(cfg.stamps):
                 if tidx == 0:
-                    self.stamp(mStamps, 0, 1)  # arrival
+                    stamp(mStamps, 0, 1)  # arrival
             head, seq, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             lane = cute.arch.lane_idx()
@@ -174,7 +174,7 @@ def _kernel_class():
             t_go = Int64(0)
             if cutlass.const_expr(cfg.stamps):
                 if tidx == 0:
-                    t_go = self.stamp(mStamps, 2, 3)
+                    t_go = stamp(mStamps, 2, 3)
             z = cute.local_tile(mZ[seq, None], (LANE_COLS,), (head * (D // LANE_COLS) + lane,)).load()
             a = Float32(mA[seq, head])
             b = Float32(mB[seq, head])
@@ -238,9 +238,7 @@ def _kernel_class():
             if cutlass.const_expr(cfg.stamps):
                 cute.arch.barrier(barrier_id=PART_BARRIER, number_of_threads=32 * warps)
                 if tidx == 0:
-                    t_end = self.stamp(mStamps, 4, 5)
-                    cute.arch.atomic_add(mStamps.iterator + 6, t_end - t_go, sem="relaxed", scope="gpu")
-                    cute.arch.atomic_add(mStamps.iterator + 7, Int64(1), sem="relaxed", scope="gpu")
+                    stamp_end(mStamps, t_go)
 
         @cute.jit
         def conv(self, x, old: cute.Tensor, w: cute.Tensor):
@@ -255,13 +253,6 @@ def _kernel_class():
         def warp_sum(self, v) -> Float32:
             """The sum of a (4,) vector over the warp's 32 lanes, in every lane."""
             return cute.arch.warp_reduction(v.reduce(cute.ReductionOp.ADD, Float32(0.0), 0), operator.add)
-
-        @cute.jit
-        def stamp(self, mStamps: cute.Tensor, first: cutlass.Constexpr, last: cutlass.Constexpr) -> Int64:
-            t = Int64(cute.arch.globaltimer())
-            cute.arch.atomic_min(mStamps.iterator + first, t, sem="relaxed", scope="gpu")
-            cute.arch.atomic_max(mStamps.iterator + last, t, sem="relaxed", scope="gpu")
-            return t
 
     return GdnDecodeSm90
 

@@ -32,7 +32,7 @@ import operator
 import torch
 
 from kernels import pdl, stamps
-from kernels.cute_runtime import CompileCache, cu_stream, dsl_available
+from kernels.cute_runtime import CompileCache, cu_stream, device_stamps, dsl_available
 from kernels.host_math import cdiv
 
 LANE_COLS = 8  # columns a lane multiplies per tile row: one 16-byte load
@@ -208,6 +208,7 @@ def _kernel_class():
         from cutlass.memory import SmemAllocator
     except ImportError:  # pragma: no cover
         from cutlass.utils import SmemAllocator
+    stamp, stamp_end = device_stamps()
 
     class TmaGemvSm90:
         def __init__(self, cfg: TmaGemvConfig):
@@ -274,7 +275,7 @@ def _kernel_class():
             tidx, _, _ = cute.arch.thread_idx()
             if cutlass.const_expr(cfg.stamps):
                 if tidx == 0:
-                    self.stamp(mStamps, 0, 1)  # arrival
+                    stamp(mStamps, 0, 1)  # arrival
             bidx, _, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             lane = cute.arch.lane_idx()
@@ -327,7 +328,7 @@ def _kernel_class():
                 t_go = Int64(0)
                 if cutlass.const_expr(cfg.stamps):
                     if tidx == 0:
-                        t_go = self.stamp(mStamps, 2, 3)  # go
+                        t_go = stamp(mStamps, 2, 3)  # go
                 sSumSq = storage.sum_sq.get_tensor(cute.make_layout(consumers))
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
                 for g in cutlass.range_constexpr(len(tmas)):
@@ -353,17 +354,7 @@ def _kernel_class():
                 if cutlass.const_expr(cfg.stamps):  # the CTA's last stores issued: its end
                     cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
                     if tidx == 0:
-                        t_end = self.stamp(mStamps, 4, 5)
-                        cute.arch.atomic_add(mStamps.iterator + 6, t_end - t_go, sem="relaxed", scope="gpu")
-                        cute.arch.atomic_add(mStamps.iterator + 7, Int64(1), sem="relaxed", scope="gpu")
-
-        @cute.jit
-        def stamp(self, mStamps: cute.Tensor, first: cutlass.Constexpr, last: cutlass.Constexpr) -> Int64:
-            """%globaltimer folded into kernels.stamps fields first (min) and last (max); returns it."""
-            t = Int64(cute.arch.globaltimer())
-            cute.arch.atomic_min(mStamps.iterator + first, t, sem="relaxed", scope="gpu")
-            cute.arch.atomic_max(mStamps.iterator + last, t, sem="relaxed", scope="gpu")
-            return t
+                        stamp_end(mStamps, t_go)
 
         def make_ring(self, storage):
             """The weight ring's TMA pipeline on storage.mbar: one producer thread fills a slot, each consumer warp

@@ -271,11 +271,17 @@ def test_gpu_bf16_real_shapes_20_steps(bsz):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay():
-    hk, hv, dk, dv = QWEN9B
-    bsz, n_slots, dtype = 8, 16, torch.bfloat16
-    gen = torch.Generator().manual_seed(11)
+    check_graph_replay(QWEN9B, bsz=8, n_slots=16, seed=11)
+
+
+def check_graph_replay(shape, bsz, n_slots, seed, gate_dtype=torch.float32):
+    """gdn_decode_step captured in a CUDA graph (bf16, A_log and dt_bias in gate_dtype), replayed 3 times with new
+    tokens and sequences moved between slots, against the reference."""
+    hk, hv, dk, dv = shape
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(seed)
     conv_w, a_log, dt_bias, norm_w, conv, rec = make_layer(gen, hk, hv, dk, dv, dtype, n_slots)
-    conv_w, norm_w = conv_w.to(dtype), norm_w.to(dtype)
+    conv_w, norm_w, a_log, dt_bias = conv_w.to(dtype), norm_w.to(dtype), a_log.to(gate_dtype), dt_bias.to(gate_dtype)
     static = make_token(gen, bsz, hk, hv, dk, dv, dtype)  # qkv, z, b, a
     slots = torch.randperm(n_slots, generator=gen)[:bsz].cuda()
     out = torch.empty_like(static[1])

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from conftest import compiled_script_output
-from test_gdn_decode import EPS, assert_close, decode_step, make_layer, make_token, run_steps
+from test_gdn_decode import EPS, assert_close, check_graph_replay, decode_step, make_layer, run_steps
 
 from kernels import gdn_decode, gdn_decode_cute
 from kernels.cute_runtime import dsl_available
@@ -112,35 +112,6 @@ def test_gpu_rows_as_views_of_one_projection(cute_on):
 @gpu_sm90
 @needs_dsl
 def test_gpu_cuda_graph_replay(cute_on):
-    hk, hv, dk, dv = QWEN2B
-    bsz, n_slots, dtype = 2, 8, torch.bfloat16
-    gen = torch.Generator().manual_seed(12)
-    conv_w, a_log, dt_bias, norm_w, conv, rec = make_layer(gen, hk, hv, dk, dv, dtype, n_slots)
-    conv_w, a_log, dt_bias, norm_w = (t.to(dtype) for t in (conv_w, a_log, dt_bias, norm_w))
-    static = make_token(gen, bsz, hk, hv, dk, dv, dtype)
-    slots = torch.randperm(n_slots, generator=gen)[:bsz].cuda()
-    out = torch.empty_like(static[1])
-    call = lambda: gdn_decode.gdn_decode_step(*static, conv_w, a_log, dt_bias, norm_w, conv, rec, slots, hk, EPS,
-                                              out=out)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    r_conv, r_rec = conv.clone(), rec.clone()
-    for t in range(3):
-        for dst, src in zip(static, make_token(gen, bsz, hk, hv, dk, dv, dtype)):
-            dst.copy_(src)
-        slots.copy_(torch.randperm(n_slots, generator=gen)[:bsz])
-        out.fill_(float("nan"))
-        graph.replay()
-        ref = _ref_gated_deltanet(*static, conv_w, a_log, dt_bias, norm_w, r_conv, r_rec, decode_step(slots.clone()),
-                                  hk, EPS)
-        assert_close(out, ref, 1e-2, f"graph replay {t} output")
-        assert torch.equal(conv, r_conv), f"graph replay {t}: conv_states differ"
-        assert_close(rec, r_rec, 1e-3, f"graph replay {t} recurrent_states")
+    check_graph_replay(QWEN2B, bsz=2, n_slots=8, seed=12, gate_dtype=torch.bfloat16)
     assert len(cute_on) == 2  # the warm-up and the capture
 
