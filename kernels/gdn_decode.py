@@ -33,6 +33,9 @@ Measured on the H200 before the dv split (bf16, 40 layers' states rotated in a C
   0.8B (Hv 16): B1 6.3 us, B64 49 us (2.75 TB/s).   fla's decode step: 125 us at B1, 146 us at B64.
 Eagerly, the host costs about 10 us of checks plus about 30 us of Triton's launch: capture it in a graph.
 
+Calls with one value head a key head in bf16 at dk = dv = 128 (0.8B, 2B) run kernels/gdn_decode_cute.py instead
+(CUTE_DECODE): the same step with its layout chosen, 2 barriers after the PDL wait where this kernel has 19.
+
 CUDA-graph capturable: no host sync, shapes fixed by the inputs, `out=` reusable. state_slots are not checked
 on the host (that would sync): they must be distinct and in range.
 """
@@ -299,8 +302,8 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     if bsz == 0:
         return out
     conv_w, A_log, dt_bias, norm_w = (t.contiguous() for t in (conv_w, A_log, dt_bias, norm_w))  # no-ops: weights
-    if CUTE_DECODE and gdn_decode_cute.supports(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
-                                                 recurrent_states, hk):
+    if CUTE_DECODE and STORE_STATE == "states" and gdn_decode_cute.supports(  # the store probes time this kernel
+            qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, hk):
         return gdn_decode_cute.gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
                                                recurrent_states, state_slots, eps, out)
     bk, bv = next_power_of_2(dk), next_power_of_2(dv)
