@@ -145,7 +145,10 @@ def sweep_splits_cold(h: int = 8, kv: int = 2, ctx: int = 8192, pages=(16, 64), 
 
 def bench_gdn_case(batch, hk=16, hv=32, dk=128, dv=128, kw=4):
     """One layer's decode step, eagerly (launch included) and in a CUDA graph that steps through enough layers'
-    states (each its own pool) that they come from DRAM, not the 50 MB L2; graph time is per layer."""
+    states (each its own pool) that they come from DRAM, not the 50 MB L2; graph time is per layer. Where the CuTe
+    kernel takes the call (one value head a key head: kernels.gdn_decode.CUTE_DECODE), the Triton kernel's graph time
+    beside it."""
+    from kernels import gdn_decode, gdn_decode_cute
     from kernels.gdn_decode import gdn_decode_step
     c = 2 * hk * dk + hv * dv
     dev = "cuda"
@@ -163,8 +166,17 @@ def bench_gdn_case(batch, hk=16, hv=32, dk=128, dv=128, kw=4):
     out = torch.empty_like(z)
     one = lambda i: gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states[i], states[i], slots,
                                     hk, 1e-6, out=out)
-    row = {"B": batch, "Hv": hv, "layers": layers, "state_MB": state_bytes / 1e6, "ours_us": bench_us(lambda: one(0)),
+    cute = gdn_decode.CUTE_DECODE and gdn_decode_cute.supports(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w,
+                                                               conv_states[0], states[0], hk)
+    row = {"B": batch, "Hk/Hv": f"{hk}/{hv}", "kernel": "cute" if cute else "triton", "layers": layers,
+           "state_MB": state_bytes / 1e6, "ours_us": bench_us(lambda: one(0)),
            "ours_graph_us": bench_us(lambda: [one(i) for i in range(layers)], graph=True) / layers}
+    if cute:
+        gdn_decode.CUTE_DECODE = False
+        try:
+            row["triton_graph_us"] = bench_us(lambda: [one(i) for i in range(layers)], graph=True) / layers
+        finally:
+            gdn_decode.CUTE_DECODE = True
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
         q = torch.randn(batch, 1, hv, dk, device=dev, dtype=BF16)
@@ -505,7 +517,7 @@ def main(argv=None):
     for r in attn:
         r["ours_frac_of_read_ceiling"] = r["ours_graph_TBps"] / ceil["read_TBps"]
     curve = [progress(bench_attention_case(1, ctx, 16, 4, 256)) for ctx in CURVE_CONTEXTS] if run_attention else []
-    gdn = [progress(bench_gdn_case(b)) for b in (1, 8, 64)] if "gdn" in sections else []
+    gdn = [progress(bench_gdn_case(b, hv=hv)) for hv in (32, 16) for b in (1, 8, 64)] if "gdn" in sections else []
     small = [r for n in (1, 64, 4096) for r in bench_small_ops_case(n)] if "small" in sections else []
     for r in small:
         r["frac_of_copy_ceiling"] = r["GBps"] / 1e3 / ceil["copy_TBps"]
@@ -515,9 +527,10 @@ def main(argv=None):
     print("\npaged decode attention (TB/s of KV read; ours timed in a CUDA graph)")
     print_table(attn, ["B", "ctx", "H/KV", "D", "splits", "ours_us", "ours_graph_TBps", "cudnn_TBps", "fa2_TBps",
                        "fa4_TBps", "vs_best_peer", "ours_frac_of_read_ceiling"])
-    print("\nGated DeltaNet decode step, Hk16/Hv32 d128 (per layer; graph: layers' states from DRAM)")
-    print_table(gdn, ["B", "layers", "ours_us", "ours_graph_us", "ours_graph_TBps", "fla_us", "fla_graph_us",
-                      "speedup_vs_fla", "graph_speedup_vs_fla"])
+    print("\nGated DeltaNet decode step, d128: 9B's Hk16/Hv32 and 2B's Hk16/Hv16 (per layer; graph: layers' states "
+          "from DRAM; triton_graph_us: the Triton kernel where the CuTe one runs)")
+    print_table(gdn, ["B", "Hk/Hv", "kernel", "layers", "ours_us", "ours_graph_us", "triton_graph_us",
+                      "ours_graph_TBps", "fla_us", "fla_graph_us", "speedup_vs_fla", "graph_speedup_vs_fla"])
     print("\nfused small ops (CUDA graph)")
     print_table(small, ["op", "N", "width", "us", "GBps", "frac_of_copy_ceiling"])
     print("\ndecode projections (CUDA graph; chain: one step's projections back to back)")
