@@ -35,8 +35,9 @@ LANE_COLS = 4  # channels (and state columns) a lane owns: one 16-byte fp32 vect
 STAMP_FIELDS = len(stamps.FIELDS)
 GATE_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}  # A_log, dt_bias
 # at most half an SM's registers, so that a GEMV CTA of the step (the out-proj chain's: ~16k registers) fits beside a
-# program while it runs (the chain launches at its PDL wait and fills its weight ring during it); 255 at W = 4 spilled.
-# The shared-memory carveout stays at its maximum, as the GEMVs beside it need (and the bound needs no device query)
+# program while it runs (the chain launches at its PDL wait and fills its weight ring during it): at 8 warps 128 a
+# thread (32 bytes of spill), at 4 warps 248. The shared-memory carveout stays at its maximum, as the GEMVs beside it
+# need (and the bound then needs no device query)
 MIN_BLOCKS = 2
 PART_BARRIER = 1  # named barrier of the partial sums' exchange (0 is __syncthreads)
 
@@ -306,5 +307,9 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
             cutlass.Int32(recurrent_states.shape[0]), cutlass.Int32(qkv.stride(0)), cutlass.Int32(z.stride(0)),
             cutlass.Int32(b.stride(0)), cutlass.Int32(a.stride(0)), cutlass.Float32(recurrent_states.shape[2] ** -0.5),
             cutlass.Float32(eps), cu_stream(torch.cuda.current_stream(device).cuda_stream))
-    _CACHE.get(cfg)(*args)
+    if device.index in (None, torch.cuda.current_device()):
+        _CACHE.get(cfg)(*args)
+    else:  # the launch goes to the current device's context
+        with torch.cuda.device(device):
+            _CACHE.get(cfg)(*args)
     return out
