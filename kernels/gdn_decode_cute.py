@@ -62,12 +62,18 @@ def supports(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurren
     """Whether a checked call (gdn_decode._check_args passed) can run on this kernel."""
     _, hv, dk, dv = recurrent_states.shape
     tensors = (qkv, z, b, a, conv_w, norm_w)
-    return (dsl_available() and qkv.device.type == "cuda" and pdl.enabled(qkv.device)
-            and torch.cuda.get_device_capability(qkv.device)[0] == 9 and hv == num_k_heads
+    return (dsl_available() and qkv.device.type == "cuda" and pdl.enabled(qkv.device) and _sm90(qkv.device.index)
+            and hv == num_k_heads
             and dk == dv == HEAD_DIM and conv_w.shape[1] == TAPS and all(t.dtype == torch.bfloat16 for t in tensors)
             and A_log.dtype == dt_bias.dtype and A_log.dtype in GATE_DTYPES
             and qkv.stride(0) % LANE_COLS == 0 and z.stride(0) % LANE_COLS == 0
             and all(t.data_ptr() % 16 == 0 for t in (qkv, z, conv_w, norm_w, conv_states, recurrent_states)))
+
+
+@functools.cache
+def _sm90(index: int | None) -> bool:
+    """Whether CUDA device `index` (None: the current one) is sm_90 (asked once: eager decode asks every layer)."""
+    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 @functools.cache
