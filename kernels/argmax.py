@@ -46,11 +46,16 @@ def _first_max(values, index, mask, past):
 
 
 @triton.jit
-def _advance_row(inputs_ptr, stride, table_ptr, table_stride, width, page_size, dummy_slot, row, token):
-    """reference.advance_decode_inputs for one row: inputs (5, B) int32 rows `stride` apart."""
+def _advance_row(inputs_ptr, stride, table_ptr, table_stride, width, page_size, dummy_slot, row, token,
+                 ring_ptr, ring_stride, ring_rows, RING: tl.constexpr):
+    """reference.advance_decode_inputs for one row: inputs (5, B) int32 rows `stride` apart; RING: the token also
+    at ring[position % ring_rows, row], rows `ring_stride` apart (pinned host memory: a store over the bus)."""
     slot = tl.load(inputs_ptr + 2 * stride + row)
     if slot != dummy_slot:
-        nxt = tl.load(inputs_ptr + stride + row) + 1
+        position = tl.load(inputs_ptr + stride + row)
+        if RING:
+            tl.store(ring_ptr + (position % ring_rows).to(tl.int64) * ring_stride + row, token.to(tl.int64))
+        nxt = position + 1
         column = tl.minimum(nxt // page_size, width - 1)
         page = tl.load(table_ptr + slot.to(tl.int64) * table_stride + column)
         tl.store(inputs_ptr + row, token.to(tl.int32))
@@ -62,10 +67,11 @@ def _advance_row(inputs_ptr, stride, table_ptr, table_stride, width, page_size, 
 @triton.jit
 def _argmax_kernel(logits_ptr, stride, part_val_ptr, part_idx_ptr, tickets_ptr, out_ptr, stamps_ptr, V,
                    inputs_ptr, inputs_stride, table_ptr, table_stride, width, page_size, dummy_slot,
+                   ring_ptr, ring_stride, ring_rows,
                    CHUNK: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, ADVANCE: tl.constexpr,
-                   STAMPS: tl.constexpr, PDL: tl.constexpr):
+                   RING: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr):
     # grid (B, P): chunk `part` of row `row`; parked pairs at part_*[row * P + part]. ADVANCE: the row's last
-    # program also writes the next decode step's inputs (reference.DecodeAdvance)
+    # program also writes the next decode step's inputs (reference.DecodeAdvance), and with RING its token ring
     row, part = tl.program_id(0), tl.program_id(1)
     offs = part * CHUNK + tl.arange(0, CHUNK)
     t_go = stamps.wait(stamps_ptr, STAMPS, PDL)
@@ -83,7 +89,8 @@ def _argmax_kernel(logits_ptr, stride, part_val_ptr, part_idx_ptr, tickets_ptr, 
         _, token = _first_max(values, indices, in_row, V)  # chunks in order: the first index wins ties
         tl.store(out_ptr + row, token.to(tl.int64))
         if ADVANCE:
-            _advance_row(inputs_ptr, inputs_stride, table_ptr, table_stride, width, page_size, dummy_slot, row, token)
+            _advance_row(inputs_ptr, inputs_stride, table_ptr, table_stride, width, page_size, dummy_slot, row, token,
+                         ring_ptr, ring_stride, ring_rows, RING)
         split_k.reset_ticket(tickets_ptr + row)
         stamps.end(stamps_ptr, t_go, STAMPS)  # the step's last kernel: its end closes the stamped step
 
@@ -118,12 +125,23 @@ def _check_advance(advance: DecodeAdvance, rows: int, device: torch.device) -> N
         raise ValueError(f"advance.table must be contiguous along its pages, got strides {advance.table.stride()}")
     if not isinstance(advance.page_size, int) or advance.page_size < 1:
         raise ValueError(f"advance.page_size must be a positive int, got {advance.page_size!r}")
+    ring = advance.token_ring
+    if ring is None:
+        return
+    check_tensor("advance.token_ring", ring, ndim=2, dtype=torch.int64)
+    if ring.shape[0] < 2 or ring.shape[1] != rows or ring.stride(1) != 1:
+        raise ValueError(f"advance.token_ring must be (R >= 2, {rows}) int64 contiguous along B, got "
+                         f"{tuple(ring.shape)} with strides {ring.stride()}")
+    if ring.device != device and not (device.type == "cuda" and ring.device.type == "cpu" and ring.is_pinned()):
+        raise ValueError(f"advance.token_ring must be on {device} or, for a CUDA step, in pinned host memory; got "
+                         f"{'unpinned ' if ring.device.type == 'cpu' else ''}memory on {ring.device}")
 
 
 def argmax(logits: torch.Tensor, advance: DecodeAdvance | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits: (B, V) -> (B,) int64, the index of each row's first maximum (the first NaN where a row has one).
     advance: also write the tokens and the next decode step's positions, KV slots and cached tokens into
-    advance.inputs (reference.advance_decode_inputs), from each row's last program."""
+    advance.inputs (reference.advance_decode_inputs), from each row's last program, and the tokens into
+    advance.token_ring where it has one."""
     check_tensor("logits", logits, ndim=2, dtype=DTYPES)
     if logits.stride(1) != 1:
         raise ValueError(f"logits must be contiguous within a row, got strides {logits.stride()}")
@@ -145,11 +163,15 @@ def argmax(logits: torch.Tensor, advance: DecodeAdvance | None = None, out: torc
     values, indices, tickets = _workspace(logits.device, rows, parts)
     stamp, stamping = stamps.slot("argmax", logits.device)
     inputs, table = (advance.inputs, advance.table) if advance is not None else (out, out)  # out: unused stand-ins
+    ring = advance.token_ring if advance is not None and advance.token_ring is not None else None
     _argmax_kernel[(rows, parts)](logits, logits.stride(0), values, indices, tickets, out, stamp, v,
                                   inputs, inputs.stride(0), table, table.stride(0), table.shape[-1],
                                   advance.page_size if advance else 1, advance.dummy_slot if advance else 0,
+                                  out if ring is None else ring, 0 if ring is None else ring.stride(0),
+                                  1 if ring is None else ring.shape[0],
                                   CHUNK=CHUNK, P=parts, PB=triton.next_power_of_2(parts), ADVANCE=advance is not None,
-                                  STAMPS=stamping, num_warps=NUM_WARPS, **pdl.launch_options(logits.device))
+                                  RING=ring is not None, STAMPS=stamping, num_warps=NUM_WARPS,
+                                  **pdl.launch_options(logits.device))
     return out
 
 

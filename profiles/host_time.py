@@ -312,6 +312,8 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "split_block_n": functools.partial(split_setters, "DECODE_BLOCK_N", {"64": 64, "32": 32}),
             # the decode step's inputs written by the last step's argmax, no copy before a fed graph
             "fed_decode": functools.partial(engine_setters, "fed_decode", ON_OFF),
+            # a fed decode's argmax also stores its tokens in pinned host memory: no copy between two graphs
+            "token_ring": functools.partial(engine_setters, "token_ring", ON_OFF),
             "kv_prefetch": ("kernels.paged_decode_attention", "PREFETCH_FIRST_TILE", ON_OFF),
             "kv_prefetch_next": ("kernels.paged_decode_attention", "PREFETCH_NEXT_TILE", ON_OFF),
             "combine_o": ("kernels.paged_decode_attention", "COMBINE_O_EARLY", ON_OFF),

@@ -249,7 +249,8 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
                   snapshot_slots=3 * args.concurrency + 16, max_num_batched_tokens=args.chunk,
                   fast_lane_tokens=args.fast_lane, cuda_graphs=not args.eager, seed=args.seed,
                   interleave_slices=args.interleave, prefill_graph_tokens=args.prefill_graphs,
-                  decode_ahead=bool(args.decode_ahead), fed_decode=bool(args.fed_decode))
+                  decode_ahead=bool(args.decode_ahead), fed_decode=bool(args.fed_decode),
+                  token_ring=bool(args.token_ring))
     if model.lm_head.weight.device.type == "cuda":
         return LLMEngine(model, EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common))
     # CPU: room for every user's longest trace plus the cache of one more
@@ -274,7 +275,8 @@ def warm_up(engine: LLMEngine, traces: list[Trace]) -> None:
 # engine knobs of the command line, and their defaults: a run with another value gets its own row in serving.json
 ENGINE_KNOBS = {"chunk": EngineConfig.max_num_batched_tokens, "fast_lane": 1024, "page_size": 16,
                 "interleave": EngineConfig.interleave_slices, "prefill_graphs": EngineConfig.prefill_graph_tokens,
-                "decode_ahead": int(EngineConfig.decode_ahead), "fed_decode": int(EngineConfig.fed_decode)}
+                "decode_ahead": int(EngineConfig.decode_ahead), "fed_decode": int(EngineConfig.fed_decode),
+                "token_ring": int(EngineConfig.token_ring)}
 
 
 def run_key(args) -> str:
@@ -326,6 +328,9 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--fed-decode", type=int, choices=(0, 1), default=ENGINE_KNOBS["fed_decode"],
                     help="each decode step's argmax writes the next step's inputs; a fed step copies nothing "
                          "(EngineConfig.fed_decode)")
+    ap.add_argument("--token-ring", type=int, choices=(0, 1), default=ENGINE_KNOBS["token_ring"],
+                    help="a fed decode's argmax stores its tokens in pinned host memory, so that no copy sits "
+                         "between two decode graphs (EngineConfig.token_ring)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
                     help=f"replay once per value of an engine knob ({', '.join(ENGINE_KNOBS)}) or per variant of a "

@@ -42,6 +42,8 @@ class EngineConfig:
     fed_decode`, alternated): 0.8B at 12,288 0.839 / 0.840 ms against 0.846 / 0.849, 2B at 8192 1.54 / 1.54 against
     1.55 / 1.54; stamped (2B): 1.536 ms against 1.541, the argmax 0.8 us longer. On by default; serving.bench
     --sweep fed_decode=0,1 compares.
+    token_ring: a fed decode's argmax also stores its tokens in pinned host memory (serving.token_ring), so that
+    no copy to the host sits between two decode graphs. On by default; serving.bench --sweep token_ring=0,1.
     prefill_graph_tokens: eager steps of GEMV_MAX_ROWS + 1 up to this many tokens replay CUDA graphs of their
     row-wise stretches (serving.prefill_graphs), captured at every multiple of 64 rows up to it, when decode graphs
     are on and the model allows (not MoE, not tensor parallel); 0: off."""
@@ -60,6 +62,7 @@ class EngineConfig:
     interleave_slices: int = 12
     decode_ahead: bool = True
     fed_decode: bool = True
+    token_ring: bool = True
     prefill_graph_tokens: int = 2048
 
     def __post_init__(self):

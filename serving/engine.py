@@ -22,6 +22,7 @@ from serving.sampler import TokensInFlight, sample
 from serving.scheduler import Scheduler
 from serving.sequence import SamplingParams, Sequence, SequenceStatus
 from serving.state_cache import StateSnapshotCache
+from serving.token_ring import GreedyTokens
 from serving.tp_worker import leader_link
 
 log = logging.getLogger("serving")
@@ -92,7 +93,7 @@ class LLMEngine:
                                   max_num_seqs=cfg.max_num_seqs, dummy_page=cfg.num_pages, dummy_slot=num_slots - 1,
                                   graph_sizes=cfg.graph_batch_sizes() if use_graphs or pad_decode else (),
                                   use_graphs=use_graphs, link=self.link, prefill_graphs=prefill_graphs,
-                                  fed_decode=cfg.fed_decode)
+                                  fed_decode=cfg.fed_decode, token_ring=cfg.token_ring)
         self.runner.capture()
         sizes = list(self.runner.graph_sizes)
         self.graphs = f"decode CUDA graphs at batch {sizes}" if use_graphs else f"eager decode ({why_not})"
@@ -189,7 +190,7 @@ class LLMEngine:
         return outputs + finished
 
     def _finish_step(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
-                     greedy: torch.Tensor | None) -> tuple[list[StepOutput], float]:
+                     greedy: GreedyTokens | None) -> tuple[list[StepOutput], float]:
         """Commit the chunks the model computed and sample those that reached their sequence's end (launching the
         next decode step ahead when it may); returns their outputs and the commit's milliseconds."""
         sampled, commit_ms = self._commit_and_sample(chunks, logits, greedy)
@@ -197,7 +198,7 @@ class LLMEngine:
         return self._take_tokens(sampled), commit_ms
 
     def _commit_and_sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
-                           greedy: torch.Tensor | None) -> tuple[tuple, float]:
+                           greedy: GreedyTokens | None) -> tuple[tuple, float]:
         """Commit the chunks and launch the sampling of those that reached their sequence's end, without waiting
         for it (greedy: the logits' argmax where the step computed it): returns (what _take_tokens reads, the
         commit's milliseconds)."""
@@ -209,13 +210,16 @@ class LLMEngine:
 
     @staticmethod
     def _sample(chunks: list[ScheduledChunk], ready: list[bool], logits: torch.Tensor,
-                greedy: torch.Tensor | None) -> tuple:
-        """Launch the sampling of the ready rows: (chunks, ready, their TokensInFlight or None)."""
+                greedy: GreedyTokens | None) -> tuple:
+        """Launch the sampling of the ready rows: (chunks, ready, their TokensInFlight or None). Where every row is
+        greedy, the tokens are the step's argmax, and the host reads them where they land (if they do)."""
         tokens = None
         if any(ready):
             params = [c.seq.params if r else None for c, r in zip(chunks, ready)]
             gens = [c.seq.generator if r else None for c, r in zip(chunks, ready)]
-            tokens = TokensInFlight(sample(logits, params, gens, greedy))
+            on_device = greedy.on_device if greedy is not None else None
+            sampled = sample(logits, params, gens, on_device)
+            tokens = TokensInFlight(sampled, greedy.landed if sampled is on_device else None)
         return chunks, ready, tokens
 
     def _take_tokens(self, sampled: tuple) -> list[StepOutput]:

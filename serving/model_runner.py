@@ -50,6 +50,7 @@ from model.model import Qwen35ForCausalLM
 from model.step import StepInput
 from serving.batch import ScheduledChunk, StepLists, flatten_chunks, step_from_lists
 from serving.prefill_graphs import PrefillGraphs
+from serving.token_ring import GreedyTokens, TokenRing
 
 log = logging.getLogger("serving")
 
@@ -83,11 +84,11 @@ class ModelRunner:
     def __init__(self, model: Qwen35ForCausalLM, pools: CachePools, *, page_size: int, max_model_len: int,
                  max_num_seqs: int, dummy_page: int, dummy_slot: int, graph_sizes: tuple[int, ...] = (),
                  use_graphs: bool = False, link=None, prefill_graphs: PrefillGraphs | None = None,
-                 fed_decode: bool = False):
+                 fed_decode: bool = False, token_ring: bool = False):
         """graph_sizes: the ladder decode batches are padded to (empty: no padding); use_graphs: capture them
         (CUDA only). Padding without graphs runs the same shapes eagerly (tests of the padding on the CPU).
         prefill_graphs: the row-wise stretches of eager steps, captured by capture() (serving.prefill_graphs).
-        fed_decode: EngineConfig.fed_decode (world size 1 only)."""
+        fed_decode: EngineConfig.fed_decode (world size 1 only); token_ring: EngineConfig.token_ring (fed only)."""
         self.model, self.pools, self.page_size = model, pools, page_size
         self.link = link  # rank 0's serving.tp_worker.StepBroadcaster under tensor parallelism, else None
         self.cfg = model.config
@@ -119,6 +120,8 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.prefill_graphs = prefill_graphs
         self.fed_decode = fed_decode and link is None and GREEDY_IN_GRAPH
+        # where a fed decode's argmax also leaves its tokens in host memory (serving.token_ring)
+        self.token_ring = TokenRing(self.max_decode, dev) if self.fed_decode and token_ring else None
         self._moved_on: tuple | None = None  # (bs, n, inputs past the first n tokens) the last decode's argmax left
         self._last_greedy: torch.Tensor | None = None  # the last decode step's greedy tokens (bs,)
         self.num_graph_steps = self.num_eager_decode_steps = self.num_eager_steps = self.num_graph_prefill_steps = 0
@@ -128,10 +131,11 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, chunks: list[ScheduledChunk], device_tokens: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, list[ScheduledChunk]]:
+                ) -> tuple[torch.Tensor, GreedyTokens | None, list[ScheduledChunk]]:
         """Run one step. Returns logits (len(chunks), vocab), one row per chunk's last token, their argmax (the
-        greedy tokens (len(chunks),) int64 of a decode step that computed them; else None)
-        and the chunks in the order of those rows. device_tokens: a decode step launched ahead (decode_rows)."""
+        greedy tokens (len(chunks),) int64 of a decode step that computed them, and where they land on the host;
+        else None) and the chunks in the order of those rows. device_tokens: a decode step launched ahead
+        (decode_rows)."""
         decode = [c for c in chunks if c.num_tokens == 1]
         if device_tokens is not None:
             if len(decode) != len(chunks):
@@ -189,9 +193,9 @@ class ModelRunner:
         return n
 
     def decode_rows(self, rows: list[ScheduledChunk],
-                    device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, GreedyTokens | None]:
         """One token of each row (a decode step, from its CUDA graph when captured): logits (len(rows), vocab)
-        and their argmax (len(rows),) int64 (None without GREEDY_IN_GRAPH).
+        and their argmax (len(rows),) int64 with where it lands on the host (None without GREEDY_IN_GRAPH).
         device_tokens: (len(rows),) the rows' input tokens on the device (a decode launched ahead: the step before
         sampled them and the host has not read them); else the sequences' own tokens."""
         n = len(rows)
@@ -234,7 +238,7 @@ class ModelRunner:
         return bs, n, nxt
 
     def decode_values(self, bs: int, n: int, values: list[int], device_tokens: torch.Tensor | None = None,
-                      fed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      fed: bool = False) -> tuple[torch.Tensor, GreedyTokens | None]:
         """The decode step of n rows padded to bs: values holds the (DECODE_INPUT_ROWS, bs) rows token, position,
         state slot, KV slot, cached tokens (padding rows: token 0 at position 0 of the dummy slot and page); the
         first n tokens come from device_tokens instead when given. fed: the inputs on the device already hold
@@ -249,6 +253,9 @@ class ModelRunner:
             if device_tokens is not None:
                 self.inputs[:n].copy_(device_tokens)  # the token row comes first
             self._record(self._host)
+        positions = values[bs:bs + n]
+        if self.token_ring is not None:
+            self.token_ring.before_launch(positions)
         graph = self.graphs.get(bs)
         if graph is not None:
             self.num_graph_steps += 1
@@ -258,7 +265,9 @@ class ModelRunner:
             self.num_eager_decode_steps += 1
             logits, greedy = self._decode_forward(bs, zero_dummy=bs > n)
         self._last_greedy = greedy
-        return logits[:n], None if greedy is None else greedy[:n]
+        if greedy is None:
+            return logits[:n], None
+        return logits[:n], GreedyTokens(greedy[:n], self.token_ring.land(positions) if self.token_ring else None)
 
     def _record(self, staging: torch.Tensor) -> None:
         """Note that a non-blocking copy out of this pinned staging buffer is in flight."""
@@ -296,7 +305,7 @@ class ModelRunner:
             logits = self.model.forward_step(step, self.pools, all_logits=True)
         if self.fed_decode:  # the argmax writes the next step's inputs too
             advance = R.DecodeAdvance(self.inputs[:DECODE_INPUT_ROWS * bs].view(-1, bs), self.table, self.page_size,
-                                      self.dummy_slot)
+                                      self.dummy_slot, self.token_ring.view(bs) if self.token_ring else None)
             return logits, ops.argmax(logits, advance)
         return logits, ops.argmax(logits) if GREEDY_IN_GRAPH else None
 

@@ -8,6 +8,7 @@ import torch
 
 from model import ops
 from serving.sequence import SamplingParams
+from serving.token_ring import LandedTokens
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -81,19 +82,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams | None], generators
 
 class TokensInFlight:
     """Sampled tokens on their way to the host: on CUDA, a non-blocking copy into pinned memory and an event, so
-    that reading them waits for the sampling alone and not for the work launched after it."""
+    that reading them waits for the sampling alone and not for the work launched after it; or, where the step's
+    argmax also stored them in host memory (landed: serving.token_ring), no copy."""
 
-    def __init__(self, tokens: torch.Tensor):
+    def __init__(self, tokens: torch.Tensor, landed: LandedTokens | None = None):
         self.on_device = tokens  # (B,) int64 where they were sampled: a decode launched ahead reads them there
         self._done = None
         self._host = tokens
-        if tokens.device.type == "cuda":
+        self._landed = landed
+        if landed is None and tokens.device.type == "cuda":
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
             self._done = torch.cuda.Event()
             self._done.record()
 
     def tolist(self) -> list[int]:
+        if self._landed is not None:
+            return self._landed.read()
         if self._done is not None:
             self._done.synchronize()
         return self._host.tolist()

@@ -102,24 +102,66 @@ def test_advance_writes_the_next_decode_inputs(bs, page, width):
     assert int(got.inputs[3, 0]) == int(got.table[got.inputs[2, 0], 1]) * page  # the first slot of the next page
 
 
+@pytest.mark.parametrize("bs,ring_rows", [(1, 2), (3, 4), (5, 3)])
+def test_advance_lands_tokens_in_the_ring(bs, ring_rows):
+    """advance.token_ring: each real row's token also at [position % R, row] (its position before the advance), as the
+    reference leaves it; padding rows and the other ring cells untouched. On CUDA the ring is pinned host memory."""
+    x = logits_of(bs, CHUNK + 17, torch.bfloat16, seed=30 + bs)
+    rings = [torch.full((ring_rows, bs), -1, dtype=torch.int64, pin_memory=HAS_CUDA) for _ in range(2)]
+    got, want = (advance_case(bs, 16, 4, seed=bs)._replace(token_ring=r) for r in rings)
+    positions, slots = got.inputs[1].cpu().long(), got.inputs[2].cpu()
+    tokens = argmax(x, got)
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+    R.advance_decode_inputs(R.argmax(x), want)
+    assert torch.equal(rings[0], rings[1]) and torch.equal(got.inputs, want.inputs)
+    real = slots != got.dummy_slot
+    expect = torch.full((ring_rows, bs), -1, dtype=torch.int64)
+    expect[positions[real] % ring_rows, real.nonzero()[:, 0]] = tokens.cpu()[real]
+    assert torch.equal(rings[0], expect)
+
+
+@pytest.mark.parametrize("ring,match", [
+    (lambda bs: torch.zeros(4, bs, dtype=torch.int32), "token_ring"),
+    (lambda bs: torch.zeros(4, bs + 1, dtype=torch.int64), r"\(R >= 2, 3\)"),
+    (lambda bs: torch.zeros(1, bs, dtype=torch.int64), r"\(R >= 2, 3\)"),
+    (lambda bs: torch.zeros(bs, 4, dtype=torch.int64).t(), "contiguous along B"),
+])
+def test_bad_token_ring_names_the_argument(ring, match):
+    advance = advance_case(3, 16, 4, seed=3)._replace(token_ring=ring(3))
+    with pytest.raises(ValueError, match=match):
+        argmax(logits_of(3, 70, torch.float32, 3), advance)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_token_ring_in_unpinned_host_memory_is_refused():
+    # a CUDA kernel cannot store into pageable host memory: a clear error, not a fault
+    advance = advance_case(3, 16, 4, seed=3)._replace(token_ring=torch.zeros(4, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="pinned host memory"):
+        argmax(logits_of(3, 70, torch.float32, 3), advance)
+
+
 SM90_ADVANCE = """
 from kernels import argmax as A
 from tests.sm90_compile import triton_sm90
-arg_type = lambda n: {"logits_ptr": "*bf16", "part_val_ptr": "*fp32", "stamps_ptr": "*i64", "out_ptr": "*i64"}.get(
-    n, "*i32" if n.endswith("_ptr") else "i32")
-for advance in (False, True):
-    r = triton_sm90(A._argmax_kernel, dict(CHUNK=A.CHUNK, P=122, PB=128, ADVANCE=advance, STAMPS=False, PDL=True),
-                    arg_type, A.NUM_WARPS, 1)
+arg_type = lambda n: {"logits_ptr": "*bf16", "part_val_ptr": "*fp32", "stamps_ptr": "*i64", "out_ptr": "*i64",
+                      "ring_ptr": "*i64"}.get(n, "*i32" if n.endswith("_ptr") else "i32")
+for advance, ring in ((False, False), (True, False), (True, True)):
+    r = triton_sm90(A._argmax_kernel, dict(CHUNK=A.CHUNK, P=122, PB=128, ADVANCE=advance, RING=ring, STAMPS=False,
+                                           PDL=True), arg_type, A.NUM_WARPS, 1)
     print(r["regs"], r["spill"], r["ptx"].count("st.global"), r["ptx"].count("ld.global"), flush=True)
 """
 
 
 def test_advance_compiles_for_sm90_into_the_last_program():
     # sm_90a on the CPU: the advance adds the next inputs' four stores and its three loads (state slot, position,
-    # page-table entry), no spill, no more registers than the argmax's
-    plain, advance = [tuple(map(int, line.split())) for line in compiled_script_output(SM90_ADVANCE).splitlines()]
-    assert advance[1] == plain[1] == 0 and advance[0] <= max(plain[0], 64), (plain, advance)
+    # page-table entry), the token ring one store more; no spill, no more registers than the argmax's
+    lines = compiled_script_output(SM90_ADVANCE).splitlines()
+    plain, advance, ring = [tuple(map(int, line.split())) for line in lines]
+    assert advance[1] == plain[1] == ring[1] == 0 and max(advance[0], ring[0]) <= max(plain[0], 64), lines
     assert advance[2] - plain[2] == 4 and advance[3] - plain[3] == 3, (plain, advance)
+    assert ring[2] - advance[2] == 1 and ring[3] == advance[3], (advance, ring)
 
 
 @pytest.mark.parametrize("bad,match", [

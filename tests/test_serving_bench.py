@@ -120,7 +120,7 @@ def test_host_time_ab_refuses_an_unknown_knob(capsys):
 
 @pytest.mark.parametrize("knob,names", [("prenorm", ("fused", "unfused")), ("split_k", ("off", "on")),
                                         ("gdn_early", ("off", "on")), ("tma_gemv", ("off", "on")),
-                                        ("fed_decode", ("off", "on"))])
+                                        ("fed_decode", ("off", "on")), ("token_ring", ("off", "on"))])
 def test_host_time_ab_alternates_the_variants(capsys, knob, names):
     import kernels.backend  # noqa: F401  (registers the triton backend, whichever variant runs first)
     from kernels import gdn_decode, linear

@@ -339,20 +339,23 @@ def test_decode_ahead_equals_plain_steps(model, budget, padded):
 @padded
 def test_fed_decode_equals_plain_steps(model, budget, padded):
     """EngineConfig.fed_decode: the argmax of each decode step writes the next step's inputs, and a decode launched
-    ahead on exactly those inputs copies nothing. The same tokens and finish reasons as without it (greedy requests
-    across page boundaries, a stop token, seeded samples, which are never fed), steps really fed, nothing leaking."""
+    ahead on exactly those inputs copies nothing; with EngineConfig.token_ring the host reads the greedy tokens where
+    the argmax stored them. The same tokens and finish reasons as without either (greedy requests across page
+    boundaries, a stop token, seeded samples, which are never fed), steps really fed, nothing leaking."""
     requests = _mixed_requests(model) + [(random_prompt(6, seed=250), SamplingParams(max_tokens=30))]
     results = {}
-    for fed in (False, True):
-        engine = small_engine(model, padded=padded, max_num_batched_tokens=budget, max_num_seqs=6, fed_decode=fed)
+    for fed, ring in ((False, False), (True, False), (True, True)):
+        engine = small_engine(model, padded=padded, max_num_batched_tokens=budget, max_num_seqs=6, fed_decode=fed,
+                              token_ring=ring)
         ids = [engine.add_request(p, params) for p, params in requests]
         while engine.has_unfinished:
             engine.step()
-        results[fed] = [(o.output_ids, o.finish_reason) for o in map(engine.pop_output, ids)]
+        results[fed, ring] = [(o.output_ids, o.finish_reason) for o in map(engine.pop_output, ids)]
         assert (engine.runner.num_fed_steps > 0) == fed, engine.runner.num_fed_steps
+        assert (engine.runner.token_ring is not None and engine.runner.token_ring.num_read > 0) == ring
         assert_nothing_leaks(engine)
-    assert results[True] == results[False]
-    assert results[True][-1][0] == expected(model, requests[-1][0], 30)  # 30 tokens over pages of 8
+    assert results[True, True] == results[True, False] == results[False, False]
+    assert results[True, True][-1][0] == expected(model, requests[-1][0], 30)  # 30 tokens over pages of 8
 
 
 def test_fed_decode_is_not_fed_past_a_change(model):

@@ -350,7 +350,8 @@ def test_interleaved_prefill_with_graphs_follows_the_plain_engine(gpu_model):
 def test_decode_ahead_with_graphs_equals_plain_steps(gpu_model, fed):
     """EngineConfig.decode_ahead on the GPU: the graph of the next decode is replayed with its tokens copied on the
     device before the host reads them (fed: written by the last step's argmax, with the rest of its inputs, and
-    nothing copied). Same kernels on the same shapes as without it: the same tokens and bit-identical logits,
+    nothing copied, the host reading the tokens from the argmax's stores into pinned memory: EngineConfig.token_ring).
+    Same kernels on the same shapes as without it: the same tokens and bit-identical logits,
     batched, with a sequence that ends early (max_tokens) while a decode is launched ahead."""
     with ops.use_backend("triton"):
         prompts = prompts_of((30, 77, 128, 9), GPU_CFG.vocab_size, seed=8)
@@ -365,6 +366,8 @@ def test_decode_ahead_with_graphs_equals_plain_steps(gpu_model, fed):
             results.append(([engine.pop_output(i).output_ids for i in ids], [logits[i] for i in ids]))
             assert (engine.num_ahead_steps > 0) == ahead and engine.runner.num_graph_steps > 0
             assert (engine.runner.num_fed_steps > 0) == (fed and ahead)
+            ring = engine.runner.token_ring  # fed: the host read the tokens where the argmax stored them
+            assert (ring is not None and ring.num_read > 0) == (fed and ahead)
         (out_a, log_a), (out_b, log_b) = results
         assert out_a == out_b and [len(o) for o in out_a] == [12, 17, 22, 27]
         for seq, (a, b) in enumerate(zip(log_a, log_b)):
