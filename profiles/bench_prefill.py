@@ -5,6 +5,8 @@
    threshold, the polynomial exp2 fraction), so the table shows what each idea is worth.
    FLOPs: 4 * Sq * Sk * H * D, halved for causal.
 2. The chunked Gated DeltaNet prefill (kernels/gdn_prefill.py) in Mtok/s against fla's chunk_gated_delta_rule.
+3. `--only sustained`: the CuTe kernel and flash-attn-4 each alone for seconds, with the SM clock and power each
+   settles at (near the power cap the clock depends on the kernel; the paired ratios of `--only cute` share one).
 Writes prefill.json to --out.
 
 Bounds, before tuning (H200): dense bf16 wgmma ~990 TFLOP/s peak, 670-790 measured on GEMM; exp2 at
@@ -14,6 +16,7 @@ about 6 MFLOP a token at H32 (kernels/gdn_prefill.py's docstring), ~70 Mtok/s at
 import argparse
 import functools
 import json
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -50,7 +53,9 @@ GDN_CASES = [(1, 16384, 32), (1, 32768, 16), (8, 4096, 32)]  # (batch, T, heads)
 CURVE = (32768, 32, 128)  # TFLOP/s against seqlen: batch * seqlen = 32k tokens, H32 d128, causal
 CURVE_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 AGENT_CASE = ("800 new / 50k", 1, 800, 50000)  # H16/KV4 d256 over a paged prefix (profiles/bench_agent_turn.py)
-PARTS = ("gdn", "attention", "agent", "curve", "cute")
+PARTS = ("gdn", "attention", "agent", "curve", "cute", "sustained")
+SUSTAIN_S = 2.0  # the sustained part: seconds each kernel runs alone, back to back (after SETTLE_S of the same)
+SETTLE_S = 0.3
 # The CuTe kernel (issue 5): each FA4 idea and schedule option against the default config (the intra-warpgroup
 # overlap on, conditional rescale at 8, no polynomial exp2, one CTA per tile, ping-pong but at dense d128), as head_dim
 # -> config overrides (a head dim left out does not run the variant). pingpong flips the default ping-pong of the
@@ -233,6 +238,43 @@ def bench_cute_case(batch, seqlen, h, kv, d, causal, variants=CUTE_VARIANTS, ite
     return row
 
 
+def bench_sustained_case(batch, seqlen, h, kv, d, causal, rounds: int = 3) -> list[dict]:
+    """Our CuTe kernel and flash-attn-4, each alone back to back for SUSTAIN_S a round (the way a prefill's layers
+    call one kernel), with the SM clock and board power it settles at (profiles.gpu_clocks): TFLOP/s, MHz, W."""
+    from fa4.cute.entry import cute_attention
+    from profiles.gpu_clocks import ClockSampler
+    q, k, v = attention_inputs(batch, seqlen, h, kv, d)
+    calls = {"cute": functools.partial(cute_attention, q, k, v, causal=causal, softmax_scale=d ** -0.5),
+             "fa4": peer_attention("fa4", q, k, v, causal)}
+    flops = attention_flops(batch, seqlen, h, d, causal)
+    rows = []
+    with ClockSampler() as clocks:
+        for r in range(rounds):
+            for name, call in calls.items():
+                settle = time.time() + SETTLE_S
+                while time.time() < settle:
+                    call()
+                    torch.cuda.synchronize()
+                t0, n = time.time(), 0
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                while time.time() - t0 < SUSTAIN_S:
+                    for _ in range(8):
+                        call()
+                    n += 8
+                    torch.cuda.synchronize()
+                end.record()
+                end.synchronize()
+                mhz, watts = clocks.mean(t0, time.time())
+                us = 1e3 * start.elapsed_time(end) / n
+                rows.append({"B": batch, "S": seqlen, "H/KV": f"{h}/{kv}", "D": d, "causal": causal, "kernel": name,
+                             "round": r, "us": us, "TFLOPs": flops / us / 1e6, "sm_MHz": mhz, "W": watts})
+    for row in rows:  # each round's ratio to flash-attn-4's time in the same round
+        peer = next(p for p in rows if p["round"] == row["round"] and p["kernel"] == "fa4" and p["D"] == row["D"])
+        row["vs_fa4"] = peer["us"] / row["us"]
+    return rows
+
+
 def quick(what, case: int = 2):
     """A short run of one case (for ncu): few timed calls, no peers beside it; case indexes ATTN_CASES."""
     if what == "gdn":
@@ -311,6 +353,11 @@ def main(argv=None):
         result["cute_agent_turn"] = [progress(bench_agent_row(cute=True))]
         print_table(result["cute_agent_turn"], ["case", "cute_us", "cute_graph_us", "fa4_us", "fa4_graph_us",
                                                 "cute_TFLOPs", "fa4_over_cute", "rel_err_cute_vs_fa4"])
+    if "sustained" in parts:
+        result["sustained"] = [row for c in ATTN_CASES[:4] for row in bench_sustained_case(*c)]
+        print(f"\neach kernel alone for {SUSTAIN_S} s a round: TFLOP/s, and the SM clock and power it settles at")
+        print_table(result["sustained"], ["B", "S", "H/KV", "D", "causal", "kernel", "round", "TFLOPs", "vs_fa4",
+                                          "sm_MHz", "W"])
     path = Path(args.out) / "prefill.json"
     merged = json.loads(path.read_text()) if args.only and path.exists() else {}
     merged.pop("command", None)
