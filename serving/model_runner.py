@@ -119,7 +119,7 @@ class ModelRunner:
             self.rope = R.rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.prefill_graphs = prefill_graphs
-        self.fed_decode = fed_decode and link is None and GREEDY_IN_GRAPH
+        self.fed_decode = fed_decode and model.tp.world_size == 1 and GREEDY_IN_GRAPH  # workers have no link either
         # where a fed decode's argmax also leaves its tokens in host memory (serving.token_ring)
         self.token_ring = TokenRing(self.max_decode, dev) if self.fed_decode and token_ring else None
         self._moved_on: tuple | None = None  # (bs, n, inputs past the first n tokens) the last decode's argmax left

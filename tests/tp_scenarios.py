@@ -63,7 +63,8 @@ def build(name: str, device, tp: ParallelContext | None) -> Qwen35ForCausalLM:
 def run_engine(model: Qwen35ForCausalLM, padded: bool, num_pages: int, device_type: str) -> dict | None:
     """Rank 0 (or world size 1): the outputs and the runner's step counts; workers serve until rank 0 closes."""
     engine = LLMEngine(model, engine_config(device_type, num_pages), pad_decode=padded)
-    if model.tp.rank != 0:
+    if model.tp.rank != 0:  # a worker replays rank 0's inputs: it feeds itself nothing and reads no tokens
+        assert not engine.runner.fed_decode and engine.runner.token_ring is None
         serve_worker(engine)
         return None
     outs, cached = engine_outputs(engine)
