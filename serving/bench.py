@@ -248,7 +248,8 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
     common = dict(page_size=page, max_num_seqs=args.concurrency, max_model_len=max_len,
                   snapshot_slots=3 * args.concurrency + 16, max_num_batched_tokens=args.chunk,
                   fast_lane_tokens=args.fast_lane, cuda_graphs=not args.eager, seed=args.seed,
-                  interleave_slices=args.interleave, prefill_graph_tokens=args.prefill_graphs,
+                  interleave_slices=args.interleave, interleave_slice_tokens=args.interleave_slice_tokens,
+                  prefill_graph_tokens=args.prefill_graphs,
                   decode_ahead=bool(args.decode_ahead), fed_decode=bool(args.fed_decode),
                   token_ring=bool(args.token_ring))
     if model.lm_head.weight.device.type == "cuda":
@@ -274,7 +275,9 @@ def warm_up(engine: LLMEngine, traces: list[Trace]) -> None:
 
 # engine knobs of the command line, and their defaults: a run with another value gets its own row in serving.json
 ENGINE_KNOBS = {"chunk": EngineConfig.max_num_batched_tokens, "fast_lane": 1024, "page_size": 16,
-                "interleave": EngineConfig.interleave_slices, "prefill_graphs": EngineConfig.prefill_graph_tokens,
+                "interleave": EngineConfig.interleave_slices,
+                "interleave_slice_tokens": EngineConfig.interleave_slice_tokens,
+                "prefill_graphs": EngineConfig.prefill_graph_tokens,
                 "decode_ahead": int(EngineConfig.decode_ahead), "fed_decode": int(EngineConfig.fed_decode),
                 "token_ring": int(EngineConfig.token_ring)}
 
@@ -320,6 +323,9 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--interleave", type=int, default=ENGINE_KNOBS["interleave"], metavar="SLICES",
                     help="mixed steps launch their prefill in SLICES layer slices with decode steps between "
                          "(EngineConfig.interleave_slices; 0: off)")
+    ap.add_argument("--interleave-slice-tokens", type=int, default=ENGINE_KNOBS["interleave_slice_tokens"],
+                    metavar="TOKENS", help="with --interleave, a mixed step of T prefill tokens takes at least "
+                    "ceil(T / TOKENS) slices, one a layer at most (EngineConfig.interleave_slice_tokens; 0: off)")
     ap.add_argument("--prefill-graphs", type=int, default=ENGINE_KNOBS["prefill_graphs"], metavar="TOKENS",
                     help="prefill steps up to TOKENS replay CUDA graphs of their row-wise stretches "
                          "(EngineConfig.prefill_graph_tokens; 0: off)")

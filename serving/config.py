@@ -28,6 +28,13 @@ class EngineConfig:
     the slice, and more slices pay: 8 slices against 4, alternated in one process, 289 / 256 tok/s against
     275 / 234 (run-to-run spread about 20 tok/s); 12 slices 305 and 299, 8 slices 273 in the latter's process
     (session 12). The price is the returning turn's TTFT under load: p50 ~38 ms at 12 slices, ~30 at 8, ~21 at 4.
+    interleave_slice_tokens: with it, a mixed step whose prefill chunks hold T tokens takes max(interleave_slices,
+    ceil(T / interleave_slice_tokens)) slices (at most one a layer), so that a cold 4-8k-token prefill stalls the
+    decoders about as long a slice as a returning turn's does; 0: always interleave_slices. Why: at 16 users the
+    slowest user's decode rate is set by its first turn, decoded while the other users' 4096-token first turns
+    prefill in 12 slices of ~8 ms each (H200, session 35: the slowest user's first-turn TPOT 5.2 ms against ~3.2
+    in its later turns, `serving.json` '...|c16|...|h200_session35'). Off until timed (`serving.bench --concurrency
+    16 --sweep interleave_slice_tokens=0,256`).
     decode_ahead: after a step in which every running sequence sampled (decodes, prompt tails), launch the next
     decode step before reading this one's tokens (its input tokens copied on the device from the samples), so
     the host's bookkeeping
@@ -60,6 +67,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     max_graph_batch: int | None = None
     interleave_slices: int = 12
+    interleave_slice_tokens: int = 0
     decode_ahead: bool = True
     fed_decode: bool = True
     token_ring: bool = True
@@ -74,8 +82,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1), got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.interleave_slices < 0:
-            raise ValueError(f"interleave_slices must be >= 0, got {self.interleave_slices}")
+        if self.interleave_slices < 0 or self.interleave_slice_tokens < 0:
+            raise ValueError(f"interleave_slices and interleave_slice_tokens must be >= 0, got "
+                             f"{self.interleave_slices} and {self.interleave_slice_tokens}")
         if self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
         if self.max_graph_batch is not None and self.max_graph_batch < 1:
@@ -95,6 +104,14 @@ class EngineConfig:
         """The decode batch sizes captured in CUDA graphs: the ladder up to max_graph_batch, which is included."""
         top = min(self.max_graph_batch or self.max_num_seqs, self.max_num_seqs)
         return tuple(sorted({b for b in GRAPH_LADDER if b < top} | {top}))
+
+    def prefill_slices(self, prefill_tokens: int, num_layers: int) -> int:
+        """The layer slices of a mixed step whose prefill chunks hold prefill_tokens tokens: interleave_slices, more
+        for long prefills with interleave_slice_tokens, at most one a layer."""
+        slices = self.interleave_slices
+        if self.interleave_slice_tokens:
+            slices = max(slices, -(-prefill_tokens // self.interleave_slice_tokens))
+        return min(slices, num_layers)
 
 
 DEFAULT_MAX_MODEL_LEN = 65536

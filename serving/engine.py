@@ -279,7 +279,7 @@ class LLMEngine:
         the host, the bottleneck of an eager prefill, launches that slice while the GPU runs the decode step.
         Returns (the prefill rows' logits, the decode steps' outputs)."""
         num_layers = self.model.config.num_hidden_layers
-        slices = min(self.cfg.interleave_slices, num_layers)
+        slices = self.cfg.prefill_slices(sum(c.num_tokens for c in prefills), num_layers)
         cuts = {num_layers * k // slices for k in range(1, slices)}
         outputs, layer, sampled = [], 0, None
         try:

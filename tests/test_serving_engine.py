@@ -203,13 +203,15 @@ def test_padded_decode_runs_at_ladder_sizes_and_splits_mixed_steps(model):
 
 
 @padded
-@pytest.mark.parametrize("slices", [3, 4])
-def test_interleaved_prefill_slices_equal_greedy(model, padded, slices):
+@pytest.mark.parametrize("slices,slice_tokens,most_slices", [(3, 0, 3), (4, 0, 4), (2, 4, 4), (2, 6, 3), (2, 11, 2)])
+def test_interleaved_prefill_slices_equal_greedy(model, padded, slices, slice_tokens, most_slices):
     """interleave_slices: a late arrival's prefill (several chunks under a small budget) launches in slices of
     layers, and the running sequences decode between them; every output still equals greedy, the decoders gain
-    tokens inside mixed steps, and nothing leaks."""
+    tokens inside mixed steps, and nothing leaks. interleave_slice_tokens: a chunk of 16 prefill tokens (the budget
+    less the 3 decode rows, in whole pages of 8) takes ceil(16 / 4) = 4 slices where interleave_slices says 2,
+    ceil(16 / 6) = 3, ceil(16 / 11) = 2."""
     engine = small_engine(model, padded=padded, max_num_seqs=6, num_pages=128, max_num_batched_tokens=24,
-                          interleave_slices=slices)
+                          interleave_slices=slices, interleave_slice_tokens=slice_tokens)
     prompts = [random_prompt(n, seed=70 + n) for n in (3, 9, 5)]
     ids = [engine.add_request(p, SamplingParams(max_tokens=24)) for p in prompts]
     while any(engine.sequences[i].num_uncomputed_tokens > 1 for i in ids):
@@ -220,10 +222,20 @@ def test_interleaved_prefill_slices_equal_greedy(model, padded, slices):
     while engine.has_unfinished:
         outs = engine.step()
         most = max([most] + [sum(o.seq_id == i for o in outs) for i in ids[:3]])
-    assert most == slices - 1, "a decoder takes a token at each slice boundary of a mixed step"
+    assert most == most_slices - 1, "a decoder takes a token at each slice boundary of a mixed step"
     for prompt, seq_id in zip(prompts + [late], ids):
         assert engine.pop_output(seq_id).output_ids == expected(model, prompt, 24 if prompt is not late else 5)
     assert_nothing_leaks(engine)
+
+
+def test_prefill_slices_grow_with_the_prefill_up_to_one_a_layer():
+    plain = EngineConfig(interleave_slices=12)
+    by_tokens = EngineConfig(interleave_slices=12, interleave_slice_tokens=256)
+    assert [plain.prefill_slices(t, 24) for t in (300, 4096, 8192)] == [12, 12, 12]
+    assert [by_tokens.prefill_slices(t, 24) for t in (300, 3073, 4096, 8192)] == [12, 13, 16, 24]
+    assert by_tokens.prefill_slices(8192, 8) == 8
+    with pytest.raises(ValueError, match="interleave_slice_tokens"):
+        EngineConfig(interleave_slice_tokens=-1)
 
 
 def test_a_slice_that_raises_keeps_the_decode_tokens_before_it(model):
