@@ -27,7 +27,7 @@ class LandedTokens:
         self._ring = ring
         self.cells = [(p % RING_ROWS, r) for r, p in enumerate(positions)]
         self._event = None
-        if ring.slots.is_pinned():
+        if ring.on_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
         self._values: list[int] | None = None
@@ -49,7 +49,8 @@ class TokenRing:
     writes, and the landings in it not read yet."""
 
     def __init__(self, max_batch: int, device: torch.device):
-        self.slots = torch.zeros((RING_ROWS, max_batch), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.on_cuda = device.type == "cuda"  # the steps run there: a landing waits for its step's event
+        self.slots = torch.zeros((RING_ROWS, max_batch), dtype=torch.int64, pin_memory=self.on_cuda)
         self._unread: dict[tuple[int, int], LandedTokens] = {}  # (ring row, batch row) -> its landing, unread
         self.num_read = 0
 
