@@ -79,7 +79,6 @@ class TokenRing:
                 del self._unread[cell]
 
 
-
 class GreedyTokens(NamedTuple):
     """A decode step's argmax: on the device (B,) int64, and where they land on the host (None: not in a ring)."""
     on_device: torch.Tensor
