@@ -53,6 +53,18 @@ def returning_step(engine: LLMEngine, ctx: int, new: int, seed: int = 0) -> int:
     return engine.add_request(turn, SamplingParams(max_tokens=1, ignore_eos=True))
 
 
+def returning_walls(engine: LLMEngine, ctx: int, new: int, turns: int = 5) -> list[float]:
+    """Wall ms of the returning turn's step (returning_step), unprofiled and synchronised, for `turns` turns."""
+    walls = []
+    for seed in range(10, 10 + turns):
+        seq_id = returning_step(engine, ctx, new, seed=seed)
+        walls.append(time_steps(engine, 1))
+        while engine.has_unfinished:
+            engine.step()
+        engine.pop_output(seq_id)
+    return walls
+
+
 def decoding_batch(engine: LLMEngine, batch: int, ctx: int, seed: int = 0) -> None:
     """Prefill `batch` ctx-token prompts that then decode 240 tokens, so that the next engine.step() is a decode."""
     gen = torch.Generator().manual_seed(seed)
@@ -501,6 +513,9 @@ def main(argv=None) -> dict:
         return profile_decode(model, what, device, args)
     engine = make_engine(model, 1, args.ctx + args.new + 64)
     engine.warm_up()
+    plain = returning_walls(engine, args.ctx, args.new)
+    print(f"{what} on {device}: a step of {args.new} new tokens over {args.ctx} cached, unprofiled: wall "
+          + ", ".join(f"{ms:.1f}" for ms in plain) + " ms")
     returning_step(engine, args.ctx, args.new, seed=1)
     py_wall, py_rows = python_profile(engine, args.top)
     print(f"{what} on {device}: one step of {args.new} new tokens over {args.ctx} cached under cProfile: wall "
@@ -512,7 +527,8 @@ def main(argv=None) -> dict:
     print(f"{what} on {device}: one step of {args.new} new tokens over {args.ctx} cached: wall {wall:.1f} ms, "
           f"GPU busy {busy:.1f} ms, {sum(kernels.values())} kernels, {sum(r['calls'] for r in rows)} operator calls")
     print_table(rows[:args.top], ["op", "calls", "self_cpu_ms", "gpu_ms"])
-    return dict(wall_ms=wall, gpu_busy_ms=busy, kernels=dict(kernels), ops=rows[:args.top], python_wall_ms=py_wall,
+    return dict(unprofiled_wall_ms=plain, wall_ms=wall, gpu_busy_ms=busy, kernels=dict(kernels), ops=rows[:args.top],
+                python_wall_ms=py_wall,
                 python=py_rows)
 
 

@@ -43,7 +43,7 @@ from profiles.common import (
 )
 from serving.config import EngineConfig
 from serving.demo import load_model, pick_device
-from serving.engine import LLMEngine
+from serving.engine import LLMEngine, StepPhases
 from serving.sequence import SamplingParams
 from serving.traces import Trace, load_jsonl, synthetic, write_jsonl
 
@@ -109,12 +109,14 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: bool = True
-           ) -> tuple[list[Request], list[User], float]:
-    """Run every trace to its end with `concurrency` closed-loop users. Returns the requests, users, wall time."""
+           ) -> tuple[list[Request], list[User], float, list[tuple[float, StepPhases]]]:
+    """Run every trace to its end with `concurrency` closed-loop users. Returns the requests, users, wall time and
+    each engine step's (wall ms, phases)."""
     from tqdm import tqdm
     users = [User(i, traces[i::concurrency]) for i in range(min(concurrency, len(traces)))]
     live: dict[int, tuple[User, Request, list[int]]] = {}
     done: list[Request] = []
+    steps: list[tuple[float, StepPhases]] = []
     bar = tqdm(total=sum(len(t.turns) for t in traces), desc="turns", disable=not progress, file=sys.stderr)
     start = time.perf_counter()
     idle = list(users)
@@ -128,8 +130,10 @@ def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: b
             live[seq_id] = (u, Request(u.index, u.trace.id, u.turn, len(prompt), min(eligible, len(prompt) - 1),
                                        time.perf_counter()), prompt)
         idle = []
+        before = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
+        steps.append((1e3 * (now - before), engine.last_step))
         for o in outs:
             u, r, prompt = live[o.seq_id]
             if r.first is None:
@@ -144,7 +148,33 @@ def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: b
                 idle.append(u)
                 bar.update(1)
     bar.close()
-    return done, users, time.perf_counter() - start
+    return done, users, time.perf_counter() - start, steps
+
+
+def step_kind(phases: StepPhases) -> str:
+    if phases.prefill_tokens == 0:
+        return "decode ahead" if phases.ahead else ("decode" if phases.decode_steps else "idle")
+    return "mixed" if phases.decode_steps else "prefill"
+
+
+def step_breakdown(steps: list[tuple[float, StepPhases]], wall_s: float) -> list[dict]:
+    """Where a replay's wall time went, by kind of engine step: decode steps launched ahead (their wall is mostly
+    the wait for the GPU), other decode steps, mixed steps (a prefill in slices with decode steps between), prefill
+    steps; and the bench's own loop between steps."""
+    rows = []
+    for kind in ("decode ahead", "decode", "mixed", "prefill", "idle"):
+        mine = [(ms, p) for ms, p in steps if step_kind(p) == kind]
+        if not mine:
+            continue
+        total = sum(ms for ms, _ in mine)
+        decode_steps = sum(p.decode_steps for _, p in mine)
+        rows.append({"kind": kind, "steps": len(mine), "wall_s": total / 1e3, "share": total / 1e3 / wall_s,
+                     "mean_ms": total / len(mine), "dispatch_ms": sum(p.dispatch_ms for _, p in mine) / len(mine),
+                     "prefill_tokens": sum(p.prefill_tokens for _, p in mine), "decode_steps": decode_steps,
+                     "rows_per_decode": sum(p.decode_rows for _, p in mine) / len(mine)})
+    outside = wall_s - sum(ms for ms, _ in steps) / 1e3
+    rows.append({"kind": "between steps", "steps": None, "wall_s": outside, "share": outside / wall_s})
+    return rows
 
 
 def request_row(r: Request) -> dict:
@@ -465,8 +495,9 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
     steps_before = (runner.num_graph_steps, runner.num_eager_decode_steps, runner.num_eager_steps,
                     runner.num_graph_prefill_steps, engine.num_ahead_steps, runner.num_fed_steps)
     with TritonCompileLog() as compiles:
-        requests, users, wall = replay(engine, traces, args.concurrency, progress=not args.no_progress)
+        requests, users, wall, steps = replay(engine, traces, args.concurrency, progress=not args.no_progress)
     rows, overall = summarize(requests, users, wall)
+    kinds = step_breakdown(steps, wall)
     if args.per_request:
         print_table([request_row(r) for r in requests], ["user", "turn", "prompt", "cached", "new", "ttft_ms",
                                                           "tpot_ms", "generated"], out)
@@ -481,6 +512,8 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
               f"{runner.num_fed_steps - steps_before[5]} fed), "
               f"{runner.num_eager_steps - steps_before[2]} eager (prefill or mixed; "
               f"{runner.num_graph_prefill_steps - steps_before[3]} of them through prefill graphs)\n")
+    print_table(kinds, ["kind", "steps", "wall_s", "share", "mean_ms", "dispatch_ms", "prefill_tokens",
+                        "decode_steps", "rows_per_decode"], out)
     if overall["return_sample_ms"] is not None:
         out.write("returning turns' first step, p50 of each phase: schedule {return_schedule_ms:.2f} ms, dispatch "
                   "{return_dispatch_ms:.2f}, commit {return_commit_ms:.2f}, sample and wait {return_sample_ms:.2f}: "
@@ -498,6 +531,7 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
                           graph_prefill=runner.num_graph_prefill_steps - steps_before[3],
                           decode_ahead=engine.num_ahead_steps - steps_before[4],
                           fed=runner.num_fed_steps - steps_before[5]),
+               step_kinds=kinds,
                triton_compiles=dict(count=len(compiles.names), seconds=compiles.seconds,
                                     kernels=sorted(set(compiles.names))),
                requests=[request_row(r) for r in requests])

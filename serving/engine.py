@@ -43,6 +43,10 @@ class StepPhases:
     dispatch_ms: float = 0.0  # the model step's host side: building its inputs and launching its kernels
     commit_ms: float = 0.0  # publishing computed pages and state snapshots
     sample_ms: float = 0.0  # sampling, and the wait for the step's results
+    prefill_tokens: int = 0  # the step's prefill chunks' tokens
+    decode_rows: int = 0  # sequences decoding at the step's start
+    decode_steps: int = 0  # decode steps run (a mixed step runs one after each prefill slice but the last)
+    ahead: bool = False  # the step completed a decode step launched ahead by the step before
 
 
 @dataclass
@@ -174,19 +178,22 @@ class LLMEngine:
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
+            self.last_step = StepPhases()
             return []
         t1 = time.perf_counter()
         decodes = [c for c in chunks if c.num_tokens == 1]
-        outputs = []
+        prefill_tokens = sum(c.num_tokens for c in chunks) - len(decodes)
+        outputs, decode_steps, greedy = [], int(bool(decodes)), None
         if self.cfg.interleave_slices > 1 and decodes and len(decodes) < len(chunks) and self.link is None:
             chunks = [c for c in chunks if c.num_tokens > 1]
-            (logits, outputs), greedy = self._prefill_between_decodes(chunks, decodes), None
+            logits, outputs, decode_steps = self._prefill_between_decodes(chunks, decodes)
         else:
             logits, greedy, chunks = self.runner.execute(chunks)  # rows of logits follow the returned chunks
         t2 = time.perf_counter()
         finished, commit_ms = self._finish_step(chunks, logits, greedy)
         t3 = time.perf_counter()
-        self.last_step = StepPhases(1e3 * (t1 - t0), 1e3 * (t2 - t1), commit_ms, 1e3 * (t3 - t2) - commit_ms)
+        self.last_step = StepPhases(1e3 * (t1 - t0), 1e3 * (t2 - t1), commit_ms, 1e3 * (t3 - t2) - commit_ms,
+                                    prefill_tokens, len(decodes), decode_steps)
         return outputs + finished
 
     def _finish_step(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
@@ -269,7 +276,8 @@ class LLMEngine:
         t2 = time.perf_counter()
         outputs = self._take_tokens(sampled)
         t3 = time.perf_counter()
-        self.last_step = StepPhases(0.0, 1e3 * (t2 - t1), 1e3 * (t1 - t0), 1e3 * (t3 - t2))
+        self.last_step = StepPhases(0.0, 1e3 * (t2 - t1), 1e3 * (t1 - t0), 1e3 * (t3 - t2), 0, len(sampled[0]), 1,
+                                    ahead=True)
         return outputs
 
     def _prefill_between_decodes(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]):
@@ -277,11 +285,11 @@ class LLMEngine:
         each slice but the last the running decodes take a step (the scheduled ones first, then whoever is at
         its last token and gets a page). A decode step's tokens are read only after the next slice is launched:
         the host, the bottleneck of an eager prefill, launches that slice while the GPU runs the decode step.
-        Returns (the prefill rows' logits, the decode steps' outputs)."""
+        Returns (the prefill rows' logits, the decode steps' outputs, how many decode steps ran)."""
         num_layers = self.model.config.num_hidden_layers
         slices = self.cfg.prefill_slices(sum(c.num_tokens for c in prefills), num_layers)
         cuts = {num_layers * k // slices for k in range(1, slices)}
-        outputs, layer, sampled = [], 0, None
+        outputs, layer, sampled, steps = [], 0, None, 0
         try:
             for out in self.runner.eager_layers(prefills):
                 layer += out is None
@@ -289,9 +297,10 @@ class LLMEngine:
                     outputs += self._take_tokens(sampled)  # the decode step of the cut before this slice
                     sampled, decodes = None, self.scheduler.schedule_decodes_between()
                 if out is not None:
-                    return out, outputs
+                    return out, outputs, steps
                 if layer in cuts and decodes:
                     sampled = self._commit_and_sample(decodes, *self.runner.decode_rows(decodes))[0]
+                    steps += 1
         finally:
             if sampled is not None:  # a slice raised: the decode step before it still appends its tokens
                 self._take_tokens(sampled)
