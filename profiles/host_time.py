@@ -527,9 +527,11 @@ def main(argv=None) -> dict:
     print(f"{what} on {device}: one step of {args.new} new tokens over {args.ctx} cached: wall {wall:.1f} ms, "
           f"GPU busy {busy:.1f} ms, {sum(kernels.values())} kernels, {sum(r['calls'] for r in rows)} operator calls")
     print_table(rows[:args.top], ["op", "calls", "self_cpu_ms", "gpu_ms"])
-    return dict(unprofiled_wall_ms=plain, wall_ms=wall, gpu_busy_ms=busy, kernels=dict(kernels), ops=rows[:args.top],
-                python_wall_ms=py_wall,
-                python=py_rows)
+    by_gpu = sorted((r for r in rows if r["gpu_ms"] > 0), key=lambda r: -r["gpu_ms"])[:args.top]
+    print("the same step's operators and kernels by GPU time:")
+    print_table(by_gpu, ["op", "calls", "gpu_ms"])
+    return dict(unprofiled_wall_ms=plain, by_gpu=by_gpu, wall_ms=wall, gpu_busy_ms=busy, kernels=dict(kernels),
+                ops=rows[:args.top], python_wall_ms=py_wall, python=py_rows)
 
 
 if __name__ == "__main__":
