@@ -56,14 +56,16 @@ AGENT_CASE = ("800 new / 50k", 1, 800, 50000)  # H16/KV4 d256 over a paged prefi
 PARTS = ("gdn", "attention", "agent", "curve", "cute", "sustained")
 SUSTAIN_S = 2.0  # the sustained part: seconds each kernel runs alone, back to back (after SETTLE_S of the same)
 SETTLE_S = 0.3
-# The CuTe kernel (issue 5): each FA4 idea and schedule option against the default config (the intra-warpgroup
-# overlap on, conditional rescale at 8, no polynomial exp2, one CTA per tile, ping-pong but at dense d128), as head_dim
-# -> config overrides (a head dim left out does not run the variant). pingpong flips the default ping-pong of the
-# consumer warpgroups, which take turns issuing their GEMMs with it (ncu of the d256 causal row: barrier stalls 1.21
-# per issued instruction against flash-attn-4's 0.33; fa4.cute.config.default_pingpong). wide_tile: FA3's K/V tiles
-# on the H100 (d128 176 keys, d256 80); 3_stages: a deeper K/V ring at d128 (32 + 3 x 64 KiB of smem); hoisted_desc:
-# QK^T with our own wgmma descriptors, built once outside the loop (AttentionConfig.hoisted_qk_desc; the default at
-# dense d128 causal only, fa4.cute.config.default_hoisted_qk_desc), dsl_desc: QK^T through cute.gemm everywhere.
+# The CuTe kernel (issue 5): each FA4 idea and schedule option against the default config (the intra-warpgroup overlap
+# on, conditional rescale at 8, no polynomial exp2, one CTA a tile and ping-pong but at dense d128 (non-causal for the
+# former)), as head_dim -> config overrides (a head dim left out does not run the variant). pingpong flips the default
+# ping-pong of the consumer warpgroups, which take turns issuing their GEMMs with it (ncu of the d256 causal row:
+# barrier stalls 1.21 per issued instruction against flash-attn-4's 0.33; fa4.cute.config.default_pingpong). wide_tile:
+# FA3's K/V tiles on the H100 (d128 176 keys, d256 80); 3_stages: a deeper K/V ring at d128 (32 + 3 x 64 KiB of smem);
+# hoisted_desc: QK^T with our own wgmma descriptors, built once outside the loop (AttentionConfig.hoisted_qk_desc; the
+# default at dense d128 causal only, fa4.cute.config.default_hoisted_qk_desc), dsl_desc: QK^T through cute.gemm
+# everywhere; persistent: the persistent scheduler everywhere (the default at dense d128 non-causal only,
+# fa4.cute.config.default_persistent), cta_a_tile: a CTA a tile everywhere.
 
 
 def _every_dim(**overrides) -> dict:
@@ -73,7 +75,7 @@ def _every_dim(**overrides) -> dict:
 CUTE_VARIANTS = [("default", _every_dim()), ("no_overlap", _every_dim(intra_wg_overlap=False)),
                  ("always_rescale", _every_dim(rescale_threshold=0.0)),
                  ("poly1/8", _every_dim(poly_exp2_fraction=0.125)), ("poly1/4", _every_dim(poly_exp2_fraction=0.25)),
-                 ("persistent", _every_dim(persistent=True)),
+                 ("persistent", _every_dim(persistent=True)), ("cta_a_tile", _every_dim(persistent=False)),
                  ("pingpong", {128: dict(pingpong=True), 256: dict(pingpong=False)}),
                  ("wide_tile", {128: dict(tile_n=176), 256: dict(tile_n=80)}), ("3_stages", {128: dict(kv_stages=3)}),
                  ("hoisted_desc", _every_dim(hoisted_qk_desc=True)), ("dsl_desc", _every_dim(hoisted_qk_desc=False))]

@@ -73,6 +73,12 @@ def test_cute_config_choice():
                for d in (128, 256) for causal in (True, False) for mode in ("dense", "varlen", "paged")}
     assert {key for key, on in hoisted.items() if on} == {(128, True, "dense")}
     assert not choose_config(128, True, 8, 8, hoisted_qk_desc=False).hoisted_qk_desc
+    # the persistent scheduler only where it was timed faster: dense d128 non-causal (default_persistent)
+    persistent = {(d, causal, mode): choose_config(d, causal, 16, 4, varlen_q=mode == "varlen",
+                                                   kv_mode=mode, page_size=64 if mode == "paged" else 0).persistent
+                  for d in (128, 256) for causal in (True, False) for mode in ("dense", "varlen", "paged")}
+    assert {key for key, on in persistent.items() if on} == {(128, False, "dense")}
+    assert not choose_config(128, False, 8, 8, persistent=False).persistent
     assert hash(c) == hash(choose_config(128, True, 32, 4))  # a cache key
     for cfg in representative_configs():
         assert cfg.smem_bytes() <= 227 * 1024

@@ -57,7 +57,9 @@ class AttentionConfig:
     varlen_q: bool = False  # query rows of sequence b: cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
     kv_mode: str = "dense"  # "dense", "varlen" (cu_seqlens_k) or "paged" (page_table + seqused_k)
     page_size: int = 0  # keys per page (kv_mode "paged" only)
-    persistent: bool = False  # grid = SMs, tiles claimed in a static strided order, longest first if causal
+    # grid = SMs, tiles claimed in a static strided order, longest first if causal (choose_config: dense d128
+    # non-causal, default_persistent)
+    persistent: bool = False
     # QK^T issued with our own wgmma descriptors (fa4/cute/wgmma_desc.py): Q's built once before the tile loop, K's
     # as a hoisted base plus the ring stage, where cute.gemm rebuilds both from the smem base at every issue
     hoisted_qk_desc: bool = False
@@ -161,6 +163,15 @@ def default_hoisted_qk_desc(head_dim: int, causal: bool, dense: bool) -> bool:
     return head_dim == 128 and causal and dense
 
 
+def default_persistent(head_dim: int, causal: bool, dense: bool) -> bool:
+    """The persistent scheduler (AttentionConfig.persistent) where it was timed faster: dense d128 non-causal. H100,
+    session 36, paired ratios to flash-attn-4 in the same iterations (`python -m profiles.bench_prefill --only cute
+    --cute-variants default,persistent --iters 40`, before this rule): B4 S8k H32 d128 1.008 (p10-p90 1.005-1.016)
+    against 0.995 (0.989-1.005) with a CTA a tile; causal 1.012 against 1.030, d256 causal 0.875 / 0.918 against
+    1.004 / 1.002 lose (profiles/results/prefill.json 'cute_persistent_session36_h100')."""
+    return head_dim == 128 and not causal and dense
+
+
 def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int, *, rescale_threshold: float = 8.0,
                   poly_exp2_fraction: float = 0.0, varlen_q: bool = False, kv_mode: str = "dense", page_size: int = 0,
                   **overrides) -> AttentionConfig:
@@ -171,7 +182,8 @@ def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int
                   rescale_threshold=float(rescale_threshold),
                   poly_exp2_fraction=float(poly_exp2_fraction), varlen_q=varlen_q, kv_mode=kv_mode,
                   page_size=page_size if kv_mode == "paged" else 0,
-                  hoisted_qk_desc=default_hoisted_qk_desc(head_dim, causal, kv_mode == "dense" and not varlen_q))
+                  hoisted_qk_desc=default_hoisted_qk_desc(head_dim, causal, kv_mode == "dense" and not varlen_q),
+                  persistent=default_persistent(head_dim, causal, kv_mode == "dense" and not varlen_q))
     fields.update(overrides)
     return AttentionConfig(**fields).validate()
 
@@ -179,8 +191,9 @@ def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int
 def representative_configs() -> list[AttentionConfig]:
     """The CPU compile-test set: each head dim, causal and not, with and without GQA packing, FA4 flags and
     the intra-warpgroup overlap on (the default) and off; varlen, paged (pages of 64 and 16 keys), the
-    persistent scheduler, the wider K/V tiles (d128 176 keys, d256 80: 11 and 5 wgmma K steps of PV), and
-    rescale_threshold 0 (no vote, no branch) with the overlap on and off."""
+    persistent scheduler (dense d128 non-causal's default) and a CTA a tile there, the wider K/V tiles (d128 176
+    keys, d256 80: 11 and 5 wgmma K steps of PV), and rescale_threshold 0 (no vote, no branch) with the overlap on
+    and off."""
     return [
         choose_config(128, False, 8, 8),
         choose_config(128, True, 8, 2, poly_exp2_fraction=0.25),
@@ -193,6 +206,6 @@ def representative_configs() -> list[AttentionConfig]:
         choose_config(256, True, 16, 2, varlen_q=True, kv_mode="varlen", intra_wg_overlap=True, persistent=True),
         choose_config(128, False, 8, 8, tile_n=176),
         choose_config(128, True, 8, 8, rescale_threshold=0.0),
-        choose_config(128, False, 8, 8, rescale_threshold=0.0, intra_wg_overlap=False),
+        choose_config(128, False, 8, 8, rescale_threshold=0.0, intra_wg_overlap=False, persistent=False),
         choose_config(256, True, 16, 4, tile_n=80),
     ]
