@@ -9,7 +9,12 @@ is taken in x's dtype, products and sums in fp32, y rounded to x's dtype.
 Two launches, no host sync (the reference reads cu_seqlens on the host and loops over sequences):
 1. `_conv_kernel`, grid (chunks, C / BLOCK_C): each program convolves up to CHUNK tokens of one sequence
    (kernels.varlen.token_chunks, planned from the host copy of cu_seqlens) over BLOCK_C channels; taps before
-   the sequence's first token come from its window.
+   the sequence's first token come from its window. Only a sequence's first chunk reads the window, so the others
+   take a path with plain tile loads; the first chunk sums the same taps in the same order, so a sequence split
+   over two calls (a prefix-cache hit) gives the outputs of one call bit for bit. The channels' taps come in one
+   contiguous (BLOCK_C, K) load: a load per tap, strided by K, set the tiles' layout, and every x tile went through
+   shared memory (4,588 PTX lines and 27 barriers a program at 2B's shapes; the H100 ran 2B's 514-token returning
+   turn's conv in 33 us a layer against a ~5 us bound, `profiles.host_time --ctx 8192 --new 512`, session 36).
 2. `_window_kernel`, grid (N, C / BLOCK_C): the new windows, written in place after every read of the old ones
    (a sequence shorter than K-1 keeps part of its old window).
 Bound: x read about once (K taps hit L1/L2) and y written once: at 800 tokens x 6144 channels in bf16, 20 MB,
@@ -29,9 +34,15 @@ IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def _tap(taps, j: tl.constexpr):
+    # column j of taps (BLOCK_C, KP) fp32: (BLOCK_C,), exactly (one nonzero term a row)
+    return tl.sum(tl.where(tl.arange(0, taps.shape[1])[None, :] == j, taps, 0.0), axis=1)
+
+
+@triton.jit
 def _conv_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, cu_ptr, chunk_ptr, y_ptr, C, stride_x, stride_y,
-                 stride_slot, stride_ch, K: tl.constexpr, BT: tl.constexpr, BLOCK_C: tl.constexpr,
-                 SILU: tl.constexpr):
+                 stride_slot, stride_ch, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+                 BLOCK_C: tl.constexpr, SILU: tl.constexpr):
     # grid (chunks, cdiv(C, BLOCK_C)); x, y: (N, C) rows; states: (slots, C, K-1); w: (C, K)
     start, end, seq = chunk_span(chunk_ptr, tl.program_id(0))
     seq_start = tl.load(cu_ptr + seq)
@@ -39,17 +50,31 @@ def _conv_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, cu_ptr, chunk_ptr, y_ptr, C
     t = start + tl.arange(0, BT)  # (BT,) tokens
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # (BLOCK_C,) channels
     ok = (t < end)[:, None] & (ch < C)[None, :]
+    kk = tl.arange(0, KP)
+    # (BLOCK_C, KP) the channels' taps in one contiguous load (a load per tap, strided by K, sets the tile's layout
+    # and costs a shared-memory transpose of every x tile)
+    taps = tl.load(w_ptr + ch[:, None] * K + kk[None, :], mask=(ch < C)[:, None] & (kk < K)[None, :],
+                   other=0.0).to(tl.float32)
     acc = tl.zeros((BT, BLOCK_C), dtype=tl.float32)
-    for j in tl.static_range(K):
-        src = t - (K - 1) + j  # (BT,) the input of tap j: a token of the sequence, or an entry of its window
-        in_x = (src >= seq_start)[:, None]
-        xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + ch[None, :], mask=ok & in_x, other=0.0)
-        wi = (K - 1) + (src - seq_start)  # (BT,) window index, in [0, K-1) where ~in_x
-        sv = tl.load(state_ptr + slot * stride_slot + ch[None, :] * stride_ch + wi[:, None], mask=ok & ~in_x,
-                     other=0.0)
-        v = tl.where(in_x, xv, sv.to(xv.dtype)).to(tl.float32)
-        w = tl.load(w_ptr + ch * K + j, mask=ch < C, other=0.0).to(tl.float32)  # (BLOCK_C,)
-        acc += v * w[None, :]
+    if start >= seq_start + K - 1:  # every tap a token of the sequence (all chunks but a sequence's first)
+        for j in tl.static_range(K):
+            src = t - (K - 1) + j  # (BT,) the input of tap j
+            xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + ch[None, :], mask=ok, other=0.0)
+            acc += xv.to(tl.float32) * _tap(taps, j)[None, :]
+    else:  # the first taps of the first tokens read the window; the same sums in the same order
+        # (BLOCK_C, KP) the window, oldest first, in one contiguous load, its entries spread to rows below
+        window = tl.load(state_ptr + slot * stride_slot + ch[:, None] * stride_ch + kk[None, :],
+                         mask=(ch < C)[:, None] & (kk < K - 1)[None, :], other=0.0).to(tl.float32)
+        for j in tl.static_range(K):
+            src = t - (K - 1) + j  # (BT,) the input of tap j: a token of the sequence, or an entry of its window
+            in_x = (src >= seq_start)[:, None]
+            xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + ch[None, :], mask=ok & in_x, other=0.0)
+            wi = (K - 1) + (src - seq_start)  # (BT,) window index, in [0, K-1) where ~in_x
+            sv = tl.zeros((BT, BLOCK_C), dtype=tl.float32)
+            for i in tl.static_range(K - 1):
+                sv = tl.where((wi == i)[:, None], _tap(window, i)[None, :], sv)
+            v = tl.where(in_x, xv, sv.to(xv.dtype)).to(tl.float32)
+            acc += v * _tap(taps, j)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(y_ptr + t.to(tl.int64)[:, None] * stride_y + ch[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -132,7 +157,7 @@ def causal_conv1d_varlen(x, weight, conv_states, state_slots, cu_seqlens, *, cu_
     if chunks.shape[0]:
         _conv_kernel[(chunks.shape[0], blocks)](
             x, weight, conv_states, state_slots, cu_seqlens, chunks, out, c, x.stride(0), out.stride(0),
-            conv_states.stride(0), conv_states.stride(1), K=k, BT=CHUNK, BLOCK_C=BLOCK_C,
+            conv_states.stride(0), conv_states.stride(1), K=k, KP=next_power_of_2(k), BT=CHUNK, BLOCK_C=BLOCK_C,
             SILU=activation == "silu", num_warps=4)
     if k > 1 and len(cu) > 1:
         windows = dict(K=k, KP=next_power_of_2(k - 1), BLOCK_C=BLOCK_C, num_warps=4)

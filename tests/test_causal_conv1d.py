@@ -69,6 +69,22 @@ def test_property_any_lengths_and_widths(lens, channels, seed):
     check(lens, channels=channels, seed=seed)
 
 
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 140), st.data())
+def test_property_split_sequence_matches_one_call_bit_for_bit(n, data):
+    """A sequence convolved in two calls (its first p tokens, then the rest from the window they left: a prefix-cache
+    hit) gives the very outputs of one call, bit for bit in fp32: the window's taps are summed in the same order as
+    the tokens'."""
+    p = data.draw(st.integers(0, n), label="split")
+    x, w, pool, slots, _ = make([n], 24, 4, torch.float32, seed=n)
+    whole, parts = pool.clone(), pool.clone()
+    y = causal_conv1d_varlen(x, w, whole, slots, torch.tensor([0, n], dtype=torch.int32, device=DEVICE))
+    ys = [causal_conv1d_varlen(x[lo:hi], w, parts, slots, torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE))
+          for lo, hi in ((0, p), (p, n))]
+    assert torch.equal(torch.cat(ys), y), f"split at {p} of {n}"
+    assert torch.equal(parts, whole)
+
+
 BAD = [  # (the argument the error must name, a change to the valid arguments)
     ("x", lambda a: a.update(x=a["x"][:, None])),
     ("x", lambda a: a.update(x=a["x"].to(torch.int32))),
