@@ -330,6 +330,8 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "kv_prefetch_next": ("kernels.paged_decode_attention", "PREFETCH_NEXT_TILE", ON_OFF),
             "combine_o": ("kernels.paged_decode_attention", "COMBINE_O_EARLY", ON_OFF),
             "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),
+            # a padded decode graph zeroing its padding rows' GDN slot first
+            "zero_padding": ("serving.model_runner", "ZERO_PADDING_STATE", ON_OFF),
             "tma_slot": ("kernels.tma_gemv", "SLOT_ROWS", {"16k": 32, "8k": 16}),
             "tma_pause": ("kernels.tma_gemv", "BOUNDARY_BYTES", {"80k": 80 * KIB, "96k": 96 * KIB, "off": 0}),
             "tma_ring": ("kernels.tma_gemv", "RING_BYTES", {"128k": 128 * KIB, "192k": 192 * KIB, "96k": 96 * KIB}),

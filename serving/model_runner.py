@@ -62,6 +62,13 @@ log = logging.getLogger("serving")
 # 0.767 ms, 0.767 / 0.769, 0.775 / 0.774 (host_time.json 'decode_ab_session26'). In the graph the sampler of a
 # greedy step also spends no host time on a Triton launch (37-87 us each on the H200 machine's host).
 GREEDY_IN_GRAPH = True
+# Whether a padded decode step zeroes the padding rows' GDN slot (the dummy slot: conv window, recurrent state) first.
+# The padding rows all decode token 0 at position 0 from it, so they compute the same state, and the gated delta rule
+# keeps a state bounded (decay <= 1, a contraction along each normed key): without the zeroing the dummy state stays
+# finite too. The zeroing is two aten kernels without PDL at the head of every padded graph (2B: 18.6 MiB, 12.4 + 1.9
+# us on the H100, session 36, `profiles.host_time --decode 16 --timeline`). A/B: `host_time --decode 16 --ab
+# zero_padding`. The warm-up before capture zeroes the slot once either way.
+ZERO_PADDING_STATE = True
 # must not be the reference ops in a graph (they check on the host)
 GRAPH_OPS = ("paged_attention", "gated_deltanet", "attention_prep", "gather_rows")
 
@@ -263,7 +270,7 @@ class ModelRunner:
             logits, greedy = graph[1]
         else:
             self.num_eager_decode_steps += 1
-            logits, greedy = self._decode_forward(bs, zero_dummy=bs > n)
+            logits, greedy = self._decode_forward(bs, zero_dummy=ZERO_PADDING_STATE and bs > n)
         self._last_greedy = greedy
         if greedy is None:
             return logits[:n], None
@@ -365,8 +372,8 @@ class ModelRunner:
         pool = None
         for bs in sorted(self.graph_sizes, reverse=True):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):  # batch 1 is never padded: no zeroing (2B: 18.6 MiB a step)
-                out = self._decode_forward(bs, zero_dummy=bs > 1)
+            with torch.cuda.graph(graph, pool=pool):  # batch 1 is never padded: no zeroing
+                out = self._decode_forward(bs, zero_dummy=ZERO_PADDING_STATE and bs > 1)
             pool = graph.pool()
             self.graphs[bs] = (graph, out)
         torch.cuda.synchronize(self.device)

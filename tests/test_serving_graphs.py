@@ -25,6 +25,7 @@ from model import ops
 from model.config import Qwen35Config
 from model.generate import greedy
 from model.model import Qwen35ForCausalLM
+from serving import model_runner
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.model_runner import graphs_unsupported
@@ -152,11 +153,14 @@ def test_fed_decode_on_triton_ops_equals_unfed_cpu():
 
 
 @interpreter_only
-def test_padded_decode_equals_unpadded_cpu():
+@pytest.mark.parametrize("zero_padding", [True, False])
+def test_padded_decode_equals_unpadded_cpu(zero_padding, monkeypatch):
     """Five sequences decode on the Triton kernels (interpreter, fp32) padded to batch 8 (three dummy rows) and
     unpadded: the real rows agree to fp32 rounding. The paged attention takes two KV splits at both batch sizes,
     as on the GPU; the 20-token prompt is prefilled in two chunks, so one step mixes decodes with a prefill
-    chunk."""
+    chunk. Without the padding slot's zeroing (model_runner.ZERO_PADDING_STATE) the same, and its state stays
+    finite."""
+    monkeypatch.setattr(model_runner, "ZERO_PADDING_STATE", zero_padding)
     model = Qwen35ForCausalLM.random(replace(KERNEL_SMALL, linear_value_head_dim=32), seed=3)
     prompts = prompts_of((5, 16, 11, 20, 3), KERNEL_SMALL.vocab_size, seed=1)
     cfg = EngineConfig(num_pages=64, page_size=16, max_num_seqs=8, snapshot_slots=4, max_model_len=128)
@@ -173,6 +177,9 @@ def test_padded_decode_equals_unpadded_cpu():
     assert engines[True].runner.graph_sizes == (1, 2, 4, 8) and not engines[False].runner.graph_sizes
     common = assert_logits_close_until_divergence(*results[True], *results[False], tol=1e-5)
     assert common == 4 * len(prompts)
+    pools, dummy = engines[True].pools, engines[True].runner.dummy_slot
+    padding_state = (pools.conv_states[:, dummy], pools.recurrent_states[:, dummy])
+    assert all(t.isfinite().all() for t in padding_state)
 
 
 @pytest.fixture(scope="module")
