@@ -25,7 +25,7 @@ import gc
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,6 +46,8 @@ from serving.demo import load_model, pick_device
 from serving.engine import LLMEngine, StepPhases
 from serving.sequence import SamplingParams
 from serving.traces import Trace, load_jsonl, synthetic, write_jsonl
+
+PHASES = ("schedule_ms", "dispatch_ms", "commit_ms", "sample_ms")  # engine.StepPhases' host milliseconds
 
 
 @dataclass
@@ -137,7 +139,7 @@ def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: b
         for o in outs:
             u, r, prompt = live[o.seq_id]
             if r.first is None:
-                r.first, r.first_step = now, asdict(engine.last_step)
+                r.first, r.first_step = now, {k: getattr(engine.last_step, k) for k in PHASES}
             r.last, r.generated = now, r.generated + 1
             if o.finished:
                 result = engine.pop_output(o.seq_id)
@@ -200,7 +202,7 @@ def summarize(requests: list[Request], users: list[User], wall_s: float) -> tupl
             "ttft_return_p50_ms": percentile(back, 50), "ttft_return_p99_ms": percentile(back, 99),
             # where a returning turn's first step goes (the median of each phase over the returning turns)
             **{f"return_{k}": percentile([r.first_step[k] for r in reqs if r.turn > 0 and r.first_step], 50)
-               for k in ("schedule_ms", "dispatch_ms", "commit_ms", "sample_ms")},
+               for k in PHASES},
             "final_answer_s": sum(trace_times) / len(trace_times) if trace_times else None,
             "decode_tok_s": 1e3 / (sum(tpots) / len(tpots)) if tpots else None,
             "hit_rate": cached / prompt if prompt else None,

@@ -65,6 +65,11 @@ def test_bench_smoke_on_the_cpu(model, tmp_path, capsys):
         assert set(r["first_step"]) == {"schedule_ms", "dispatch_ms", "commit_ms", "sample_ms"}
         assert 0 < sum(r["first_step"].values()) <= r["ttft_ms"] + 1e-3
     assert overall["return_dispatch_ms"] > 0
+    # where the replay's wall time went, by kind of step: every step counted once, the shares summing to the wall
+    kinds = {k["kind"]: k for k in run["step_kinds"]}
+    assert {"mixed", "between steps"} <= set(kinds) and abs(sum(k["share"] for k in kinds.values()) - 1) < 1e-6
+    assert kinds["mixed"]["prefill_tokens"] > 0 and kinds["mixed"]["decode_steps"] > 0
+    assert "rows_per_decode" in printed
     assert ("dispatch-bound" in printed) == (overall["return_dispatch_ms"] > overall["return_sample_ms"])
     saved = json.loads((tmp_path / "serving.json").read_text())
     # a knob away from its default keys its own row (page size 8 here)
