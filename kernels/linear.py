@@ -51,12 +51,6 @@ SPLIT_K = True
 # profiles.host_time --model M --decode 1 --ab tma_gemv`, gated ones all on TMA): 9B 4.40 against 4.64 ms, 2B 1.44
 # against 1.48, 0.8B 0.899 against 0.910. TMA_MIN_BYTES 8 MiB since session 17 (with the chain and 8 KiB slots; `--ab
 # tma_min`): 0.8B 0.807 against 0.817 ms with 16 MiB (its 10-13 MB input projections), 2B and 9B unchanged.
-# Whether the skinny GEMM (MAX_ROWS < rows <= DOT_MAX_ROWS) takes SwiGLU's [gate | up] itself (GATED) instead of after
-# the silu_and_mul kernel. Predicted (H100, session 36: a 16-row 2B step spends 29.5 us in 24 silu_and_mul launches,
-# each also a kernel boundary of ~2 us): ~50-70 us off the step, less what the down projection's programs pay to read
-# [gate | up] (twice x's bytes from L2, once per column block) and recompute silu. A/B: `python -m profiles.host_time
-# --decode 16 --ab dot_gated`.
-DOT_GATED = False
 TMA_GEMV = True
 TMA_MIN_BYTES = 8 * 2**20
 TMA_GATED_MIN_K = 8192
@@ -147,12 +141,11 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, stamps_p
 @triton.jit
 def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, x_stride, w_stride, out_stride,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     SPLIT: tl.constexpr, GATED: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    # out[m, n] = sum_k in[m, k] * w[n, k] for the BLOCK_N columns n of program (i, .) and the M <= ROWS (>= 16)
-    # rows on the tensor cores: acc (BLOCK_N, ROWS) += w tile (BLOCK_N, BLOCK_K) @ in tile^T (BLOCK_K, ROWS), both
+                     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    # out[m, n] = sum_k x[m, k] * w[n, k] for the BLOCK_N columns n of program (i, .) and the M <= ROWS (>= 16)
+    # rows on the tensor cores: acc (BLOCK_N, ROWS) += w tile (BLOCK_N, BLOCK_K) @ x tile^T (BLOCK_K, ROWS), both
     # tiles streamed through a STAGES-deep shared-memory ring; program (i, s) takes the s-th of SPLIT runs of K
-    # (kernels.split_k: the last of a block's SPLIT programs to finish sums their partials and stores). in = x, or
-    # with GATED silu(gate) * up of x (M, 2K) = [gate | up], rounded to x's dtype as silu_and_mul rounds
+    # (kernels.split_k: the last of a block's SPLIT programs to finish sums their partials and stores)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                  # (BLOCK_N,)
     kk = tl.arange(0, BLOCK_K)                                               # (BLOCK_K,)
     rows = tl.arange(0, ROWS)                                                # (ROWS,)
@@ -166,10 +159,6 @@ def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, x_str
         k = k0 + kk
         w = tl.load(w_rows + k[None, :], mask=n_ok & (k[None, :] < K), other=0.0, eviction_policy="evict_first")
         x = _input_tile(x_ptr, x_ptr, rows, k, M, K, x_stride, x_stride, False)  # (ROWS, BLOCK_K)
-        if GATED:
-            up = _input_tile(x_ptr + K, x_ptr, rows, k, M, K, x_stride, x_stride, False).to(tl.float32)
-            gate = x.to(tl.float32)
-            x = (gate * tl.sigmoid(gate) * up).to(x.dtype)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
     out_mask = (rows[None, :] < M) & (n[:, None] < N)
     if SPLIT > 1:
@@ -274,9 +263,8 @@ def _gemv(x2, weight, o2, plan, mode=PLAIN, res2=None, norm_w=None, eps=0.0, s2=
         STAMPS=stamping, num_warps=warps, **pdl.launch_options(x2.device))
 
 
-def _rows_dot(x2, weight, o2, plan, gated: bool = False):
-    """Launch the skinny GEMM on (MAX_ROWS < m <= DOT_MAX_ROWS, K) rows x2 into o2 (m, N); gated: x2 is (m, 2K) =
-    [gate | up] and the product takes silu(gate) * up."""
+def _rows_dot(x2, weight, o2, plan):
+    """Launch the skinny GEMM on (MAX_ROWS < m <= DOT_MAX_ROWS, K) rows x2 into o2 (m, N)."""
     m, (n, k) = x2.shape[0], weight.shape
     if n == 0:
         return
@@ -295,7 +283,7 @@ def _rows_dot(x2, weight, o2, plan, gated: bool = False):
     part, tickets = space or (o2, o2)
     _rows_dot_kernel[(cdiv(n, block_n), split)](
         x2, weight, o2, part, tickets, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0), ROWS=rows,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT=split, GATED=gated,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT=split,
         DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", num_warps=warps,
         **pdl.launch_options(x2.device))
 
@@ -311,8 +299,9 @@ def linear(x, weight, out=None, *, plan: tuple[int, ...] | None = None, gated: b
     """x: (..., K) fp16/bf16/fp32; weight: (N, K), x's dtype, unit stride along K -> (..., N) in x's dtype.
     gated: x is (..., 2K) = [gate | up] and the product takes silu(gate) * up (SwiGLU's down projection, one
     launch instead of two). Up to MAX_ROWS rows run the Triton GEMV, up to DOT_MAX_ROWS unpadded rows (see
-    kernels.row_buckets) the skinny GEMM, more torch's matmul (cuBLAS); gated, matmul after the silu_and_mul
-    kernel, and the skinny GEMM too unless DOT_GATED; into `out` when given. plan (benchmark sweeps): the GEMV's
+    kernels.row_buckets) the skinny GEMM, more torch's matmul (cuBLAS); gated, both after the silu_and_mul kernel
+    (the skinny GEMM taking [gate | up] itself lost: 2.98 ms against 2.56 a 16-row 2B step, H100, session 36,
+    host_time.json 'b16_knobs_session36_h100'); into `out` when given. plan (benchmark sweeps): the GEMV's
     (BLOCK_N, BLOCK_K, num_warps) in place of launch_plan's, or the skinny GEMM's (BLOCK_N, BLOCK_K, STAGES,
     num_warps, SPLIT) in place of dot_plan's."""
     name = "gate_up" if gated else "x"
@@ -323,16 +312,14 @@ def linear(x, weight, out=None, *, plan: tuple[int, ...] | None = None, gated: b
     x2 = rows_view(name, x)
     m = x2.shape[0]
     rows = padded_rows(m, x.device)
-    dot = MAX_ROWS < m <= DOT_MAX_ROWS and rows == m
-    dot_gated = gated and dot and DOT_GATED
-    a2 = silu_and_mul(x2) if gated and m > MAX_ROWS and not dot_gated else x2
-    if m > MAX_ROWS and not dot:
+    a2 = silu_and_mul(x2) if gated and m > MAX_ROWS else x2
+    if m > MAX_ROWS and (rows > m or m > DOT_MAX_ROWS):
         y = matmul_rows(a2, weight, None if out is None else rows_view("out", out), rows)
         return y.view(shape) if out is None else out
     if out is None:
         out = output_for(None, shape, x)
-    if dot:
-        _rows_dot(a2, weight, rows_view("out", out), plan, dot_gated)
+    if m > MAX_ROWS:
+        _rows_dot(a2, weight, rows_view("out", out), plan)
     elif plan is None and _tma_takes(x2, weight, out, gated):
         tma_gemv.tma_gemv(x2, weight, out.view(1, -1), gated=gated)
     else:

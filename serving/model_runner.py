@@ -66,9 +66,11 @@ GREEDY_IN_GRAPH = True
 # The padding rows all decode token 0 at position 0 from it, so they compute the same state, and the gated delta rule
 # keeps a state bounded (decay <= 1, a contraction along each normed key): without the zeroing the dummy state stays
 # finite too. The zeroing is two aten kernels without PDL at the head of every padded graph (2B: 18.6 MiB, 12.4 + 1.9
-# us on the H100, session 36, `profiles.host_time --decode 16 --timeline`). A/B: `host_time --decode 16 --ab
-# zero_padding`. The warm-up before capture zeroes the slot once either way.
-ZERO_PADDING_STATE = True
+# us on the H100, session 36, `profiles.host_time --decode 16 --timeline`). Measured without it (H100, session 36,
+# `python -m profiles.host_time --model qwen3.5-2b --decode 16 --ctx 12288 --ab zero_padding`, alternated): 2.52 /
+# 2.53 ms a step against 2.55 / 2.57 (host_time.json 'b16_knobs_session36_h100'). The warm-up before capture zeroes
+# the slot once either way.
+ZERO_PADDING_STATE = False
 # must not be the reference ops in a graph (they check on the host)
 GRAPH_OPS = ("paged_attention", "gated_deltanet", "attention_prep", "gather_rows")
 

@@ -177,21 +177,6 @@ def test_linear_routes_rows_to_the_kernel_for_them(m, kernel, monkeypatch):
     assert calls == 2 * [{"gemv": "_gemv", "dot": "_rows_dot", "matmul": "matmul_rows"}[kernel]]
 
 
-@pytest.mark.parametrize("m,split", [(5, 1), (16, 1), (16, 3)])
-def test_skinny_gemm_gated_equals_silu_and_mul_first(m, split, monkeypatch):
-    # DOT_GATED: the skinny GEMM takes [gate | up] itself, one launch, and equals silu_and_mul then the GEMM bit for
-    # bit (the same rounding of silu(gate) * up), split over K or not
-    x, w = _gated_pair(m, 40, 300, torch.float32, seed=m + split)
-    plan = (16, 32, 2, 1, split)
-    unfused = L.linear(L.silu_and_mul(x), w, plan=plan)
-    monkeypatch.setattr(L, "DOT_GATED", True)
-    launches = record_launches(monkeypatch, L, "_rows_dot_kernel")
-    fused = L.linear(x, w, plan=plan, gated=True)
-    assert [kwargs["GATED"] for _, kwargs in launches] == [True]
-    assert torch.equal(fused, unfused)
-    assert_rel(fused.double(), R.silu_and_mul_linear(x.double(), w.double()), 1e-6, f"gated skinny GEMM {m} rows")
-
-
 def test_linear_bad_input():
     x, w = _pair(1, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="weight"):
@@ -232,9 +217,8 @@ for mode, add in ((L.PLAIN, False), (L.GATED, False), (L.NORM, False), (L.NORM, 
                          options={"num_warps": 4}).asm["ptx"]
     before_wait = ptx[:ptx.find("griddepcontrol.wait")]
     print(ptx.count("griddepcontrol"), ptx.count("st.global"), before_wait.count("ld.global"), flush=True)
-for warps, split, gated in ((1, 1, False), (4, 1, False), (2, 4, False), (2, 4, True)):
-    const = dict(ROWS=16, BLOCK_N=16 * warps, BLOCK_K=256, STAGES=4, SPLIT=split, GATED=gated, DOT_PRECISION="tf32",
-                 PDL=True)
+for warps, split in ((1, 1), (4, 1), (2, 4)):
+    const = dict(ROWS=16, BLOCK_N=16 * warps, BLOCK_K=256, STAGES=4, SPLIT=split, DOT_PRECISION="tf32", PDL=True)
     ptrs = {"part_ptr": "*fp32", "ticket_ptr": "*i32"} if split > 1 else {}  # unsplit: the output stands in
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.endswith("_ptr") else "i32"
            for n in L._rows_dot_kernel.arg_names}
@@ -256,9 +240,9 @@ def test_gemv_variants_compile_for_sm90():
     assert len(gemv) == 4 and all(pdl == 2 and loads > 0 for pdl, _, loads in gemv), out
     assert gemv[3][1] > gemv[2][1], out
     # the skinny GEMM: PDL, tensor-core MMAs, and weight tiles copied asynchronously into its shared-memory ring;
-    # split over K, the ticket's atomics (the draw and the reset); gated (DOT_GATED) the same
-    assert len(dot) == 4 and all(pdl == 2 and mma > 0 and cp > 0 for pdl, mma, cp, _ in dot), out
-    assert [atoms > 0 for *_, atoms in dot] == [False, False, True, True], out
+    # split over K, the ticket's atomics (the draw and the reset)
+    assert len(dot) == 3 and all(pdl == 2 and mma > 0 and cp > 0 for pdl, mma, cp, _ in dot), out
+    assert [atoms > 0 for *_, atoms in dot] == [False, False, True], out
 
 
 SHAPES_2B = [(8224, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (5120, 2048), (248320, 2048)]
