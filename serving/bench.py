@@ -180,10 +180,18 @@ def step_breakdown(steps: list[tuple[float, StepPhases]], wall_s: float) -> list
 
 
 def request_row(r: Request) -> dict:
+    """A request's figures; first_<phase>: the phases of the step that gave its first token."""
     return dict(user=r.user, turn=r.turn, prompt=r.prompt_tokens, cached=r.cached_tokens,
                 new=r.prompt_tokens - r.cached_tokens, ttft_ms=round(r.ttft_ms, 3),
                 tpot_ms=None if r.tpot_ms is None else round(r.tpot_ms, 4), generated=r.generated,
-                first_step={k: round(v, 3) for k, v in (r.first_step or {}).items()})
+                **{f"first_{k}": round((r.first_step or {}).get(k, 0.0), 3) for k in PHASES})
+
+
+def request_table(rows: list[dict]) -> dict:
+    """request_row dicts as one table, {"columns": [...], "rows": [[...], ...]}: serving.json keeps every request of
+    every run, and key names repeated per request made it the largest result file."""
+    columns = list(rows[0]) if rows else []
+    return {"columns": columns, "rows": [[r[c] for c in columns] for r in rows]}
 
 
 def summarize(requests: list[Request], users: list[User], wall_s: float) -> tuple[list[dict], dict]:
@@ -536,7 +544,7 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
                step_kinds=kinds,
                triton_compiles=dict(count=len(compiles.names), seconds=compiles.seconds,
                                     kernels=sorted(set(compiles.names))),
-               requests=[request_row(r) for r in requests])
+               requests=request_table([request_row(r) for r in requests]))
     if device.type == "cuda":
         run["ceilings"] = bandwidth_ceilings(2.0)
     path = save(run, run_key(args), args.out_dir)  # before the baseline: a run cut short during it keeps ours
