@@ -177,13 +177,14 @@ def choose_config(head_dim: int, causal: bool, num_heads: int, num_kv_heads: int
                   **overrides) -> AttentionConfig:
     """The config for a call; `overrides` replace any field (tile sizes, stages, pingpong...)."""
     tile_n = paged_tile_n(head_dim, page_size) if kv_mode == "paged" else default_tile_n(head_dim)
+    dense = kv_mode == "dense" and not varlen_q  # the shape the schedule defaults were timed on
     fields = dict(head_dim=head_dim, causal=causal, pack_gqa=pack_factor(num_heads // num_kv_heads),
-                  tile_n=tile_n, pingpong=default_pingpong(head_dim, kv_mode == "dense" and not varlen_q),
+                  tile_n=tile_n, pingpong=default_pingpong(head_dim, dense),
                   rescale_threshold=float(rescale_threshold),
                   poly_exp2_fraction=float(poly_exp2_fraction), varlen_q=varlen_q, kv_mode=kv_mode,
                   page_size=page_size if kv_mode == "paged" else 0,
-                  hoisted_qk_desc=default_hoisted_qk_desc(head_dim, causal, kv_mode == "dense" and not varlen_q),
-                  persistent=default_persistent(head_dim, causal, kv_mode == "dense" and not varlen_q))
+                  hoisted_qk_desc=default_hoisted_qk_desc(head_dim, causal, dense),
+                  persistent=default_persistent(head_dim, causal, dense))
     fields.update(overrides)
     return AttentionConfig(**fields).validate()
 
