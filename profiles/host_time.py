@@ -127,23 +127,40 @@ def profile_step(engine: LLMEngine) -> tuple[float, list[dict], Counter]:
 
 def launch_costs(reps: int = 40) -> list[dict]:
     """On the GPU: host time to enqueue one call (no sync inside the loop) against the call's total, for the Triton
-    rms_norm (our wrapper and Triton's launcher) and cuBLAS projections at decode and prefill row counts."""
+    rms_norm (our wrapper and Triton's launcher), its kernel launched bare (Triton's JITFunction.run: binding,
+    specialisation, cache key) and by its compiled handle (Triton's C launcher alone), and cuBLAS projections at
+    decode and prefill row counts. The gaps between the three rms_norm rows say what a launch path that skips our
+    checks, or Triton's binding, would save."""
     import torch.nn.functional as F
 
-    from kernels.norms import rms_norm
+    from kernels import norms
     dev, bf16 = "cuda", torch.bfloat16
     w = torch.randn(8224, 2048, device=dev, dtype=bf16)
-    calls = [("rms_norm (Triton) 800 x 2048", rms_norm,
-              (torch.randn(800, 2048, device=dev, dtype=bf16), torch.randn(2048, device=dev, dtype=bf16), 1e-6))]
+    x, nw, o = (torch.randn(800, 2048, device=dev, dtype=bf16), torch.randn(2048, device=dev, dtype=bf16),
+                torch.empty(800, 2048, device=dev, dtype=bf16))
+    block_n, rows_per, warps = norms._launch_shape(2048)
+    grid = (triton.cdiv(800, rows_per), 1, 1)
+    args = (x, x, nw, o, 800, 2048, 2048, 2048, 2048, 1e-6, x, False, block_n, rows_per, False, False)
+    compiled = norms._rms_norm_kernel[grid](*args, num_warps=warps)
+
+    def bare():
+        norms._rms_norm_kernel[grid](*args, num_warps=warps)
+
+    def handle():
+        stream = torch.cuda.current_stream().cuda_stream
+        compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+    calls = [("rms_norm (Triton) 800 x 2048", norms.rms_norm, (x, nw, 1e-6)),
+             ("  its kernel[grid] (Triton's run)", bare, ()), ("  its compiled handle (C launcher)", handle, ())]
     calls += [(f"F.linear (cuBLAS) {m} x 2048 @ 8224 x 2048", F.linear,
                (torch.randn(m, 2048, device=dev, dtype=bf16), w)) for m in (16, 800, 2048)]
     rows = []
-    for name, fn, args in calls:
-        fn(*args)
+    for name, fn, fn_args in calls:
+        fn(*fn_args)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(reps):
-            fn(*args)
+            fn(*fn_args)
         queued = time.perf_counter()
         torch.cuda.synchronize()
         done = time.perf_counter()

@@ -162,7 +162,8 @@ def step_kind(phases: StepPhases) -> str:
 def step_breakdown(steps: list[tuple[float, StepPhases]], wall_s: float) -> list[dict]:
     """Where a replay's wall time went, by kind of engine step: decode steps launched ahead (their wall is mostly
     the wait for the GPU), other decode steps, mixed steps (a prefill in slices with decode steps between), prefill
-    steps; and the bench's own loop between steps."""
+    steps; and the bench's own loop between steps. host_busy_ms: a step's wall less its waits for sampled tokens
+    (StepPhases.wait_ms), the host's own time: near the wall, the step is host-bound; far below it, GPU-bound."""
     rows = []
     for kind in ("decode ahead", "decode", "mixed", "prefill", "idle"):
         mine = [(ms, p) for ms, p in steps if step_kind(p) == kind]
@@ -172,6 +173,7 @@ def step_breakdown(steps: list[tuple[float, StepPhases]], wall_s: float) -> list
         decode_steps = sum(p.decode_steps for _, p in mine)
         rows.append({"kind": kind, "steps": len(mine), "wall_s": total / 1e3, "share": total / 1e3 / wall_s,
                      "mean_ms": total / len(mine), "dispatch_ms": sum(p.dispatch_ms for _, p in mine) / len(mine),
+                     "host_busy_ms": (total - sum(p.wait_ms for _, p in mine)) / len(mine),
                      "prefill_tokens": sum(p.prefill_tokens for _, p in mine), "decode_steps": decode_steps,
                      "rows_per_decode": sum(p.decode_rows for _, p in mine) / len(mine)})
     outside = wall_s - sum(ms for ms, _ in steps) / 1e3
@@ -522,7 +524,7 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
               f"{runner.num_fed_steps - steps_before[5]} fed), "
               f"{runner.num_eager_steps - steps_before[2]} eager (prefill or mixed; "
               f"{runner.num_graph_prefill_steps - steps_before[3]} of them through prefill graphs)\n")
-    print_table(kinds, ["kind", "steps", "wall_s", "share", "mean_ms", "dispatch_ms", "prefill_tokens",
+    print_table(kinds, ["kind", "steps", "wall_s", "share", "mean_ms", "dispatch_ms", "host_busy_ms", "prefill_tokens",
                         "decode_steps", "rows_per_decode"], out)
     if overall["return_sample_ms"] is not None:
         out.write("returning turns' first step, p50 of each phase: schedule {return_schedule_ms:.2f} ms, dispatch "

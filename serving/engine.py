@@ -47,6 +47,7 @@ class StepPhases:
     decode_rows: int = 0  # sequences decoding at the step's start
     decode_steps: int = 0  # decode steps run (a mixed step runs one after each prefill slice but the last)
     ahead: bool = False  # the step completed a decode step launched ahead by the step before
+    wait_ms: float = 0.0  # of the above, the host blocked on the GPU reading sampled tokens (host-bound steps: ~0)
 
 
 @dataclass
@@ -109,6 +110,7 @@ class LLMEngine:
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
         self.last_step = StepPhases()  # the phases of the last step that ran
+        self._wait_ms = 0.0  # the running step's StepPhases.wait_ms
         self._seeds = torch.Generator().manual_seed(cfg.seed)
         self._ahead: tuple | None = None  # a decode step launched ahead (EngineConfig.decode_ahead), unread
         self.num_ahead_steps = 0
@@ -176,6 +178,7 @@ class LLMEngine:
 
     def _step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
+        self._wait_ms = 0.0
         chunks = self.scheduler.schedule()
         if not chunks:
             self.last_step = StepPhases()
@@ -193,7 +196,7 @@ class LLMEngine:
         finished, commit_ms = self._finish_step(chunks, logits, greedy)
         t3 = time.perf_counter()
         self.last_step = StepPhases(1e3 * (t1 - t0), 1e3 * (t2 - t1), commit_ms, 1e3 * (t3 - t2) - commit_ms,
-                                    prefill_tokens, len(decodes), decode_steps)
+                                    prefill_tokens, len(decodes), decode_steps, wait_ms=self._wait_ms)
         return outputs + finished
 
     def _finish_step(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
@@ -234,7 +237,9 @@ class LLMEngine:
         sequences that are no longer running (a row of a decode launched ahead whose sequence stopped, or was
         aborted, since)."""
         chunks, ready, tokens = sampled
+        t0 = time.perf_counter()
         values = tokens.tolist() if tokens is not None else []
+        self._wait_ms += 1e3 * (time.perf_counter() - t0)
         outputs = [self._append(c.seq, t) for c, t, r in zip(chunks, values, ready)
                    if r and c.seq.status is SequenceStatus.RUNNING]
         if self._ahead is not None and not any(c.seq.status is SequenceStatus.RUNNING for c in self._ahead[0]):
@@ -269,6 +274,7 @@ class LLMEngine:
         """Complete the decode step launched ahead: commit it for the sequences still running (the tokens it took
         as input are appended by now), launch the next one ahead, then read its tokens."""
         t0 = time.perf_counter()
+        self._wait_ms = 0.0
         sampled, self._ahead = self._ahead, None
         self.scheduler.commit([c for c in sampled[0] if c.seq.status is SequenceStatus.RUNNING])
         t1 = time.perf_counter()
@@ -277,7 +283,7 @@ class LLMEngine:
         outputs = self._take_tokens(sampled)
         t3 = time.perf_counter()
         self.last_step = StepPhases(0.0, 1e3 * (t2 - t1), 1e3 * (t1 - t0), 1e3 * (t3 - t2), 0, len(sampled[0]), 1,
-                                    ahead=True)
+                                    ahead=True, wait_ms=self._wait_ms)
         return outputs
 
     def _prefill_between_decodes(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]):

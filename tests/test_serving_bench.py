@@ -71,6 +71,8 @@ def test_bench_smoke_on_the_cpu(model, tmp_path, capsys):
     kinds = {k["kind"]: k for k in run["step_kinds"]}
     assert {"mixed", "between steps"} <= set(kinds) and abs(sum(k["share"] for k in kinds.values()) - 1) < 1e-6
     assert kinds["mixed"]["prefill_tokens"] > 0 and kinds["mixed"]["decode_steps"] > 0
+    # the host's own time of a step: its wall less its waits for sampled tokens (on the CPU those are ~0)
+    assert all(0 < k["host_busy_ms"] <= k["mean_ms"] + 1e-9 for k in kinds.values() if k["steps"])
     assert "rows_per_decode" in printed
     assert ("dispatch-bound" in printed) == (overall["return_dispatch_ms"] > overall["return_sample_ms"])
     saved = json.loads((tmp_path / "serving.json").read_text())
