@@ -26,8 +26,8 @@ import triton.language as tl
 
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import check_devices
-from kernels.varlen import CHUNK, chunk_span, host_ints, token_chunks
-from reference._checks import check_cu_seqlens, check_snapshots, check_tensor
+from kernels.varlen import CHUNK, VarlenPlan, chunk_span, plan_varlen
+from reference._checks import check_tensor
 
 BLOCK_C = 128
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -110,13 +110,11 @@ def _window_kernel(x_ptr, state_ptr, slots_ptr, dst_slots_ptr, cu_ptr, lens_ptr,
     tl.store(state_ptr + dst * stride_slot + ch[:, None] * stride_ch + i[None, :], new, mask=ok)
 
 
-def _check(x, weight, conv_states, state_slots, cu_seqlens, cu_seqlens_host):
+def _check(x, weight, conv_states):
+    """The layer's own tensors (the batch's are the plan's: kernels.varlen.plan_varlen)."""
     check_tensor("x", x, ndim=2, dtype=IO_DTYPES)
     check_tensor("weight", weight, ndim=2, dtype=IO_DTYPES, device=x.device)
     check_tensor("conv_states", conv_states, ndim=3, dtype=IO_DTYPES, device=x.device)
-    index = dict(ndim=1, dtype=(torch.int32, torch.int64), device=x.device, contiguous=True)
-    check_tensor("state_slots", state_slots, **index)
-    check_tensor("cu_seqlens", cu_seqlens, **index)
     c, k = weight.shape
     if x.shape[1] != c or not weight.is_contiguous():
         raise ValueError(f"weight must be a contiguous ({x.shape[1]}, K) tensor for x's channels, "
@@ -126,24 +124,26 @@ def _check(x, weight, conv_states, state_slots, cu_seqlens, cu_seqlens_host):
                          f"got {tuple(conv_states.shape)} with strides {conv_states.stride()}")
     if x.stride(1) != 1:
         raise ValueError(f"x must be contiguous along its channels, got strides {x.stride()}")
-    cu = check_cu_seqlens("cu_seqlens", cu_seqlens, x.shape[0], cu_seqlens_host)
-    if state_slots.numel() != len(cu) - 1:
-        raise ValueError(f"state_slots must have one slot per sequence ({len(cu) - 1}), got {state_slots.numel()}")
     check_devices(x=x)
-    return cu
 
 
 def causal_conv1d_varlen(x, weight, conv_states, state_slots, cu_seqlens, *, cu_seqlens_host=None,
-                         activation: str | None = "silu", out=None, snapshot_offsets=None, snapshot_slots=None):
+                         activation: str | None = "silu", out=None, snapshot_offsets=None, snapshot_slots=None,
+                         plan: VarlenPlan | None = None):
     """x: (N, C) tokens of the sequences packed by cu_seqlens (B+1,); weight: (C, K); conv_states: (slots, C, K-1),
     sequence i's window at conv_states[state_slots[i]], updated in place. Returns y (N, C) in x's dtype (into
     `out` when given). cu_seqlens_host, the caller's host copy of cu_seqlens, spares the one device read (a sync).
     snapshot_offsets (host ints; 0: none) and snapshot_slots ((B,) ints): the window after sequence i's first
     snapshot_offsets[i] tokens also goes to conv_states[snapshot_slots[i]]. Slots must be distinct (not checked:
-    that would read them on the host)."""
+    that would read them on the host). plan: the batch already checked and laid out (kernels.varlen.plan_varlen
+    of these cu_seqlens, state_slots and snapshots, shared by a model step's layers)."""
     if activation not in (None, "silu"):
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
-    cu = _check(x, weight, conv_states, state_slots, cu_seqlens, cu_seqlens_host)
+    _check(x, weight, conv_states)
+    if plan is None:
+        plan = plan_varlen(cu_seqlens, x.shape[0], state_slots, cu_seqlens_host=cu_seqlens_host,
+                           snapshot_offsets=snapshot_offsets, snapshot_slots=snapshot_slots)
+    plan.check_for(cu_seqlens, state_slots, x.shape[0], snapshot_slots, x.device)
     n_tok, c = x.shape
     k = weight.shape[1]
     if out is None:
@@ -151,21 +151,20 @@ def causal_conv1d_varlen(x, weight, conv_states, state_slots, cu_seqlens, *, cu_
     elif out.shape != x.shape or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be a {tuple(x.shape)} {x.dtype} tensor with contiguous rows, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    snapshots = check_snapshots(cu, snapshot_offsets, snapshot_slots, state_slots) is not None
-    chunks, _ = token_chunks(tuple(cu), x.device)
+    chunks = plan.plain_chunks
     blocks = cdiv(c, BLOCK_C)
     if chunks.shape[0]:
         _conv_kernel[(chunks.shape[0], blocks)](
             x, weight, conv_states, state_slots, cu_seqlens, chunks, out, c, x.stride(0), out.stride(0),
             conv_states.stride(0), conv_states.stride(1), K=k, KP=next_power_of_2(k), BT=CHUNK, BLOCK_C=BLOCK_C,
             SILU=activation == "silu", num_warps=4)
-    if k > 1 and len(cu) > 1:
+    n = plan.num_seqs
+    if k > 1 and n:
         windows = dict(K=k, KP=next_power_of_2(k - 1), BLOCK_C=BLOCK_C, num_warps=4)
         strides = (c, x.stride(0), conv_states.stride(0), conv_states.stride(1))
-        if snapshots:  # before the final windows replace the old ones they may read
-            lens = host_ints(tuple(snapshot_offsets), x.device)
-            _window_kernel[(len(cu) - 1, blocks)](x, conv_states, state_slots, snapshot_slots, cu_seqlens, lens,
-                                                  *strides, PREFIX=True, **windows)
-        _window_kernel[(len(cu) - 1, blocks)](x, conv_states, state_slots, state_slots, cu_seqlens, cu_seqlens,
-                                              *strides, PREFIX=False, **windows)
+        if plan.offsets is not None:  # before the final windows replace the old ones they may read
+            _window_kernel[(n, blocks)](x, conv_states, state_slots, plan.snapshot_slots, cu_seqlens,
+                                        plan.offsets_dev, *strides, PREFIX=True, **windows)
+        _window_kernel[(n, blocks)](x, conv_states, state_slots, state_slots, cu_seqlens, cu_seqlens,
+                                    *strides, PREFIX=False, **windows)
     return out

@@ -75,8 +75,8 @@ from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm, gated_rms
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import triton_runs_on
 from kernels.row_buckets import empty_rows
-from kernels.varlen import CHUNK, chunk_span, host_ints, token_chunks
-from reference._checks import check_cu_seqlens, check_real, check_snapshots, check_tensor
+from kernels.varlen import CHUNK, VarlenPlan, chunk_span, host_ints, plan_varlen
+from reference._checks import check_real, check_tensor
 
 SUB = tl.constexpr(16)  # the WY kernel's sub-block: the chunk's T = (I + A)^-1 by 16 x 16 blocks
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -91,6 +91,9 @@ STATE_STAGES = 2  # software-pipelining stages of kernel 2's chunk loop (its loa
 # an SM, 76 bytes spilled) the pass ran 13% faster on the H200 (B1 T16k H32: 901 against 1031 us; B8 T4k: 1796
 # against 2092; profiles.bench_prefill times the uncapped pass beside it as wy_maxnreg255_us).
 WY_MAXNREG = {torch.float32: 255, torch.bfloat16: 128, torch.float16: 128}
+# The layers of a model step share one checked batch plan and its workspaces (step_plan); off, each layer checks and
+# lays out the batch itself (the A/B of `profiles.host_time --ab gdn_step_plan`, `serving.bench --sweep`).
+SHARE_STEP_PLAN = True
 # Autotuning kernels 2 and 3 over (BV, warps, stages) ran B1 T16k H32 at 7.67 Mtok/s instead of 6.26 (state pass
 # 560 -> 402 us, output 434 -> 309 us) but hit an illegal memory access on the H200 in the varlen GPU tests and
 # under ncu, not reproduced under the interpreter with any single config: fixed configs until that is found.
@@ -305,8 +308,9 @@ def _chunk_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, chunk_ptr, o_p
              mask=vmask)
 
 
-def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host, out, gate_params=None):
-    """Raise ValueError naming the first bad argument; returns cu_seqlens' values (cu_seqlens_host, or read once)."""
+def _check_args(q, k, v, g, beta, recurrent_states, out, gate_params=None):
+    """Raise ValueError naming the first bad argument of a layer's own tensors (the batch's, cu_seqlens, state_slots
+    and the snapshots, are checked by kernels.varlen.plan_varlen)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndim=3, dtype=IO_DTYPES)
         if t.stride(-1) != 1:
@@ -321,8 +325,6 @@ def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_
             if t.shape != (v.shape[1],) or t.stride(0) != 1:
                 raise ValueError(f"{name} must be a contiguous ({v.shape[1]},) tensor, got {tuple(t.shape)}")
     check_tensor("recurrent_states", recurrent_states, ndim=4, dtype=torch.float32)
-    check_tensor("state_slots", state_slots, ndim=1, dtype=(torch.int32, torch.int64), contiguous=True)
-    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtype=(torch.int32, torch.int64), contiguous=True)
     total, hk, dk = q.shape
     _, hv, dv = v.shape
     if k.shape != q.shape or k.dtype != q.dtype:
@@ -336,24 +338,19 @@ def _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_
     if not recurrent_states.is_contiguous() or recurrent_states.shape[1:] != (hv, dk, dv):
         raise ValueError(f"recurrent_states must be a contiguous (slots, {hv}, {dk}, {dv}) tensor, "
                          f"got {tuple(recurrent_states.shape)}")
-    cu = check_cu_seqlens("cu_seqlens", cu_seqlens, total, cu_seqlens_host)
-    n = len(cu) - 1
-    if state_slots.numel() != n:
-        raise ValueError(f"state_slots must have one slot per sequence ({n}), got {state_slots.numel()}")
     if min(dk, dv) < 16:
         raise ValueError(f"dk and dv must be at least 16 (tl.dot tiles), got {dk} and {dv}")
     if out is not None and (out.shape != v.shape or out.dtype != v.dtype or out.stride(-1) != 1):
         raise ValueError(f"out must be a {tuple(v.shape)} {v.dtype} tensor with a contiguous last dim, "
                          f"got {tuple(out.shape)} {out.dtype}")
     dev = q.device
-    tensors = dict(k=k, v=v, g=g, beta=beta, recurrent_states=recurrent_states, state_slots=state_slots,
-                   cu_seqlens=cu_seqlens, out=out, **dict(zip(("A_log", "dt_bias"), gate_params or ())))
+    tensors = dict(k=k, v=v, g=g, beta=beta, recurrent_states=recurrent_states, out=out,
+                   **dict(zip(("A_log", "dt_bias"), gate_params or ())))
     if any(t is not None and t.device != dev for t in tensors.values()):
         raise ValueError(f"tensors must share one device, got q on {dev} and "
                          f"{ {n: str(t.device) for n, t in tensors.items() if t is not None} }")
     if not triton_runs_on(dev):
         raise ValueError(f"q must be on a CUDA device (or run with TRITON_INTERPRET=1), got {dev}")
-    return cu
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host=None,
@@ -378,7 +375,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, recurrent_states, state_slots, c
 
 def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host=None, scale=None,
                    use_qk_l2norm=True, out=None, snapshot_offsets=None, snapshot_slots=None, output_gate=None,
-                   gate_params=None):
+                   gate_params=None, plan: VarlenPlan | None = None):
     """chunk_gated_delta_rule's arguments checked and planned: (out, (wy, state, output)), the three passes as
     zero-argument callables to run in that order, each reading what the one before wrote (profiles time each).
     output_gate (z (total, Hv, dv) in v's dtype with contiguous rows, norm weight (dv,), eps), when the output pass
@@ -386,17 +383,19 @@ def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlen
     * silu(z), computed in the output pass (one launch fewer a layer), in a buffer with room for out_proj's padded
     rows (kernels.row_buckets). gate_params (A_log (Hv,), dt_bias (Hv,)): g and beta are the in-projection's raw a
     and b ((total, Hv), io dtype, any row stride), whose gates (kernels.gdn_pointwise.gate_values) the WY pass
-    computes itself (one launch fewer a layer than gdn_gates first)."""
-    cu = _check_args(q, k, v, g, beta, recurrent_states, state_slots, cu_seqlens, cu_seqlens_host, out, gate_params)
+    computes itself (one launch fewer a layer than gdn_gates first). plan: the batch already checked and laid out
+    (kernels.varlen.plan_varlen of these cu_seqlens, state_slots and snapshots), whose workspaces the passes reuse."""
+    _check_args(q, k, v, g, beta, recurrent_states, out, gate_params)
+    if plan is None:
+        plan = plan_varlen(cu_seqlens, q.shape[0], state_slots, cu_seqlens_host=cu_seqlens_host,
+                           snapshot_offsets=snapshot_offsets, snapshot_slots=snapshot_slots)
+    plan.check_for(cu_seqlens, state_slots, q.shape[0], snapshot_slots, q.device)
     if output_gate is not None:
         _check_output_gate(v, out, *output_gate)
         out = empty_rows(v.shape, v.dtype, v.device, row_dims=1)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     scale = q.shape[2] ** -0.5 if scale is None else check_real("scale", scale, positive=True)
-    cuts = check_snapshots(cu, snapshot_offsets, snapshot_slots, state_slots)
-    chunks, first_chunk = token_chunks(tuple(cu), q.device, cuts)
-    cuts_dev = host_ints(cuts, q.device) if cuts else None
     if not isinstance(use_qk_l2norm, bool):
         raise ValueError(f"use_qk_l2norm must be a bool, got {use_qk_l2norm!r}")
     common = _constexprs(q, v, k.shape[1], use_qk_l2norm)
@@ -405,15 +404,14 @@ def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlen
     done = {}
 
     def wy():
-        done["ws"] = wy_pass(k, v, g, beta, chunks, common, gate_params)
+        done["ws"] = wy_pass(k, v, g, beta, plan, common, gate_params)
 
     def state():
-        done["h, v_new"] = state_pass(done["ws"], cu_seqlens, first_chunk, cuts_dev, state_slots,
-                                      snapshot_slots if cuts else None, recurrent_states, chunks.shape[0], common)
+        done["h, v_new"] = state_pass(done["ws"], plan, recurrent_states, common)
 
     def output():
         h, v_new = done["h, v_new"]
-        output_pass(q, k, v_new, h, done["ws"][3], chunks, out, scale, common, output_gate)
+        output_pass(q, k, v_new, h, done["ws"][3], plan.chunks, out, scale, common, output_gate)
     return out, (wy, state, output)
 
 
@@ -446,14 +444,15 @@ def _constexprs(q, v, hk, use_qk_l2norm) -> dict:
                 PREC="ieee" if exact else "tf32", num_warps=8 if max(bk, bv) >= 128 else 4)  # (64, 128) fp32 tiles
 
 
-def wy_pass(k, v, g, beta, chunks, common, gate_params=None):
+def wy_pass(k, v, g, beta, plan: VarlenPlan, common, gate_params=None):
     """Kernel 1 over every (chunk, value head): the workspaces w, u, kd (in the io dtype) and G (fp32); g, beta as
     prefill_passes takes them."""
-    total, hv, dk, dv, dev = k.shape[0], v.shape[1], k.shape[2], v.shape[2], k.device
-    ws = tuple(torch.empty(total, hv, *d, dtype=dt, device=dev)
-               for d, dt in (((dk,), v.dtype), ((dv,), v.dtype), ((dk,), v.dtype), ((), torch.float32)))
+    total, hv, dk, dv = k.shape[0], v.shape[1], k.shape[2], v.shape[2]
+    ws = tuple(plan.buffer(name, (total, hv, *d), dt) for name, d, dt in (
+        ("w", (dk,), v.dtype), ("u", (dv,), v.dtype), ("kd", (dk,), v.dtype), ("G", (), torch.float32)))
+    chunks = plan.chunks
     if chunks.shape[0]:
-        scratch = torch.empty(chunks.shape[0], hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)  # the solve's
+        scratch = plan.buffer("wy_scratch", (chunks.shape[0], hv, CHUNK, CHUNK), torch.float32)  # the solve's
         _chunk_wy_kernel[(chunks.shape[0], hv)](
             k, v, g, beta, *(gate_params or (g, g)), chunks, *ws, scratch, k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), g.stride(0), beta.stride(0), BV=max(16, next_power_of_2(dv)),
@@ -462,20 +461,21 @@ def wy_pass(k, v, g, beta, chunks, common, gate_params=None):
     return ws
 
 
-def state_pass(ws, cu_seqlens, first_chunk, cuts, state_slots, snapshot_slots, recurrent_states, n_chunks, common):
+def state_pass(ws, plan: VarlenPlan, recurrent_states, common):
     """Kernel 2 over every (sequence, value head, dv block): each piece's start state h (pieces, Hv, dk, dv) and
-    v_new (total, Hv, dv), both in the io dtype; the final states into their slots, and with cuts ((N,) int32
-    absolute token positions, 0: none) the states there into snapshot_slots."""
+    v_new (total, Hv, dv), both in the io dtype; the final states into their slots, and at the plan's snapshot cuts
+    the states there into its snapshot slots."""
     w, u, kd, gcum = ws
-    n, hv, dk, dv = cu_seqlens.numel() - 1, u.shape[1], w.shape[2], u.shape[2]
-    h = torch.empty(n_chunks, hv, dk, dv, dtype=u.dtype, device=u.device)
-    v_new = torch.empty_like(u)
+    n, hv, dk, dv = plan.num_seqs, u.shape[1], w.shape[2], u.shape[2]
+    h = plan.buffer("h", (plan.chunks.shape[0], hv, dk, dv), u.dtype)
+    v_new = plan.buffer("v_new", u.shape, u.dtype)
     bv = state_block(n, hv, dv)
+    snapshot = plan.cuts is not None
     _chunk_state_kernel[(n, hv, cdiv(dv, bv))](  # slots of either int type: the kernel widens them
-        w, u, kd, gcum, cu_seqlens.to(torch.int32), first_chunk, cuts if cuts is not None else first_chunk,
-        state_slots, snapshot_slots if snapshot_slots is not None else state_slots, recurrent_states, h, v_new,
+        w, u, kd, gcum, plan.cu32, plan.first_chunk, plan.cuts_dev if snapshot else plan.first_chunk,
+        plan.state_slots, plan.snapshot_slots if snapshot else plan.state_slots, recurrent_states, h, v_new,
         **{k: common[k] for k in ("HV", "DK", "DV", "BT", "BK", "PREC", "num_warps")}, BV=bv,
-        SNAPSHOT=cuts is not None, num_stages=STATE_STAGES)
+        SNAPSHOT=snapshot, num_stages=STATE_STAGES)
     return h, v_new
 
 
@@ -530,26 +530,40 @@ def output_pass(q, k, v_new, h, gcum, chunks, out, scale, common, gate=None):
             GATE=gate is not None, num_stages=1)
 
 
+def step_plan(step, total: int) -> VarlenPlan:
+    """The step's batch checked and laid out once (kernels.varlen.plan_varlen), kept in step.plans for its other
+    layers; built again where the step's batch changed since."""
+    key = (step.cu_seqlens, step.cu_seqlens_host, step.state_slots, step.snapshot_offsets, step.snapshot_slots, total)
+    held = step.plans.get("varlen") if SHARE_STEP_PLAN else None
+    if held is not None and all(a is b if torch.is_tensor(a) or torch.is_tensor(b) else a == b
+                                for a, b in zip(held[0], key)):
+        return held[1]
+    plan = plan_varlen(step.cu_seqlens, total, step.state_slots, cu_seqlens_host=step.cu_seqlens_host,
+                       snapshot_offsets=step.snapshot_offsets, snapshot_slots=step.snapshot_slots)
+    step.plans["varlen"] = (key, plan)
+    return plan
+
+
 def gated_deltanet_prefill_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,
                               num_k_heads, eps):
     """model.ops.gated_deltanet with the delta rule on this kernel, every piece in Triton and free of host syncs
     given step.cu_seqlens_host: the conv (kernels.causal_conv1d; conv_states updated at step.state_slots), the
     chunked delta rule with the gates in its WY pass (recurrent_states updated in place), the gated norm (in the
-    output pass when dv <= OUTPUT_BV, else kernels.gdn_pointwise).
+    output pass when dv <= OUTPUT_BV, else kernels.gdn_pointwise). The step's batch is checked and laid out once for
+    all its layers (step_plan), and the conv's output and the passes' workspaces are the plan's, reused by each layer.
     qkv: (N, C); z: (N, Hv, dv); b, a: (N, Hv). Returns (N, Hv, dv) in qkv's dtype."""
     slots = step.state_slots
     n, hv, dv = z.shape
     dk = (qkv.shape[1] - hv * dv) // (2 * num_k_heads)
-    snapshots = dict(snapshot_offsets=step.snapshot_offsets, snapshot_slots=step.snapshot_slots)
-    mixed = causal_conv1d_varlen(qkv, conv_w, conv_states, slots, step.cu_seqlens, cu_seqlens_host=step.cu_seqlens_host,
-                                 **snapshots)
+    plan = step_plan(step, qkv.shape[0])
+    batch = dict(cu_seqlens=step.cu_seqlens, snapshot_slots=step.snapshot_slots, plan=plan)
+    mixed = causal_conv1d_varlen(qkv, conv_w, conv_states, slots, out=plan.buffer("conv", tuple(qkv.shape), qkv.dtype),
+                                 **batch)
     q, k, v = mixed.split([num_k_heads * dk, num_k_heads * dk, hv * dv], dim=-1)
     fused = fuses_output_gate(dv)  # the output norm inside the output pass
     o, passes = prefill_passes(q.view(n, num_k_heads, dk), k.view(n, num_k_heads, dk), v.view(n, hv, dv), a, b,
-                               gate_params=(A_log, dt_bias),
-                               recurrent_states=recurrent_states, state_slots=slots, cu_seqlens=step.cu_seqlens,
-                               cu_seqlens_host=step.cu_seqlens_host, output_gate=(z, norm_w, eps) if fused else None,
-                               **snapshots)
+                               gate_params=(A_log, dt_bias), recurrent_states=recurrent_states, state_slots=slots,
+                               output_gate=(z, norm_w, eps) if fused else None, **batch)
     for run_pass in passes:
         run_pass()
     return o if fused else gated_rms_norm(o, z, norm_w, eps)

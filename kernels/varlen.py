@@ -4,12 +4,17 @@
 - `token_chunks` (on the host): the batch cut into CHUNK-token pieces that never cross a sequence (and restart at
   a snapshot cut), for kernels whose programs each take one piece; `chunk_span` reads a piece back in a kernel.
 - `host_ints`: small host int tables (a step's snapshot offsets) moved once.
+- `VarlenPlan` (`plan_varlen`): all of the above for one batch, checked and built once and shared by the layers of
+  a model step, with workspaces they reuse.
 """
 import functools
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
+
+from reference._checks import check_cu_seqlens, check_snapshots, check_tensor
 
 CHUNK = 64  # tokens per piece of token_chunks
 
@@ -67,3 +72,72 @@ def host_ints(values: tuple[int, ...], device) -> torch.Tensor:
     """(len,) int32 on device from host ints, one pinned non-blocking copy, cached (a step's layers share it)."""
     t = torch.tensor(values, dtype=torch.int32)
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
+
+
+@dataclass
+class VarlenPlan:
+    """A varlen batch's host-side layout (cu_seqlens' values, the snapshot cuts, the piece tables), checked and built
+    once. Every GDN prefill layer of a model step shares one (model.step.StepInput.plans): checking cu_seqlens,
+    state_slots and the snapshots and looking the tables up again cost ~230 us of host time a layer on the H100
+    machine of session 37, beside its five launches. Kernels also take their workspaces from it (`buffer`): the
+    step's layers run in order on one stream, so each layer's scratch is free again when the next one starts."""
+    cu_seqlens: torch.Tensor  # (N+1,) int32/int64, the tensor the plan was built from
+    state_slots: torch.Tensor  # (N,)
+    snapshot_slots: torch.Tensor | None  # (N,), where some sequence snapshots
+    cu: tuple[int, ...]  # cu_seqlens' values (host)
+    offsets: tuple[int, ...] | None  # snapshot offsets inside each sequence (0: none); None: no snapshot
+    cuts: tuple[int, ...] | None  # the same as absolute token positions (check_snapshots)
+    chunks: torch.Tensor  # token_chunks(cu, cuts): (pieces, 3) int32, restarting at the cuts
+    first_chunk: torch.Tensor  # (N,) int32
+    plain_chunks: torch.Tensor  # token_chunks(cu): the pieces without cuts
+    cu32: torch.Tensor  # cu_seqlens as int32
+    offsets_dev: torch.Tensor | None  # offsets as (N,) int32 on the device
+    cuts_dev: torch.Tensor | None  # cuts as (N,) int32 on the device
+    buffers: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.cu) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu[-1]
+
+    def check_for(self, cu_seqlens, state_slots, total: int, snapshot_slots, device: torch.device) -> None:
+        """Raise ValueError unless the plan was built for these tensors and total tokens (a call that passes both a
+        plan and the batch's own arguments), on the device of the layer's tensors."""
+        if self.cu_seqlens.device != device:
+            raise ValueError(f"cu_seqlens and state_slots must be on {device} (the layer's tensors), got "
+                             f"{self.cu_seqlens.device}")
+        if (cu_seqlens is not self.cu_seqlens or state_slots is not self.state_slots or total != self.num_tokens
+                or (self.offsets is not None and snapshot_slots is not self.snapshot_slots)):
+            raise ValueError(f"plan was built for another batch: {self.num_seqs} sequences of {self.num_tokens} "
+                             f"tokens (cu_seqlens, state_slots and snapshot_slots must be the plan's tensors), got "
+                             f"{total} tokens")
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised workspace of this shape and dtype, the same tensor for every layer that asks by name."""
+        t = self.buffers.get(name)
+        if t is None or t.shape != shape or t.dtype != dtype:
+            t = self.buffers[name] = torch.empty(shape, dtype=dtype, device=self.cu_seqlens.device)
+        return t
+
+
+def plan_varlen(cu_seqlens: torch.Tensor, total: int, state_slots: torch.Tensor, *, cu_seqlens_host=None,
+                snapshot_offsets=None, snapshot_slots=None) -> VarlenPlan:
+    """Check a varlen batch (cu_seqlens (N+1,) over `total` tokens; its host copy cu_seqlens_host spares a device
+    read; one state slot a sequence; the snapshot offsets and slots of model.step.StepInput) and lay it out."""
+    index = dict(ndim=1, dtype=(torch.int32, torch.int64), contiguous=True)
+    check_tensor("state_slots", state_slots, **index)
+    check_tensor("cu_seqlens", cu_seqlens, **index, device=state_slots.device)
+    cu = tuple(check_cu_seqlens("cu_seqlens", cu_seqlens, total, cu_seqlens_host))
+    if state_slots.numel() != len(cu) - 1:
+        raise ValueError(f"state_slots must have one slot per sequence ({len(cu) - 1}), got {state_slots.numel()}")
+    cuts = check_snapshots(list(cu), snapshot_offsets, snapshot_slots, state_slots)
+    dev = cu_seqlens.device
+    chunks, first_chunk = token_chunks(cu, dev, cuts)
+    plain = token_chunks(cu, dev)[0] if cuts else chunks
+    offsets = tuple(snapshot_offsets) if cuts else None
+    return VarlenPlan(cu_seqlens, state_slots, snapshot_slots if cuts else None, cu, offsets, cuts, chunks,
+                      first_chunk, plain, cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32),
+                      host_ints(offsets, dev) if cuts else None, host_ints(cuts, dev) if cuts else None)

@@ -1,5 +1,5 @@
 """What one forward step needs besides the tokens: a flat varlen batch plus its cache addresses."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ class StepInput:
     slot snapshot_slots[b] ((B,) int64), for the prefix cache: a snapshot inside a chunk costs no extra step
     embeddings: (N, hidden), the token embeddings when the step builder gathered them together with its other rows
     (a decode step's page-table rows and RoPE rows: kernels.gather_rows, one launch); None: the model embeds token_ids
+    plans: what kernels lay out on the host once for all the step's layers, by kernel (kernels.gdn_prefill.step_plan)
     """
     token_ids: torch.Tensor
     positions: torch.Tensor
@@ -40,6 +41,7 @@ class StepInput:
     snapshot_offsets: tuple[int, ...] | None = None
     snapshot_slots: torch.Tensor | None = None
     embeddings: torch.Tensor | None = None
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

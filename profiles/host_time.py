@@ -324,6 +324,8 @@ AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_s
             "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
             # the skinny GEMM's weight tiles by TMA (a tensor descriptor) instead of cp.async pointer loads
             "dot_tma": ("kernels.linear", "DOT_TMA", ON_OFF),
+            # a prefill step's GDN layers share one checked batch plan and its workspaces (off: each layer its own)
+            "gdn_step_plan": ("kernels.gdn_prefill", "SHARE_STEP_PLAN", ON_OFF),
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
             # timing only (wrong tokens): the GDN decode without its state write-back and window shifts ("off"), or
             # with every program's states over one head (one_head: the stores, a sixteenth of the dirty lines)

@@ -193,6 +193,40 @@ def test_op_matches_reference_prefill_unfused_output_norm():
     check_op([3, 66], 1, 1, 16, dv, torch.float32, 1e-5, 1e-5, seed=3)
 
 
+def test_layers_of_one_step_share_its_plan_and_workspaces():
+    # two GDN layers (their own weights and pools) through one StepInput equal each through a fresh one, bit for bit:
+    # the second layer reuses the plan the first built and its workspaces (the conv output among them), and the
+    # first layer's output is not one of them
+    lens, hk, hv, d = [3, 66, 1], 1, 2, 16
+    gen = torch.Generator().manual_seed(7)
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    layers = [make_layer_inputs(gen, lens, hk, hv, d, d, torch.float32, 5) for _ in range(2)]
+    alone = [OPS["gated_deltanet"](*[t.clone() for t in args], prefill_step(lens, slots), hk, EPS) for args in layers]
+    step = prefill_step(lens, slots)
+    shared = [OPS["gated_deltanet"](*args, step, hk, EPS) for args in layers]
+    plan = step.plans["varlen"][1]
+    assert all(torch.equal(a, b) for a, b in zip(alone, shared))
+    assert shared[0].data_ptr() not in {t.data_ptr() for t in plan.buffers.values()}
+    assert gdn_prefill.step_plan(step, sum(lens)) is plan
+    # a step whose batch changed since gets a new plan
+    step.cu_seqlens_host, step.cu_seqlens = (0, 3, 68, 70), torch.tensor([0, 3, 68, 70], dtype=torch.int32,
+                                                                        device=DEVICE)
+    assert gdn_prefill.step_plan(step, 70) is not plan
+
+
+def test_a_plan_of_another_batch_is_refused():
+    from kernels.causal_conv1d import causal_conv1d_varlen
+    from kernels.varlen import plan_varlen
+    gen = torch.Generator().manual_seed(8)
+    x, w, pool = torch.randn(8, 4, generator=gen), torch.randn(4, CONV_K, generator=gen), torch.randn(3, 4, CONV_K - 1)
+    slots, cu = torch.tensor([0, 1]), torch.tensor([0, 3, 8], dtype=torch.int32)
+    other = plan_varlen(torch.tensor([0, 4, 8], dtype=torch.int32), 8, slots)
+    with pytest.raises(ValueError, match="plan was built for another batch"):
+        causal_conv1d_varlen(x, w, pool, slots, cu, plan=other)
+    with pytest.raises(ValueError, match="plan was built for another batch"):
+        causal_conv1d_varlen(x[:7], w, pool, slots, other.cu_seqlens, plan=other)
+
+
 def test_output_gate_rejects_bad_arguments():
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(5, 1, 16, generator=gen) for _ in range(3))
