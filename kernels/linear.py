@@ -24,7 +24,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import pdl, split_k, stamps, tma_gemv
 from kernels.activations import silu_and_mul
@@ -44,13 +43,6 @@ FUSED_NORM_MAX_K = 1024
 # Whether skinny GEMMs run split over K where their plan says so (kernels.split_k); off: every one unsplit (A/B:
 # `python -m profiles.host_time --decode 16 --ab split_k`)
 SPLIT_K = True
-# Whether the skinny GEMM takes its weight tiles by TMA (a host tensor descriptor; Triton pipelines the loads with
-# mbarriers) instead of pointer loads through cp.async. Why: at 16 rows it streams a 2B step's 3.76 GB at 2.54 TB/s
-# (H100, session 36, `bench_decode --sweep-linear qwen3.5-2b --rows 16`, every shape's plan within 1% of its best)
-# where the batch-1 TMA-ring GEMV reaches 2.8-3.1. Predicted: up to ~0.2 ms off the H100's 2.55 ms 16-row step if the
-# GEMMs reached 2.9 TB/s. Untimed (session 36 wrote it without device time left): off until `python -m
-# profiles.host_time --decode 16 --ab dot_tma` says otherwise.
-DOT_TMA = False
 # Whether one bf16 row on sm_90 runs the TMA-ring GEMV in CuTe-DSL (kernels/tma_gemv.py) instead of the Triton GEMV:
 # weights of at least TMA_MIN_BYTES, and SwiGLU's down projection only from K TMA_GATED_MIN_K (its [gate | up] is
 # staged before the first product). Per weight, `python -m profiles.bench_decode --sweep-tma MODEL` (H200, session 16):
@@ -149,29 +141,24 @@ def _linear_kernel(x_ptr, w_ptr, out_ptr, res_ptr, norm_w_ptr, sum_ptr, stamps_p
 @triton.jit
 def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, x_stride, w_stride, out_stride,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     SPLIT: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     # out[m, n] = sum_k x[m, k] * w[n, k] for the BLOCK_N columns n of program (i, .) and the M <= ROWS (>= 16)
     # rows on the tensor cores: acc (BLOCK_N, ROWS) += w tile (BLOCK_N, BLOCK_K) @ x tile^T (BLOCK_K, ROWS), both
     # tiles streamed through a STAGES-deep shared-memory ring; program (i, s) takes the s-th of SPLIT runs of K
-    # (kernels.split_k: the last of a block's SPLIT programs to finish sums their partials and stores). TMA: w_ptr
-    # is a (BLOCK_N, BLOCK_K) tensor descriptor of the weight, whose tiles come by TMA (zeros past N and K)
+    # (kernels.split_k: the last of a block's SPLIT programs to finish sums their partials and stores). Weight tiles
+    # by TMA (a host tensor descriptor) lost at the default plans: H100 2B 16-row step 2.55 ms against 2.51, session 37
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                  # (BLOCK_N,)
     kk = tl.arange(0, BLOCK_K)                                               # (BLOCK_K,)
     rows = tl.arange(0, ROWS)                                                # (ROWS,)
-    if not TMA:
-        w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride                 # (BLOCK_N, 1)
-        n_ok = (n < N)[:, None]
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride                     # (BLOCK_N, 1)
+    n_ok = (n < N)[:, None]
     k_start, k_end = split_k.k_range(K, BLOCK_K, SPLIT)
     pdl.wait_for_producer(PDL)
     pdl.release_dependents(PDL)
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         k = k0 + kk
-        if TMA:
-            w = w_ptr.load([tl.program_id(0) * BLOCK_N, k0])
-        else:
-            w = tl.load(w_rows + k[None, :], mask=n_ok & (k[None, :] < K), other=0.0,
-                        eviction_policy="evict_first")
+        w = tl.load(w_rows + k[None, :], mask=n_ok & (k[None, :] < K), other=0.0, eviction_policy="evict_first")
         x = _input_tile(x_ptr, x_ptr, rows, k, M, K, x_stride, x_stride, False)  # (ROWS, BLOCK_K)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
     out_mask = (rows[None, :] < M) & (n[:, None] < N)
@@ -295,21 +282,11 @@ def _rows_dot(x2, weight, o2, plan):
     if space is None:  # not split: one column block a program (also while capturing before any workspace exists)
         split = 1
     part, tickets = space or (o2, o2)
-    tma = DOT_TMA and _tma_tiles(weight, block_k)
-    w = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [block_n, block_k]) if tma else weight
     _rows_dot_kernel[(cdiv(n, block_n), split)](
-        x2, w, o2, part, tickets, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0), ROWS=rows,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT=split, TMA=tma,
+        x2, weight, o2, part, tickets, m, n, k, x2.stride(0), weight.stride(0), o2.stride(0), ROWS=rows,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT=split,
         DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", num_warps=warps,
         **pdl.launch_options(x2.device))
-
-
-def _tma_tiles(weight: torch.Tensor, block_k: int) -> bool:
-    """Whether the skinny GEMM may take weight's tiles by TMA (DOT_TMA): a 16-byte aligned base and row stride, tile
-    rows of at least 16 bytes, and sm_90+ (or Triton's interpreter on the CPU)."""
-    elt = weight.element_size()
-    aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * elt % 16 == 0 and block_k * elt >= 16
-    return aligned and (weight.device.type == "cpu" or torch.cuda.get_device_capability(weight.device)[0] >= 9)
 
 
 def _tma_takes(x2, weight, out, gated=False, norm_weight=None, residual=None) -> bool:

@@ -322,8 +322,6 @@ KIB, MIB = 2**10, 2**20
 # ({variant: apply it}, restore): the pre-norm rule of use_prenorm; `skip` (timing only: wrong tokens)
 AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_setters, "gather_rows": gather_setters,
             "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
-            # the skinny GEMM's weight tiles by TMA (a tensor descriptor) instead of cp.async pointer loads
-            "dot_tma": ("kernels.linear", "DOT_TMA", ON_OFF),
             # a prefill step's GDN layers share one checked batch plan and its workspaces (off: each layer its own)
             "gdn_step_plan": ("kernels.gdn_prefill", "SHARE_STEP_PLAN", ON_OFF),
             "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),

@@ -154,23 +154,6 @@ def test_skinny_gemm_split_over_k_matches_reference(m, n, k, split):
         L.linear(x, w, plan=(16, 32, 2, 1, 9))
 
 
-@pytest.mark.parametrize("m,n,k,split", [(5, 65, 1000, 1), (16, 7, 40, 1), (9, 40, 300, 3), (13, 129, 520, 2)])
-def test_skinny_gemm_tma_tiles_equal_pointer_loads(m, n, k, split, monkeypatch):
-    # DOT_TMA: the weight's tiles by a tensor descriptor (zeros past N and K, as the pointer loads' masks give),
-    # split over K or not: the same products as the pointer loads, bit for bit (fp32: the interpreter's 16-bit dot
-    # is not exact; bf16 runs on the GPU below)
-    x, w = _pair(m, n, k, torch.float32, seed=n + k)
-    plan = (16, 32, 2, 1, split)
-    loaded = L.linear(x, w, plan=plan)
-    monkeypatch.setattr(L, "DOT_TMA", True)
-    launches = record_launches(monkeypatch, L, "_rows_dot_kernel")
-    tiled = L.linear(x, w, plan=plan)
-    assert [kwargs["TMA"] for _, kwargs in launches] == [True]
-    assert torch.equal(tiled, loaded)
-    assert_rel(tiled.double(), R.linear(x.double(), w.double()), 1e-6, f"TMA tiles {m}x{k} @ {n}x{k} split {split}")
-    assert not L._tma_tiles(w[:, 1:], 32) and not L._tma_tiles(w, 2)  # an unaligned base; 8-byte tile rows
-
-
 def test_skinny_gemm_unsplit_when_split_k_is_off(monkeypatch):
     # kernels.linear.SPLIT_K False: a plan's SPLIT is ignored (one program a column block, no ticket drawn)
     monkeypatch.setattr(L, "SPLIT_K", False)
@@ -234,20 +217,16 @@ for mode, add in ((L.PLAIN, False), (L.GATED, False), (L.NORM, False), (L.NORM, 
                          options={"num_warps": 4}).asm["ptx"]
     before_wait = ptx[:ptx.find("griddepcontrol.wait")]
     print(ptx.count("griddepcontrol"), ptx.count("st.global"), before_wait.count("ld.global"), flush=True)
-for warps, split, tma in ((1, 1, False), (4, 1, False), (2, 4, False), (2, 4, True)):
-    const = dict(ROWS=16, BLOCK_N=16 * warps, BLOCK_K=256, STAGES=4, SPLIT=split, TMA=tma, DOT_PRECISION="tf32",
-                 PDL=True)
+for warps, split in ((1, 1), (4, 1), (2, 4)):
+    const = dict(ROWS=16, BLOCK_N=16 * warps, BLOCK_K=256, STAGES=4, SPLIT=split, DOT_PRECISION="tf32", PDL=True)
     ptrs = {"part_ptr": "*fp32", "ticket_ptr": "*i32"} if split > 1 else {}  # unsplit: the output stands in
-    if tma:  # the weight as a tensor descriptor of (BLOCK_N, BLOCK_K) tiles
-        ptrs["w_ptr"] = f"tensordesc<bf16[{16 * warps}, 256]>"
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*bf16") if n.endswith("_ptr") else "i32"
            for n in L._rows_dot_kernel.arg_names}
     aligned = {(L._rows_dot_kernel.arg_names.index(n),): [["tt.divisibility", 16]]  # as the JIT specializes
                for n in ("x_ptr", "w_ptr", "out_ptr", "K", "x_stride", "w_stride", "out_stride")}
     ptx = triton.compile(ASTSource(L._rows_dot_kernel, sig, const, aligned), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": warps}).asm["ptx"]
-    print(ptx.count("griddepcontrol"), ptx.count("mma."), ptx.count("cp.async"), ptx.count("atom."),
-          ptx.count("cp.async.bulk.tensor"), flush=True)
+    print(ptx.count("griddepcontrol"), ptx.count("mma."), ptx.count("cp.async"), ptx.count("atom."), flush=True)
 """
 
 
@@ -261,10 +240,9 @@ def test_gemv_variants_compile_for_sm90():
     assert len(gemv) == 4 and all(pdl == 2 and loads > 0 for pdl, _, loads in gemv), out
     assert gemv[3][1] > gemv[2][1], out
     # the skinny GEMM: PDL, tensor-core MMAs, and weight tiles copied asynchronously into its shared-memory ring;
-    # split over K, the ticket's atomics (the draw and the reset); with DOT_TMA the weight tiles by TMA
-    assert len(dot) == 4 and all(pdl == 2 and mma > 0 and cp > 0 for pdl, mma, cp, *_ in dot), out
-    assert [atoms > 0 for *_, atoms, _ in dot] == [False, False, True, True], out
-    assert [tma > 0 for *_, tma in dot] == [False, False, False, True], out
+    # split over K, the ticket's atomics (the draw and the reset)
+    assert len(dot) == 3 and all(pdl == 2 and mma > 0 and cp > 0 for pdl, mma, cp, _ in dot), out
+    assert [atoms > 0 for *_, atoms in dot] == [False, False, True], out
 
 
 SHAPES_2B = [(8224, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (5120, 2048), (248320, 2048)]
@@ -330,28 +308,6 @@ def test_skinny_gemm_split_over_k_in_a_cuda_graph(split):
         assert torch.equal(out, eager), f"split {split} {n}x{k}: graph and eager differ"
         assert not split_k.workspace(x.device)[1].any()
         assert_rel(out.float(), x.float() @ w.float().t(), TOL[torch.bfloat16], f"split {split} {n}x{k}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [5, 16])
-def test_skinny_gemm_tma_tiles_gpu(m, monkeypatch):
-    # DOT_TMA at 2B's shapes in bf16, the default plans (split over K where they say so), eagerly and from a CUDA
-    # graph: within bf16 tolerance of fp32 and of the pointer loads
-    for n, k in ((8224, 2048), (2048, 2048), (2048, 6144), (12288, 2048)):
-        x, w = _pair(m, n, k, torch.bfloat16, seed=n + m)
-        with RB.decode_step_rows():
-            loaded = L.linear(x, w)
-            monkeypatch.setattr(L, "DOT_TMA", True)
-            tiled = L.linear(x, w)
-            out = torch.empty_like(tiled)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                L.linear(x, w, out=out)
-            graph.replay()
-            monkeypatch.setattr(L, "DOT_TMA", False)
-        assert torch.equal(out, tiled), f"{m} rows {n}x{k}: graph and eager differ"
-        assert_rel(tiled.float(), loaded.float(), TOL[torch.bfloat16], f"TMA against pointer loads {m} rows {n}x{k}")
-        assert_rel(tiled.float(), x.float() @ w.float().t(), TOL[torch.bfloat16], f"TMA tiles {m} rows {n}x{k}")
 
 
 @pytest.mark.gpu
