@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import check_devices
-from kernels.varlen import CHUNK, VarlenPlan, chunk_span, plan_varlen
+from kernels.varlen import CHUNK, VarlenPlan, chunk_span, plan_for
 from reference._checks import check_tensor
 
 BLOCK_C = 128
@@ -140,10 +140,8 @@ def causal_conv1d_varlen(x, weight, conv_states, state_slots, cu_seqlens, *, cu_
     if activation not in (None, "silu"):
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
     _check(x, weight, conv_states)
-    if plan is None:
-        plan = plan_varlen(cu_seqlens, x.shape[0], state_slots, cu_seqlens_host=cu_seqlens_host,
-                           snapshot_offsets=snapshot_offsets, snapshot_slots=snapshot_slots)
-    plan.check_for(cu_seqlens, state_slots, x.shape[0], snapshot_slots, x.device)
+    plan = plan_for(plan, cu_seqlens, x.shape[0], state_slots, x.device, cu_seqlens_host=cu_seqlens_host,
+                    snapshot_offsets=snapshot_offsets, snapshot_slots=snapshot_slots)
     n_tok, c = x.shape
     k = weight.shape[1]
     if out is None:

@@ -75,7 +75,7 @@ from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm, gated_rms
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import triton_runs_on
 from kernels.row_buckets import empty_rows
-from kernels.varlen import CHUNK, VarlenPlan, chunk_span, host_ints, plan_varlen
+from kernels.varlen import CHUNK, VarlenPlan, chunk_span, host_ints, plan_for, plan_varlen
 from reference._checks import check_real, check_tensor
 
 SUB = tl.constexpr(16)  # the WY kernel's sub-block: the chunk's T = (I + A)^-1 by 16 x 16 blocks
@@ -386,10 +386,8 @@ def prefill_passes(q, k, v, g, beta, *, recurrent_states, state_slots, cu_seqlen
     computes itself (one launch fewer a layer than gdn_gates first). plan: the batch already checked and laid out
     (kernels.varlen.plan_varlen of these cu_seqlens, state_slots and snapshots), whose workspaces the passes reuse."""
     _check_args(q, k, v, g, beta, recurrent_states, out, gate_params)
-    if plan is None:
-        plan = plan_varlen(cu_seqlens, q.shape[0], state_slots, cu_seqlens_host=cu_seqlens_host,
-                           snapshot_offsets=snapshot_offsets, snapshot_slots=snapshot_slots)
-    plan.check_for(cu_seqlens, state_slots, q.shape[0], snapshot_slots, q.device)
+    plan = plan_for(plan, cu_seqlens, q.shape[0], state_slots, q.device, cu_seqlens_host=cu_seqlens_host,
+                    snapshot_offsets=snapshot_offsets, snapshot_slots=snapshot_slots)
     if output_gate is not None:
         _check_output_gate(v, out, *output_gate)
         out = empty_rows(v.shape, v.dtype, v.device, row_dims=1)

@@ -141,3 +141,14 @@ def plan_varlen(cu_seqlens: torch.Tensor, total: int, state_slots: torch.Tensor,
     return VarlenPlan(cu_seqlens, state_slots, snapshot_slots if cuts else None, cu, offsets, cuts, chunks,
                       first_chunk, plain, cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32),
                       host_ints(offsets, dev) if cuts else None, host_ints(cuts, dev) if cuts else None)
+
+
+def plan_for(plan: VarlenPlan | None, cu_seqlens, total: int, state_slots, device: torch.device, *,
+             cu_seqlens_host=None, snapshot_offsets=None, snapshot_slots=None) -> VarlenPlan:
+    """A varlen kernel's batch on `device` (its layer tensors'): the caller's plan checked against these arguments
+    (VarlenPlan.check_for), else a new plan of them (plan_varlen)."""
+    if plan is None:
+        plan = plan_varlen(cu_seqlens, total, state_slots, cu_seqlens_host=cu_seqlens_host,
+                           snapshot_offsets=snapshot_offsets, snapshot_slots=snapshot_slots)
+    plan.check_for(cu_seqlens, state_slots, total, snapshot_slots, device)
+    return plan
