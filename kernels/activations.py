@@ -7,9 +7,10 @@ capturable. Grid: (rows, column blocks), so any number of tokens fits.
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, registry
 from kernels.host_math import cdiv
 from kernels.norms import FLOATS, check_devices, output_for, rows_view
+from kernels.registry import Impl
 from reference._checks import check_tensor
 
 BLOCK = 1024
@@ -72,4 +73,6 @@ def sigmoid_gate_mul(x, gate, out=None):
     return out
 
 
-OPS = {"silu_and_mul": silu_and_mul}
+
+registry.define("silu_and_mul")
+registry.register("silu_and_mul", Impl("silu_and_mul", "triton", silu_and_mul))

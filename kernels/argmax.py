@@ -1,17 +1,16 @@
 """Greedy tokens: the argmax of each row of logits in Triton, one launch split over the vocabulary.
 
 out[b] = the index of the first maximum of logits[b] (a NaN counts as larger than everything: the first NaN wins),
-as torch.argmax returns. Why a kernel: at batch 1 torch's argmax of a 248320-wide row ran after the decode graph in
-about 9 us (session 23), one block reducing the row. Here a grid (B, P) of programs each reduces CHUNK logits to
+as torch.argmax returns. Why a kernel: at batch 1 torch's argmax of a 248320-wide row runs after the decode graph in
+about 9 us, one block reducing the row. Here a grid (B, P) of programs each reduces CHUNK logits to
 (value, first index), parks the pair and takes the row's ticket (kernels.split_k); the last of the row's P programs
 reduces the P pairs in chunk order and writes the token. It runs inside the decode step's CUDA graph right after
 lm_head, launched with programmatic dependent launch, so the sampler of a greedy step reads tokens instead of
 launching a reduction after the graph.
 
 Bound: the logits, 0.5 MB a row at batch 1 in bf16 (0.1 us at 4.2 TB/s): the cost is the launch, one load round
-trip and the ticket's. Predicted: about 6 us of the ~9 a greedy decode token, 0.5% of a 2B step. Measured (H200,
-0.8B decode step over 8192 in its graph, serving.model_runner.GREEDY_IN_GRAPH): 0.767 ms against 0.775 with
-torch.argmax after the graph, 8 us.
+trip and the ticket's: in the graph it takes most of torch.argmax's cost after the graph off a greedy decode
+token (FINDINGS, decode step).
 
 CUDA-graph capturable: one workspace a device (parked pairs and tickets, tickets back at zero after every launch),
 grown outside a capture when a call needs more (the engine's eager warm-up of each decode batch size), never freed
@@ -21,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, split_k, stamps
+from kernels import pdl, registry, split_k, stamps
 from kernels.host_math import cdiv
 from kernels.norms import triton_runs_on
+from kernels.registry import Impl
 from reference._checks import check_tensor
 from reference.sampling import DecodeAdvance
 
@@ -175,4 +175,6 @@ def argmax(logits: torch.Tensor, advance: DecodeAdvance | None = None, out: torc
     return out
 
 
-OPS = {"argmax": argmax}
+
+registry.define("argmax")
+registry.register("argmax", Impl("argmax", "triton", argmax))

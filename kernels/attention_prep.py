@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, stamps
+from kernels import pdl, registry, stamps
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, check_devices
+from kernels.registry import Impl
 from reference._checks import check_no_self_overlap, check_real, check_tensor
 
 
@@ -170,4 +171,6 @@ def attention_prep_op(q, k, v, q_norm_w, k_norm_w, step, k_pages, v_pages, eps):
     return attention_prep(q, k, v, q_norm_w, k_norm_w, step.cos, step.sin, k_pages, v_pages, step.slot_mapping, eps)
 
 
-OPS = {"attention_prep": attention_prep_op}
+
+registry.define("attention_prep")
+registry.register("attention_prep", Impl("attention_prep_op", "triton", attention_prep_op))

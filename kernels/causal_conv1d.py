@@ -13,8 +13,7 @@ Two launches, no host sync (the reference reads cu_seqlens on the host and loops
    take a path with plain tile loads; the first chunk sums the same taps in the same order, so a sequence split
    over two calls (a prefix-cache hit) gives the outputs of one call bit for bit. The channels' taps come in one
    contiguous (BLOCK_C, K) load: a load per tap, strided by K, set the tiles' layout, and every x tile went through
-   shared memory (4,588 PTX lines and 27 barriers a program at 2B's shapes; the H100 ran 2B's 514-token returning
-   turn's conv in 33 us a layer against a ~5 us bound, `profiles.host_time --ctx 8192 --new 512`, session 36).
+   shared memory (4,588 PTX lines and 27 barriers a program at 2B's shapes, and several times the bound a layer).
 2. `_window_kernel`, grid (N, C / BLOCK_C): the new windows, written in place after every read of the old ones
    (a sequence shorter than K-1 keeps part of its old window).
 Bound: x read about once (K taps hit L1/L2) and y written once: at 800 tokens x 6144 channels in bf16, 20 MB,

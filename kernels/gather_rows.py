@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, stamps
+from kernels import pdl, registry, stamps
 from kernels.host_math import cdiv
 from kernels.norms import triton_runs_on
+from kernels.registry import Impl
 from reference.gather import check_pairs
 
 MAX_TABLES = 4
@@ -90,4 +91,6 @@ def gather_rows(tables: Sequence[torch.Tensor], indices: Sequence[torch.Tensor])
     return outs
 
 
-OPS = {"gather_rows": gather_rows}
+
+registry.define("gather_rows")
+registry.register("gather_rows", Impl("gather_rows", "triton", gather_rows))

@@ -34,68 +34,31 @@ Measured on the H200 before the dv split (bf16, 40 layers' states rotated in a C
 Eagerly, the host costs about 10 us of checks plus about 30 us of Triton's launch: capture it in a graph.
 
 Calls with one value head a key head in bf16 at dk = dv = 128 (0.8B, 2B) run kernels/gdn_decode_cute.py instead
-(CUTE_DECODE): the same step with its layout chosen, 2 barriers after the PDL wait where this kernel has 19.
+(the router's choice): the same step with its layout chosen, 2 barriers after the PDL wait where this kernel
+has 19.
 
 CUDA-graph capturable: no host sync, shapes fixed by the inputs, `out=` reusable. state_slots are not checked
 on the host (that would sync): they must be distinct and in range.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels import gdn_decode_cute, pdl, stamps
+from kernels import gdn_decode_cute, pdl, registry, stamps
 from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm
 from kernels.host_math import next_power_of_2
 from kernels.norms import triton_runs_on
-from model.ops import _BACKENDS
+from kernels.registry import DeviceInfo, Impl, device_info, triton_unsupported
 from reference._checks import check_real, check_tensor
 
 STATE_PER_PROGRAM = 2 * 128 * 128  # fp32 state values one program holds (128 KiB): 8 warps x 128 a thread
-# fp32 state values a thread holds (128: 4 warps a 128 x 128 head, each thread a column's 128 rows, summed as one serial
-# FMA chain; ptxas spills 552 bytes). Measured (H200, session 32, 0.8B graph step at B1 over 12,288, alternated,
-# `host_time --decode 1 --ab gdn_per_thread`): 128 0.698 / 0.699 ms, 64 (8 warps, no spill) 0.698 / 0.705, 32
-# (16 warps, chains of 32) 0.737 / 0.738. An o taken from the state as loaded (o = decay s^T q + (k . q) u, the two
-# sums side by side; 11 more barriers for its layouts) lost too: 0.702-0.708. The kernel's serial arithmetic is not
-# what its share of the step waits on.
+# fp32 state values a thread holds: 128 is 4 warps a 128 x 128 head; 64 tied and 32 lost at batch 1 (FINDINGS)
 STATE_PER_THREAD = 128
 FEW_PROGRAMS = 132  # the H200's SM count: below it, programs take several value heads at once
 MIN_WARPS, MAX_WARPS = 2, 16
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Load the states before the PDL wait when a program updates all its value heads in one pass (kernel's EARLY).
-# Predicted: their slot-then-state DRAM round trips (~1-2 us) hidden behind the in-projection's tail, ~20-40 us a
-# 2B / 9B step. Measured (H200, session 16, graph step at batch 1 over 8192, alternated in one process, `python -m
-# profiles.host_time --model M --decode 1 --ab gdn_early`): 9B 4.64 / 4.64 ms against 4.68 / 4.69 off; 2B 1.48
-# either way (profiles/results/host_time.json 'gdn_early_session16').
-# Session 25: EARLY also loads the conv windows and the weights before the wait, and everything the in-projection
-# wrote (qkv, z, a, b) right after it, before the first reduction. The post-wait loads took two dependent round
-# trips (q | k, then v, gates and z behind the l2norms' barriers), and a split's z a third; now one (the
-# sm_90a PTX test counts them). The GDN layer's decode costs 6.3-6.7 us at B1 against 0.5 us of state bytes
-# (session 23's `--ab skip`), all latency; predicted: 0.6-1.2 us a layer, 11-22 us a 2B / 0.8B step. Measured
-# (H200, session 26, against session 24's kernel in the graph step, alternated; dv still split then): 0.8B 0.771 /
-# 0.771 ms against 0.772 / 0.772, 2B 1.27 either way: no gain, kept as the simpler order
-STATE_BEFORE_WAIT = True
-# A timing probe only (`host_time --ab gdn_store`, wrong tokens after the first step): "none" leaves out what follows
-# the output's store (the states' write-back, the conv windows' shift); "one_head" stores every program's states over
-# its sequence's first value head, so that a step leaves 64 KiB of dirty lines a layer in L2 instead of 1 MiB (the
-# stores and their drain as before, a sixteenth of the DRAM write-back). Measured (H100, session 33, 2B graph step at B1
-# over 12,288, alternated): 1.50 / 1.50 ms without against 1.54 / 1.54, and 1.50 / 1.51 with only the states' 64 KiB
-# a program left out: ~2 us a GDN layer go with the write-back. Tried the same session and removed (commits 4e03ca9,
-# cbdb118, 730c0dc): the states stored before o and the norm (1.54 either way), and the output handed to the out-proj
-# chain by a counter that each program bumps after its output's store, the chain polling it instead of waiting for
-# the grid (2B 1.55 / 1.55-1.56 against 1.54, 0.8B 0.841-0.845 against 0.825, with or without a 256 ns back-off);
-# and the states kept in L2 between steps (commit 176c25f: evict_last hints, the context's persisting L2 limit raised to
-# 32 MiB): the raised limit alone slowed every step, 2B 1.54 -> 1.71-1.72 ms, 0.8B 0.826 -> 0.887-0.894, the hints
-# adding nothing, so the step needs the whole L2 (host_time.json 'decode_probes_session33_h100').
-# Session 34 (H100, the same step, `--ab gdn_store`): on 1.55 / 1.55, off 1.52 / 1.52, one_head 1.54 / 1.54: the cost is
-# the stores themselves, not the dirty lines' write-back to DRAM; the stores with the evict_first L2 hint tied (1.55 /
-# 1.55 against 1.54 / 1.55) and were removed (host_time.json 'gdn_store_probes_session34_h100').
-STORE_STATE = "states"  # "states" (the kernel), "none" or "one_head" (probes)
-# Calls that kernels/gdn_decode_cute.py supports (bf16, dk = dv = 128, one value head a key head: 0.8B, 2B) run there:
-# its layout leaves 2 barriers after the PDL wait where this kernel has 19. Measured (H100, session 34, graph step at
-# B1 over 12,288, alternated, `host_time --decode 1 --ab gdn_cute+gdn_cute_warps`): 2B 1.52 / 1.53 ms at 8 warps and
-# 1.53 / 1.53 at 4 against 1.54 / 1.54; 0.8B 0.816 / 0.821 against 0.827 / 0.828; stamped, the GDN decode's share of
-# the 2B step 6.8 us a layer against 7.9 (busy after its wait 5.0 us against 6.8)
-CUTE_DECODE = True
 
 
 @triton.jit
@@ -153,7 +116,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
                        scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr):
+                       EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr):
     # grid (Hk, B): key head kh of sequence seq and its HV // HK value heads' states, G heads at a time. EARLY (one
     # pass of G heads): what no kernel of the step writes (the slot, the states, the conv windows, the weights) is
     # loaded before the PDL wait, so its DRAM round trips overlap the previous kernel's tail; then everything the
@@ -219,14 +182,10 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
         s, o = _delta_rule(s, q, k, v, tl.exp(g), beta)
         out = gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * DV + rv[None, :], out.to(out_ptr.dtype.element_ty), mask=v_mask)
-        if STORE != "none":
-            tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
-            if STORE == "one_head":
-                s_ptrs = _state_ptrs(state_ptr, slot, heads * 0, rk, rv, HV, DK, DV)
-            tl.store(s_ptrs, s, mask=s_mask)
-            _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
-    if STORE != "none":
-        _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
+        tl.debug_barrier()  # every thread has read what the stores below overwrite (small tiles replicate)
+        tl.store(s_ptrs, s, mask=s_mask)
+        _shift_window(conv_row, v_ch, v_mask, v_window, K, BT)
+    _shift_window(conv_row, qk_ch, qk_mask, qk_window, K, BT)  # after the loop's barrier
     stamps.end(stamps_ptr, t_go, STAMPS)
 
 
@@ -289,23 +248,53 @@ def _heads_at_once(group: int, tile: int, programs: int) -> int:
     return g
 
 
+class GdnKey(NamedTuple):
+    """What routes a GDN mixer call (kernels.routes): tokens a sequence (1: decode; longer ones in powers of two),
+    heads and head dims, dtype, device, and whether a decode meets the CuTe kernel's layout (gdn_decode_cute)."""
+    q_len: int
+    hk: int
+    hv: int
+    dk: int
+    dv: int
+    dtype: torch.dtype
+    device: DeviceInfo
+    cute_layout: bool
+
+
+def decode_key(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, num_k_heads) -> GdnKey:
+    # qkv: (B, C); z: (B, Hv, dv); recurrent_states: (slots, Hv, dk, dv)
+    _, hv, dk, dv = recurrent_states.shape
+    cute = qkv.dtype == torch.bfloat16 and qkv.is_cuda and gdn_decode_cute.supports(
+        qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, num_k_heads)
+    return GdnKey(1, num_k_heads, hv, dk, dv, qkv.dtype, device_info(qkv.device), cute)
+
+
 def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots,
                     num_k_heads, eps, out=None):
     """One decode token for each of B sequences. qkv: (B, C); z: (B, Hv, dv); b, a: (B, Hv); conv_w: (C, K);
     A_log, dt_bias: (Hv,); norm_w: (dv,); conv_states: (slots, C, K-1) in qkv's dtype and recurrent_states:
-    (slots, Hv, dk, dv) fp32, both updated in place at state_slots (B,) int32 or int64. Returns out (B, Hv, dv)."""
-    bsz, hk, hv, dk, dv, kw = _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
-                                          recurrent_states, state_slots, num_k_heads, out)
+    (slots, Hv, dk, dv) fp32, both updated in place at state_slots (B,) int32 or int64. Returns out (B, Hv, dv).
+    The router runs it on the CuTe kernel where that takes the call (kernels.gdn_decode_cute), else here."""
+    bsz, hk, *_ = _check_args(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
+                              state_slots, num_k_heads, out)
     eps = check_real("eps", eps)
     if out is None:
         out = torch.empty_like(z, memory_format=torch.contiguous_format)
     if bsz == 0:
         return out
     conv_w, A_log, dt_bias, norm_w = (t.contiguous() for t in (conv_w, A_log, dt_bias, norm_w))  # no-ops: weights
-    if CUTE_DECODE and STORE_STATE == "states" and gdn_decode_cute.supports(  # the store probes time this kernel
-            qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, hk):
-        return gdn_decode_cute.gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
-                                               recurrent_states, state_slots, eps, out)
+    args = (qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states)
+    impl = registry.choose("gated_deltanet", decode_key(*args, hk), "triton")
+    launch = gdn_decode_cute.launch if impl.name == "gdn_decode_cute" else launch_decode
+    return launch(*args, state_slots, eps, out)
+
+
+def launch_decode(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, eps,
+                  out):
+    """The Triton decode step on checked arguments (gdn_decode_step's): returns out (B, Hv, dv)."""
+    bsz, hv, dv = z.shape
+    hk = (qkv.shape[1] - hv * dv) // (2 * recurrent_states.shape[2])
+    dk, kw = recurrent_states.shape[2], conv_w.shape[1]
     bk, bv = next_power_of_2(dk), next_power_of_2(dv)
     g = _heads_at_once(hv // hk, bk * bv, hk * bsz)
     num_warps = max(MIN_WARPS, min(MAX_WARPS, g * bk * bv // STATE_PER_THREAD // 32))
@@ -313,19 +302,32 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
     _gdn_decode_kernel[(hk, bsz)](
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, out, stamp,
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv,
-        K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=STATE_BEFORE_WAIT and g == hv // hk, STAMPS=stamping,
-        STORE=STORE_STATE, num_warps=num_warps, **pdl.launch_options(qkv.device))
+        K=kw, G=g, BK=bk, BV=bv, BT=next_power_of_2(kw), EARLY=g == hv // hk, STAMPS=stamping,
+        num_warps=num_warps, **pdl.launch_options(qkv.device))
     return out
 
 
 def gated_deltanet_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,
                       num_k_heads, eps):
-    """model.ops.gated_deltanet: the kernel when every sequence has one new token, else the reference."""
-    if step.max_seqlen_q == 1:
-        return gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
-                               step.state_slots, num_k_heads, eps)
-    return _BACKENDS["reference"]["gated_deltanet"](qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states,
-                                                    recurrent_states, step, num_k_heads, eps)
+    """model.ops.gated_deltanet on this kernel (the router sends it steps of one token a sequence)."""
+    out = torch.empty_like(z, memory_format=torch.contiguous_format)
+    return launch_decode(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
+                         step.state_slots, eps, out)
 
 
-OPS = {"gated_deltanet": gated_deltanet_op}
+# ---- the router's entries (kernels.registry): the decode step on the CuTe kernel or this one -------------------
+
+def _gdn_decode_cute(key, tuning):
+    if key.q_len != 1 or not key.cute_layout:
+        return "not one token a sequence in the CuTe decode's layout (bf16, dk = dv = 128, Hv = Hk, sm_90)"
+    return None
+
+
+def _gdn_decode(key, tuning):
+    return triton_unsupported(key) if key.q_len == 1 else f"{key.q_len} tokens a sequence"
+
+
+registry.define("gated_deltanet")
+registry.register("gated_deltanet", Impl("gdn_decode_cute", "triton", gdn_decode_cute.gated_deltanet_op,
+                                         _gdn_decode_cute, 0.0))
+registry.register("gated_deltanet", Impl("gdn_decode", "triton", gated_deltanet_op, _gdn_decode, 1.0))

@@ -3,7 +3,7 @@
 Why a second kernel. The Triton kernel spreads each (dk, dv) state over its warps by rows (Triton's layout for the
 row-major state: a thread holds 32 rows x 4 adjacent columns), so every sum over dk (S^T k, S^T q, both l2norms)
 crosses the warps through shared memory: 19 barriers after the PDL wait, and 6.8 us a layer after it in the 2B step
-(profiles/FINDINGS.md, session 34). Here a program (one key head of one sequence; Hv == Hk) of W warps keeps that
+(profiles/FINDINGS.md). Here a program (one key head of one sequence; Hv == Hk) of W warps keeps that
 state layout (thread (w, l) holds rows w, w + W, ... and columns 4l..4l+3: 16-byte loads of the row-major state)
 and arranges the rest so that two barriers remain:
   - warps 0, 1, 2 convolve q, k and v (lane l: channels 4l..4l+3, rounded to bf16 after silu) and shift their
@@ -291,8 +291,7 @@ _CACHE = CompileCache(compile_config)
 WARPS = 8
 
 
-def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, eps,
-                    out):
+def launch(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, eps, out):
     """kernels.gdn_decode.gdn_decode_step on this kernel, for a call `supports` accepts (arguments checked there):
     returns out (B, Hv, dv)."""
     import cutlass
@@ -319,3 +318,11 @@ def gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, r
         with torch.cuda.device(device):
             _CACHE.get(cfg)(*args)
     return out
+
+
+def gated_deltanet_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,
+                      num_k_heads, eps):
+    """model.ops.gated_deltanet on this kernel (the router sends it decode steps in its layout)."""
+    out = torch.empty_like(z, memory_format=torch.contiguous_format)
+    return launch(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step.state_slots, eps,
+                  out)

@@ -69,11 +69,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import gdn_decode
+from kernels import registry
 from kernels.causal_conv1d import causal_conv1d_varlen
+from kernels.gdn_decode import GdnKey, decode_key
 from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm, gated_rms_norm
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import triton_runs_on
+from kernels.registry import Impl, device_info, triton_unsupported
 from kernels.row_buckets import empty_rows
 from kernels.varlen import CHUNK, VarlenPlan, chunk_span, host_ints, plan_for, plan_varlen
 from reference._checks import check_real, check_tensor
@@ -91,9 +93,6 @@ STATE_STAGES = 2  # software-pipelining stages of kernel 2's chunk loop (its loa
 # an SM, 76 bytes spilled) the pass ran 13% faster on the H200 (B1 T16k H32: 901 against 1031 us; B8 T4k: 1796
 # against 2092; profiles.bench_prefill times the uncapped pass beside it as wy_maxnreg255_us).
 WY_MAXNREG = {torch.float32: 255, torch.bfloat16: 128, torch.float16: 128}
-# The layers of a model step share one checked batch plan and its workspaces (step_plan); off, each layer checks and
-# lays out the batch itself (the A/B of `profiles.host_time --ab gdn_step_plan`, `serving.bench --sweep`).
-SHARE_STEP_PLAN = True
 # Autotuning kernels 2 and 3 over (BV, warps, stages) ran B1 T16k H32 at 7.67 Mtok/s instead of 6.26 (state pass
 # 560 -> 402 us, output 434 -> 309 us) but hit an illegal memory access on the H200 in the varlen GPU tests and
 # under ncu, not reproduced under the interpreter with any single config: fixed configs until that is found.
@@ -532,7 +531,7 @@ def step_plan(step, total: int) -> VarlenPlan:
     """The step's batch checked and laid out once (kernels.varlen.plan_varlen), kept in step.plans for its other
     layers; built again where the step's batch changed since."""
     key = (step.cu_seqlens, step.cu_seqlens_host, step.state_slots, step.snapshot_offsets, step.snapshot_slots, total)
-    held = step.plans.get("varlen") if SHARE_STEP_PLAN else None
+    held = step.plans.get("varlen")
     if held is not None and all(a is b if torch.is_tensor(a) or torch.is_tensor(b) else a == b
                                 for a, b in zip(held[0], key)):
         return held[1]
@@ -567,11 +566,17 @@ def gated_deltanet_prefill_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv
     return o if fused else gated_rms_norm(o, z, norm_w, eps)
 
 
-def gated_deltanet_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,
-                      num_k_heads, eps):
-    """model.ops.gated_deltanet: the decode kernel when every sequence has one new token, else the prefill path."""
-    op = gdn_decode.gated_deltanet_op if step.max_seqlen_q == 1 else gated_deltanet_prefill_op
-    return op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step, num_k_heads, eps)
+def gdn_key(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step, num_k_heads,
+            eps) -> GdnKey:
+    """The router's key of a GDN mixer call (kernels.gdn_decode.GdnKey): decode steps ask whether the CuTe decode
+    takes them; longer chunks are keyed by their tokens a sequence in powers of two."""
+    if step.max_seqlen_q == 1:
+        return decode_key(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, num_k_heads)
+    _, hv, dk, dv = recurrent_states.shape
+    return GdnKey(next_power_of_2(step.max_seqlen_q), num_k_heads, hv, dk, dv, qkv.dtype, device_info(qkv.device),
+                  False)
 
 
-OPS = {"gated_deltanet": gated_deltanet_op}
+registry.define("gated_deltanet", gdn_key)
+registry.register("gated_deltanet", Impl("gdn_prefill_chunked", "triton", gated_deltanet_prefill_op,
+                                         triton_unsupported, 2.0))

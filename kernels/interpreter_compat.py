@@ -3,12 +3,17 @@
 The interpreter turns a runtime loop bound into an int through a 1-element numpy array, which numpy 2.4
 refuses ("only 0-dimensional arrays can be converted to Python scalars"); later triton releases squeeze the
 array first. This applies the same squeeze, once, and only when the interpreter is on.
+
+INTERPRET: whether Triton runs its CPU interpreter, read from the environment once, at import (Triton reads it at
+import too); the kernel modules ask it here instead of reading os.environ at each launch.
 """
 import os
 
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def apply() -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not INTERPRET:
         return
     from triton.runtime import interpreter
     original = interpreter._patch_lang_tensor

@@ -20,56 +20,24 @@ costs a tenth of the host time). No host syncs and, for the GEMV, no allocation 
 capturable.
 """
 import functools
+import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, split_k, stamps, tma_gemv
+from kernels import pdl, registry, split_k, stamps, tma_gemv
 from kernels.activations import silu_and_mul
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
-from kernels.row_buckets import DOT_MAX_ROWS, GEMV_MAX_ROWS, MATMUL_ROW_BUCKET, padded_operand, padded_rows
-from model import ops
+from kernels.registry import DeviceInfo, Impl, all_of, device_info, triton_unsupported
+from kernels.row_buckets import DOT_MAX_ROWS, GEMV_MAX_ROWS, MATMUL_ROW_BUCKET, empty_rows, padded_operand, padded_rows
 from reference._checks import check_real, check_tensor, is_int
 
 MAX_ROWS = GEMV_MAX_ROWS
 # what the GEMV multiplies (its INPUT): x, silu(gate) * up of x = [gate | up], rms_norm(x [+ residual])
 PLAIN, GATED, NORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-# The pre-norm projection runs its norm inside the GEMV up to this K: every program recomputes the rows' norm, which
-# paid at 0.8B (K 1024: decode step 1.19 ms fused against 1.24 in its CUDA graph) and cost at 2B (K 2048: 2.06
-# against 1.72 ms, the 48 NORM GEMVs +0.25 ms of kernel time); H200, session 8, profiles.host_time --prenorm
-FUSED_NORM_MAX_K = 1024
-# Whether skinny GEMMs run split over K where their plan says so (kernels.split_k); off: every one unsplit (A/B:
-# `python -m profiles.host_time --decode 16 --ab split_k`)
-SPLIT_K = True
-# Whether one bf16 row on sm_90 runs the TMA-ring GEMV in CuTe-DSL (kernels/tma_gemv.py) instead of the Triton GEMV:
-# weights of at least TMA_MIN_BYTES, and SwiGLU's down projection only from K TMA_GATED_MIN_K (its [gate | up] is
-# staged before the first product). Per weight, `python -m profiles.bench_decode --sweep-tma MODEL` (H200, session 16):
-# 2048 x 2048 (8.4 MB) 4.0 us against 3.6 on Triton; 2B's down projection (K 6144) 10.7 against 8.6, 9B's (K 12288)
-# 27.7 against 28.4; every plain one of 16 MB and more 4-12% faster. The decode step in its CUDA graph (`python -m
-# profiles.host_time --model M --decode 1 --ab tma_gemv`, gated ones all on TMA): 9B 4.40 against 4.64 ms, 2B 1.44
-# against 1.48, 0.8B 0.899 against 0.910. TMA_MIN_BYTES 8 MiB since session 17 (with the chain and 8 KiB slots; `--ab
-# tma_min`): 0.8B 0.807 against 0.817 ms with 16 MiB (its 10-13 MB input projections), 2B and 9B unchanged.
-TMA_GEMV = True
-TMA_MIN_BYTES = 8 * 2**20
-TMA_GATED_MIN_K = 8192
-# Whether add_rms_norm_linear (one row, K over FUSED_NORM_MAX_K) runs the residual add and RMSNorm inside the
-# TMA-ring GEMV (each CTA stages the normed row once) instead of add_rms_norm and then the plain GEMV. Predicted:
-# the 48 (2B) / 64 (9B) rms_norm launches of a step gone at ~2 us each with their ramp, less ~0.3 us of staging a
-# GEMV: ~0.08 ms off 2B's step. Measured, the decode step in its CUDA graph (H200, session 17, `python -m
-# profiles.host_time --model M --decode 1 --ab tma_norm`): 2B 1.35 against 1.42 ms, 9B 4.29 against 4.40, 0.8B
-# 0.875 against 0.899 (its final norm and lm_head).
-TMA_NORM = True
-# Whether out_proj_mlp (one bf16 row) runs as one chained launch of the TMA-ring GEMV (tma_gemv_chain: output
-# projection, then the residual add and RMSNorm staged into gate_up, then the gated down projection, the CTAs
-# syncing over the grid between GEMVs while the next weights already stream into their rings), where the TMA GEMV
-# takes one row at all (TMA_GEMV). Predicted: each GEMV boundary inside a step costs ~2 us of drained DRAM pipe (2B:
-# 88 GEMVs of its GDN layers stream 2.59 GB at 3.2 TB/s in a chain of launches against ~4.3 in one long GEMV); two
-# of them fewer a layer, ~0.1 ms off 2B's step. Measured (H200, session 17, `python -m profiles.host_time --model M
-# --decode 1 --ab tma_chain`): 2B 1.31 against 1.35 ms, 0.8B 0.819 against 0.877, 9B 4.32 against 4.33. The first
-# version (8-row blocks in 4 KiB slots, a consumer pass over a slot half as long) gained nothing on 2B (1.35 both).
-TMA_CHAIN = True
 # NORM's sums of squares read up to this many elements of the rows per step: 4096-wide rows in one L2 round trip
 # (in BLOCK_K steps, 2B's gate_up GEMV waited on 16 dependent round trips before its first FMA: +0.3 ms a step)
 NORM_ELEMENTS = 4096
@@ -278,7 +246,7 @@ def _rows_dot(x2, weight, o2, plan):
     if not 1 <= split <= split_k.MAX_SPLIT:
         raise ValueError(f"the skinny GEMM's SPLIT must be 1 to {split_k.MAX_SPLIT}, got {split}")
     fits = n <= split_k.MAX_N and rows <= split_k.MAX_ROWS  # the workspace's partials
-    space = split_k.workspace(x2.device) if SPLIT_K and split > 1 and fits else None
+    space = split_k.workspace(x2.device) if split > 1 and fits else None
     if space is None:  # not split: one column block a program (also while capturing before any workspace exists)
         split = 1
     part, tickets = space or (o2, o2)
@@ -289,43 +257,87 @@ def _rows_dot(x2, weight, o2, plan):
         **pdl.launch_options(x2.device))
 
 
-def _tma_takes(x2, weight, out, gated=False, norm_weight=None, residual=None) -> bool:
-    """Whether a call of x2 (rows, K) runs the TMA-ring GEMV (see TMA_GEMV)."""
-    return (x2.shape[0] == 1 and TMA_GEMV and weight.numel() * weight.element_size() >= TMA_MIN_BYTES
-            and (not gated or weight.shape[1] >= TMA_GATED_MIN_K) and (out is None or out.is_contiguous())
-            and tma_gemv.available(x2, weight, gated, norm_weight=norm_weight, residual=residual))
+class LinearKey(NamedTuple):
+    """What routes a projection (kernels.routes): rows, the rows cuBLAS would run (kernels.row_buckets: padded
+    outside graph capture), the weight's (N, K), dtype, device, SwiGLU's gated input, and whether one bf16 row
+    meets the TMA-ring GEMV's layout (tma_gemv.available)."""
+    rows: int
+    padded: int
+    n: int
+    k: int
+    dtype: torch.dtype
+    device: DeviceInfo
+    gated: bool
+    tma_layout: bool
+
+
+def linear_key(x, weight, out=None, gated: bool = False) -> LinearKey:
+    # x: (..., K or 2K); weight: (N, K)
+    m = math.prod(x.shape[:-1])
+    tma = (m == 1 and x.dtype == torch.bfloat16 and x.is_cuda and (out is None or out.is_contiguous())
+           and tma_gemv.available(x.view(1, -1), weight, gated))
+    return LinearKey(m, padded_rows(m, x.device), weight.shape[0], weight.shape[1], x.dtype, device_info(x.device),
+                     gated, tma)
+
+
+def _rows_out(x, weight, out):
+    # x: (..., K) -> its (rows, K) view and the (rows, N) view of out (a new tensor when None)
+    shape = (*x.shape[:-1], weight.shape[0])
+    out = empty_rows(shape, x.dtype, x.device) if out is None else out
+    return x.view(-1, x.shape[-1]), out, out.view(-1, weight.shape[0])
+
+
+def run_gemv(x, weight, out=None, gated: bool = False):
+    x2, out, o2 = _rows_out(x, weight, out)
+    _gemv(x2, weight, o2, None, GATED if gated else PLAIN)
+    return out
+
+
+def run_tma_gemv(x, weight, out=None, gated: bool = False):
+    x2, out, o2 = _rows_out(x, weight, out)
+    tma_gemv.tma_gemv(x2, weight, o2, gated=gated)
+    return out
+
+
+def run_skinny_gemm(x, weight, out=None, gated: bool = False):
+    x2, out, o2 = _rows_out(x, weight, out)
+    _rows_dot(silu_and_mul(x2) if gated else x2, weight, o2, None)
+    return out
+
+
+def run_cublas(x, weight, out=None, gated: bool = False):
+    x2 = x.view(-1, x.shape[-1])
+    a2 = silu_and_mul(x2) if gated else x2
+    shape = (*x.shape[:-1], weight.shape[0])
+    y = matmul_rows(a2, weight, None if out is None else out.view(-1, weight.shape[0]), padded_rows(a2.shape[0],
+                                                                                                   x.device))
+    return y.view(shape) if out is None else out
 
 
 def linear(x, weight, out=None, *, plan: tuple[int, ...] | None = None, gated: bool = False):
     """x: (..., K) fp16/bf16/fp32; weight: (N, K), x's dtype, unit stride along K -> (..., N) in x's dtype.
     gated: x is (..., 2K) = [gate | up] and the product takes silu(gate) * up (SwiGLU's down projection, one
-    launch instead of two). Up to MAX_ROWS rows run the Triton GEMV, up to DOT_MAX_ROWS unpadded rows (see
-    kernels.row_buckets) the skinny GEMM, more torch's matmul (cuBLAS); gated, both after the silu_and_mul kernel
-    (the skinny GEMM taking [gate | up] itself lost: 2.98 ms against 2.56 a 16-row 2B step, H100, session 36,
-    host_time.json 'b16_knobs_session36_h100'); into `out` when given. plan (benchmark sweeps): the GEMV's
-    (BLOCK_N, BLOCK_K, num_warps) in place of launch_plan's, or the skinny GEMM's (BLOCK_N, BLOCK_K, STAGES,
-    num_warps, SPLIT) in place of dot_plan's."""
+    launch instead of two). The router (kernels.routes) picks the kernel by rows and weight: the Triton GEMV up to
+    MAX_ROWS rows, the TMA-ring GEMV for one bf16 row of a wide weight, the skinny GEMM up to DOT_MAX_ROWS unpadded
+    rows (graph capture), torch's matmul (cuBLAS) beyond; into `out` when given. plan (benchmark sweeps): the
+    GEMV's (BLOCK_N, BLOCK_K, num_warps) or the skinny GEMM's (BLOCK_N, BLOCK_K, STAGES, num_warps, SPLIT), which
+    forces that kernel."""
     name = "gate_up" if gated else "x"
     _check_weight(name, x, weight, 2 if gated else 1)
     shape = (*x.shape[:-1], weight.shape[0])
     out = None if out is None else output_for(out, shape, x)
     check_devices(x=x, weight=weight, out=out)
     x2 = rows_view(name, x)
-    m = x2.shape[0]
-    rows = padded_rows(m, x.device)
-    a2 = silu_and_mul(x2) if gated and m > MAX_ROWS else x2
-    if m > MAX_ROWS and (rows > m or m > DOT_MAX_ROWS):
-        y = matmul_rows(a2, weight, None if out is None else rows_view("out", out), rows)
-        return y.view(shape) if out is None else out
-    if out is None:
-        out = output_for(None, shape, x)
-    if m > MAX_ROWS:
-        _rows_dot(a2, weight, rows_view("out", out), plan)
-    elif plan is None and _tma_takes(x2, weight, out, gated):
-        tma_gemv.tma_gemv(x2, weight, out.view(1, -1), gated=gated)
-    else:
-        _gemv(x2, weight, rows_view("out", out), plan, GATED if gated else PLAIN)
-    return out
+    out2 = None if out is None else rows_view("out", out)
+    if plan is not None and x2.shape[0] <= DOT_MAX_ROWS:
+        out = output_for(out, shape, x)
+        if x2.shape[0] <= MAX_ROWS:
+            _gemv(x2, weight, rows_view("out", out), plan, GATED if gated else PLAIN)
+        else:
+            _rows_dot(silu_and_mul(x2) if gated else x2, weight, rows_view("out", out), plan)
+        return out
+    y = registry.choose("linear", linear_key(x2, weight, out, gated), "triton").run(x2, weight, out2, gated)
+    return y.view(shape) if out is None else out
 
 
 def matmul_rows(a2, weight, out2=None, rows: int | None = None):
@@ -352,15 +364,66 @@ def silu_and_mul_linear(gate_up, weight):
     return linear(gate_up, weight, gated=True)
 
 
+class NormLinearKey(NamedTuple):
+    """What routes a pre-norm projection: rows, the weight's (N, K), dtype, device, whether a residual is added,
+    and whether one bf16 row meets the TMA-ring GEMV's layout with the norm staged in."""
+    rows: int
+    n: int
+    k: int
+    dtype: torch.dtype
+    device: DeviceInfo
+    tma_layout: bool
+
+
+def norm_linear_key(x, residual, norm_weight, eps, weight) -> NormLinearKey:
+    # x, residual: (..., K); weight: (N, K)
+    m = math.prod(x.shape[:-1])
+    tma = (m == 1 and x.dtype == torch.bfloat16 and x.is_cuda
+           and tma_gemv.available(x.view(1, -1), weight, norm_weight=norm_weight,
+                                  residual=None if residual is None else residual.view(1, -1)))
+    return NormLinearKey(m, weight.shape[0], weight.shape[1], x.dtype, device_info(x.device), tma)
+
+
+def _norm_outputs(x, residual, weight):
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+    s = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return out, s
+
+
+def run_tma_norm_gemv(x, residual, norm_weight, eps, weight):
+    out, s = _norm_outputs(x, residual, weight)
+    tma_gemv.tma_gemv(x.view(1, -1), weight, out.view(1, -1), norm_weight=norm_weight, eps=eps,
+                      residual=None if residual is None else residual.view(1, -1),
+                      s_out=None if residual is None else s.view(1, -1))
+    return out, s
+
+
+def run_norm_gemv(x, residual, norm_weight, eps, weight, plan=None):
+    out, s = _norm_outputs(x, residual, weight)
+    x2 = x.view(-1, x.shape[-1])
+    _gemv(x2, weight, out.view(-1, weight.shape[0]), plan, NORM, None if residual is None else residual.view(x2.shape),
+          norm_weight, eps, None if residual is None else s.view(x2.shape))
+    return out, s
+
+
+def run_norm_then_linear(x, residual, norm_weight, eps, weight):
+    h, s = add_rms_norm(x, residual, norm_weight, eps)
+    return _routed_linear(h, weight), s
+
+
+def _routed_linear(x, weight, gated: bool = False):
+    return registry.choose("linear", linear_key(x, weight, None, gated), "triton").run(x, weight, None, gated)
+
+
 def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[int, int, int] | None = None,
                         fused: bool | None = None):
     """The pre-norm projection of a decoder block: s = x + residual (x when residual is None), rounded to x's
     dtype; returns (rms_norm(s, norm_weight, eps) @ weight^T, s). x, residual: (..., K); norm_weight: (K,)
-    zero-centred; weight: (N, K). fused, up to MAX_ROWS rows: one GEMV computes the norm itself (every program
-    reads the rows; the first one writes s into a new tensor); else add_rms_norm (s in place in residual), then
-    `linear`. Either way `residual` may be overwritten: use the returned s. fused=None: fused when K is at most
-    FUSED_NORM_MAX_K (see there), or with TMA_NORM when the TMA-ring GEMV takes the call (see TMA_GEMV): each of
-    its CTAs stages the normed row once, in shared memory, before its first product."""
+    zero-centred; weight: (N, K). The router picks: one bf16 row staged into the TMA-ring GEMV, the GEMV computing
+    the norm itself up to MAX_ROWS rows and K of KernelTuning.fused_norm_max_k (every program reads the rows; the
+    first writes s into a new tensor), else add_rms_norm (s in place in residual) and then `linear`. Either way
+    `residual` may be overwritten: use the returned s. fused (benchmarks): True forces the GEMV with the norm (up to
+    MAX_ROWS rows), False the two launches; plan: that GEMV's (BLOCK_N, BLOCK_K, num_warps)."""
     _check_weight("x", x, weight)
     if residual is not None:
         check_tensor("residual", residual, dtype=x.dtype)
@@ -372,48 +435,138 @@ def add_rms_norm_linear(x, residual, norm_weight, eps, weight, *, plan: tuple[in
                          f"{norm_weight.shape[0]}")
     check_devices(x=x, residual=residual, norm_weight=norm_weight, weight=weight)
     eps = check_real("eps", eps)
-    x2 = rows_view("x", x)
-    res2 = None if residual is None else rows_view("residual", residual)
-    tma = TMA_NORM and plan is None and fused is not False and _tma_takes(x2, weight, None, False, norm_weight, res2)
-    if fused is None:
-        fused = x.shape[-1] <= FUSED_NORM_MAX_K or tma
-    if x2.shape[0] > MAX_ROWS or not fused:
+    rows = rows_view("x", x).shape[0]
+    if residual is not None:
+        rows_view("residual", residual)
+    if fused is None and plan is None:
+        key = norm_linear_key(x, residual, norm_weight, eps, weight)
+        return registry.choose("add_rms_norm_linear", key, "triton").run(x, residual, norm_weight, eps, weight)
+    if rows > MAX_ROWS or fused is False or (fused is None and x.shape[-1] > registry.tuning().fused_norm_max_k):
         h, s = add_rms_norm(x, residual, norm_weight, eps)
         return linear(h, weight, plan=plan), s
-    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
-    s = x if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if tma:
-        tma_gemv.tma_gemv(x2, weight, out.view(1, -1), norm_weight=norm_weight, eps=eps, residual=res2,
-                          s_out=None if residual is None else s.view(1, -1))
-        return out, s
-    _gemv(x2, weight, rows_view("out", out), plan, NORM, res2, norm_weight, eps,
-          None if residual is None else rows_view("s", s))
+    return run_norm_gemv(x, residual, norm_weight, eps, weight, plan)
+
+
+class ChainKey(NamedTuple):
+    """What routes a dense layer's out-proj + MLP: rows and whether one bf16 row meets the chain's layout."""
+    rows: int
+    dtype: torch.dtype
+    device: DeviceInfo
+    chain_layout: bool
+
+
+def _chain_inputs(out_weight, gate_up_weight, down_weight):
+    return (tma_gemv.GemvInput(out_weight.shape[1]),
+            tma_gemv.GemvInput(gate_up_weight.shape[1], norm=True, add=True),
+            tma_gemv.GemvInput(down_weight.shape[1], gated=True))
+
+
+def chain_key(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight) -> ChainKey:
+    # o: (N, H*D) attention output; residual: (N, hidden)
+    rows = o.shape[0] if o.dim() == 2 else -1
+    weights = (out_weight, gate_up_weight, down_weight)
+    fits = (rows == 1 and o.dtype == torch.bfloat16 and o.is_cuda and residual is not None
+            and residual.shape == (1, down_weight.shape[0])
+            and tma_gemv.chain_available(o, weights, _chain_inputs(*weights), norm_weight=norm_weight,
+                                         residual=residual))
+    return ChainKey(rows, o.dtype, device_info(o.device), fits)
+
+
+def run_tma_chain(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight):
+    weights = (out_weight, gate_up_weight, down_weight)
+    s = torch.empty_like(residual)
+    out = torch.empty_like(residual)
+    tma_gemv.tma_gemv_chain(o, weights, _chain_inputs(*weights), out, norm_weight=norm_weight, eps=eps,
+                            residual=residual, s_out=s)
     return out, s
 
 
+def out_proj_mlp_by_ops(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight):
+    """out_proj_mlp as its three ops, each on the router's choice: (SwiGLU(rms_norm(o @ out_weight^T + residual)),
+    s = o @ out_weight^T + residual)."""
+    y = _routed_linear(o, out_weight)
+    gate_up, s = registry.choose("add_rms_norm_linear", norm_linear_key(y, residual, norm_weight, eps, gate_up_weight),
+                                 "triton").run(y, residual, norm_weight, eps, gate_up_weight)
+    return _routed_linear(gate_up, down_weight, gated=True), s
+
+
 def out_proj_mlp(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight):
-    """reference.out_proj_mlp: (SwiGLU(rms_norm(o @ out_weight^T + residual)), s = o @ out_weight^T + residual).
-    One bf16 row with TMA_CHAIN: one launch of three chained TMA-ring GEMVs; else model.ops.out_proj_mlp_by_ops
-    (linear, add_rms_norm_linear and silu_and_mul_linear, each on the active backend)."""
+    """reference.out_proj_mlp on the kernels: one bf16 row in one launch of three chained TMA-ring GEMVs where the
+    router takes it, else out_proj_mlp_by_ops."""
     for name, t in (("o", o), ("out_weight", out_weight), ("norm_weight", norm_weight),
-                     ("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
+                    ("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
         check_tensor(name, t)
-    weights = (out_weight, gate_up_weight, down_weight)
-    inputs = (tma_gemv.GemvInput(out_weight.shape[1]),
-              tma_gemv.GemvInput(gate_up_weight.shape[1], norm=True, add=True),
-              tma_gemv.GemvInput(down_weight.shape[1], gated=True))
-    if (TMA_CHAIN and TMA_GEMV and residual is not None and o.dim() == 2 and o.shape[0] == 1
-            and residual.shape == (1, down_weight.shape[0])
-            and tma_gemv.chain_available(o, weights, inputs, norm_weight=norm_weight, residual=residual)):
-        check_devices(o=o, residual=residual, out_weight=out_weight, norm_weight=norm_weight,
-                      gate_up_weight=gate_up_weight, down_weight=down_weight)
-        s = torch.empty_like(residual)
-        out = torch.empty_like(residual)
-        tma_gemv.tma_gemv_chain(o, weights, inputs, out, norm_weight=norm_weight, eps=eps, residual=residual,
-                                s_out=s)
-        return out, s
-    return ops.out_proj_mlp_by_ops(o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight)
+    check_devices(o=o, residual=residual, out_weight=out_weight, norm_weight=norm_weight,
+                  gate_up_weight=gate_up_weight, down_weight=down_weight)
+    args = (o, residual, out_weight, norm_weight, eps, gate_up_weight, down_weight)
+    return registry.choose("out_proj_mlp", chain_key(*args), "triton").run(*args)
 
 
-OPS = {"linear": linear, "silu_and_mul_linear": silu_and_mul_linear, "add_rms_norm_linear": add_rms_norm_linear,
-       "out_proj_mlp": out_proj_mlp}
+# ---- the router's entries (kernels.registry): which kernel runs a projection -----------------------------------
+
+def _gemv_rows(key, tuning):
+    return None if key.rows <= GEMV_MAX_ROWS else f"{key.rows} rows > {GEMV_MAX_ROWS}"
+
+
+def _tma_gemv(key, tuning):
+    if not (key.rows == 1 and key.tma_layout and key.device.sm90):
+        return "not one bf16 row in the TMA-ring GEMV's layout on sm_90"
+    if key.n * key.k * key.dtype.itemsize < tuning.tma_min_bytes:
+        return f"the weight is under tuning.tma_min_bytes ({tuning.tma_min_bytes})"
+    if key.gated and key.k < tuning.tma_gated_min_k:
+        return f"a gated K under tuning.tma_gated_min_k ({tuning.tma_gated_min_k})"
+    return None
+
+
+def _skinny_rows(key, tuning):
+    if not GEMV_MAX_ROWS < key.rows <= DOT_MAX_ROWS or key.padded != key.rows:
+        return f"{key.rows} rows (padded {key.padded}) outside the skinny GEMM's unpadded {GEMV_MAX_ROWS + 1}-" \
+               f"{DOT_MAX_ROWS}"
+    return None
+
+
+def _cublas_rows(key, tuning):
+    return None if key.rows > GEMV_MAX_ROWS else f"{key.rows} rows: the GEMV's"
+
+
+def _tma_norm(key, tuning):
+    if not (key.rows == 1 and key.tma_layout and key.device.sm90):
+        return "not one bf16 row in the TMA-ring GEMV's layout on sm_90"
+    if key.n * key.k * key.dtype.itemsize < tuning.tma_min_bytes:
+        return f"the weight is under tuning.tma_min_bytes ({tuning.tma_min_bytes})"
+    return None
+
+
+def _norm_gemv(key, tuning):
+    if key.rows > GEMV_MAX_ROWS or key.k > tuning.fused_norm_max_k:
+        return f"{key.rows} rows, K {key.k}: over the GEMV's rows or tuning.fused_norm_max_k"
+    return None
+
+
+def _tma_chain(key, tuning):
+    if not (key.chain_layout and key.device.sm90):
+        return "not one bf16 row in the chain's layout on sm_90"
+    return None
+
+
+def _register() -> None:
+    registry.define("linear", linear_key)
+    registry.define("add_rms_norm_linear", norm_linear_key)
+    registry.define("out_proj_mlp", chain_key)
+    triton = "triton"
+    for name, run, supports, cost in (
+            ("tma_gemv", run_tma_gemv, _tma_gemv, 0.0),
+            ("gemv", run_gemv, all_of(_gemv_rows, triton_unsupported), 1.0),
+            ("skinny_gemm", run_skinny_gemm, all_of(_skinny_rows, triton_unsupported), 1.0),
+            ("cublas", run_cublas, _cublas_rows, 2.0)):
+        registry.register("linear", Impl(name, triton, run, supports, cost))
+    for name, run, supports, cost in (
+            ("tma_norm_gemv", run_tma_norm_gemv, _tma_norm, 0.0),
+            ("norm_gemv", run_norm_gemv, all_of(_norm_gemv, triton_unsupported), 1.0),
+            ("norm_then_linear", run_norm_then_linear, triton_unsupported, 2.0)):
+        registry.register("add_rms_norm_linear", Impl(name, triton, run, supports, cost))
+    registry.register("out_proj_mlp", Impl("tma_chain", triton, run_tma_chain, _tma_chain, 0.0))
+    registry.register("out_proj_mlp", Impl("by_ops", triton, out_proj_mlp_by_ops, triton_unsupported, 1.0))
+
+
+_register()

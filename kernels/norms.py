@@ -6,14 +6,14 @@ packed several per program. No host syncs and no allocation when `out=` is given
 
 Also holds the argument helpers the other elementwise kernels share (`rows_view`, `check_devices`).
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, stamps
+from kernels import pdl, registry, stamps
 from kernels.host_math import cdiv, next_power_of_2
+from kernels.interpreter_compat import INTERPRET
+from kernels.registry import Impl
 from kernels.row_buckets import empty_rows
 from reference._checks import check_no_self_overlap, check_real, check_same_device, check_tensor
 
@@ -22,7 +22,7 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 def triton_runs_on(device: torch.device) -> bool:
     """Where the Triton kernels run: a CUDA device, or the CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return device.type == "cuda" or (device.type == "cpu" and INTERPRET)
 
 
 def check_devices(**tensors) -> None:
@@ -134,4 +134,8 @@ def add_rms_norm(x, residual, weight, eps, out=None):
     return _norm(x, residual, weight, eps, out), (x if residual is None else residual)
 
 
-OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm}
+
+registry.define("rms_norm")
+registry.register("rms_norm", Impl("rms_norm", "triton", rms_norm))
+registry.define("add_rms_norm")
+registry.register("add_rms_norm", Impl("add_rms_norm", "triton", add_rms_norm))

@@ -20,7 +20,7 @@ Algorithm (two kernels):
    (N, H, S, D) / (N, H, S); with S == 1 it normalises, applies the gate and writes the output directly.
    Two variants, chosen on the host from max_seqlen_q and the group (`plan`):
    - decode (`_split_kernel`; max_seqlen_q <= 8 and at most 128 packed rows): one M-block of
-     next_pow2(rows) >= 16 rows, one masked loop. This is the decode kernel as measured below, unchanged.
+     next_pow2(rows) >= 16 rows, one masked loop (see the decode bound below).
    - chunk (`_chunk_kernel`; everything else): M-blocks of 128 rows (16..64 when fewer rows), two loops per
      split: tiles below the M-block's first row's causal limit run unmasked, only the diagonal tiles (at
      most ceil(BLOCK_M / group / BLOCK_N) + 1 of them) apply the mask, and fully masked tiles are never
@@ -36,7 +36,8 @@ Algorithm (two kernels):
    times sigmoid(gate) when a gate is given, stored in q's dtype; rows that see no key give 0. Each
    program reads all splits of a BLOCK_D slice in one load. On sm_90 it is launched with
    programmatic dependent launch, so its launch overlaps the split kernel (it waits in griddepcontrol), and it
-   lets the next kernel launch once it has waited, or from its start (COMBINE_RELEASE).
+   lets the next kernel (the layer's out-proj chain) launch from its start, before its wait, so that the chain's
+   weights stream while the split runs.
 
 K/V are gathered through the page table per token (page = table[b, n // page_size]); when a page
 holds a whole number of tiles, one page index per tile is loaded instead. Page sizes need not be
@@ -49,26 +50,16 @@ the page table's capacity); everything length-dependent is computed on the devic
 cu_seqlens_q consistent with max_seqlen_q, page ids within the pool) are the caller's contract:
 checking them would need a host sync; lengths are clamped to [0, capacity].
 
-Decode performance (H200). The bound is the KV bytes over the ~4.4 TB/s read ceiling:
+Decode bound (H200): the KV bytes over the ~4.4 TB/s read ceiling:
   B1  32k, H16/KV4, d256: 32768 * 4 * 256 * 2 B * 2 (K, V) = 134 MB -> 30.5 us;
   B1 128k, H8/KV2,  d256: 268 MB -> 61 us;   B8 32k: 1.07 GB -> 244 us;   B64 8k: 2.15 GB -> 488 us.
-Config: BLOCK_N = 64 keys per iteration (a 32 KB K tile and a 32 KB V tile at d256 bf16), 4 warps
-(8 once the packed M x D accumulator exceeds 8 K fp32), cp.async pipelining with 3 stages at
-d256 (4 at d <= 128 in 16-bit; fewer for fp32): ~75 KB of shared memory and ~165 registers per
-thread at d256, so two programs fit per SM. Measured (CUDA graph, one sweep on the H200): BLOCK_N
-32 was 30% slower, 128 no better at d256 (worse with many splits), more stages or 8 warps gave
-nothing, and one program per SM reached only 2.4-2.9 TB/s while two reached 4.3-4.5. Hence the
-split heuristic: enough splits that B * KV * S programs fill 2 per SM in whole waves (the fewest
-within 5% of the best wave efficiency, counting only splits that tile rounding leaves non-empty;
-<= 128; one tile per split is allowed: B1 4k ran in 9.2 us with 64 splits, 12.7 us with 16).
-Measured with it, before the combine used PDL: B1 32k 3.35 TB/s (S = 64), B1 128k 3.91 (S = 128),
-B8 32k 4.42 (S = 8), B64 8k 4.51 (S = 1), against a torch.sum read ceiling of 4.27 in the same run.
-At B1 32k the split kernel alone runs at 3.54 TB/s; the combine (one load per program) adds ~2 us,
-which PDL is meant to hide in part.
-Since session 30 the decode plan runs one stage instead where a split holds at most two tiles (DECODE_STAGES,
-SHORT_SPLIT_TILES; 43 KB of shared memory, ~224 registers): faster in the batch-1 decode step; longer splits run
-two stages (LONG_SPLIT_STAGES, session 31). Its keys a tile are DECODE_BLOCK_N (64; 32, which leaves an SM
-room for the next out-proj chain's CTA during the split, lost on the H100 in session 31).
+Config: BLOCK_N = 64 keys per iteration (a 32 KB K tile and a 32 KB V tile at d256 bf16), 4 warps (8 once the
+packed M x D accumulator exceeds 8 K fp32). Pipeline depth: one stage (plain loads, no cp.async prologue; 43 KB of
+shared memory and ~224 registers a thread at d256) where a split holds at most SHORT_SPLIT_TILES tiles,
+LONG_SPLIT_STAGES for longer splits. Two programs an SM: one alone reads well below the ceiling, two reach it.
+Hence the split heuristic: enough splits that B * KV * S programs fill 2 per SM in whole waves (the fewest within
+5% of the best wave efficiency, counting only splits that tile rounding leaves non-empty; <= MAX_SPLITS; one tile
+per split is allowed). The combine (one load per program) adds ~2 us at B1 32k, which PDL hides in part.
 
 Chunk bound (H200, bf16; FLOPs = 4 * visible (query, key) pairs * H * D at ~700 TFLOP/s, the best measured
 attention rate, against the K/V bytes 2 * ctx * KV * D * 2 B at ~4.4 TB/s). FLOPs per K/V byte are
@@ -97,9 +88,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, stamps
+from kernels import pdl, registry, stamps
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import triton_runs_on
+from kernels.registry import DeviceInfo, Impl, device_info, triton_unsupported
 from kernels.varlen import sequence_span
 from reference._checks import check_cu_seqlens, check_page_table, check_real, check_same_device, check_tensor, is_int
 
@@ -111,84 +103,19 @@ CHUNK_BLOCK_M = 128  # packed rows per M-block of the chunk variant (16-bit dtyp
 SHORT_ROWS = 32  # a mixed step's decode rows: sequences of <= SHORT_ROWS // group tokens get tiles this small
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BLOCK_N = 64
+BLOCK_N = 64  # keys a tile, both variants (the decode split's 32-key tiles lost: FINDINGS, decode step)
 MAX_SPLITS = 128  # choose_num_splits' cap; a caller may ask for up to 256
 PROGRAMS_PER_SM = 2  # resident split programs per SM that choose_num_splits aims for (decode)
 RESCALE_THRESHOLD = 8.0  # chunk variant: log2 growth of the running max that forces an O rescale (0: always)
 COMBINE_TILE = 4096  # splits x head dims one combine program reduces
 COMBINE_ROWS_TILE = 8192  # rows x splits x head dims one program of the chunk variant's combine reduces
-# When the combine lets the next kernel (the layer's out-proj chain, a TMA GEMV whose producer streams weights before
-# its own wait) launch: "after_wait" (right after its PDL wait, as most decode kernels do), "early" (at its start,
-# before the wait) or "off" (at its exit). Until session 26 it was "off": the chain's first weights came behind the
-# combine. Timed in session 27 (H100, 0.8B): after_wait 0.872 / 0.876 ms, off 0.867 / 0.905, inside the noise.
-# Session 30's stamps (H100, 2B) found the chain after an attention layer resident only 1.4 us before its go, against
-# 6.4-7.2 after a GDN layer (whose kernel releases it as its ~7 us of work begin): its 128 KB rings fill after the
-# split, not during it, and the chain takes 31.8 us against 27.8. "early" lets it launch while the split runs, on
-# SMs with room for its CTA beside the split's programs, which DECODE_BLOCK_N decides (prediction there). Measured
-# (H100, session 31, `python -m profiles.host_time --decode 1 --ab combine_release+split_block_n`, alternated in one
-# process, ms a step): 2B at 8192 early 1.53 / 1.54 against 1.54 / 1.54, at 12,288 1.56 / 1.56 against 1.57 / 1.57;
-# 0.8B at 12,288 0.836 / 0.835 against 0.844 / 0.843. Stamped (2B, 8192): the chains' share 14.7 us less a step,
-# the split +1.4 us and the combine +3.1 (their KV and workspace reads now share DRAM with the chain's rings), step
-# 1.535 ms against 1.541: less than the 18-24 us predicted, as the H100's DRAM was expected to allow. Kept: early.
-COMBINE_RELEASE = "early"
-# The decode combine loads the splits' O rows beside their LSEs instead of after them (masked by which splits saw a
-# key), and zeroes the empty splits' rows with a select: one L2 round trip after its wait instead of two. Stamped
-# (session 29, H100, 2B at 8k): the combine ran 2.2-3.2 us from its go to its end for 1 MB of workspace; predicted
-# ~0.5 us off it a layer (exact: the NaN-filled workspace test). Stamped (H100, session 30, 2B, 3 split stages):
-# the combine's share 5.4 us a layer against 6.3 off, but the step 1.555 ms against 1.550: a tie, kept as the one
-# round trip. A/B: `python -m profiles.step_stamps --knob combine_o=off`
-COMBINE_O_EARLY = True
-# The decode split kernel prefetches its first key tile (K and V rows) into L2 before its PDL wait: those keys are
-# cached, only the step's own key comes from attention_prep. Stamped on an H100 (session 29, `profiles.step_stamps`,
-# 2B at 8k): the split programs sit resident ~1.9 us before their wait returns, during attention_prep, while DRAM
-# idles; the split then took 11.8 us for 16.8 MB (5.6 us of bytes at 3.0 TB/s). Predicted: up to ~1.9 us off the
-# split a layer. (Session 29 first tried it with attention_prep releasing before its own wait, so that the split
-# launched during the in-projection GEMV: the prefetch then competed with the GEMV's weights, and the step tied.)
-# Measured (H100, session 29, stamps, 50 replays; `step_stamps.json`): 2B prep 3.49 / split 11.0 / combine 2.91 us
-# against 2.87 / 11.6 / 3.03 without (17.4 against 17.5: the prefetch's traffic slows prep by what it saves the
-# split), step 1.551 ms against 1.557; 0.8B 16.8 us against 17.2, step 0.835 against 0.838. Kept: at most 0.4 us a
-# layer. A/B: `python -m profiles.step_stamps --knob kv_prefetch=off`
-PREFETCH_FIRST_TILE = True
-# Pipeline depth (Triton num_stages) of the decode split kernel's key loop. One stage: plain loads, no cp.async
-# prologue (whose page-id round trip came before the K/V loads), and 43 KB of shared memory at d256 instead of 76
-# (sm_90a compile), which likely lets the next GEMV's programs become resident during the split and start on their
-# weights. Stamped (H100, session 30, `profiles.step_stamps`, batch 1 over 8192, 30-50 replays, two runs each): the
-# split itself ties (11.0 us) but the combine's share of the step falls from 5.4-5.8 to 2.3 us; step 2B 1.554 ->
-# 1.530 ms (twice), 0.8B 0.837 -> 0.824 (8 warps with 3 stages: 1.554, a tie). Not yet timed at long contexts or
-# batches above 1. A/B: `python -m profiles.step_stamps --knob split_stages=3`, host_time's `--ab split_stages`.
+# Pipeline depth (Triton num_stages) of the decode split kernel's key loop: one stage (plain loads, no cp.async
+# prologue; 43 KB of shared memory at d256 instead of 76) for splits of up to SHORT_SPLIT_TILES tiles, where deeper
+# pipelines lost at batch 1; LONG_SPLIT_STAGES for longer splits (64k, batch 16), where one stage lost (FINDINGS,
+# decode step).
 DECODE_STAGES = 1
-# ... but only for short splits: a split of more than SHORT_SPLIT_TILES tiles runs LONG_SPLIT_STAGES. Measured (H100,
-# session 31, `host_time --decode B --ab split_stages`, alternated): one stage loses where a split program walks
-# many tiles: 2B at B1 over 65,536 (~9 tiles a split) 1.81 / 1.81 ms against 1.79 / 1.79 at two stages (three:
-# 1.79 / 1.79), at B16 over 4096 2.42 / 2.42 against 2.37 / 2.36 (three: 2.38 / 2.38). The serving run's batch-1
-# splits hold 2 tiles (15,648-token tables: 123 splits of 128 keys), session 30's step_stamps' too.
 SHORT_SPLIT_TILES = 2
 LONG_SPLIT_STAGES = 2
-# At one stage the split's key loop has no look-ahead of its own: each program loads a tile, then computes on it
-# while nothing of its next tile is in flight. So it asks L2 for the next tile's K and V rows before computing
-# (no registers, no shared memory, nothing to wait for). Predicted (session 30): at long contexts DRAM keeps
-# streaming through the compute, as the 3-stage cp.async ring did. Measured (H100, session 31, `python -m
-# profiles.host_time --model qwen3.5-2b --decode 1 [--ctx C] --ab kv_prefetch_next`, alternated): it loses or ties
-# everywhere: 65,536 (one stage then) 1.82 / 1.82 ms against 1.80 / 1.80 off, 8192 (2 tiles a split) 1.53 / 1.54
-# against 1.52 / 1.53, 12,288 1.55 either way. Off; long splits now run two stages instead (LONG_SPLIT_STAGES).
-PREFETCH_NEXT_TILE = False
-# Keys a tile of the decode split kernel (the chunk variant keeps BLOCK_N). What an SM holds while the split runs
-# decides whether the next chain CTA can launch early (COMBINE_RELEASE "early"): the chain takes 16,128 registers
-# (sm_90a ptxas: 52 a thread, 56 allocated, 288 threads) and ~141 KB of shared memory (its 128 KB ring and x), a
-# combine program 7,168 (56 x 128). One split program at 64 keys takes 224 x 128 = 28,672 registers and 43 KB, so
-# an SM with one has room; two take 57,344: no room. At 32 keys two take 36,864 (ptxas: 142 a thread; 2 x 25.6 KB,
-# no spills): room (60,160 of 65,536). How many programs an SM gets: at B1 H8/KV2 with the serving run's page
-# tables (15,648 tokens: choose_num_splits gives 123 splits; chunks round up to whole tiles) 128 programs at 8192
-# tokens, 192 at 12,288 (the short trace's mean context), 236 at 15,000; host_time's and step_stamps' tables of
-# ctx + 256 give 128 at 8192. Predicted, 2B at B1: "early" alone takes 3-4 us a layer off at 8192 (the chain after
-# attention 31.8 -> ~28 us, as after a GDN layer: 18-24 us a step) and less at 12,288, where 60 SMs hold two
-# programs; 32 keys with "early" recover those (less a third and fourth tile a program: +0.5-1.5 us). Less on an
-# H100, whose ~3.1 TB/s is about what the chain's 17 MB of rings and the split's KV need together in ~11 us. (The
-# module's old standalone sweep, three stages: 32 keys 30% slower than 64.) Measured (H100, session 31, with
-# "early"): 32 keys lose everywhere, 2B 1.55 / 1.55 ms against 1.53 / 1.54 at 8192 and 1.58 / 1.58 against 1.56 /
-# 1.56 at 12,288, 0.8B 0.863 / 0.862 against 0.836 / 0.835 at 12,288; stamped at 12,288 the chains gain 14.6 us a
-# step but the split takes 18.9 us against 14.2 (four dependent tiles a program instead of two). Kept: 64.
-DECODE_BLOCK_N = 64
 LOG2E = 1.4426950408889634
 H200_SMS = 132
 
@@ -230,11 +157,11 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def choose_num_splits(batch: int, kv_heads: int, max_seqlen_k: int, num_sms: int = H200_SMS, *, m_blocks: int = 1,
-                      programs_per_sm: int = PROGRAMS_PER_SM, block_n: int | None = None) -> int:
+                      programs_per_sm: int = PROGRAMS_PER_SM, block_n: int = BLOCK_N) -> int:
     """Splits per (sequence, M-block, KV head): the fewest whose programs fill programs_per_sm per SM in waves
     within 5% of the best wave efficiency, counting only the splits that tile rounding leaves non-empty.
-    block_n: the plan's keys a tile (None: the decode plan's, DECODE_BLOCK_N)."""
-    n_blocks = max(1, cdiv(max_seqlen_k, block_n or DECODE_BLOCK_N))
+    block_n: the plan's keys a tile (both variants' BLOCK_N)."""
+    n_blocks = max(1, cdiv(max_seqlen_k, block_n))
     max_splits = min(MAX_SPLITS, n_blocks)
     effs = []
     for s in range(1, max_splits + 1):
@@ -265,7 +192,7 @@ def plan(max_q_len: int, group: int, head_dim: int, elt_size: int, block_m: int 
     rows = max_q_len * group
     if block_m is None and max_q_len <= DECODE_MAX_Q_LEN and rows <= DECODE_MAX_ROWS:
         bm = max(16, next_power_of_2(rows))
-        return Plan(False, bm, 1, DECODE_BLOCK_N, _config(bm, head_dim, elt_size)[0], DECODE_STAGES, PROGRAMS_PER_SM)
+        return Plan(False, bm, 1, BLOCK_N, _config(bm, head_dim, elt_size)[0], DECODE_STAGES, PROGRAMS_PER_SM)
     if block_m is None:
         big = CHUNK_BLOCK_M if elt_size <= 2 else CHUNK_BLOCK_M // 2  # fp32: a 128 x 256 Q tile alone is 128 KB
         block_m = max(16, next_power_of_2(rows)) if rows <= 64 else big
@@ -357,13 +284,12 @@ def _split_kernel(
     qk_scale, num_splits, capacity, stamps_ptr,
     Q_LEN: tl.constexpr, VARLEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_NEXT: tl.constexpr,
-    STAMPS: tl.constexpr, PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, STAMPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # seqused_k and cu_seqlens_q (the host's) load before the PDL wait; q and the step's own keys come from
-    # attention_prep, so every key tile loads after it (session 25 loaded the first tile's older keys before the
-    # wait: H200, session 26, `host_time --decode 1` graph step, 0.8B 0.767 / 0.768 ms against 0.763 / 0.765
-    # without, 2B 1.27 either way; removed)
+    # attention_prep, so every key tile loads after it (loading the first tile's cached keys before the wait lost:
+    # FINDINGS, decode step); PREFETCH (under PDL) only asks L2 for them
     stamps.arrive(stamps_ptr, STAMPS)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -380,7 +306,7 @@ def _split_kernel(
     v_base = v_ptr + kvh * stride_vh
     pt_row = pt_ptr + b * stride_ptb
     row_bytes: tl.constexpr = HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8
-    if PREFETCH:  # the first tile's cached K and V rows into L2 while attention_prep runs (PREFETCH_FIRST_TILE)
+    if PREFETCH:  # the first tile's cached K and V rows into L2 while attention_prep runs (DRAM idles then)
         _prefetch_tile(k_base, v_base, pt_row, kv_start, kv_end, stride_kp, stride_kt, stride_vp, stride_vt,
                        PAGE_SIZE, BLOCK_N, row_bytes)
     pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
@@ -404,9 +330,6 @@ def _split_kernel(
         page, slot = _pages_of(pt_row, start, kv_end, n, n_ok, PAGE_SIZE, BLOCK_N)
         k = tl.load(k_base + _kv_rows(page, slot, stride_kp, stride_kt, d), mask=n_ok[:, None], other=0.0)  # (N, D)
         v = tl.load(v_base + _kv_rows(page, slot, stride_vp, stride_vt, d), mask=n_ok[:, None], other=0.0)
-        if PREFETCH_NEXT:  # the next tile's rows into L2 while this one computes (PREFETCH_NEXT_TILE)
-            _prefetch_tile(k_base, v_base, pt_row, start + BLOCK_N, kv_end, stride_kp, stride_kt, stride_vp,
-                           stride_vt, PAGE_SIZE, BLOCK_N, row_bytes)
         acc, l_i, m_i = _split_tile(acc, l_i, m_i, q, k, v, n, n_ok, last_key, qk_scale, DOT_PRECISION)
 
     _finish(acc, l_i, m_i, q_start + qi, head, row_ok, d, split, num_splits, num_heads, gate_ptr, out_ptr, ws_o_ptr,
@@ -529,29 +452,26 @@ def _chunk_kernel(
 def _combine_kernel(
     ws_o_ptr, ws_lse_ptr, gate_ptr, out_ptr, stride_gn, stride_gh, stride_on, stride_oh, num_splits, stamps_ptr,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
-    RELEASE: tl.constexpr, O_EARLY: tl.constexpr, STAMPS: tl.constexpr, PDL: tl.constexpr,
+    STAMPS: tl.constexpr, PDL: tl.constexpr,
 ):
-    if RELEASE == "early":  # COMBINE_RELEASE
-        pdl.release_dependents(PDL)
+    # release before the wait: the next kernel (the layer's out-proj chain, whose producer streams weights before its
+    # own wait) launches while the split runs, on SMs with room for its CTA beside the split's programs, and fills
+    # its rings during the split instead of after it (faster than a release after the wait: FINDINGS, decode step)
+    pdl.release_dependents(PDL)
     t_go = stamps.wait(stamps_ptr, STAMPS, PDL)  # launched early: wait for the split kernel's writes
-    if RELEASE == "after_wait":
-        pdl.release_dependents(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     ws_row = (token * tl.num_programs(1) + head) * num_splits + tl.arange(0, BLOCK_S)  # (S,) this row's splits
     s_ok = tl.arange(0, BLOCK_S) < num_splits
     o_ptrs = ws_o_ptr + ws_row[:, None] * HEAD_DIM + d[None, :]
-    if O_EARLY:  # COMBINE_O_EARLY: O beside the LSEs, one round trip; empty splits' stale rows zeroed below
-        o = tl.load(o_ptrs, mask=s_ok[:, None], other=0.0)  # (S, BD)
+    # O loads beside the LSEs (one L2 round trip after the wait, not two); empty splits' stale rows are zeroed below
+    o = tl.load(o_ptrs, mask=s_ok[:, None], other=0.0)  # (S, BD)
     lse = tl.load(ws_lse_ptr + ws_row, mask=s_ok, other=float("-inf"))  # (S,)
     live = lse > float("-inf")
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # (S,), 0 for empty splits
-    if O_EARLY:
-        o = tl.where(live[:, None], o, 0.0)
-    else:
-        o = tl.load(o_ptrs, mask=live[:, None], other=0.0)  # (S, BD)
+    o = tl.where(live[:, None], o, 0.0)
     denom = tl.sum(w, 0)
     o = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)  # (BD,)
     if HAS_GATE:
@@ -564,15 +484,12 @@ def _combine_kernel(
 def _combine_rows_kernel(
     ws_o_ptr, ws_lse_ptr, gate_ptr, out_ptr, stride_gn, stride_gh, stride_on, stride_oh, num_rows, num_heads,
     num_splits, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_GATE: tl.constexpr, RELEASE: tl.constexpr, PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The chunk variant's combine: grid (cdiv(N * H, ROWS), D / BLOCK_D), ROWS (token, head) rows a program,
     the same sum as `_combine_kernel` (chunks have many rows and few splits, so rows are batched)."""
-    if RELEASE == "early":  # COMBINE_RELEASE
-        pdl.release_dependents(PDL)
+    pdl.release_dependents(PDL)  # as `_combine_kernel`: the next kernel launches while the split runs
     pdl.wait_for_producer(PDL)  # launched early: wait for the split kernel's writes
-    if RELEASE == "after_wait":
-        pdl.release_dependents(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,) rows token * H + head
     r_ok = r < num_rows
     sp = tl.arange(0, BLOCK_S)
@@ -762,9 +679,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     else:
         stamp, stamping = stamps.slot("attention_split", q.device)
         _split_kernel[(batch, kv_heads, num_splits)](*args, stamp, Q_LEN=q_len, STAMPS=stamping,
-                                                     PREFETCH=PREFETCH_FIRST_TILE and launch["PDL"],
-                                                     PREFETCH_NEXT=PREFETCH_NEXT_TILE and launch["PDL"]
-                                                     and common["num_stages"] == 1, **common)
+                                                     PREFETCH=launch["PDL"], **common)
     if num_splits > 1 and tile.chunk:
         _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     elif num_splits > 1:
@@ -788,8 +703,8 @@ def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, launch: dic
     stamp, stamping = stamps.slot("attention_combine", out.device)
     _combine_kernel[(n_tokens, num_heads, head_dim // block_d)](
         workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1), num_splits, stamp,
-        HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, HAS_GATE=gate is not None, RELEASE=COMBINE_RELEASE,
-        O_EARLY=COMBINE_O_EARLY, STAMPS=stamping, num_warps=4, **launch,
+        HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d, HAS_GATE=gate is not None, STAMPS=stamping,
+        num_warps=4, **launch,
     )
 
 
@@ -803,7 +718,7 @@ def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, launch
     _combine_rows_kernel[(cdiv(n_tokens * num_heads, rows), head_dim // block_d)](
         workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
         n_tokens * num_heads, num_heads, num_splits, HEAD_DIM=head_dim, ROWS=rows, BLOCK_S=block_s, BLOCK_D=block_d,
-        HAS_GATE=gate is not None, RELEASE=COMBINE_RELEASE, num_warps=4, **launch,
+        HAS_GATE=gate is not None, num_warps=4, **launch,
     )
 
 
@@ -847,9 +762,30 @@ def compile_variants(num_heads: int, k_pages: torch.Tensor, v_pages: torch.Tenso
 
 
 # The share of the SMs a long chunk's forward must fill to beat this kernel when the forward is the CuTe one (fa4/cute):
-# 800 new over 50k, d256, bf16 on the H200: at 100 CTAs on 132 SMs (H16/KV4) CuTe 1037 us against this kernel's
-# 1599; at 50 (H8/KV2) 933 against 814 (session 7, .gpu/agent_cute.py; profiles/results/agent_turn.json 'cute').
+# 800 new over 50k at d256 goes to CuTe at H16/KV4 (100 CTAs on 132 SMs) and stays here at H8/KV2 (50 CTAs).
 CUTE_FORWARD_FILL = 0.5
+
+
+class PagedKey(NamedTuple):
+    """What routes paged attention (kernels.routes, fa4.routes): the batch, its longest query chunk, the heads,
+    the pages, the key bound (only where the choice reads it: chunks over ALWAYS_Q_LEN), dtype and device."""
+    num_seqs: int
+    q_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    seqlen_k: int
+    dtype: torch.dtype
+    device: DeviceInfo
+
+
+def paged_key(q, k_pages, v_pages, step, scale, gate) -> PagedKey:
+    # q: (N, H, D); k_pages: (pages, page_size, KV, D); step: model.step.StepInput
+    q_len = step.max_seqlen_q
+    seqlen_k = (step.max_seqlen_k or step.page_table.shape[1] * k_pages.shape[1]) if q_len > ALWAYS_Q_LEN else 0
+    return PagedKey(step.num_seqs, q_len, q.shape[-2], k_pages.shape[2], k_pages.shape[3], k_pages.shape[1], seqlen_k,
+                    q.dtype, device_info(q.device))
 
 
 def split_kv_pays(batch: int, max_q_len: int, group: int, kv_heads: int, head_dim: int, elt_size: int,
@@ -857,7 +793,7 @@ def split_kv_pays(batch: int, max_q_len: int, group: int, kv_heads: int, head_di
     """Whether a causal paged call goes to this kernel rather than a prefill forward: always for chunks of up to
     ALWAYS_Q_LEN tokens; for longer ones (up to MAX_Q_LEN) when the forward's one program per (sequence, 128-row
     M-block, KV head) would fill less than forward_fill of the SMs (1: the Triton forward; CUTE_FORWARD_FILL: the
-    faster CuTe one, see `forward_fill`) and choose_num_splits asks for more than one split. Example: 800 new
+    faster CuTe one) and choose_num_splits asks for more than one split. Example: 800 new
     tokens over 50k on Qwen3.5-2B (H8/KV2, group 4) gives the forward 25 x 2 = 50 programs on 132 SMs."""
     if max_q_len <= ALWAYS_Q_LEN:
         return True
@@ -870,50 +806,34 @@ def split_kv_pays(batch: int, max_q_len: int, group: int, kv_heads: int, head_di
                              programs_per_sm=tile.programs_per_sm, block_n=tile.block_n) > 1
 
 
-def forward_fill(q, k_pages, page_table, max_q_len: int) -> float:
-    """split_kv_pays' forward_fill for this call: CUTE_FORWARD_FILL where the CuTe forward runs it (long chunks
-    only; asking costs a few host checks), else 1."""
-    if max_q_len <= ALWAYS_Q_LEN:
-        return 1.0
-    from fa4.cute import entry as CE
-    return CUTE_FORWARD_FILL if CE.cute_unsupported(q, k_pages, k_pages, page_table=page_table) is None else 1.0
-
-
 def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
-    """model.ops' paged_attention: this kernel for decode, mixed steps and agent turns (`split_kv_pays`, with the
-    step's host bound max_seqlen_k, else the page table's capacity), `long_chunk_attention` for long prefill
-    chunks."""
-    kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
-    max_seqlen_k = step.max_seqlen_k or step.page_table.shape[1] * k_pages.shape[1]
-    fill = forward_fill(q, k_pages, step.page_table, step.max_seqlen_q)
-    if not split_kv_pays(step.num_seqs, step.max_seqlen_q, q.shape[-2] // kv_heads, kv_heads, head_dim,
-                         q.element_size(), max_seqlen_k, _num_sms(q.device), fill):  # the one branch point
-        return long_chunk_attention(q, k_pages, v_pages, step, scale, gate)
+    """model.ops' paged_attention on this kernel (the router sends it decode steps, mixed steps and agent turns):
+    the step's host bound max_seqlen_k, its metadata built by the engine and not checked again."""
     return paged_decode_attention(q, k_pages, v_pages, step.page_table, step.seqused_k, softmax_scale=scale,
                                   cu_seqlens_q=step.cu_seqlens, max_seqlen_q=step.max_seqlen_q, gate=gate,
                                   max_seqlen_k=step.max_seqlen_k, check_metadata=False)
 
 
-def long_chunk_attention(q, k_pages, v_pages, step, scale, gate):
-    """Long prefill chunks (see split_kv_pays): the CuTe-DSL forward (fa4/cute: bf16 d128/d256 on sm_90a, 0.9-1.0x
-    flash-attn-4) over the paged prefix where it runs, else fa4's Triton forward; one CTA or program per (query
-    head group, 128-row tile), then the output gate. Not graph-captured (prefill runs eagerly)."""
-    from fa4.cute import entry as CE
-    from fa4.interface import triton_unsupported
-    from fa4.triton_forward import triton_forward
-    from model import ops
-    from reference import sigmoid_gate_mul
-    index = dict(cu_seqlens_q=step.cu_seqlens, page_table=step.page_table, seqused_k=step.seqused_k)
-    if CE.cute_unsupported(q, k_pages, v_pages, **index) is None:
-        o = CE.cute_attention(q, k_pages, v_pages, causal=True, softmax_scale=scale, max_seqlen_q=step.max_seqlen_q,
-                              **index)
-    elif triton_unsupported(q, k_pages, v_pages) is None:
-        o = triton_forward(q, k_pages, v_pages, causal=True, scale=scale, max_seqlen_q=step.max_seqlen_q, **index)
-    else:  # e.g. a head dim neither has a tile for
-        return ops._BACKENDS["reference"]["paged_attention"](q, k_pages, v_pages, step, scale, gate)
-    return o if gate is None else sigmoid_gate_mul(o, gate)
+# ---- the router's entry (kernels.registry): this kernel for decode, mixed steps and agent turns -----------------
+
+def _split_kv(key, tuning):
+    if key.head_dim not in HEAD_DIMS:
+        return f"head_dim {key.head_dim} is not one of {HEAD_DIMS}"
+    if not 1 <= key.q_len <= MAX_Q_LEN:
+        return f"max q_len {key.q_len} is not in 1..{MAX_Q_LEN}"
+    return triton_unsupported(key)
 
 
-# (Tried and removed in session 24: the decode split kernel running attention_prep itself, one launch fewer an
-# attention layer; the step took 1.29 ms against 1.27 at 2B, host_time.json 'decode_knobs_session23'.)
-OPS = {"paged_attention": paged_attention_op}
+def _split_kv_cost(key, tuning) -> float:
+    # below the forwards (1-2) where the split pays: short chunks always, long ones where a forward leaves SMs idle
+    forward = registry.choose("paged_attention", key._replace(q_len=MAX_Q_LEN + 1),
+                              "triton", tuning)
+    fill = CUTE_FORWARD_FILL if forward.name == "cute_forward" else 1.0
+    pays = split_kv_pays(
+        key.num_seqs, key.q_len, key.heads // key.kv_heads, key.kv_heads, key.head_dim, key.dtype.itemsize,
+        key.seqlen_k, key.device.num_sms or H200_SMS, fill)
+    return 0.0 if pays else 3.0
+
+
+registry.define("paged_attention", paged_key)
+registry.register("paged_attention", Impl("split_kv", "triton", paged_attention_op, _split_kv, _split_kv_cost))

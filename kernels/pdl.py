@@ -10,8 +10,8 @@ Before its wait a kernel may also pull what it will read into L2 (`prefetch_l2`)
 prefetches its first key tile, whose cached keys no kernel of the step writes.
 
 `enabled(device)` says whether to launch with PDL: a CUDA device of compute capability 9.0 or newer, not the CPU
-interpreter, and not switched off by QWEN_PDL=0. Kernels take it as the constexpr PDL; without it both helpers
-compile to nothing.
+interpreter, and not switched off by QWEN_PDL=0 (ALLOWED: the environment is read once, at import). Kernels take
+it as the constexpr PDL; without it both helpers compile to nothing.
 """
 import functools
 import os
@@ -21,6 +21,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels.interpreter_compat import INTERPRET
+
+ALLOWED = os.environ.get("QWEN_PDL") != "0"  # QWEN_PDL=0: no PDL in this process (the no-PDL rows of a benchmark)
+
 
 @functools.cache
 def capable(index: int) -> bool:
@@ -29,7 +33,7 @@ def capable(index: int) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("QWEN_PDL") == "0":
+    if device.type != "cuda" or INTERPRET or not ALLOWED:
         return False
     return capable(device.index if device.index is not None else torch.cuda.current_device())
 

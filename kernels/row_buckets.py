@@ -1,11 +1,9 @@
 """Row counts padded for cuBLAS: eager prefill projections run on a multiple of MATMUL_ROW_BUCKET rows.
 
-cuBLAS chooses its kernel on the host for each new shape: 240 us for a row count it has not seen against 23 us for
-a known one (H200 machine, session 8), and every prefill step brings new row counts. So kernels.linear runs prefill
-projections on rows padded to a multiple of MATMUL_ROW_BUCKET (the engine warms every bucket up) and drops the
-padding rows' products. On the H200 (session 9, 2B returning turns of 601..813 new tokens over 8k cached), one
-process alternating: median step 57.5 ms padded, 67.4 unpadded; separate processes: 34.8 padded (through a copy),
-56.3 unpadded.
+cuBLAS chooses its kernel on the host for each new shape, about ten times the cost of a call of a shape it has seen,
+and every prefill step brings new row counts. So kernels.linear runs prefill projections on rows padded to a
+multiple of MATMUL_ROW_BUCKET (the engine warms every bucket up) and drops the padding rows' products (prefill
+steps faster padded than not: FINDINGS).
 
 The padding is free when the operand's storage already has the rows: the elementwise kernels that feed projections
 (norms, SwiGLU, the GDN output norm) allocate their outputs with empty_rows, and padded_operand then views the

@@ -18,13 +18,13 @@ before a replay, `read()` after it returns the slots that replay wrote, in launc
 kernel compiles without the stamps (STAMPS constexpr False) and `slot` hands back a dummy pointer.
 """
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.interpreter_compat import INTERPRET
 
 FIELDS = ("first_arrive", "last_arrive", "first_go", "last_go", "first_end", "last_end", "busy_sum", "programs")
 INT64_MAX = 2**63 - 1
@@ -77,8 +77,7 @@ def slot(name: str, device: torch.device, bytes: int = 0) -> tuple[torch.Tensor,
     """(the int64 slot a launch passes as its stamps pointer, whether to stamp): a dummy and False when off, full,
     on another device, or not compiled for a GPU (the CPU interpreter runs no asm). bytes: what the launch streams
     (a GEMV's weights), for a bandwidth beside its time."""
-    on = (_ACTIVE is not None and _ACTIVE.device == device and device.type == "cuda"
-          and os.environ.get("TRITON_INTERPRET") != "1")
+    on = _ACTIVE is not None and _ACTIVE.device == device and device.type == "cuda" and not INTERPRET
     taken = _ACTIVE.take(name, bytes) if on else None
     if taken is not None:
         return taken, True

@@ -37,23 +37,14 @@ from kernels.host_math import cdiv
 
 LANE_COLS = 8  # columns a lane multiplies per tile row: one 16-byte load
 BLOCK_K = 32 * LANE_COLS  # a TMA box's columns (its inner extent: 512 bytes, at most 256 elements)
-# a ring slot holds SLOT_ROWS x BLOCK_K weights (16 KiB): two boxes of a 16-row block, four of 8 rows. Against 8 KiB
-# slots (H200, session 17, `python -m profiles.host_time --model M --decode 1 --ab tma_slot`): 2B 1.29 against 1.30
-# ms, 9B 4.25 against 4.27, 0.8B 0.80 both (a consumer's pass over a slot, its barrier wait and release, is the cost)
+# a ring slot holds SLOT_ROWS x BLOCK_K weights (16 KiB): two boxes of a 16-row block, four of 8 rows (8 KiB slots
+# lost at 2B and 9B: a consumer's pass over a slot, its barrier wait and release, is the cost; FINDINGS, decode step)
 SLOT_ROWS = 32
 RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 # a chain's producer issues this many bytes of each GEMV after the first (in whole ring slots: 5 of 16 KiB), then
-# waits until its CTA is past the grid sync before it. Without the pause the ring is full of the next weights, in
-# flight or landed, at each sync, and the sync's fence waits 2-3 us (`globaltimer` around it, H200, session 18). H200,
-# session 18, 24 layers' out_proj -> gate_up -> down in a graph, by slots (a probe that `python -m
-# profiles.bench_decode --sweep-chain M` repeats, there with 0.8B's out_proj 1024 x 2048 where the probe had 1024 x
-# 1024): 2B 24.2 us a layer against 25.1 (6: 23.8, 4: 24.9, 7: 24.5), 0.8B 11.4 against 12.4 (4: 11.4, 6: 11.8), 9B
-# 84.5 against 84.1; the decode step (`host_time --ab tma_pause`): 2B 1.28 ms against 1.30 (6: 1.28), 0.8B 0.780
-# against 0.806 (6: 0.791). Those were timed with the sync's explicit fences, removed in session 27 (see grid_sync);
-# the pause has not been re-timed without them (`host_time --decode 1 --ab tma_pause`).
-# (Tried and removed in session 24: asking L2 for the next slots during the pause, and for the next launch's first
-# weight at a launch's end; both lengthened the step, 2B 1.30-1.37 ms against 1.27, host_time.json
-# 'decode_knobs_session23'.)
+# waits until its CTA is past the grid sync before it: without the pause the ring is full of the next weights, in
+# flight or landed, at each sync, and the sync waits on them (80 KiB ties 96, ahead of none at 2B and 0.8B; FINDINGS,
+# decode step). tma_gemv_chain's boundary_bytes overrides it.
 BOUNDARY_BYTES = 80 * 1024
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
@@ -151,8 +142,8 @@ def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, no
                   ctas_per_sm: int = 1, chain: tuple[GemvInput, ...] = (),
                   slot_rows: int = SLOT_ROWS, boundary_bytes: int = 0) -> TmaGemvConfig:
     """The first GEMV's (N n) block_n by block_rows (the chained ones carry theirs); the ring holds ring_bytes. The
-    defaults: H200, session 16, `python -m profiles.bench_decode --sweep-tma`, where a 128 KiB ring and 8 consumer
-    warps were the fastest of 32-128 KiB x 4-8 warps x 1-2 CTAs an SM on 10 of the 12 2B / 9B projections."""
+    defaults (a 128 KiB ring, 8 consumer warps, one CTA an SM) were the fastest of a sweep over ring sizes, warps and
+    CTAs an SM on most 2B / 9B projections (FINDINGS, decode step; `profiles.bench_decode --sweep-tma`)."""
     slot_bytes = slot_rows * BLOCK_K * 2
     stages = min(32, ring_bytes // slot_bytes)
     pause = min(stages, boundary_bytes // slot_bytes) if chain else 0
@@ -383,7 +374,7 @@ def _kernel_class():
             arrive in the ring: acc (rows_per_warp, LANE_COLS) gets each row's per-lane partial sums (row_total
             finishes them). Returns state advanced past the block: a caller in a dynamic loop must assign it, as
             the DSL carries through a loop only what the loop body assigns or calls a method of (passed along, the
-            state restarted at slot 0 with every block: session 22's hang)."""
+            state restarted at slot 0 with every block, and the kernel hung)."""
             consumers, boxes = self.cfg.consumer_warps, self.cfg.boxes(spec)
             acc.fill(0.0)
             for kt in cutlass.range(self.cfg.width(spec) // (boxes * BLOCK_K), unroll=1):
@@ -412,8 +403,7 @@ def _kernel_class():
             multiple of grid above what it found (the counter never resets: each sync adds grid). Thread 0's release
             add (after the barrier that orders the CTA's stores before it) publishes them and its acquire poll sees
             every CTA's; no explicit fence besides (each one a MEMBAR.ALL.GPU sequence in sm_90a SASS, waiting on the
-            weight stream in flight): removing the two a sync had shortened the decode step on an H100 from 0.904 to
-            0.840 ms (0.8B) and 1.60 to 1.56 (2B), session 27, `host_time.json` 'decode_ab_session27'."""
+            weight stream in flight: removing the two a sync had shortened the decode step; FINDINGS, decode step)."""
             threads = 32 * self.cfg.consumer_warps
             cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=threads)
             if tidx == 0:
@@ -532,12 +522,14 @@ def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
 
 def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = None, *,
                    norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-                   s_out: torch.Tensor | None = None, config: TmaGemvConfig | None = None) -> torch.Tensor:
+                   s_out: torch.Tensor | None = None, config: TmaGemvConfig | None = None,
+                   boundary_bytes: int = BOUNDARY_BYTES) -> torch.Tensor:
     """GEMVs in one launch, each on the previous one's output: y_0 = in_0(x) @ weights[0]^T, y_g = in_g(y_{g-1}) @
     weights[g]^T, where inputs[g] (GemvInput) says how row g is staged (gated: y_{g-1} is [gate | up]). Between two
     GEMVs the CTAs sync over the grid while the next weights already stream into their rings. Returns the last
     GEMV's (1, N) bf16, into out when given. The norm input (at most one) takes norm_weight, and residual and s_out
-    as tma_gemv does. The caller checks `available` first."""
+    as tma_gemv does. boundary_bytes: the producer's pause before each grid sync (0: none; benchmarks). The caller
+    checks `available` first."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
@@ -562,8 +554,8 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
     sms = _SMS[index]
     chain = tuple(dataclasses.replace(g, block_n=block_rows(w.shape[0], sms)) for g, w in zip(chain, weights[1:]))
     cfg = config or choose_config(weights[0].shape[0], first.k, first.gated, _SMS[index], norm=first.norm,
-                                  add=first.add, pdl=pdl.enabled(x.device), ring_bytes=RING_BYTES, chain=chain,
-                                  slot_rows=SLOT_ROWS, boundary_bytes=BOUNDARY_BYTES)
+                                  add=first.add, pdl=pdl.enabled(x.device), chain=chain,
+                                  boundary_bytes=boundary_bytes)
     stamp, stamping = stamps.slot("tma_gemv_chain" if chain else "tma_gemv", x.device,
                                   bytes=sum(w.numel() * w.element_size() for w in weights))
     if stamping:  # a stamped compile of the same config (only inside stamps.record: off the hot path)

@@ -78,8 +78,8 @@ def host_ints(values: tuple[int, ...], device) -> torch.Tensor:
 class VarlenPlan:
     """A varlen batch's host-side layout (cu_seqlens' values, the snapshot cuts, the piece tables), checked and built
     once. Every GDN prefill layer of a model step shares one (model.step.StepInput.plans): checking cu_seqlens,
-    state_slots and the snapshots and looking the tables up again cost ~230 us of host time a layer on the H100
-    machine of session 37, beside its five launches. Kernels also take their workspaces from it (`buffer`): the
+    state_slots and the snapshots and looking the tables up again in each layer cost more host time than its five
+    launches (FINDINGS, serving). Kernels also take their workspaces from it (`buffer`): the
     step's layers run in order on one stream, so each layer's scratch is free again when the next one starts."""
     cu_seqlens: torch.Tensor  # (N+1,) int32/int64, the tensor the plan was built from
     state_slots: torch.Tensor  # (N,)

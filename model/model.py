@@ -57,18 +57,18 @@ class Qwen35ForCausalLM(nn.Module):
         return self.plan.local
 
     def tie_weights(self) -> None:
-        """Share the embedding with lm_head when the config says so (again after to_empty, which unties)."""
+        """Share the embedding with lm_head when the config says so."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
     def empty(cls, cfg: Qwen35Config, *, device="cpu", dtype=torch.float32,
               tp: ParallelContext | None = None) -> "Qwen35ForCausalLM":
-        """Uninitialised parameters of the right shapes (this rank's slices under tp), allocated once on `device`."""
+        """Uninitialised parameters of the right shapes (this rank's slices under tp), each allocated once, in
+        `dtype`, on `device`: no float32 model first (its bf16 weights alone fill most of a card for 35B-A3B)."""
         with torch.device("meta"):
             model = cls(cfg, tp)
-        model = model.to_empty(device=device).to(dtype)
-        model.tie_weights()
+        _materialize(model, torch.device(device), dtype)
         return model
 
     # ---- construction ------------------------------------------------------------------------------------
@@ -160,11 +160,8 @@ class Qwen35ForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, step, *self.layer_caches(i, pools))
             yield None
-        if FINAL_NORM_IN_LM_HEAD and x.shape[0] == 1:  # one row (batch-1 decode), wanted either way
-            logits = self.lm_head(NormedInput(x, residual, self.model.norm))
-        else:
-            h, _ = ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
-            logits = self.lm_head(h if all_logits else h[step.last_token_indices])
+        h, _ = ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
+        logits = self.lm_head(h if all_logits else h[step.last_token_indices])
         yield gather_logits(logits, self.plan) if self.plan.sharded else logits
 
     @torch.no_grad()
@@ -180,14 +177,21 @@ class Qwen35ForCausalLM(nn.Module):
         return logits.view(input_ids.shape[0], -1, logits.shape[-1])
 
 
-# Whether a one-row step (batch-1 decode) runs the final norm inside lm_head's projection (ops.add_rms_norm_linear:
-# the TMA GEMV stages the normed row, as every layer's pre-norm projection does since session 17) instead of
-# add_rms_norm and the plain projection (and, eagerly, the last token's gather: three small torch launches). Wider
-# steps keep the norm apart (the Triton GEMV's fused norm is measured only for the layers' K). Predicted: one
-# dependent launch fewer at a decode graph's end, ~2-3 us. Measured (H200, session 23, `python -m profiles.host_time
-# --model M --decode 1 --ab final_norm`): 2B 1.27 ms either way, 0.8B 0.772-0.773 against 0.775, within the noise;
-# off, the path every other test and figure ran on.
-FINAL_NORM_IN_LM_HEAD = False
+
+
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace the meta parameters and buffers with uninitialised tensors on `device`: floating ones in `dtype` (what
+    Module.to(dtype) would cast), the others in their own; one tensor under two names (tied embeddings) stays one."""
+    made: dict[int, torch.Tensor] = {}  # id of the meta tensor -> its replacement
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for key, t in tensors.items():
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    real = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+                    made[id(t)] = nn.Parameter(real, t.requires_grad) if isinstance(t, nn.Parameter) else real
+                tensors[key] = made[id(t)]
 
 
 class _FullShapes:

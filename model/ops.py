@@ -1,68 +1,58 @@
-"""The model's compute ops, behind one switch.
+"""The model's compute ops, behind one router (kernels.registry).
 
-The model calls only the functions below. Each looks up the active backend ("reference" here; kernel
-packages register "triton" and "cute"), and a backend may implement any subset: the ops it lacks run
-the reference. `set_backend` / `use_backend` choose; `backend_table()` says which op runs where.
+The model calls only the functions below. Each asks the router which implementation runs the call: on the
+"reference" backend the plain PyTorch compositions registered here, on "triton" the kernels (kernels.routes) and
+fa4's forwards (fa4.routes) wherever their entries take the call's key, the reference elsewhere. `set_backend` /
+`use_backend` choose the backend, `use_tuning` the kernel tuning (kernels.tuning.KernelTuning);
+`backend_table()` says which backend each op runs on.
 
 Shapes: N tokens in a flat varlen batch (see model.step.StepInput), H query heads, KV key/value heads,
 D head dim; GDN with Hk key heads, Hv value heads, dk/dv head dims, C = 2*Hk*dk + Hv*dv conv channels.
 """
 import functools
-import importlib
-from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 
 import reference as R
+from kernels import registry
+from kernels.registry import Impl
+from kernels.tuning import KernelTuning
 from model.step import StepInput
 from reference._checks import check_snapshots
 
-_BACKENDS: dict[str, dict[str, Callable]] = {}
-_active = "reference"
 
-
-def register_backend(name: str, ops: dict[str, Callable]) -> None:
-    """Add (or extend) a backend: a map from op name to implementation with the reference's signature."""
-    unknown = set(ops) - set(_BACKENDS["reference"])
-    if unknown:
-        raise ValueError(f"backend {name!r} names unknown ops {sorted(unknown)}")
-    _BACKENDS.setdefault(name, {}).update(ops)
-
-
-_PROVIDERS = {"triton": "kernels.backend"}  # backends that register themselves when their module is imported
+def _load(name: str) -> None:
+    if name == "triton":  # the kernels and fa4's forwards register themselves on import
+        import fa4.routes  # noqa: F401
+        import kernels.routes  # noqa: F401
 
 
 def set_backend(name: str) -> None:
-    global _active
-    if name not in _BACKENDS and name in _PROVIDERS:
-        importlib.import_module(_PROVIDERS[name])
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown ops backend {name!r}; registered: {sorted(_BACKENDS)}")
-    _active = name
+    """"reference" (plain PyTorch) or "triton" (the kernels and fa4's forwards, each where the router takes a call,
+    the reference elsewhere)."""
+    _load(name)
+    registry.set_backend(name)
 
 
 def get_backend() -> str:
-    return _active
+    return registry.get_backend()
 
 
-@contextmanager
 def use_backend(name: str):
-    previous = _active
-    set_backend(name)
-    try:
-        yield
-    finally:
-        set_backend(previous)
+    _load(name)
+    return registry.use(backend=name)
+
+
+def use_tuning(tuning: KernelTuning):
+    """Run a block with these kernel choices (an A/B: two tunings in one process)."""
+    return registry.use(tuning=tuning)
 
 
 def backend_table() -> dict[str, str]:
-    """op name -> the backend that runs it now."""
-    return {op: (_active if op in _BACKENDS[_active] else "reference") for op in _BACKENDS["reference"]}
-
-
-def _impl(op: str) -> Callable:
-    return _BACKENDS[_active].get(op) or _BACKENDS["reference"][op]
+    """op name -> the backend whose implementations it runs now (the reference where the active one has none)."""
+    active = registry.get_backend()
+    return {op: active if registry.impls(op, active) else "reference" for op in registry.ops()}
 
 
 _nvtx_range = None  # name -> context manager while NVTX ranges are on
@@ -78,15 +68,14 @@ def enable_nvtx(on: bool = True) -> None:
         import nvtx
         _nvtx_range = nvtx.annotate
     except ImportError:
-        import torch
         _nvtx_range = torch.cuda.nvtx.range if torch.cuda.is_available() else (lambda name: nullcontext())
 
 
 def _run(op: str, *args):
     if _nvtx_range is None:
-        return _impl(op)(*args)
+        return registry.run(op, *args)
     with _nvtx_range(op):
-        return _impl(op)(*args)
+        return registry.run(op, *args)
 
 
 # ---- the ops the model calls -------------------------------------------------------------------------
@@ -119,7 +108,7 @@ def add_rms_norm_linear(x, residual, norm_w, eps, weight):
 
 def silu_and_mul_linear(gate_up, weight):
     # gate_up: (N, 2I), weight: (hidden, I) -> linear(silu_and_mul(gate_up), weight): (N, hidden), one GEMV at decode
-    return _run("silu_and_mul_linear", gate_up, weight)
+    return _run("linear", gate_up, weight, None, True)
 
 
 def out_proj_mlp(o, residual, out_w, norm_w, eps, gate_up_w, down_w):
@@ -129,8 +118,7 @@ def out_proj_mlp(o, residual, out_w, norm_w, eps, gate_up_w, down_w):
 
 
 def out_proj_mlp_by_ops(o, residual, out_w, norm_w, eps, gate_up_w, down_w):
-    """out_proj_mlp as its three ops, each on the active backend: what a backend without its own runs (and what
-    the triton backend runs where its one launch does not apply)."""
+    """out_proj_mlp as its three ops, each on the active backend: the reference backend's out_proj_mlp."""
     gate_up, s = add_rms_norm_linear(linear(o, out_w), residual, norm_w, eps, gate_up_w)
     return silu_and_mul_linear(gate_up, down_w), s
 
@@ -236,8 +224,6 @@ def _snapshot_passes(cu: tuple[int, ...], offsets: tuple[int, ...], device):
 def moe(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=None):
     """x: (N, hidden) -> (N, hidden). expert_start (expert parallel): gate_up_w/down_w hold experts
     [expert_start, expert_start + E_local) of the router's E; the result is this rank's partial sum."""
-    if expert_start is None:
-        return _run("moe", x, router_w, gate_up_w, down_w, top_k, shared)
     return _run("moe", x, router_w, gate_up_w, down_w, top_k, shared, expert_start)
 
 
@@ -277,18 +263,30 @@ def _ref_gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state
     return R.gated_rms_norm(o, z, norm_w, eps)
 
 
-_BACKENDS["reference"] = {
+def _ref_linear(x, weight, out=None, gated=False):
+    return R.silu_and_mul_linear(x, weight) if gated else R.linear(x, weight)
+
+
+def _ref_moe(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=None):
+    if expert_start is None:
+        return R.moe(x, router_w, gate_up_w, down_w, top_k, shared)
+    return R.moe(x, router_w, gate_up_w, down_w, top_k, shared, expert_start)
+
+
+REFERENCE = {
     "rms_norm": R.rms_norm,
     "add_rms_norm": R.add_rms_norm,
     "silu_and_mul": R.silu_and_mul,
-    "linear": R.linear,
-    "silu_and_mul_linear": R.silu_and_mul_linear,
+    "linear": _ref_linear,
     "add_rms_norm_linear": R.add_rms_norm_linear,
     "out_proj_mlp": out_proj_mlp_by_ops,
     "attention_prep": _ref_attention_prep,
     "paged_attention": _ref_paged_attention,
     "gated_deltanet": _ref_gated_deltanet,
-    "moe": R.moe,
+    "moe": _ref_moe,
     "argmax": _ref_argmax,
     "gather_rows": R.gather_rows,
 }
+for _op, _fn in REFERENCE.items():
+    registry.define(_op)
+    registry.register(_op, Impl("reference", "reference", _fn))

@@ -146,10 +146,9 @@ def sweep_splits_cold(h: int = 8, kv: int = 2, ctx: int = 8192, pages=(16, 64), 
 def bench_gdn_case(batch, hk=16, hv=32, dk=128, dv=128, kw=4):
     """One layer's decode step, eagerly (launch included) and in a CUDA graph that steps through enough layers'
     states (each its own pool) that they come from DRAM, not the 50 MB L2; graph time is per layer. Where the CuTe
-    kernel takes the call (one value head a key head: kernels.gdn_decode.CUTE_DECODE), the Triton kernel's graph time
-    beside it."""
-    from kernels import gdn_decode, gdn_decode_cute
-    from kernels.gdn_decode import gdn_decode_step
+    kernel takes the call (one value head a key head: the router's choice), the Triton kernel's graph time beside it."""
+    from kernels import gdn_decode_cute
+    from kernels.gdn_decode import gdn_decode_step, launch_decode
     c = 2 * hk * dk + hv * dv
     dev = "cuda"
     qkv = torch.randn(batch, c, device=dev, dtype=BF16)
@@ -166,17 +165,14 @@ def bench_gdn_case(batch, hk=16, hv=32, dk=128, dv=128, kw=4):
     out = torch.empty_like(z)
     one = lambda i: gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states[i], states[i], slots,
                                     hk, 1e-6, out=out)
-    cute = gdn_decode.CUTE_DECODE and gdn_decode_cute.supports(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w,
-                                                               conv_states[0], states[0], hk)
+    cute = gdn_decode_cute.supports(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states[0], states[0], hk)
     row = {"B": batch, "Hk/Hv": f"{hk}/{hv}", "kernel": "cute" if cute else "triton", "layers": layers,
            "state_MB": state_bytes / 1e6, "ours_us": bench_us(lambda: one(0)),
            "ours_graph_us": bench_us(lambda: [one(i) for i in range(layers)], graph=True) / layers}
     if cute:
-        gdn_decode.CUTE_DECODE = False
-        try:
-            row["triton_graph_us"] = bench_us(lambda: [one(i) for i in range(layers)], graph=True) / layers
-        finally:
-            gdn_decode.CUTE_DECODE = True
+        triton_one = lambda i: launch_decode(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states[i], states[i],
+                                             slots, 1e-6, out)
+        row["triton_graph_us"] = bench_us(lambda: [triton_one(i) for i in range(layers)], graph=True) / layers
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
         q = torch.randn(batch, 1, hv, dk, device=dev, dtype=BF16)
@@ -408,9 +404,10 @@ def sweep_chain(model: str, layers: int = 24) -> list[dict]:
     out, s = (torch.empty(1, hidden, device="cuda", dtype=BF16) for _ in range(2))
     inputs = (T.GemvInput(width), T.GemvInput(hidden, norm=True, add=True), T.GemvInput(inter, gated=True))
 
-    def chain():
+    def chain(pause_kib: int):
         for weights in tails:
-            T.tma_gemv_chain(o, weights, inputs, out, norm_weight=norm_w, eps=1e-6, residual=residual, s_out=s)
+            T.tma_gemv_chain(o, weights, inputs, out, norm_weight=norm_w, eps=1e-6, residual=residual, s_out=s,
+                             boundary_bytes=pause_kib * 1024)
 
     def apart():
         for w_out, w_gate_up, w_down in tails:
@@ -422,17 +419,14 @@ def sweep_chain(model: str, layers: int = 24) -> list[dict]:
         for w in flat:
             T.tma_gemv(residual, w)  # (1, hidden) @ (rows, hidden)^T
 
-    steps = {**{f"chain_pause{p}": (chain, p) for p in CHAIN_PAUSES}, "apart": (apart, 0), "flat": (one_gemv, 0)}
-    rows, default = [], T.BOUNDARY_BYTES
-    try:
-        for name, (step, pause_kib) in steps.items():
-            T.BOUNDARY_BYTES = pause_kib * 1024  # read at each call: a config (and kernel) of its own
-            step()
-            us = bench_us(step, graph=True) / layers
-            rows.append(progress({"model": model, "variant": name, "MB": nbytes / 1e6, "us_a_layer": us,
-                                  "TBps": nbytes / us / 1e6}))
-    finally:
-        T.BOUNDARY_BYTES = default
+    steps = {**{f"chain_pause{p}": functools.partial(chain, p) for p in CHAIN_PAUSES}, "apart": apart,
+             "flat": one_gemv}
+    rows = []
+    for name, step in steps.items():
+        step()
+        us = bench_us(step, graph=True) / layers
+        rows.append(progress({"model": model, "variant": name, "MB": nbytes / 1e6, "us_a_layer": us,
+                              "TBps": nbytes / us / 1e6}))
     return rows
 
 

@@ -8,32 +8,21 @@ launches and the Python around them are the cost (on the H200 a 2B step of 800 t
 
 `--decode B` profiles a decode step of B sequences over ctx tokens instead: once eagerly (every kernel's GPU time,
 largest first) and as a CUDA-graph replay (the step's time per token). The gap between the graph's step time and
-the eager kernels' sum is what launches and kernel ramps cost inside the graph. `--prenorm fused|unfused` runs each
-block half's residual add and RMSNorm inside its first projection's GEMV, or as its own launch (the A/B of
-kernels.linear.add_rms_norm_linear; default: its rule by K). `--ab KNOB` (AB_KNOBS) times a decode knob's variants
-in one process, alternated, through the CUDA graph only; `--ab skip` (timing only, wrong tokens) drops the GDN
-mixer, the attention (prep + paged attention) or both, for the most a kernel fusing them into their neighbours
-could save, or puts empty PDL kernels in their place (gdn_empty, attention_empty), pricing their kernel boundaries
-apart from their work (H100, session 28: host_time.json 'decode_ab_session28'). Predicted for the fusion: 48
-launches fewer a 2B/0.8B step at ~2.5 us each with its graph gap, minus the GEMVs' extra reads of the rows from L2,
-about 0.1-0.15 ms off 2B's step.
-Measured on the H200 (session 8, the GEMV summing the squares in a first pass over the rows): 0.8B 1.19 ms fused
-against 1.24; 2B 2.06 against 1.72, as the NORM GEMVs' kernel time grew by 0.25 ms. Session 14, in one process:
-0.8B 0.912 against 0.940, 2B 1.67 against 1.48 (`profiles/results/host_time.json` 'prenorm_ab_session14').
+the eager kernels' sum is what launches and kernel ramps cost inside the graph. `--ab KNOB` (AB_KNOBS) times a
+decode knob's variants in one process, alternated, through the CUDA graph only: each variant is a config (a
+kernels.tuning.KernelTuning and EngineConfig fields), set for the life of the engines it builds.
 """
 import argparse
-import functools
-import importlib
 import time
 from collections import Counter
-from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
 
 import torch
 import triton
-import triton.language as tl
 
-from kernels import pdl
-from kernels.norms import triton_runs_on
+from kernels import registry
+from kernels.tuning import KernelTuning
 from model import ops
 from profiles.common import print_table
 from serving.config import EngineConfig
@@ -193,168 +182,31 @@ def admission_keys(ctx: int, new: int, page_size: int = 16, reps: int = 5) -> li
     return rows
 
 
-def use_prenorm(fused: bool | None) -> None:
-    """The triton backend's pre-norm projection as one launch (the GEMV computes the residual add and RMSNorm), or
-    as add_rms_norm and then the GEMV; None: by its rule (kernels.linear.FUSED_NORM_MAX_K)."""
-    import kernels.backend  # noqa: F401  (registers the whole triton backend first)
-    from kernels.linear import add_rms_norm_linear
-    ops.register_backend("triton", {"add_rms_norm_linear": functools.partial(add_rms_norm_linear, fused=fused)})
+@dataclass(frozen=True)
+class Variant:
+    """One side of an A/B: the kernel tuning it runs under and the EngineConfig fields of the engines it builds."""
+    tuning: KernelTuning = KernelTuning()
+    engine: tuple[tuple[str, object], ...] = ()
 
 
-def prenorm_setters() -> tuple[dict, Callable[[], None]]:
-    return ({"fused": functools.partial(use_prenorm, True), "unfused": functools.partial(use_prenorm, False)},
-            functools.partial(use_prenorm, None))
-
-
-@triton.jit
-def _boundary_kernel(PDL: tl.constexpr):
-    pdl.wait_for_producer(PDL)
-    pdl.release_dependents(PDL)
-
-
-def stand_in(launches: int, returns: int) -> Callable:
-    """A stand-in op that launches `launches` empty kernels of BOUNDARY_PROGRAMS programs (each waits for its
-    predecessor, then releases its dependents, as every decode kernel does; none: the input passed through) and
-    returns its argument `returns`."""
-    def op(*args):
-        x = args[returns]
-        for _ in range(launches if triton_runs_on(x.device) else 0):
-            _boundary_kernel[(BOUNDARY_PROGRAMS,)](**pdl.launch_options(x.device))
-        return x
-    return op
-
-
-# Timing only, the tokens come out wrong: the mixers' ops replaced by their input passed through (no kernel), so the
-# decode step shows what it would cost if the mixer were free: the most a kernel that fuses it away could save; and
-# by as many empty kernels as the op launches, so that the step shows what the kernel boundaries cost by themselves
-BOUNDARY_PROGRAMS = 16
-MIXER_OPS = {"gated_deltanet": (1, 1), "attention_prep": (1, 0), "paged_attention": (2, 0)}  # (launches, returns)
-PASS_THROUGH = {op: stand_in(0, returns) for op, (_, returns) in MIXER_OPS.items()}
-EMPTY = {op: stand_in(launches, returns) for op, (launches, returns) in MIXER_OPS.items()}
-ATTENTION = ("attention_prep", "paged_attention")
-SKIPPED = {"none": {}, "gdn": {"gated_deltanet": PASS_THROUGH["gated_deltanet"]},
-           "attention": {op: PASS_THROUGH[op] for op in ATTENTION}, "both": dict(PASS_THROUGH),
-           "gdn_empty": {"gated_deltanet": EMPTY["gated_deltanet"]},
-           "attention_empty": {op: EMPTY[op] for op in ATTENTION}}
-
-
-def skip_setters() -> tuple[dict, Callable[[], None]]:
-    """--ab skip: the active backend's mixer ops swapped per SKIPPED variant; restore puts back what the backend
-    had."""
-    table = ops._BACKENDS[ops.get_backend()]
-    saved = {op: table.get(op) for op in PASS_THROUGH}
-
-    def restore():
-        for op, impl in saved.items():
-            if impl is None:
-                table.pop(op, None)
-            else:
-                table[op] = impl
-
-    def skip(stand_ins: dict):
-        restore()
-        table.update(stand_ins)
-    return {name: functools.partial(skip, stand_ins) for name, stand_ins in SKIPPED.items()}, restore
-
-
-def argmax_setters():
-    """The greedy argmax: inside the decode graph (the default), after it by the sampler with the same kernel, or by
-    the sampler with torch.argmax (before session 26)."""
-    from serving import model_runner
-    table, in_graph = ops._BACKENDS["triton"], model_runner.GREEDY_IN_GRAPH
-    kernel = table["argmax"]
-
-    def apply(graph: bool, op) -> None:
-        model_runner.GREEDY_IN_GRAPH = graph
-        table["argmax"] = op
-    return ({"graph": functools.partial(apply, True, kernel), "after": functools.partial(apply, False, kernel),
-             "torch": functools.partial(apply, False, ops._BACKENDS["reference"]["argmax"])},
-            functools.partial(apply, in_graph, kernel))
-
-
-def gather_setters():
-    """A decode step's row gathers (page table, RoPE, embeddings): one kernels.gather_rows launch (the default) or
-    an index_select each (before session 27)."""
-    import kernels.backend  # noqa: F401  (registers the triton backend)
-    table = ops._BACKENDS["triton"]
-    kernel = table["gather_rows"]
-
-    def apply(op) -> None:
-        table["gather_rows"] = op
-    return ({"fused": functools.partial(apply, kernel), "torch": functools.partial(apply, _index_selects)},
-            functools.partial(apply, kernel))
-
-
-def _index_selects(tables, indices):
-    return [t.index_select(0, i) for t, i in zip(tables, indices)]
-
-
-def split_setters(attribute: str, variants: dict):
-    """Setters of a paged_decode_attention host choice behind lru-caches (plan, choose_num_splits): each variant
-    sets the attribute and clears both caches; the last one restores the current value."""
-    from kernels import paged_decode_attention as P
-    current = getattr(P, attribute)
-
-    def apply(value) -> None:
-        setattr(P, attribute, value)
-        P.plan.cache_clear()
-        P.choose_num_splits.cache_clear()
-    return {name: functools.partial(apply, v) for name, v in variants.items()}, functools.partial(apply, current)
-
-
-# EngineConfig fields every engine built here takes: what the engine knobs of AB_KNOBS set
+MIB = 2**20
+UNBOUNDED_K = 2**30
+# --ab knobs: name -> {variant name: Variant}; each variant is a config, set for its engines' life (graphs capture
+# the kernels chosen under it)
+AB_KNOBS = {
+    # the pre-norm projection's norm inside the Triton GEMV (up to 4 rows) at every K, by the K rule, or never
+    "prenorm": {"fused": Variant(KernelTuning(fused_norm_max_k=UNBOUNDED_K)), "rule": Variant(),
+                "unfused": Variant(KernelTuning(fused_norm_max_k=0))},
+    # the smallest weight one bf16 row streams through the TMA-ring GEMV
+    "tma_min": {"16m": Variant(KernelTuning(tma_min_bytes=16 * MIB)), "8m": Variant(),
+                "4m": Variant(KernelTuning(tma_min_bytes=4 * MIB))},
+    # the decode step's inputs written by the last step's argmax, no copy before a fed graph
+    "fed_decode": {"off": Variant(engine=(("fed_decode", False),)), "on": Variant(engine=(("fed_decode", True),))},
+    # a fed decode's argmax also stores its tokens in pinned host memory: no copy between two graphs
+    "token_ring": {"off": Variant(engine=(("token_ring", False),)), "on": Variant(engine=(("token_ring", True),))},
+}
+# EngineConfig fields every engine built here takes: the active variant's
 ENGINE_FIELDS: dict = {}
-
-
-def engine_setters(field: str, variants: dict):
-    """Setters of an EngineConfig field for the engines built here (ENGINE_FIELDS); restore puts back what was set."""
-    held = dict(ENGINE_FIELDS)
-
-    def restore() -> None:
-        ENGINE_FIELDS.clear()
-        ENGINE_FIELDS.update(held)
-    return {name: functools.partial(ENGINE_FIELDS.__setitem__, field, v) for name, v in variants.items()}, restore
-
-
-ON_OFF = {"off": False, "on": True}
-KIB, MIB = 2**10, 2**20
-# --ab knobs: name -> (module, attribute, {variant: value}) of a kernel setting, or a function that returns
-# ({variant: apply it}, restore): the pre-norm rule of use_prenorm; `skip` (timing only: wrong tokens)
-AB_KNOBS = {"prenorm": prenorm_setters, "skip": skip_setters, "argmax": argmax_setters, "gather_rows": gather_setters,
-            "split_k": ("kernels.linear", "SPLIT_K", ON_OFF),
-            # a prefill step's GDN layers share one checked batch plan and its workspaces (off: each layer its own)
-            "gdn_step_plan": ("kernels.gdn_prefill", "SHARE_STEP_PLAN", ON_OFF),
-            "gdn_early": ("kernels.gdn_decode", "STATE_BEFORE_WAIT", ON_OFF),
-            # timing only (wrong tokens): the GDN decode without its state write-back and window shifts ("off"), or
-            # with every program's states over one head (one_head: the stores, a sixteenth of the dirty lines)
-            "gdn_store": ("kernels.gdn_decode", "STORE_STATE", {"on": "states", "off": "none", "one_head": "one_head"}),
-            # the CuTe-DSL GDN decode (kernels/gdn_decode_cute.py) where it runs, and its warps a program
-            "gdn_cute": ("kernels.gdn_decode", "CUTE_DECODE", ON_OFF),
-            "gdn_cute_warps": ("kernels.gdn_decode_cute", "WARPS", {"4": 4, "8": 8}),
-            # fp32 state values a GDN decode thread holds: 128 is 4 warps a (128 x 128) head, 64 is 8, 32 is 16
-            "gdn_per_thread": ("kernels.gdn_decode", "STATE_PER_THREAD", {"128": 128, "64": 64, "32": 32}),
-            "tma_gemv": ("kernels.linear", "TMA_GEMV", ON_OFF), "tma_norm": ("kernels.linear", "TMA_NORM", ON_OFF),
-            "tma_chain": ("kernels.linear", "TMA_CHAIN", ON_OFF),
-            "combine_release": ("kernels.paged_decode_attention", "COMBINE_RELEASE",
-                                {"after_wait": "after_wait", "early": "early"}),
-            # the decode split count's cap (128: one tile a split at B1 8k), its key loop's pipeline depth and tile
-            "max_splits": functools.partial(split_setters, "MAX_SPLITS", {"128": 128, "64": 64, "32": 32}),
-            "split_stages": functools.partial(split_setters, "DECODE_STAGES", {"1": 1, "2": 2, "3": 3}),
-            "split_block_n": functools.partial(split_setters, "DECODE_BLOCK_N", {"64": 64, "32": 32}),
-            # the decode step's inputs written by the last step's argmax, no copy before a fed graph
-            "fed_decode": functools.partial(engine_setters, "fed_decode", ON_OFF),
-            # a fed decode's argmax also stores its tokens in pinned host memory: no copy between two graphs
-            "token_ring": functools.partial(engine_setters, "token_ring", ON_OFF),
-            "kv_prefetch": ("kernels.paged_decode_attention", "PREFETCH_FIRST_TILE", ON_OFF),
-            "kv_prefetch_next": ("kernels.paged_decode_attention", "PREFETCH_NEXT_TILE", ON_OFF),
-            "combine_o": ("kernels.paged_decode_attention", "COMBINE_O_EARLY", ON_OFF),
-            "final_norm": ("model.model", "FINAL_NORM_IN_LM_HEAD", ON_OFF),
-            # a padded decode graph zeroing its padding rows' GDN slot first
-            "zero_padding": ("serving.model_runner", "ZERO_PADDING_STATE", ON_OFF),
-            "tma_slot": ("kernels.tma_gemv", "SLOT_ROWS", {"16k": 32, "8k": 16}),
-            "tma_pause": ("kernels.tma_gemv", "BOUNDARY_BYTES", {"80k": 80 * KIB, "96k": 96 * KIB, "off": 0}),
-            "tma_ring": ("kernels.tma_gemv", "RING_BYTES", {"128k": 128 * KIB, "192k": 192 * KIB, "96k": 96 * KIB}),
-            "tma_min": ("kernels.linear", "TMA_MIN_BYTES", {"16m": 16 * MIB, "8m": 8 * MIB, "4m": 4 * MIB})}
 
 
 def ab_knob(name: str) -> str:
@@ -365,40 +217,44 @@ def ab_knob(name: str) -> str:
     return name
 
 
-def _in_turn(*setters: Callable[[], None]) -> None:
-    for apply in setters:
-        apply()
+def combined(first: Variant, second: Variant) -> Variant:
+    """Both variants at once: second's tuning fields that differ from the defaults over first's."""
+    default = KernelTuning()
+    changed = {f.name: getattr(second.tuning, f.name) for f in fields(KernelTuning)
+               if getattr(second.tuning, f.name) != getattr(default, f.name)}
+    return Variant(replace(first.tuning, **changed), first.engine + second.engine)
 
 
-def knob_setters(knob: str) -> tuple[dict, Callable[[], None]]:
-    """({variant name: apply it}, restore the knob's current setting) of one of AB_KNOBS; of 'A+B', every pair of
-    A's and B's variants, named 'a/b'."""
+def knob_variants(knob: str) -> dict[str, Variant]:
+    """{variant name: Variant} of one of AB_KNOBS; of 'A+B', every pair of A's and B's variants, named 'a/b'."""
     if "+" in knob:
-        (first, restore_first), (second, restore_second) = (knob_setters(k) for k in knob.split("+", 1))
-        pairs = {f"{a}/{b}": functools.partial(_in_turn, fa, fb) for a, fa in first.items() for b, fb in second.items()}
-        return pairs, functools.partial(_in_turn, restore_first, restore_second)
-    if callable(AB_KNOBS[knob]):
-        return AB_KNOBS[knob]()
-    module_name, attribute, values = AB_KNOBS[knob]
-    module = importlib.import_module(module_name)
-    flag = functools.partial(setattr, module, attribute)
-    return ({name: functools.partial(flag, value) for name, value in values.items()},
-            functools.partial(flag, getattr(module, attribute)))
+        first, second = (knob_variants(k) for k in knob.split("+", 1))
+        return {f"{a}/{b}": combined(va, vb) for a, va in first.items() for b, vb in second.items()}
+    return dict(AB_KNOBS[knob])
+
+
+@contextmanager
+def running(variant: Variant):
+    """Engines built and stepped inside run under the variant's tuning and EngineConfig fields."""
+    held = dict(ENGINE_FIELDS)
+    ENGINE_FIELDS.update(variant.engine)
+    try:
+        with registry.use(tuning=variant.tuning):
+            yield
+    finally:
+        ENGINE_FIELDS.clear()
+        ENGINE_FIELDS.update(held)
 
 
 def decode_ab(model, args, knob: str, repeats: int = 2) -> list[dict]:
     """The decode step through its CUDA graph under each variant of a knob, alternated; the knob's default after."""
-    variants, restore = knob_setters(knob)
     rows = []
-    try:
-        for r in range(repeats):
-            for name, apply in variants.items():
-                apply()
+    for r in range(repeats):
+        for name, variant in knob_variants(knob).items():
+            with running(variant):
                 engine = decoding_engine(model, args, cuda_graphs=True)
                 rows.append({knob: name, "repeat": r, "graph_ms": time_steps(engine, 150)})
                 engine.close()
-    finally:
-        restore()
     return rows
 
 
@@ -492,9 +348,6 @@ def main(argv=None) -> dict:
                                                                      "cuBLAS projections")
     ap.add_argument("--admission", action="store_true", help="only the host cost of a returning turn's "
                                                               "prefix-cache keys (ctx cached + new tokens)")
-    ap.add_argument("--prenorm", choices=["auto", "fused", "unfused"], default="auto",
-                    help="residual add + RMSNorm inside the following projection's GEMV or as their own launch "
-                         "(auto: kernels.linear.FUSED_NORM_MAX_K)")
     ap.add_argument("--timeline", action="store_true", help="with --decode: one graph replay's kernels by their "
                                                              "increments of the step's critical path")
     ap.add_argument("--ab", type=ab_knob, action="append", default=None, metavar="KNOB[+KNOB]",
@@ -518,8 +371,6 @@ def main(argv=None) -> dict:
         raise SystemExit("--ab and --timeline look at decode steps: give --decode B")
     if args.timeline and (args.ab or device.type != "cuda"):
         raise SystemExit("--timeline reads the GPU's kernel records of one decode step: it needs CUDA, without --ab")
-    if args.prenorm != "auto":
-        use_prenorm(args.prenorm == "fused")
     model, what = load_model(args.model or ("qwen3.5-2b" if device.type == "cuda" else "tiny"), device)
     if args.ab:
         found = {}

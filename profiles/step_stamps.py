@@ -24,7 +24,7 @@ import torch
 from kernels import stamps
 from model import ops
 from profiles.common import environment, print_table, write_result
-from profiles.host_time import AB_KNOBS, decoding_engine, knob_setters, time_steps
+from profiles.host_time import AB_KNOBS, Variant, combined, decoding_engine, knob_variants, running, time_steps
 from serving.demo import load_model
 
 
@@ -130,16 +130,18 @@ def main(argv=None) -> dict:
         return {"compare": rows}
     if not torch.cuda.is_available():
         raise SystemExit("step_stamps reads the GPU's timer inside a CUDA graph: it needs CUDA")
+    chosen = Variant()
     for knob in args.knob:
         name, _, variant = knob.partition("=")
-        variants = knob_setters(name)[0] if name in AB_KNOBS else {}
+        variants = knob_variants(name) if name in AB_KNOBS else {}
         if variant not in variants:
             raise SystemExit(f"--knob {knob}: expected NAME=VARIANT with NAME in AB_KNOBS and one of its variants")
-        variants[variant]()
+        chosen = combined(chosen, variants[variant])
     args.decode = 1
     ops.set_backend("triton")
     model, what = load_model(args.model, torch.device("cuda"))
-    found = run(model, args)
+    with running(chosen):
+        found = run(model, args)
     print(f"{what}: a batch-1 decode step over {args.ctx}, graph {found['graph_ms']:.3f} ms (stamped "
           f"{found['stamped_graph_ms']:.3f}); {found['launches']} stamped launches spanning {found['span_us']:.1f} us "
           f"from the first go to the argmax's end ({found['between_us']:.1f} us a step outside them: the copies and "

@@ -33,7 +33,7 @@ Graphs need the decode ops free of host syncs: the "triton" ops backend (kernels
 kernels/gdn_decode.py, norms, attention_prep) is; the reference ops and MoE routing (its .tolist()) are not, so
 graphs are switched off, with a log line, when the backend or the model is not capturable.
 
-Tensor parallel (serving.tp_worker): on rank 0 `link` sends each step's host inputs (page-table updates, the decode
+Tensor parallel (serving.tp_link): on rank 0 `link` sends each step's host inputs (page-table updates, the decode
 rows, or an eager step's flat lists) to the workers before the step runs; a worker's runner runs the very same
 `write_table`, `decode_values` and `eager_lists` on them, so every rank replays the same graphs (collectives
 inside) on the same inputs. At world size 1 link is None and nothing is sent.
@@ -54,23 +54,9 @@ from serving.token_ring import GreedyTokens, TokenRing
 
 log = logging.getLogger("serving")
 
-# A decode step computes its logits' argmax itself, inside its CUDA graph, right after lm_head (kernels.argmax, with
-# PDL), and a greedy step's sampler launches nothing. Before (session 23, H200): torch's argmax of the 248320-wide row
-# after the graph, ~9 us of the 23-27 us a token spent outside it. Predicted: ~6 us a token, 0.5% of a 2B step, 0.8%
-# of 0.8B's. Measured (H200, session 26, `python -m profiles.host_time --model qwen3.5-0.8b --decode 1 --ab argmax`;
-# graph: here, after: the same kernel launched by the sampler, torch: torch.argmax by the sampler, as before): 0.767 /
-# 0.767 ms, 0.767 / 0.769, 0.775 / 0.774 (host_time.json 'decode_ab_session26'). In the graph the sampler of a
-# greedy step also spends no host time on a Triton launch (37-87 us each on the H200 machine's host).
-GREEDY_IN_GRAPH = True
-# Whether a padded decode step zeroes the padding rows' GDN slot (the dummy slot: conv window, recurrent state) first.
-# The padding rows all decode token 0 at position 0 from it, so they compute the same state, and the gated delta rule
-# keeps a state bounded (decay <= 1, a contraction along each normed key): without the zeroing the dummy state stays
-# finite too. The zeroing is two aten kernels without PDL at the head of every padded graph (2B: 18.6 MiB, 12.4 + 1.9
-# us on the H100, session 36, `profiles.host_time --decode 16 --timeline`). Measured without it (H100, session 36,
-# `python -m profiles.host_time --model qwen3.5-2b --decode 16 --ctx 12288 --ab zero_padding`, alternated): 2.52 /
-# 2.53 ms a step against 2.55 / 2.57 (host_time.json 'b16_knobs_session36_h100'). The warm-up before capture zeroes
-# the slot once either way.
-ZERO_PADDING_STATE = False
+# A decode step computes its logits' argmax inside its CUDA graph (kernels.argmax), so a greedy step's sampler
+# launches nothing. Padded rows decode token 0 from the dummy slot, whose state stays bounded (the delta rule's decay
+# <= 1 along normed keys) without zeroing it; the warm-up before capture zeroes it once.
 # must not be the reference ops in a graph (they check on the host)
 GRAPH_OPS = ("paged_attention", "gated_deltanet", "attention_prep", "gather_rows")
 
@@ -99,7 +85,7 @@ class ModelRunner:
         prefill_graphs: the row-wise stretches of eager steps, captured by capture() (serving.prefill_graphs).
         fed_decode: EngineConfig.fed_decode (world size 1 only); token_ring: EngineConfig.token_ring (fed only)."""
         self.model, self.pools, self.page_size = model, pools, page_size
-        self.link = link  # rank 0's serving.tp_worker.StepBroadcaster under tensor parallelism, else None
+        self.link = link  # rank 0's serving.tp_link.StepBroadcaster under tensor parallelism, else None
         self.cfg = model.config
         self.device = model.lm_head.weight.device
         self.dummy_page, self.dummy_slot = dummy_page, dummy_slot
@@ -128,7 +114,7 @@ class ModelRunner:
             self.rope = R.rope_cos_sin(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.prefill_graphs = prefill_graphs
-        self.fed_decode = fed_decode and model.tp.world_size == 1 and GREEDY_IN_GRAPH  # workers have no link either
+        self.fed_decode = fed_decode and model.tp.world_size == 1  # workers have no link either
         # where a fed decode's argmax also leaves its tokens in host memory (serving.token_ring)
         self.token_ring = TokenRing(self.max_decode, dev) if self.fed_decode and token_ring else None
         self._moved_on: tuple | None = None  # (bs, n, inputs past the first n tokens) the last decode's argmax left
@@ -204,7 +190,7 @@ class ModelRunner:
     def decode_rows(self, rows: list[ScheduledChunk],
                     device_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, GreedyTokens | None]:
         """One token of each row (a decode step, from its CUDA graph when captured): logits (len(rows), vocab)
-        and their argmax (len(rows),) int64 with where it lands on the host (None without GREEDY_IN_GRAPH).
+        and their argmax (len(rows),) int64 with where it lands on the host.
         device_tokens: (len(rows),) the rows' input tokens on the device (a decode launched ahead: the step before
         sampled them and the host has not read them); else the sequences' own tokens."""
         n = len(rows)
@@ -272,10 +258,8 @@ class ModelRunner:
             logits, greedy = graph[1]
         else:
             self.num_eager_decode_steps += 1
-            logits, greedy = self._decode_forward(bs, zero_dummy=ZERO_PADDING_STATE and bs > n)
+            logits, greedy = self._decode_forward(bs, zero_dummy=False)
         self._last_greedy = greedy
-        if greedy is None:
-            return logits[:n], None
         return logits[:n], GreedyTokens(greedy[:n], self.token_ring.land(positions) if self.token_ring else None)
 
     def _record(self, staging: torch.Tensor) -> None:
@@ -292,7 +276,7 @@ class ModelRunner:
 
     def _decode_forward(self, bs: int, zero_dummy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode step of inputs[:, :bs] (what a graph captures): logits (bs, vocab) and their argmax (bs,)
-        int64 (GREEDY_IN_GRAPH; else None: the sampler computes it)."""
+        int64."""
         tokens, positions, slots, slot_mapping, seqused_k = self.inputs[:DECODE_INPUT_ROWS * bs].view(-1, bs)
         if zero_dummy:
             self.pools.conv_states[:, self.dummy_slot].zero_()
@@ -316,7 +300,7 @@ class ModelRunner:
             advance = R.DecodeAdvance(self.inputs[:DECODE_INPUT_ROWS * bs].view(-1, bs), self.table, self.page_size,
                                       self.dummy_slot, self.token_ring.view(bs) if self.token_ring else None)
             return logits, ops.argmax(logits, advance)
-        return logits, ops.argmax(logits) if GREEDY_IN_GRAPH else None
+        return logits, ops.argmax(logits)
 
     def sync_page_tables(self, seqs) -> None:
         """Bring the device page-table rows of these sequences' state slots up to date with seq.pages."""
@@ -374,8 +358,8 @@ class ModelRunner:
         pool = None
         for bs in sorted(self.graph_sizes, reverse=True):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):  # batch 1 is never padded: no zeroing
-                out = self._decode_forward(bs, zero_dummy=ZERO_PADDING_STATE and bs > 1)
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._decode_forward(bs, zero_dummy=False)
             pool = graph.pool()
             self.graphs[bs] = (graph, out)
         torch.cuda.synchronize(self.device)

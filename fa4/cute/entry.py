@@ -1,7 +1,7 @@
 """The cute backend's entry for `fa4.flash_attention`: what it supports, and the call.
 
-Importing this module needs no nvidia-cutlass-dsl (the kernel modules are imported on the first call), so
-`fa4.interface` can always ask `cute_unsupported` why a call cannot run here.
+Importing this module needs no nvidia-cutlass-dsl (the kernel modules are imported on the first call), so the
+router can always ask `key_unsupported` why a call cannot run here.
 """
 import math
 
@@ -13,25 +13,24 @@ from kernels.cute_runtime import dsl_available
 TORCH_DTYPES = {getattr(torch, name): name for name in DTYPES}
 
 
-def cute_unsupported(q, k, v, **index_tensors) -> str | None:
-    """Why the cute backend cannot run this (checked) call, or None when it can.
-    index_tensors: cu_seqlens_q/_k, page_table, seqused_k (None when absent)."""
-    if q.dtype not in TORCH_DTYPES:
-        return f"dtype {q.dtype} is not supported (only {DTYPES}); use backend 'triton'"
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"head_dim {q.shape[-1]} is not one of {HEAD_DIMS}; use backend 'triton'"
-    if index_tensors.get("page_table") is not None:
+def key_unsupported(dtype: torch.dtype, head_dim: int, page_size: int | None, device) -> str | None:
+    """Why the CuTe forward cannot run a call of this dtype, head dim, page size (None: not paged) and device (a
+    kernels.registry.DeviceInfo), or None when it can."""
+    if dtype not in TORCH_DTYPES:
+        return f"dtype {dtype} is not supported (only {DTYPES}); use backend 'triton'"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {HEAD_DIMS}; use backend 'triton'"
+    if page_size is not None:
         try:
-            paged_tile_n(q.shape[-1], k.shape[1])
+            paged_tile_n(head_dim, page_size)
         except ValueError as err:
             return f"{err}; use backend 'triton'"
     if not dsl_available():
         return "nvidia-cutlass-dsl is not installed"
-    if q.device.type != "cuda":
-        return f"tensors are on {q.device}, not CUDA"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if (major, minor) != (9, 0):
-        return f"the cute kernel is written for sm_90a, not sm_{major}{minor}"
+    if device.type != "cuda":
+        return f"tensors are on {device.type}, not CUDA"
+    if not device.sm90:
+        return f"the cute kernel is written for sm_90a, not sm_{device.capability[0]}{device.capability[1]}"
     return None
 
 

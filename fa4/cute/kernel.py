@@ -87,8 +87,8 @@ class FlashAttentionForwardSm90:
             page_table = cute.make_tensor(page_table_ptr, cute.make_layout((batch, table_width),
                                                                            stride=(table_width, 1)))
         # Q, O: ((pack, T), D, H / pack); K: (T_k, D, KV); V: (D, T_k, KV)
-        # the row stride declared a multiple of D, so O's epilogue may store 16 bytes at a time (unknown, it fell
-        # back to 2-byte stores: 64 a thread, 3% of the d128 kernel's stall samples against 0.4% for flash-attn-4)
+        # the row stride declared a multiple of D, so O's epilogue may store 16 bytes at a time (unknown, it falls
+        # back to 2-byte stores, 64 a thread, which showed in the d128 kernel's stalls: profiles/FINDINGS.md)
         q_view = cute.make_layout(((pack, total_q), d, num_heads // pack),
                                   stride=((d, cute.assume(num_heads * d, divby=d)), 1, pack * d))
         mQ = cute.make_tensor(q_ptr, q_view)

@@ -132,11 +132,9 @@ def online_softmax_update(row_max: cute.Tensor, row_sum: cute.Tensor, row_scale:
     the O rows must be multiplied by (`rescale_o`) before the next PV accumulates. Reads no O, so it may run
     while the previous PV matmul is in flight.
     Threshold 0: no vote, the max moves every tile and the caller rescales O every tile (need is a constant True).
-    Else a branch moves the max before the exps. Session 27 (H100, paired ratios over flash-attn-4) also timed the
-    max moved by selects, so that only O's rescale branched: B4 S8k d128 0.989 against the branch's 0.995, causal
-    0.943 against 0.978 (before the late K release, 0.989 with it); d256 equal. Removed. Threshold 0 without the
-    vote and its branch (flash-attn-4's loop, 457 SASS instructions at d128 against 493) ran 0.946 / 0.963 / 0.927
-    / 0.922 of flash-attn-4 on the four rows: skipping O's 64 multiplies a tile is worth its branch here."""
+    Else a branch moves the max before the exps. Moving it by selects instead (only O's rescale branching) timed no
+    faster, and threshold 0 without the vote (flash-attn-4's loop) slower: skipping O's 64 multiplies a tile is worth
+    its branch here (profiles/FINDINGS.md, CuTe forward)."""
     s_mn = acc_mn_view(acc_s)
     num_rows = cute.size(s_mn, mode=[0])
     num_cols = cute.size(s_mn, mode=[1])

@@ -12,9 +12,9 @@ shorter sequence's end are skipped by the kernel).
   of a CTA walk the same list without talking). The linear order (`persistent_order`) runs through sections of
   `pairs_per_section` (head group, sequence) pairs: a section's tiles come with m_block outer (reversed when
   causal: longest first) and the pairs inner, so the CTAs at work at once read the K/V of about one section,
-  which the host sizes to fit L2 (fa4/cute/entry.py). Session 9's order, m_block outermost over all pairs, made
-  the 132 CTAs at work read 132 different heads' K/V (528 MB at B4 S8k H32 d128: DRAM-bound, 394 TFLOP/s
-  against 609 without the persistent loop).
+  which the host sizes to fit L2 (fa4/cute/entry.py). Why sections: with m_block outermost over all pairs, the
+  132 CTAs at work read 132 different heads' K/V (528 MB at B4 S8k H32 d128) and the loop was DRAM-bound
+  (profiles/FINDINGS.md, CuTe forward).
 
 Both walk the same loop: t = first_tile(); while t < num_tiles(): tile_coords(t) -> (m_block, head_group,
 batch); t = next_tile(t).

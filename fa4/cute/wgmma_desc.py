@@ -1,7 +1,7 @@
 """Hopper wgmma shared-memory matrix descriptors built by hand, and an SS wgmma issued with them.
 
 `cute.gemm` lowers a fragment's descriptor at every call, from the shared-memory base, and the DSL's LLVM pipeline
-does not hoist the loop-invariant part out of the attention loop (profiles/FINDINGS.md, session 28). Here the low
+does not hoist the loop-invariant part out of the attention loop (profiles/FINDINGS.md, CuTe forward). Here the low
 word (start address, leading byte offset) of a buffer's descriptor is computed once, the high word is a
 compile-time constant, and a ring stage or a k-block only adds to them.
 

@@ -1,0 +1,25 @@
+"""Kernel tuning as data: the choices the router and the launch plans read, in one frozen dataclass.
+
+The defaults are the measured winners on the H200 and the H100 (profiles/FINDINGS.md gives each field's
+evidence). An A/B builds two KernelTunings and runs each under `kernels.registry.use(tuning=...)` in one process.
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    # One bf16 row of a weight of at least tma_min_bytes runs the TMA-ring GEMV (kernels.tma_gemv): smaller ones
+    # stream faster on the Triton GEMV; 8 MiB takes 0.8B's 10-13 MB in-projections, which 16 MiB left out (0.8B's
+    # step faster, 2B and 9B equal). SwiGLU's down projection only from K tma_gated_min_k: staging [gate | up]
+    # costs more than the ring gains below it (2B's K 6144 lost, 9B's 12288 won).
+    tma_min_bytes: int = 8 * 2**20
+    tma_gated_min_k: int = 8192
+    # The pre-norm projection of up to 4 rows computes its norm inside the GEMV up to this K: every program
+    # recomputes the rows' norm, which pays at 0.8B (K 1024) and costs at 2B and 9B (K 2048, 4096).
+    fused_norm_max_k: int = 1024
+
+    def __post_init__(self):
+        for name in ("tma_min_bytes", "tma_gated_min_k", "fused_norm_max_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
