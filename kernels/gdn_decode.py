@@ -18,12 +18,8 @@ and shifts the q | k windows itself. G = 1 when the grid fills the GPU (B64: fas
 SMs, G = 2 where the group allows, doubling the bytes each SM has in flight. A barrier separates each tile's last
 read from its in-place write, so threads that hold replicated copies of a small tile cannot read bytes already
 overwritten.
-Until session 26, small batches split dv over up to 2 programs an SM (B1: 16 key heads x 8 slices), the last
-slice of a key head normalising the full rows behind an acquire-release ticket. Once the states load before the
-PDL wait, the ticket and the parked o cost more than the spread saves: in the decode step's graph at B1 over 8192
-(H200, session 26, `python -m profiles.host_time --model M --decode 1 --ab gdn_programs`, since removed) one
-program a key head took 0.8B 0.732 / 0.737 ms against 0.766 / 0.772 split in 8, 2B 1.23 / 1.24 against 1.26 /
-1.27, 9B 4.26 / 4.26 against 4.31 / 4.31 (host_time.json 'decode_ab_session26').
+Small batches do not split dv over more programs: once the states load before the PDL wait, a split's ticket and
+parked o cost more than the spread saves (FINDINGS, decode step: GDN decode).
 
 Bound (H200, about 4.2 TB/s): the fp32 state, 64 KiB a head, read and written once. Qwen3.5-9B (Hv 32) moves
 4 MiB a sequence: B64 moves 256 MiB, about 64 us. At B1 only Hk = 16 programs run, each streaming 128 KiB each

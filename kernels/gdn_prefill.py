@@ -40,26 +40,11 @@ at 4.2 TB/s. Tensor work: about 0.2 MFLOP a token and head, 6 MFLOP a token at H
 while fewer than 132) through T / 64 dependent chunks (256 at T16k) of two small products and a 16 KiB store each;
 at ~1 us a chunk, 0.26 ms. Predicted before measuring: about 0.6-0.8 ms, 20-27 Mtok/s, if the kernels each ran near
 their bound.
-Measured on the H200 (profiles.bench_prefill, B1 T16k H32): 6.26 Mtok/s against fla's 14.9 in the same run, 0.42x:
-kernel 1 1114 us, kernel 2 560 us, kernel 3 434 us, 2617 us a call (the rest, 509 us, is the host: cu_seqlens was
-read twice, each a sync that drains the queue, and the chunk table built by a Python loop; now one read and a
-vectorised table; a run with the vectorised table and still two reads had a 315 us gap). Kernel 1 is the limit: 8192
-programs at one CTA an SM (236 registers a thread at 8 warps, 64 KB of shared memory), ~18 us each; register caps of
-168 and 128 changed nothing (1149, 1117 us). The first version (o inside the sequential kernel, fp32 workspaces,
-tf32x3 state products, a row-by-row solve) ran 1.94 Mtok/s, 0.13x.
-The measurement above is of the former solve (A's 16 x 16 blocks extracted by reshape / permute / split / join, a
-substitution on a (2, 2, 16, 16) tensor with one vector transpose a step, 16 block products). Its sm_90a PTX
-(compiled on the CPU; straight-line code, so static counts are executed counts) has 103 bar.sync and 33 layout
-conversions a program, 83 of them in the solve (block extraction 32, substitution 31, block products 20). The
-scratch-based solve has 32 bar.sync and 166 registers a thread (from 236), no spills, the same 64 KB of shared
-memory. Predicted ~2x on kernel 1 if its ~18 us a program were barrier latency; measured 1031 us (from 1114), so it
-was not. Now (B1 T16k H32, cu_seqlens_host given, WY capped at 128 registers): 8.65 Mtok/s against fla's 13.8,
-0.63x; WY 902 us, state 557, output 435, and the call equals their sum (reading cu_seqlens on the host instead:
-2211 us). ncu of the WY pass: issue slots 18.7%, tensor pipe 1%, stalls mio_throttle 6.4, long_scoreboard 4.6,
-short_scoreboard 3.7, barrier 2.0 (cycles an issued instruction): shared-memory traffic and the scratch round
-trips, not math. Next: a kkt kernel, a register-resident 16 x 16 block solve, and a plain w/u product kernel.
-A Neumann / doubling product on the diagonal blocks was rejected: 3.1e-4 on correlated keys
-(N^8 reaches 1.6e3 and cancels).
+Where it stands (H200, B1 T16k H32): about 0.6x fla's chunked prefill with the WY pass capped at 128 registers,
+the call the sum of its passes when cu_seqlens_host is given. The WY pass is the limit; ncu puts its time in
+shared-memory traffic and the scratch round trips, not math (the history of the solve: FINDINGS). Next: a kkt
+kernel, a register-resident 16 x 16 block solve, and a plain w/u product kernel. A Neumann / doubling product on the
+diagonal blocks was rejected: 3.1e-4 on correlated keys (N^8 reaches 1.6e3 and cancels).
 
 Not CUDA-graph capturable: the chunk table is built on the host from cu_seqlens (prefill only). state_slots must be
 distinct and in range (not checked: that would read them on the host).
@@ -90,12 +75,11 @@ STATE_STAGES = 2  # software-pipelining stages of kernel 2's chunk loop (its loa
 # whole iteration. Kernel 3 at 4 warps and BV 128 (240 registers, no spills) fits two CTAs an SM.
 # Kernel 1's register cap by io dtype (sm_90a, 8 warps). fp32 io: without a cap ptxas picks 32 registers and spills
 # 22 KB a thread; at 255 it spills 3 KB. 16-bit io: 166 registers uncapped (one CTA an SM); capped at 128 (two CTAs
-# an SM, 76 bytes spilled) the pass ran 13% faster on the H200 (B1 T16k H32: 901 against 1031 us; B8 T4k: 1796
-# against 2092; profiles.bench_prefill times the uncapped pass beside it as wy_maxnreg255_us).
+# an SM, 76 bytes spilled) the pass runs faster (FINDINGS; profiles.bench_prefill times the uncapped pass beside it
+# as wy_maxnreg255_us).
 WY_MAXNREG = {torch.float32: 255, torch.bfloat16: 128, torch.float16: 128}
-# Autotuning kernels 2 and 3 over (BV, warps, stages) ran B1 T16k H32 at 7.67 Mtok/s instead of 6.26 (state pass
-# 560 -> 402 us, output 434 -> 309 us) but hit an illegal memory access on the H200 in the varlen GPU tests and
-# under ncu, not reproduced under the interpreter with any single config: fixed configs until that is found.
+# Fixed configs for kernels 2 and 3: autotuning them over (BV, warps, stages) was faster but hit an illegal memory
+# access on the H200 (varlen GPU tests, ncu) that no single config reproduces under the interpreter (FINDINGS).
 
 
 @triton.jit

@@ -4,20 +4,16 @@ At decode the projections are weight-streaming GEMVs: a 2B step reads ~3.7 GB of
 program owns BLOCK_N output columns (BLOCK_N rows of the weight) for every row of x and walks K in BLOCK_K steps,
 holding one weight tile in flight while it multiplies the previous one (fp32 accumulation, output in x's dtype).
 With PDL (kernels.pdl) the first weight tile is loaded before waiting for the kernel that produced x, so a GEMV's
-DRAM ramp overlaps its predecessor's tail inside the decode graph. More before the wait lost (H200, session 15, one
-process, graph step at batch 1, 0.8B / 2B / 9B): two tiles in registers 0.954 / 1.63 / 5.31 ms against 0.91 / 1.48 /
-4.73; all of a program's weight rows queued into L2 (prefetch.global.L2) 0.936 / 1.72 / 5.92 against 0.91 / 1.48 /
-4.67, and 2.51 against 2.19 ms for 2B at 16 rows (profiles/results/host_time.json 'gemv_prefetch_session15').
-One bf16 row of a wide weight goes to the TMA-ring GEMV in CuTe-DSL instead (kernels/tma_gemv.py, see TMA_GEMV):
-its shared-memory ring keeps several times the bytes in flight that this kernel's registers hold.
+DRAM ramp overlaps its predecessor's tail inside the decode graph; loading more before the wait lost (FINDINGS,
+decode step: GEMV). One bf16 row of a wide weight goes to the TMA-ring GEMV in CuTe-DSL instead
+(kernels/tma_gemv.py): its shared-memory ring keeps several times the bytes in flight that registers hold.
 
 Decode batches of MAX_ROWS + 1 to DOT_MAX_ROWS rows (CUDA-graph capture, where rows are not padded) run a skinny
-GEMM on the tensor cores instead (`_rows_dot_kernel`: 16-row products, weight tiles through a shared-memory ring):
-at 16 rows cuBLAS streams a 2B step's projections at 2.7 TB/s and its 2048 x 2048 ones at 1.7 (H200, session 11,
-profiles.host_time --decode 16). More rows (prefill) go to torch's matmul (cuBLAS), which is then the faster
-path, on rows padded to a bucket outside CUDA-graph capture (kernels.row_buckets: a row count cuBLAS has seen
-costs a tenth of the host time). No host syncs and, for the GEMV, no allocation when `out=` is given: CUDA-graph
-capturable.
+GEMM on the tensor cores (`_rows_dot_kernel`: 16-row products, weight tiles through a shared-memory ring), where
+cuBLAS streams a 2B step's narrow projections well under the read ceiling. More rows (prefill) go to torch's
+matmul (cuBLAS), on rows padded to a bucket outside CUDA-graph capture (kernels.row_buckets: a row count cuBLAS
+has seen costs a tenth of the host time). Which of these runs a call is the router's choice (the entries at the
+bottom). No host syncs and, for the GEMV, no allocation when `out=` is given: CUDA-graph capturable.
 """
 import functools
 import math
@@ -114,7 +110,7 @@ def _rows_dot_kernel(x_ptr, w_ptr, out_ptr, part_ptr, ticket_ptr, M, N, K, x_str
     # rows on the tensor cores: acc (BLOCK_N, ROWS) += w tile (BLOCK_N, BLOCK_K) @ x tile^T (BLOCK_K, ROWS), both
     # tiles streamed through a STAGES-deep shared-memory ring; program (i, s) takes the s-th of SPLIT runs of K
     # (kernels.split_k: the last of a block's SPLIT programs to finish sums their partials and stores). Weight tiles
-    # by TMA (a host tensor descriptor) lost at the default plans: H100 2B 16-row step 2.55 ms against 2.51, session 37
+    # by TMA (a host tensor descriptor) lost at the default plans (FINDINGS, serving: the 16-row step)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                  # (BLOCK_N,)
     kk = tl.arange(0, BLOCK_K)                                               # (BLOCK_K,)
     rows = tl.arange(0, ROWS)                                                # (ROWS,)
@@ -170,7 +166,7 @@ def launch_plan(m: int, n: int, k: int) -> tuple[int, int, int]:
 
 # (N, K) -> (BLOCK_N, BLOCK_K, STAGES, num_warps, SPLIT) of the skinny GEMM at 16 rows: the fastest plan of
 # `python -m profiles.bench_decode --sweep-linear MODEL --rows 16` on the H200; other shapes take the rule in dot_plan.
-SWEPT_DOT_PLANS = {  # 2B (hidden 2048), sessions 11 and 15 (profiles/results/decode_linear_sweep_rows16*.json)
+SWEPT_DOT_PLANS = {  # 2B (hidden 2048; profiles/results/decode_linear_sweep_rows16*.json)
     (8224, 2048): (64, 128, 6, 4, 1), (2048, 2048): (16, 256, 4, 1, 1), (5120, 2048): (32, 128, 6, 1, 1),
     (12288, 2048): (32, 128, 4, 1, 1), (2048, 6144): (16, 128, 4, 1, 4), (248320, 2048): (64, 128, 3, 4, 1),
 }
@@ -180,8 +176,8 @@ SWEPT_DOT_PLANS = {  # 2B (hidden 2048), sessions 11 and 15 (profiles/results/de
 def dot_plan(n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, STAGES, num_warps, SPLIT) of the skinny GEMM: the swept plan of (n, k), else narrow
     column blocks where N is small (a program per 16 columns keeps 128 of them streaming a 2048-wide output), and
-    K split where such a narrow output has a long K (2B's down projection, 2048 x 6144: 9.3 us split in 4 against
-    14.0 unsplit, H200, session 15), into enough programs for ~512 in all."""
+    K split where such a narrow output has a long K (2B's down projection, 2048 x 6144, runs a third faster split in
+    4), into enough programs for ~512 in all."""
     if (n, k) in SWEPT_DOT_PLANS:
         return SWEPT_DOT_PLANS[n, k]
     block_n = 16 if n <= 4096 else 32 if n <= 16384 else 64
@@ -477,7 +473,7 @@ def run_tma_chain(o, residual, out_weight, norm_weight, eps, gate_up_weight, dow
     s = torch.empty_like(residual)
     out = torch.empty_like(residual)
     tma_gemv.tma_gemv_chain(o, weights, _chain_inputs(*weights), out, norm_weight=norm_weight, eps=eps,
-                            residual=residual, s_out=s)
+                            residual=residual, s_out=s, boundary_bytes=registry.tuning().chain_pause_bytes)
     return out, s
 
 

@@ -628,6 +628,13 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         return torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
     if check_metadata and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_metadata(q, k_pages, page_table, seqused_k, cu_seqlens_q, q_len)
+    return _launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batch, q_len, gate, num_splits,
+                   max_seqlen_k, out, workspace, block_m, rescale_threshold, split_decode_rows)
+
+
+def _launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batch, q_len, gate, num_splits,
+            max_seqlen_k, out, workspace, block_m, rescale_threshold, split_decode_rows):
+    """paged_decode_attention on checked arguments (or the engine's own, which it built): the plan and the launches."""
     _, page_size, kv_heads, head_dim = k_pages.shape
     num_heads = q.shape[-2]
     group = num_heads // kv_heads
@@ -637,7 +644,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         num_splits = choose_num_splits(batch, kv_heads, max_seqlen_k or capacity, _num_sms(q.device),
                                        m_blocks=tile.m_blocks, programs_per_sm=tile.programs_per_sm,
                                        block_n=tile.block_n)
-    if not is_int(num_splits) or not 1 <= num_splits <= 256:
+    elif not is_int(num_splits) or not 1 <= num_splits <= 256:
         raise ValueError(f"num_splits must be an int in 1..256, got {num_splits!r}")
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
     q3, out3 = q.flatten(0, -3), out.view(-1, num_heads, head_dim)  # (N, H, D)
@@ -808,10 +815,9 @@ def split_kv_pays(batch: int, max_q_len: int, group: int, kv_heads: int, head_di
 
 def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
     """model.ops' paged_attention on this kernel (the router sends it decode steps, mixed steps and agent turns):
-    the step's host bound max_seqlen_k, its metadata built by the engine and not checked again."""
-    return paged_decode_attention(q, k_pages, v_pages, step.page_table, step.seqused_k, softmax_scale=scale,
-                                  cu_seqlens_q=step.cu_seqlens, max_seqlen_q=step.max_seqlen_q, gate=gate,
-                                  max_seqlen_k=step.max_seqlen_k, check_metadata=False)
+    the step's host bound max_seqlen_k; the engine built the step, so nothing is checked again."""
+    return _launch(q, k_pages, v_pages, step.page_table, step.seqused_k, scale, step.cu_seqlens, step.num_seqs,
+                   step.max_seqlen_q, gate, None, step.max_seqlen_k, None, None, None, RESCALE_THRESHOLD, True)
 
 
 # ---- the router's entry (kernels.registry): this kernel for decode, mixed steps and agent turns -----------------

@@ -10,20 +10,19 @@ Before its wait a kernel may also pull what it will read into L2 (`prefetch_l2`)
 prefetches its first key tile, whose cached keys no kernel of the step writes.
 
 `enabled(device)` says whether to launch with PDL: a CUDA device of compute capability 9.0 or newer, not the CPU
-interpreter, and not switched off by QWEN_PDL=0 (ALLOWED: the environment is read once, at import). Kernels take
+interpreter, and not switched off by the active kernels.tuning.KernelTuning (pdl=False; QWEN_PDL=0 sets that
+at import). Kernels take
 it as the constexpr PDL; without it both helpers compile to nothing.
 """
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels import registry
 from kernels.interpreter_compat import INTERPRET
-
-ALLOWED = os.environ.get("QWEN_PDL") != "0"  # QWEN_PDL=0: no PDL in this process (the no-PDL rows of a benchmark)
 
 
 @functools.cache
@@ -33,7 +32,7 @@ def capable(index: int) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    if device.type != "cuda" or INTERPRET or not ALLOWED:
+    if device.type != "cuda" or INTERPRET or not registry.tuning().pdl:
         return False
     return capable(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -93,7 +93,7 @@ class Op:
 _OPS: dict[str, Op] = {}
 _choices: dict[tuple, Impl] = {}  # (backend, tuning, op, key) -> Impl
 _active = "reference"
-_tuning = KernelTuning()
+_tuning = KernelTuning(pdl=os.environ.get("QWEN_PDL") != "0")  # the environment, read once
 
 
 def define(op: str, key: Callable[..., tuple] | None = None) -> None:

@@ -17,9 +17,14 @@ class KernelTuning:
     # The pre-norm projection of up to 4 rows computes its norm inside the GEMV up to this K: every program
     # recomputes the rows' norm, which pays at 0.8B (K 1024) and costs at 2B and 9B (K 2048, 4096).
     fused_norm_max_k: int = 1024
+    # The chained TMA GEMV's producer pauses before each grid sync once it has this many bytes in flight past it
+    # (kernels.tma_gemv.BOUNDARY_BYTES): faster at 2B and 0.8B on both cards; 9B's chain alone preferred none.
+    chain_pause_bytes: int = 80 * 2**10
+    # programmatic dependent launch on sm_90 (kernels.pdl); off only for the no-PDL rows of a benchmark
+    pdl: bool = True
 
     def __post_init__(self):
-        for name in ("tma_min_bytes", "tma_gated_min_k", "fused_norm_max_k"):
+        for name in ("tma_min_bytes", "tma_gated_min_k", "fused_norm_max_k", "chain_pause_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")

@@ -218,22 +218,22 @@ def bench_linear_case(model: str, rows: int) -> list[dict]:
     """Each projection of a decode step, ours (kernels.linear, PDL on and off) against torch's matmul (cuBLAS),
     timed in CUDA graphs; the chain row runs a step's projections back to back, where PDL can overlap neighbours
     (each kernel still waits for the one before it)."""
-    import os
-
+    from kernels import registry
     from kernels.linear import linear
+    from kernels.tuning import KernelTuning
     shapes = LINEAR_SHAPES[model]
     calls = [(torch.randn(rows, k, device="cuda", dtype=BF16), torch.randn(n, k, device="cuda", dtype=BF16) / k ** 0.5,
               torch.empty(rows, n, device="cuda", dtype=BF16)) for n, k in shapes]
-    impls = {"ours": (linear, "1"), "ours_no_pdl": (linear, "0"),
-             "cublas": (lambda x, w, out: torch.matmul(x, w.t(), out=out), "0")}
+    with_pdl, without = KernelTuning(), KernelTuning(pdl=False)
+    impls = {"ours": (linear, with_pdl), "ours_no_pdl": (linear, without),
+             "cublas": (lambda x, w, out: torch.matmul(x, w.t(), out=out), without)}
     cases = [((n, k), [c]) for (n, k), c in zip(shapes, calls)] + [(("chain", "-"), calls)]
     found = []
     for (n, k), group in cases:
         row = {"model": model, "rows": rows, "N": n, "K": k}
-        for label, (fn, pdl) in impls.items():
-            os.environ["QWEN_PDL"] = pdl
-            row[f"{label}_us"] = bench_us(lambda f=fn, g=group: [f(x, w, out=o) for x, w, o in g], graph=True)
-        os.environ.pop("QWEN_PDL")
+        for label, (fn, tuning) in impls.items():
+            with registry.use(tuning=tuning):
+                row[f"{label}_us"] = bench_us(lambda f=fn, g=group: [f(x, w, out=o) for x, w, o in g], graph=True)
         nbytes = sum(w.numel() * 2 for _, w, _ in group)
         row.update(ours_TBps=nbytes / row["ours_us"] / 1e6, cublas_TBps=nbytes / row["cublas_us"] / 1e6,
                    speedup_vs_cublas=row["cublas_us"] / row["ours_us"])

@@ -200,6 +200,9 @@ AB_KNOBS = {
     # the smallest weight one bf16 row streams through the TMA-ring GEMV
     "tma_min": {"16m": Variant(KernelTuning(tma_min_bytes=16 * MIB)), "8m": Variant(),
                 "4m": Variant(KernelTuning(tma_min_bytes=4 * MIB))},
+    # the chained TMA GEMV's producer pause before each grid sync
+    "tma_pause": {"80k": Variant(), "96k": Variant(KernelTuning(chain_pause_bytes=96 * 2**10)),
+                  "off": Variant(KernelTuning(chain_pause_bytes=0))},
     # the decode step's inputs written by the last step's argmax, no copy before a fed graph
     "fed_decode": {"off": Variant(engine=(("fed_decode", False),)), "on": Variant(engine=(("fed_decode", True),))},
     # a fed decode's argmax also stores its tokens in pinned host memory: no copy between two graphs

@@ -22,19 +22,15 @@ class EngineConfig:
     interleave_slices: a step that mixes decodes with prefill chunks launches the prefill in this many slices of
     layers and runs a decode-only step of the running sequences after each slice but the last, so decoders get
     a token per slice instead of per (host-bound) prefill step; 0 or 1: off. Not under tensor parallelism.
-    8192 tokens a step was the fastest budget on the H200 (2B, short trace, 16 users: 149 tok/s a user at 2048 / 0
-    slices, 166 at 2048 / 4, 173 at 8192 / 0, 192 at 8192 / 4; session 9). Since a decode step's tokens are read
-    only after the next slice is launched (serving.engine), the GPU runs that decode step while the host launches
-    the slice, and more slices pay: 8 slices against 4, alternated in one process, 289 / 256 tok/s against
-    275 / 234 (run-to-run spread about 20 tok/s); 12 slices 305 and 299, 8 slices 273 in the latter's process
-    (session 12). The price is the returning turn's TTFT under load: p50 ~38 ms at 12 slices, ~30 at 8, ~21 at 4.
+    8192 tokens a step and 12 slices were the fastest at 16 users (FINDINGS, serving): a decode step's tokens are
+    read only after the next slice is launched (serving.engine), so the GPU runs that decode step while the host
+    launches the slice. The price is the returning turn's TTFT under load (p50 ~38 ms at 12 slices, ~21 at 4).
     interleave_slice_tokens: with it, a mixed step whose prefill chunks hold T tokens takes max(interleave_slices,
     ceil(T / interleave_slice_tokens)) slices (at most one a layer), so that a cold 4-8k-token prefill stalls the
     decoders about as long a slice as a returning turn's does; 0: always interleave_slices. Why: at 16 users the
     slowest user's decode rate is set by its first turn, decoded while the other users' 4096-token first turns
-    prefill in 12 slices of ~8 ms each (H200, session 35: the slowest user's first-turn TPOT 5.2 ms against ~3.2
-    in its later turns, `serving.json` '...|c16|...|h200_session35'). Off until timed (`serving.bench --concurrency
-    16 --sweep interleave_slice_tokens=0,256`).
+    prefill in 12 slices of ~8 ms each. Off until timed (`profiles.bench_serving
+    --concurrency 16 --sweep interleave_slice_tokens=0,256`).
     decode_ahead: after a step in which every running sequence sampled (decodes, prompt tails), launch the next
     decode step before reading this one's tokens (its input tokens copied on the device from the samples), so
     the host's bookkeeping
@@ -45,12 +41,10 @@ class EngineConfig:
     fed_decode: a decode step's greedy argmax (inside its graph) also writes the next step's inputs (token, position,
     KV slot through the page table, cached tokens: reference.advance_decode_inputs), and a decode launched ahead
     whose rows moved on exactly so, every row greedy, replays its graph with no copy before it (serving.model_runner).
-    Pages are then allocated a token ahead. Measured (H100, session 31, `python -m profiles.host_time --decode 1 --ab
-    fed_decode`, alternated): 0.8B at 12,288 0.839 / 0.840 ms against 0.846 / 0.849, 2B at 8192 1.54 / 1.54 against
-    1.55 / 1.54; stamped (2B): 1.536 ms against 1.541, the argmax 0.8 us longer. On by default; serving.bench
+    Pages are then allocated a token ahead. Faster at 0.8B, equal at 2B (FINDINGS, decode step). On by default; profiles.bench_serving
     --sweep fed_decode=0,1 compares.
     token_ring: a fed decode's argmax also stores its tokens in pinned host memory (serving.token_ring), so that
-    no copy to the host sits between two decode graphs. On by default; serving.bench --sweep token_ring=0,1.
+    no copy to the host sits between two decode graphs. On by default; profiles.bench_serving --sweep token_ring=0,1.
     prefill_graph_tokens: eager steps of GEMV_MAX_ROWS + 1 up to this many tokens replay CUDA graphs of their
     row-wise stretches (serving.prefill_graphs), captured at every multiple of 64 rows up to it, when decode graphs
     are on and the model allows (not MoE, not tensor parallel); 0: off."""

@@ -1,6 +1,6 @@
 """The input checks every kernel entry shares (reference/_checks.py), at the entries a review found unguarded.
 
-Each case once ran to a silent wrong answer, memory corruption or a crash deep inside (session 24's review): index
+Each case once ran to a silent wrong answer, memory corruption or a crash deep inside (found in review): index
 tensors read at ptr + i but given strided; outputs (and the residual a norm writes) whose elements share memory;
 non-finite or non-numeric eps and scales; batches of no sequence; zero heads or page sizes; benchmark plans the
 kernels cannot tile. Now each gets a ValueError that names the argument, or, for an empty batch, an empty result.

@@ -133,11 +133,9 @@ def default_tile_n(head_dim: int) -> int:
 
 
 def default_pingpong(head_dim: int, dense: bool) -> bool:
-    """Ping-pong of the consumer warpgroups, except for dense (not varlen, not paged) d128. H200, session 26, medians
-    of the paired ratios over flash-attn-4 in the same iterations (`python -m profiles.bench_prefill --only cute
-    --cute-variants default,no_pingpong --iters 40`, before this rule): B4 S8k d128 0.950 with it against 0.975
-    without, causal 0.967 against 0.978; B1 S16k and S32k d256 causal 1.002 against 1.001 and 1.002 against 1.000.
-    Varlen and paged d128 keep it until their GPU tests have run without it (the dense ones passed)."""
+    """Ping-pong of the consumer warpgroups, except for dense (not varlen, not paged) d128, where it lost to
+    flash-attn-4 by more than without it; varlen and paged d128 keep it until their GPU tests run without it
+    (FINDINGS, CuTe forward: ping-pong)."""
     return head_dim > 128 or not dense
 
 
@@ -157,18 +155,14 @@ def paged_tile_n(head_dim: int, page_size: int) -> int:
 
 
 def default_hoisted_qk_desc(head_dim: int, causal: bool, dense: bool) -> bool:
-    """Our own QK^T descriptors (AttentionConfig.hoisted_qk_desc) where they were timed faster: dense d128 causal
-    (H200, session 32, paired ratio to flash-attn-4 1.030 against 0.989); d128 non-causal 0.987 against 0.995 and
-    d256 causal 0.992-0.993 against 1.002 lose (profiles/results/prefill.json 'cute_hoisted_desc_session32')."""
+    """Our own QK^T descriptors (AttentionConfig.hoisted_qk_desc) where they were timed faster: dense d128 causal;
+    d128 non-causal and d256 causal lose (FINDINGS, CuTe forward: hoisted descriptors)."""
     return head_dim == 128 and causal and dense
 
 
 def default_persistent(head_dim: int, causal: bool, dense: bool) -> bool:
-    """The persistent scheduler (AttentionConfig.persistent) where it was timed faster: dense d128 non-causal. H100,
-    session 36, paired ratios to flash-attn-4 in the same iterations (`python -m profiles.bench_prefill --only cute
-    --cute-variants default,persistent --iters 40`, before this rule): B4 S8k H32 d128 1.008 (p10-p90 1.005-1.016)
-    against 0.995 (0.989-1.005) with a CTA a tile; causal 1.012 against 1.030, d256 causal 0.875 / 0.918 against
-    1.004 / 1.002 lose (profiles/results/prefill.json 'cute_persistent_session36_h100')."""
+    """The persistent scheduler (AttentionConfig.persistent) where it was timed faster: dense d128 non-causal;
+    causal d128 and d256 lose to a CTA a tile (FINDINGS, CuTe forward: persistent scheduler)."""
     return head_dim == 128 and not causal and dense
 
 
