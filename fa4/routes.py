@@ -104,8 +104,11 @@ def _attention_split_kv(key, tuning):
     reason = _attention_triton(key, tuning)
     if reason is not None:
         return reason
-    chosen = registry.choose("paged_attention", key.paged(), "triton", tuning)
-    if chosen.name != "split_kv":
+    split = next(i for i in registry.impls("paged_attention", "triton") if i.name == "split_kv")
+    reason = split.supports(key.paged(), tuning)
+    if reason is not None:
+        return reason
+    if registry.choose("paged_attention", key.paged(), "triton", tuning) is not split:
         return f"max q_len {key.q_len} fills the GPU without KV splits (the forward is faster there)"
     return None
 

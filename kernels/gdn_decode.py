@@ -324,6 +324,12 @@ def _gdn_decode(key, tuning):
 
 
 registry.define("gated_deltanet")
+def _checked_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step, num_k_heads,
+                eps):
+    return gdn_decode_step(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
+                           step.state_slots, num_k_heads, eps)
+
+
 registry.register("gated_deltanet", Impl("gdn_decode_cute", "triton", gdn_decode_cute.gated_deltanet_op,
-                                         _gdn_decode_cute, 0.0))
-registry.register("gated_deltanet", Impl("gdn_decode", "triton", gated_deltanet_op, _gdn_decode, 1.0))
+                                         _gdn_decode_cute, 0.0, _checked_op))
+registry.register("gated_deltanet", Impl("gdn_decode", "triton", gated_deltanet_op, _gdn_decode, 1.0, _checked_op))

@@ -545,6 +545,10 @@ def _tma_chain(key, tuning):
     return None
 
 
+def _checked_linear(x, weight, out=None, gated: bool = False):
+    return linear(x, weight, out, gated=gated)
+
+
 def _register() -> None:
     registry.define("linear", linear_key)
     registry.define("add_rms_norm_linear", norm_linear_key)
@@ -555,14 +559,15 @@ def _register() -> None:
             ("gemv", run_gemv, all_of(_gemv_rows, triton_unsupported), 1.0),
             ("skinny_gemm", run_skinny_gemm, all_of(_skinny_rows, triton_unsupported), 1.0),
             ("cublas", run_cublas, _cublas_rows, 2.0)):
-        registry.register("linear", Impl(name, triton, run, supports, cost))
+        registry.register("linear", Impl(name, triton, run, supports, cost, checked=_checked_linear))
     for name, run, supports, cost in (
             ("tma_norm_gemv", run_tma_norm_gemv, _tma_norm, 0.0),
             ("norm_gemv", run_norm_gemv, all_of(_norm_gemv, triton_unsupported), 1.0),
             ("norm_then_linear", run_norm_then_linear, triton_unsupported, 2.0)):
-        registry.register("add_rms_norm_linear", Impl(name, triton, run, supports, cost))
-    registry.register("out_proj_mlp", Impl("tma_chain", triton, run_tma_chain, _tma_chain, 0.0))
-    registry.register("out_proj_mlp", Impl("by_ops", triton, out_proj_mlp_by_ops, triton_unsupported, 1.0))
+        registry.register("add_rms_norm_linear", Impl(name, triton, run, supports, cost, checked=add_rms_norm_linear))
+    registry.register("out_proj_mlp", Impl("tma_chain", triton, run_tma_chain, _tma_chain, 0.0, out_proj_mlp))
+    registry.register("out_proj_mlp", Impl("by_ops", triton, out_proj_mlp_by_ops, triton_unsupported, 1.0,
+                                           out_proj_mlp))
 
 
 _register()

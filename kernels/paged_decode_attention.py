@@ -842,4 +842,12 @@ def _split_kv_cost(key, tuning) -> float:
 
 
 registry.define("paged_attention", paged_key)
-registry.register("paged_attention", Impl("split_kv", "triton", paged_attention_op, _split_kv, _split_kv_cost))
+def _checked_op(q, k_pages, v_pages, step, scale, gate):
+    # the op through the public checks, the step's metadata read on the host
+    return paged_decode_attention(q, k_pages, v_pages, step.page_table, step.seqused_k, softmax_scale=scale,
+                                  cu_seqlens_q=step.cu_seqlens, max_seqlen_q=step.max_seqlen_q, gate=gate,
+                                  max_seqlen_k=step.max_seqlen_k)
+
+
+registry.register("paged_attention", Impl("split_kv", "triton", paged_attention_op, _split_kv, _split_kv_cost,
+                                          _checked_op))

@@ -23,6 +23,9 @@ from kernels.tuning import KernelTuning
 
 BACKENDS = ("reference", "triton")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once: Triton reads it at import too
+# QWEN_CHECK_OPS=1 (read once; a test may set it): the op path runs each implementation's checked entry, which
+# validates the arguments the engine built as the public kernel functions validate a user's
+CHECK_OPS = os.environ.get("QWEN_CHECK_OPS") == "1"
 _CACHE_LIMIT = 4096  # distinct keys kept per backend; long prefills over growing contexts make new keys
 
 
@@ -72,12 +75,15 @@ def all_of(*predicates):
 
 @dataclass(frozen=True)
 class Impl:
-    """One implementation of an op. run takes the op's arguments; supports and cost take its key and the tuning."""
+    """One implementation of an op. run takes the op's arguments and launches without checking them (the engine
+    built them); checked, where given, is the same call through the public kernel's argument checks (CHECK_OPS).
+    supports and cost take its key and the tuning."""
     name: str
     backend: str
     run: Callable
     supports: Callable[[tuple, KernelTuning], str | None] = _always
     cost: Callable[[tuple, KernelTuning], float] | float = 0.0
+    checked: Callable | None = None
 
     def cost_of(self, key, tuning: KernelTuning) -> float:
         return self.cost(key, tuning) if callable(self.cost) else self.cost
@@ -165,7 +171,8 @@ def named(op: str, name: str, key) -> Impl:
 def run(op: str, *args):
     """Run op on the implementation chosen for its arguments' key."""
     entry = _OPS[op]
-    return choose(op, entry.key(*args) if entry.key is not None else ()).run(*args)
+    impl = choose(op, entry.key(*args) if entry.key is not None else ())
+    return (impl.checked or impl.run)(*args) if CHECK_OPS else impl.run(*args)
 
 
 def set_backend(name: str) -> None:

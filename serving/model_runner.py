@@ -20,8 +20,8 @@ Two paths.
   share_prefix replace it), which forces a full rewrite; pages appended in place are copied as a tail.
   Batch sizes come from a ladder (EngineConfig.graph_batch_sizes); a batch of B is padded to the next captured
   size with rows that point at a dummy KV page and a dummy GDN slot, which the block manager and the scheduler
-  never hand out, so padding never touches real state (graphs of batch > 1 zero the dummy slot's state first,
-  so padding stays finite; batch 1 is never padded). Because the page table always has width W, the paged
+  never hand out, so padding never touches real state (the dummy slot's state is zeroed once, before capture,
+  and stays finite; batch 1 is never padded). Because the page table always has width W, the paged
   decode kernel's split count (chosen from W * page_size) is fixed per captured shape, and eager decode steps use
   the very same inputs: with and without graphs a batch-1 decode runs the same kernels on the same shapes.
 - Mixed steps with graphs: the decode rows replay their graph and the other chunks run eagerly; rows come back

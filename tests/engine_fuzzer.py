@@ -2,7 +2,7 @@
 
 Run:  PYTHONPATH=. python tests/engine_fuzzer.py [--examples N] [--seed S]   (FUZZ_MODEL=mixed: full attention at layers
 1 and 3, so that a wrong KV page also reaches later GDN layers). tests/test_serving_engine_fuzz.py is its short CI form;
-session 24 ran it for thousands of examples (profiles/results/robustness.json).
+its long runs (thousands of examples) reach what the short form does not (profiles/FINDINGS.md, serving).
 A scenario is a plain dict (cfg + list of ops), so a failure prints a repro:  run_scenario(SCENARIO).
 """
 import argparse

@@ -11,7 +11,7 @@ from triton.compiler.compiler import ASTSource
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 # What a 2B decode layer's out-proj chain CTA (kernels.tma_gemv) holds of an SM, at most: registers (52 a thread by
-# ptxas in session 31, allocated in 8s, 288 threads) and shared memory (the 128 KB ring, x's 12 KB and 1 KB for its
+# sm_90a ptxas, allocated in 8s, 288 threads) and shared memory (the 128 KB ring, x's 12 KB and 1 KB for its
 # barriers: tma_gemv's own bound). test_chain_compiles_for_sm90 checks that it still fits them;
 # test_split_kernel_keeps_two_programs_an_sm whether the decode split's programs leave room for it.
 CHAIN_CTA_REGS, CHAIN_CTA_SMEM = 56 * 288, 128 * 1024 + 2 * 6144 + 1024
@@ -54,7 +54,7 @@ def ptxas_sm90a(ptx: str, ptxas: str = PTXAS) -> dict:
 
 def split_kernel_sm90(**overrides) -> dict:
     """kernels.paged_decode_attention's decode split kernel at the 2B attention shape (bf16 d256 GQA 4, one query,
-    pages of 16, the L2 prefetches on, no stamps; overrides replace constexprs) through triton_sm90."""
+    pages of 16, the first tile's L2 prefetch on, no stamps; overrides replace constexprs) through triton_sm90."""
     from kernels import paged_decode_attention as P
     tile = P.plan(1, 4, 256, 2)
     bf16 = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr")
@@ -63,8 +63,8 @@ def split_kernel_sm90(**overrides) -> dict:
         return ("*bf16" if n in bf16 else "*fp32" if n.startswith("ws_") else "*i64" if n == "stamps_ptr" else
                 "*i32" if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32")
     const = dict(Q_LEN=1, VARLEN=True, GROUP=4, HEAD_DIM=256, PAGE_SIZE=16, BLOCK_M=tile.block_m,
-                 BLOCK_N=P.BLOCK_N, DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", PREFETCH=True,
-                 PREFETCH_NEXT=tile.num_stages == 1, STAMPS=False, PDL=True)
+                 BLOCK_N=tile.block_n, DIRECT=False, HAS_GATE=True, DOT_PRECISION="tf32", PREFETCH=True,
+                 STAMPS=False, PDL=True)
     return triton_sm90(P._split_kernel, {**const, **overrides}, arg_type, tile.num_warps, tile.num_stages)
 
 
@@ -77,7 +77,7 @@ def parity_resets_in_loops(ptx: str) -> int:
     """How many zeroings (`mov.b32 %rN, 0;`) of an mbarrier wait's parity register stand inside a loop of the
     kernel's PTX (a later branch jumps back over them). A ring's pipeline state starts once and is carried from there
     on; a reset inside the loop over a CTA's blocks re-waits slot 0 at phase 0, as the DSL made of tma_gemv's
-    consumer state when a helper advanced it without the loop assigning it (session 22)."""
+    consumer state when a helper advanced it without the loop assigning it."""
     lines = ptx.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\$\w+):", line))}
     back_edges = [(labels[m.group(1)], i) for i, line in enumerate(lines)

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fa4 import flash_attention
-from fa4.interface import split_kv_unsupported
+from fa4.routes import attention_key
+from kernels import registry
 from kernels.paged_decode_attention import (
     MAX_Q_LEN,
     Plan,
@@ -177,12 +178,18 @@ def test_fa4_auto_routes_short_paged_chunks_here():
     ours = paged_decode_attention(q, k_pages, v_pages, table, seqused, cu_seqlens_q=cu, max_seqlen_q=7,
                                   softmax_scale=0.2)
     assert torch.equal(auto, ours), "auto must run the split-KV kernel for a causal paged chunk of <= 512 tokens"
-    # 2048 tokens x GQA 2 in fp32's 64-row M-blocks: 2 sequences x 64 M-blocks x 2 KV heads fill the SMs
-    assert split_kv_unsupported(q, k_pages, True, MAX_Q_LEN + 1, table, None) == "max q_len 2049 is not in 1..2048"
-    assert split_kv_unsupported(q, k_pages, True, 2048, table, None).startswith("max q_len 2048 fills the GPU")
-    assert split_kv_unsupported(q, k_pages, False, 7, table, None) == "not causal"
-    assert split_kv_unsupported(q, k_pages, True, 7, None, None) == "no page_table"
-    assert split_kv_unsupported(q, k_pages, True, 7, table, "why not") == "why not"
+    # the router's reasons (fa4.routes, op "attention"): 2048 tokens x GQA 2 in fp32's 64-row M-blocks: 2 sequences
+    # x 64 M-blocks x 2 KV heads fill the SMs; past MAX_Q_LEN the kernel takes no chunk
+    key = attention_key(q, k_pages, v_pages, True, cu, None, table, seqused)
+    assert key.q_len == 7 and registry.choose("attention", key, "triton").name == "split_kv"
+
+    def why(**fields):
+        return registry.why_not("attention", key._replace(**fields))["split_kv"]
+    assert why() is None
+    assert why(q_len=MAX_Q_LEN + 1).startswith("max q_len 2049")
+    assert why(q_len=2048).startswith("max q_len 2048 fills the GPU")
+    assert why(causal=False) == why(layout="varlen", page_size=0) == "the split-KV kernel takes causal paged calls only"
+    assert why(unit_stride=False) == "every tensor must be contiguous along its last dim"
 
 
 SM90_COMPILE = """

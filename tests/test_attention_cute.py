@@ -127,7 +127,7 @@ def test_cute_refuses_unsupported(case, match):
     if case == "page24":
         k, v, table, seqused = make_pool([30], 1, d, 24, dtype, seed=0)
         kwargs = dict(page_table=table, seqused_k=seqused)
-    with pytest.raises(ValueError, match=f"backend 'cute' cannot run this call: {match}"):
+    with pytest.raises(ValueError, match=f"'cute' cannot run this attention call: {match}"):
         flash_attention(q, k, v, causal=True, backend="cute", **kwargs)
 
 
@@ -140,16 +140,20 @@ def test_cute_refuses_cpu_tensors():
 
 
 def test_auto_takes_cute_where_it_runs(monkeypatch):
-    # auto asks cute_unsupported first (after the split-KV kernel's paged chunks) and never falls past a cute that
-    # can run; where cute cannot, it goes on to triton / the reference (fp32 on the CPU here)
+    # auto (the router, fa4.routes) takes cute where its key_unsupported says it runs (after the split-KV kernel's
+    # paged chunks) and never falls past it; where cute cannot, it goes on to triton / the reference (fp32 on the
+    # CPU here)
     from fa4.cute import entry as CE
+    from kernels import registry
     q, k, v = qkv(1, 65, 65, 4, 2, 128, torch.float32)
     calls = []
-    monkeypatch.setattr(CE, "cute_unsupported", lambda *a, **kw: None)
+    monkeypatch.setattr(registry, "_choices", {})  # a fresh cache of choices under the patched predicate
+    monkeypatch.setattr(CE, "key_unsupported", lambda *a, **kw: None)
     monkeypatch.setattr(CE, "cute_attention", lambda q, k, v, **kw: calls.append(kw) or torch.full_like(q, 7.0))
     out = flash_attention(q, k, v, causal=True, backend="auto", rescale_threshold=0.0)
     assert len(calls) == 1 and calls[0]["rescale_threshold"] == 0.0 and bool((out == 7.0).all())
-    monkeypatch.setattr(CE, "cute_unsupported", lambda *a, **kw: "not here")
+    monkeypatch.setattr(registry, "_choices", {})
+    monkeypatch.setattr(CE, "key_unsupported", lambda *a, **kw: "not here")
     out = flash_attention(q, k, v, causal=True, backend="auto")
     assert len(calls) == 1
     assert_rel(out.float(), R.attention(q, k, v, causal=True), 1e-5, "auto without cute")

@@ -10,18 +10,16 @@ import math
 import pytest
 import torch
 
-import kernels.paged_decode_attention as P
 import reference as R
 from kernels.paged_decode_attention import (
     MAX_SPLITS,
-    OPS,
     DecodeWorkspace,
     alloc_workspace,
     choose_num_splits,
     paged_attention_op,
     paged_decode_attention,
 )
-from model.ops import _BACKENDS
+from model.ops import _ref_paged_attention
 from model.step import StepInput
 from tests.conftest import HAS_CUDA, compiled_script_output, rel_err
 from tests.sm90_compile import CHAIN_CTA_REGS, CHAIN_CTA_SMEM
@@ -82,20 +80,8 @@ CASES = [  # (dtype, head_dim, heads, kv_heads, page, lens, q_len, num_splits, g
 ]
 
 
-@pytest.fixture(params=[64, 32])
-def decode_block_n(request, monkeypatch):
-    """The decode plan's keys a tile (DECODE_BLOCK_N, a knob of profiles.host_time), its cached plans cleared before
-    and after."""
-    monkeypatch.setattr(P, "DECODE_BLOCK_N", request.param)
-    P.plan.cache_clear()
-    yield request.param
-    monkeypatch.undo()
-    P.plan.cache_clear()
-
-
 @pytest.mark.parametrize("dtype,d,h,kv,page,lens,q_len,splits,gated", CASES)
-def test_matches_reference(decode_block_n, dtype, d, h, kv, page, lens, q_len, splits, gated):
-    assert P.plan(q_len, h // kv, d, torch.tensor([], dtype=dtype).element_size()).block_n == decode_block_n
+def test_matches_reference(dtype, d, h, kv, page, lens, q_len, splits, gated):
     k_pages, v_pages, table, seqused = make_cache(lens, kv, d, page, dtype, seed=d + h)
     q = randn(len(lens), q_len, h, d, dtype=dtype, seed=1)
     gate = randn(*q.shape, dtype=dtype, seed=2) if gated else None
@@ -135,20 +121,23 @@ def test_gate_fused_equals_unfused():
         assert rel_err(fused, unfused) <= 1e-3, f"splits {splits}: fused gate differs by {rel_err(fused, unfused):.2e}"
 
 
-def test_model_op_adapter(monkeypatch):
-    """paged_attention_op runs the kernel where split_kv_pays and long_chunk_attention elsewhere, with the step's
-    max_seqlen_k (else the page table's capacity) as the context bound."""
+def test_model_op_routes_by_the_chunk(monkeypatch):
+    """model.ops.paged_attention on the triton backend: the router runs the kernel (paged_attention_op) where
+    split_kv_pays and a prefill forward elsewhere (the Triton one on the CPU), the key's context bound being the
+    step's max_seqlen_k (else the page table's capacity) for chunks over ALWAYS_Q_LEN; the kernel's op entry
+    itself runs any chunk."""
+    import fa4.triton_forward as TF
     import kernels.paged_decode_attention as P
+    from kernels import registry
+    from model import ops
     dtype, d, h, kv, page = torch.float32, 64, 2, 1, 16
     k_pages, v_pages, table, seqused = make_cache([3, 40], kv, d, page, dtype, seed=11)
-    long_calls, long_chunk = [], P.long_chunk_attention
-    monkeypatch.setattr(P, "long_chunk_attention", lambda *a: long_calls.append(1) or long_chunk(*a))
-    bounds = []
-    pays = P.split_kv_pays
-    monkeypatch.setattr(P, "split_kv_pays", lambda *a: bounds.append(a[6]) or pays(*a))
-    for q_lens, always, max_k in (([1, 3], 512, None), ([1, 12], 512, 40), ([1, 12], 8, 40)):
+    monkeypatch.setattr(registry, "_choices", {})  # a fresh cache of choices: ALWAYS_Q_LEN is patched below
+    forward_calls, forward = [], TF.triton_forward
+    monkeypatch.setattr(TF, "triton_forward", lambda *a, **kw: forward_calls.append(1) or forward(*a, **kw))
+    for q_lens, always, max_k in (([1, 3], 512, None), ([1, 12], 512, 40), ([1, 12], 8, 40), ([1, 12], 8, None)):
         monkeypatch.setattr(P, "ALWAYS_Q_LEN", always)  # 8: the 12-token chunk needs splits to run here
-        long_calls.clear()
+        forward_calls.clear()
         cu = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEV)
         n = sum(q_lens)
         step = StepInput(token_ids=torch.zeros(n, dtype=torch.long), positions=torch.zeros(n, dtype=torch.long),
@@ -157,42 +146,49 @@ def test_model_op_adapter(monkeypatch):
                          max_seqlen_k=max_k)
         q = randn(n, h, d, dtype=dtype, seed=12)
         gate = randn(n, h, d, dtype=dtype, seed=13)
+        ref = _ref_paged_attention(q, k_pages, v_pages, step, 0.3, gate)
         out = paged_attention_op(q, k_pages, v_pages, step, 0.3, gate)
-        ref = _BACKENDS["reference"]["paged_attention"](q, k_pages, v_pages, step, 0.3, gate)
         assert rel_err(out, ref) <= TOL[dtype], f"q_lens {q_lens}: {rel_err(out, ref):.2e}"
+        assert not forward_calls
+        long = max(q_lens) > always
+        key = P.paged_key(q, k_pages, v_pages, step, 0.3, gate)
+        assert key.seqlen_k == ((max_k or table.shape[1] * page) if long else 0)
+        with ops.use_backend("triton"):
+            routed = ops.paged_attention(q, k_pages, v_pages, step, 0.3, gate)
+        assert rel_err(routed, ref) <= TOL[dtype], f"q_lens {q_lens} routed: {rel_err(routed, ref):.2e}"
         # 2 sequences x 1 M-block x 1 KV head over 40 keys: the one 64-key tile cannot split, so no split pays
-        assert bool(long_calls) == (max(q_lens) > always), f"q_lens {q_lens}, always up to {always}"
-        assert bounds[-1] == (max_k or table.shape[1] * page)
-    assert OPS["paged_attention"] is paged_attention_op
+        assert bool(forward_calls) == long, f"q_lens {q_lens}, always up to {always}"
+        assert registry.choose("paged_attention", key, "triton").name == ("triton_forward" if long else "split_kv")
+    assert [i.run for i in registry.impls("paged_attention", "triton") if i.name == "split_kv"] == [paged_attention_op]
 
 
 SM90_SPLIT_COMPILE = """
 from tests.sm90_compile import split_kernel_sm90
-for page, block_n in ((64, 64), (16, 64), (16, 32)):  # 16: the engine's default (a page lookup per key)
-    r = split_kernel_sm90(PAGE_SIZE=page, BLOCK_N=block_n)
+for page in (64, 16):  # 16: the engine's default (a page lookup per key)
+    r = split_kernel_sm90(PAGE_SIZE=page)
     prefetch = "cp.async.bulk.prefetch.L2.global"
-    print(block_n, r["smem"], r["regs"], r["spill"], r["ptx"].split("griddepcontrol.wait")[0].count(prefetch),
+    print(page, r["smem"], r["regs"], r["spill"], r["ptx"].split("griddepcontrol.wait")[0].count(prefetch),
           r["ptx"].count(prefetch), flush=True)
 """
 SM_REGS, SM_SMEM, CTA_RESERVED_SMEM = 65536, 228 * 1024, 1024
-COMBINE_REGS = 56 * 128  # a combine program (sm_90a ptxas, session 31: 55 registers, 128 threads)
+COMBINE_REGS = 56 * 128  # a combine program (sm_90a ptxas: 55 registers, 128 threads)
 
 
 def test_split_kernel_keeps_two_programs_an_sm():
     # the decode split kernel at the 2B attention shape (bf16 d256 GQA 4), compiled for sm_90a on the CPU, at pages
     # of 64 and 16 keys: two programs fit an SM (shared memory and registers; the measured condition for full
-    # bandwidth), no spills; the first tile's L2 prefetches (K and V) stand before the PDL wait, and the next
-    # tile's (one stage: PREFETCH_NEXT) in the key loop after it, as many again. With 32-key tiles two programs
-    # leave room for the out-proj chain's CTA and a combine program (DECODE_BLOCK_N); with 64-key tiles they do not
+    # bandwidth), no spills; the first tile's L2 prefetches (K and V) stand before the PDL wait, and none after it.
+    # Two programs leave no room for the out-proj chain's CTA and a combine program: the chain, launched early by
+    # the combine, becomes resident on SMs that hold one
     room = {}
-    for line in compiled_script_output(SM90_SPLIT_COMPILE, timeout=600).splitlines()[-3:]:
-        block_n, smem, regs, spill, early, total = map(int, line.split())
+    for line in compiled_script_output(SM90_SPLIT_COMPILE, timeout=600).splitlines()[-2:]:
+        page, smem, regs, spill, early, total = map(int, line.split())
         assert 2 * smem <= 227 * 1024 and 2 * 128 * regs <= SM_REGS and spill == 0, (smem, regs, spill)
-        assert early >= 2 and total == 2 * early, (early, total)
+        assert early >= 2 and total == early, (early, total)
         regs_held = 2 * 128 * -(-regs // 8) * 8 + CHAIN_CTA_REGS + COMBINE_REGS
         smem_held = 2 * (smem + CTA_RESERVED_SMEM) + CHAIN_CTA_SMEM + CTA_RESERVED_SMEM
-        room[block_n] = regs_held <= SM_REGS and smem_held <= SM_SMEM
-    assert room == {64: False, 32: True}, room
+        room[page] = regs_held <= SM_REGS and smem_held <= SM_SMEM
+    assert room == {64: False, 16: False}, room
 
 
 def test_split_kv_pays_for_long_chunks_only_when_the_forward_underfills():
@@ -208,16 +204,25 @@ def test_split_kv_pays_for_long_chunks_only_when_the_forward_underfills():
     assert split_kv_pays(1, 800, 4, 2, 256, 2, 50800, 132, CUTE_FORWARD_FILL)
 
 
-def test_forward_fill_asks_cute_for_long_chunks_only(monkeypatch):
+def test_long_chunks_split_against_the_forward_that_takes_them(monkeypatch):
+    # a long chunk's split pays against the CuTe forward where that takes the call (it needs half the SMs:
+    # CUTE_FORWARD_FILL), else against the Triton forward (all of them): 800 new over 50k at H16/KV4 give a
+    # forward 100 programs on 132 SMs; chunks up to ALWAYS_Q_LEN always split
     from fa4.cute import entry as CE
-    from kernels.paged_decode_attention import ALWAYS_Q_LEN, CUTE_FORWARD_FILL, forward_fill
-    q, pages, table = torch.zeros(1, 4, 128), torch.zeros(2, 16, 1, 128), torch.zeros(1, 2, dtype=torch.int32)
+    from kernels import registry
+    from kernels.paged_decode_attention import ALWAYS_Q_LEN, PagedKey
+    from kernels.registry import H200
+    from model import ops
+    ops._load("triton")  # fa4's forwards registered
+    key = PagedKey(1, 800, 16, 4, 256, 128, 50800, torch.bfloat16, H200)
     asked = []
-    monkeypatch.setattr(CE, "cute_unsupported", lambda *a, **kw: asked.append(kw["page_table"]) or None)
-    assert forward_fill(q, pages, table, ALWAYS_Q_LEN) == 1.0 and not asked  # short chunks: not asked
-    assert forward_fill(q, pages, table, ALWAYS_Q_LEN + 1) == CUTE_FORWARD_FILL and asked == [table]
-    monkeypatch.setattr(CE, "cute_unsupported", lambda *a, **kw: "no cute here")
-    assert forward_fill(q, pages, table, ALWAYS_Q_LEN + 1) == 1.0
+    for unsupported, expected in ((None, "cute_forward"), ("no cute here", "split_kv")):
+        monkeypatch.setattr(registry, "_choices", {})  # a fresh cache of choices under the patched predicate
+        monkeypatch.setattr(CE, "key_unsupported", lambda *a, r=unsupported: asked.append(a) or r)
+        assert registry.choose("paged_attention", key, "triton").name == expected
+        assert registry.choose("paged_attention", key._replace(q_len=ALWAYS_Q_LEN, seqlen_k=0),
+                               "triton").name == "split_kv"
+    assert asked and all(a == (torch.bfloat16, 256, 128, H200) for a in asked)
 
 
 def test_decode_stages_by_the_tiles_a_split_walks():

@@ -1,12 +1,14 @@
 """The Gated DeltaNet decode kernel (kernels/gdn_decode.py) against the reference op model.ops._ref_gated_deltanet:
-output, conv window and fp32 state over consecutive steps, slots scattered in a larger pool, the model.ops
-adapter, CUDA-graph replay, and argument checks."""
+output, conv window and fp32 state over consecutive steps, slots scattered in a larger pool, model.ops' routing to
+it, CUDA-graph replay, and argument checks."""
 import pytest
 import torch
 from conftest import compiled_script_output, record_launches, rel_err
 
-from kernels import gdn_decode
-from kernels.gdn_decode import OPS, gated_deltanet_op, gdn_decode_step
+from kernels import gdn_decode, registry
+from kernels.gdn_decode import gated_deltanet_op, gdn_decode_step
+from kernels.gdn_prefill import gdn_key
+from model import ops
 from model.ops import _ref_gated_deltanet
 from model.step import StepInput
 
@@ -87,40 +89,13 @@ def test_matches_reference(dtype, shape, bsz):
               seed=bsz, slot_dtype=torch.int32 if dtype == torch.float16 else torch.int64)
 
 
-@pytest.mark.parametrize("early", [True, False])
-def test_states_loaded_before_or_after_the_wait(monkeypatch, early):
-    # gdn_decode.STATE_BEFORE_WAIT: one pass over the value heads loads the states first (B1, 2 value heads a key
-    # head: both at once), or inside the pass; 3 value heads a key head go one a pass (never early)
-    monkeypatch.setattr(gdn_decode, "STATE_BEFORE_WAIT", early)
+def test_states_loaded_before_the_wait_in_one_pass(monkeypatch):
+    # EARLY: where one pass covers a key head's value heads (B1, 2 value heads a key head: both at once) the states
+    # load before the PDL wait; 3 value heads a key head go one a pass, loading them inside it
     launches = record_launches(monkeypatch, gdn_decode, "_gdn_decode_kernel")
     run_steps(2, 4, 16, 16, torch.float32, 1, n_slots=4, steps=2, tol_out=1e-5, tol_state=1e-5)
     run_steps(1, 3, 16, 24, torch.float32, 1, n_slots=2, steps=1, tol_out=1e-5, tol_state=1e-5)
-    assert [kwargs["EARLY"] for _, kwargs in launches] == [early, early, False]
-
-
-@pytest.mark.parametrize("mode", ["none", "one_head"])
-def test_store_probes(monkeypatch, mode):
-    # gdn_decode.STORE_STATE's timing probes: the output as before; "none" leaves the states and windows untouched,
-    # "one_head" writes every program's states over its sequence's first value head (which holds one of them) and
-    # shifts the windows as the kernel does
-    monkeypatch.setattr(gdn_decode, "STORE_STATE", mode)
-    gen = torch.Generator().manual_seed(5)
-    hk, hv, dk, dv = 2, 4, 16, 16
-    conv_w, a_log, dt_bias, norm_w, conv0, rec0 = make_layer(gen, hk, hv, dk, dv, torch.float32, 3)
-    slots = torch.tensor([2, 0], device=DEVICE)
-    qkv, z, b, a = make_token(gen, 2, hk, hv, dk, dv, torch.float32)
-    conv, rec = conv0.clone(), rec0.clone()
-    out = gdn_decode_step(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv, rec, slots, hk, EPS)
-    r_conv, r_rec = conv0.clone(), rec0.clone()
-    ref = _ref_gated_deltanet(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, r_conv, r_rec, decode_step(slots), hk,
-                              EPS)
-    assert_close(out, ref, 1e-5, "probe output")
-    if mode == "none":
-        assert torch.equal(conv, conv0) and torch.equal(rec, rec0)
-        return
-    assert torch.equal(conv, r_conv) and torch.equal(rec[:, 1:], rec0[:, 1:])
-    for slot in slots.tolist():  # the first head holds the new states of one of the sequence's value heads
-        assert any(rel_err(rec[slot, 0], r_rec[slot, j]) < 1e-5 for j in range(hv)), slot
+    assert [(kwargs["G"], kwargs["EARLY"]) for _, kwargs in launches] == [(2, True), (2, True), (1, False)]
 
 
 SM90_COMPILE = """
@@ -129,8 +104,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from kernels import gdn_decode as G
 for early in (False, True):  # 9B's B1 launch: 16 key heads, both value heads a pass
-    const = dict(HK=16, HV=32, DK=128, DV=128, K=4, G=2, BK=128, BV=128, BT=4, EARLY=early, STAMPS=False, PDL=True,
-                 STORE="states")
+    const = dict(HK=16, HV=32, DK=128, DV=128, K=4, G=2, BK=128, BV=128, BT=4, EARLY=early, STAMPS=False, PDL=True)
     types = {"state_ptr": "*fp32", "slots_ptr": "*i32", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
              "scale": "fp32", "eps": "fp32"}
     sig = {n: "constexpr" if n in const else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
@@ -197,23 +171,25 @@ def test_adapter_dispatch_and_out_buffer(monkeypatch):
     got = gdn_decode_step(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv, rec, slots, hk, EPS, out=out)
     assert got is out
     assert_close(out, ref, 1e-5, "out= buffer")
-    calls = []
-    monkeypatch.setattr(gdn_decode, "gdn_decode_step", lambda *args: calls.append(1) or gdn_decode_step(*args))
-    assert_close(gated_deltanet_op(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv.clone(), rec.clone(),
-                                   decode_step(slots), hk, EPS),
-                 _ref_gated_deltanet(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, r_conv.clone(), r_rec.clone(),
-                                     decode_step(slots), hk, EPS), 1e-5, "adapter, decode")
-    assert calls == [1], "a decode step must run the kernel"
-    # prefill (3 + 1 tokens): the reference op, bit for bit
+    # model.ops.gated_deltanet on the triton backend: the router sends a decode step to this kernel (fp32 on the CPU:
+    # not the CuTe decode's layout), one launch, and a prefill step (3 + 1 tokens) to the chunked prefill
+    launches = record_launches(monkeypatch, gdn_decode, "_gdn_decode_kernel")
+    args = (qkv, z, b, a, conv_w, a_log, dt_bias, norm_w)
+    with ops.use_backend("triton"):
+        got = ops.gated_deltanet(*args, conv.clone(), rec.clone(), decode_step(slots), hk, EPS)
+    ref = _ref_gated_deltanet(*args, r_conv.clone(), r_rec.clone(), decode_step(slots), hk, EPS)
+    assert_close(got, ref, 1e-5, "model.ops, decode")
+    assert len(launches) == 1, "a decode step must run the kernel"
+    assert_close(gated_deltanet_op(*args, conv.clone(), rec.clone(), decode_step(slots), hk, EPS), ref, 1e-5,
+                 "the op entry, decode")
+    key = gdn_key(*args, conv, rec, decode_step(slots), hk, EPS)
+    assert not key.cute_layout and registry.choose("gated_deltanet", key, "triton").name == "gdn_decode"
+    assert registry.choose("gated_deltanet", key, "reference").name == "reference"
     qkv, z, b, a = make_token(gen, 4, hk, hv, dk, dv, torch.float32)
     step = decode_step(slots)
     step.cu_seqlens, step.max_seqlen_q = torch.tensor([0, 3, 4], dtype=torch.int32, device=DEVICE), 3
-    conv, rec = r_conv.clone(), r_rec.clone()
-    got = gated_deltanet_op(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv, rec, step, hk, EPS)
-    ref = _ref_gated_deltanet(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, r_conv, r_rec, step, hk, EPS)
-    assert torch.equal(got, ref) and torch.equal(conv, r_conv) and torch.equal(rec, r_rec), "prefill path differs"
-    assert calls == [1], "a prefill step must not run the decode kernel"
-    assert set(OPS) == {"gated_deltanet"}
+    key = gdn_key(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv, rec, step, hk, EPS)
+    assert registry.choose("gated_deltanet", key, "triton").name == "gdn_prefill_chunked"
 
 
 # ---- argument checks -----------------------------------------------------------------------------------------

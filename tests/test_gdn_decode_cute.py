@@ -1,12 +1,12 @@
-"""The CuTe-DSL Gated DeltaNet decode (kernels/gdn_decode_cute.py) behind kernels.gdn_decode.CUTE_DECODE (on): its
-routing, its sm_90a compile (barriers after the PDL wait, registers beside a GEMV CTA), and on the GPU the
-reference op's output, conv windows and fp32 states over consecutive steps at 2B's shape (bf16), with scattered
-slots of both integer types, rows that are views of one projection, and CUDA-graph replay."""
+"""The CuTe-DSL Gated DeltaNet decode (kernels/gdn_decode_cute.py), where the router takes it
+(gdn_decode_cute.supports): its routing, its sm_90a compile (barriers after the PDL wait, registers beside a GEMV
+CTA), and on the GPU the reference op's output, conv windows and fp32 states over consecutive steps at 2B's shape
+(bf16), with scattered slots of both integer types, rows that are views of one projection, and CUDA-graph replay."""
 import json
 
 import pytest
 import torch
-from conftest import compiled_script_output
+from conftest import compiled_script_output, record_launches
 from test_gdn_decode import EPS, assert_close, check_graph_replay, decode_step, make_layer, run_steps
 
 from kernels import gdn_decode, gdn_decode_cute
@@ -19,21 +19,20 @@ SM90_REGS = 65536
 
 
 @pytest.fixture
-def cute_on(monkeypatch):
-    """CUTE_DECODE on, and the list of the CuTe kernel's calls."""
-    monkeypatch.setattr(gdn_decode, "CUTE_DECODE", True)
-    calls, real = [], gdn_decode_cute.gdn_decode_step
-    monkeypatch.setattr(gdn_decode_cute, "gdn_decode_step",
-                        lambda *a, **kw: calls.append(a[-1].shape) or real(*a, **kw))
+def cute_calls(monkeypatch):
+    """The list of the CuTe kernel's launches (their outputs' shapes)."""
+    calls, real = [], gdn_decode_cute.launch
+    monkeypatch.setattr(gdn_decode_cute, "launch", lambda *a, **kw: calls.append(a[-1].shape) or real(*a, **kw))
     return calls
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU route")
-def test_cpu_calls_stay_on_the_triton_kernel(cute_on):
+def test_cpu_calls_stay_on_the_triton_kernel(cute_calls, monkeypatch):
     # what the CuTe kernel cannot run (here: CPU tensors, fp32, 2 value heads a key head) goes to the Triton kernel
+    launches = record_launches(monkeypatch, gdn_decode, "_gdn_decode_kernel")
     run_steps(2, 4, 16, 16, torch.float32, 2, n_slots=4, steps=1, tol_out=1e-5, tol_state=1e-5)
     run_steps(2, 2, 16, 16, torch.float32, 1, n_slots=2, steps=1, tol_out=1e-5, tol_state=1e-5)
-    assert cute_on == []
+    assert cute_calls == [] and len(launches) == 2
 
 
 SM90_COMPILE = """
@@ -78,17 +77,17 @@ gpu_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_de
 @needs_dsl
 @pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("bsz,slot_dtype", [(1, torch.int64), (3, torch.int32), (64, torch.int64)])
-def test_gpu_matches_reference_20_steps(cute_on, monkeypatch, warps, bsz, slot_dtype):
+def test_gpu_matches_reference_20_steps(cute_calls, monkeypatch, warps, bsz, slot_dtype):
     monkeypatch.setattr(gdn_decode_cute, "WARPS", warps)
     run_steps(*QWEN2B, torch.bfloat16, bsz, n_slots=bsz + 5, steps=20, tol_out=1e-2, tol_state=1e-3, seed=bsz,
               slot_dtype=slot_dtype)
-    assert len(cute_on) == 20
+    assert len(cute_calls) == 20
 
 
 @pytest.mark.gpu
 @gpu_sm90
 @needs_dsl
-def test_gpu_rows_as_views_of_one_projection(cute_on):
+def test_gpu_rows_as_views_of_one_projection(cute_calls):
     hk, hv, dk, dv = QWEN2B
     gen = torch.Generator().manual_seed(4)
     conv_w, a_log, dt_bias, norm_w, conv, rec = make_layer(gen, hk, hv, dk, dv, torch.bfloat16, 6)
@@ -102,7 +101,7 @@ def test_gpu_rows_as_views_of_one_projection(cute_on):
     out = gdn_decode.gdn_decode_step(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv, rec, slots, hk, EPS)
     ref = _ref_gated_deltanet(qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), conv_w, a_log,
                               dt_bias, norm_w, r_conv, r_rec, decode_step(slots), hk, EPS)
-    assert len(cute_on) == 1
+    assert len(cute_calls) == 1
     assert_close(out, ref, 1e-2, "strided rows output")
     assert torch.equal(conv, r_conv)
     assert_close(rec, r_rec, 1e-3, "strided rows recurrent_states")
@@ -111,7 +110,7 @@ def test_gpu_rows_as_views_of_one_projection(cute_on):
 @pytest.mark.gpu
 @gpu_sm90
 @needs_dsl
-def test_gpu_cuda_graph_replay(cute_on):
+def test_gpu_cuda_graph_replay(cute_calls):
     check_graph_replay(QWEN2B, bsz=2, n_slots=8, seed=12, gate_dtype=torch.bfloat16)
-    assert len(cute_on) == 2  # the warm-up and the capture
+    assert len(cute_calls) == 2  # the warm-up and the capture
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import reference as R
 from kernels import gdn_prefill
-from kernels.gdn_prefill import OPS, chunk_gated_delta_rule
+from kernels.gdn_prefill import chunk_gated_delta_rule, gated_deltanet_prefill_op
 from kernels.varlen import CHUNK, token_chunks
 from model.ops import _ref_gated_deltanet
 from model.step import StepInput
@@ -165,14 +165,15 @@ def make_layer_inputs(gen, lens, hk, hv, dk, dv, dtype, n_slots, device=DEVICE):
 
 
 def check_op(lens, hk, hv, dk, dv, dtype, tol_out, tol_state, seed=0):
-    """OPS["gated_deltanet"] against model.ops._ref_gated_deltanet: output, conv windows (bit for bit), states."""
+    """gated_deltanet_prefill_op (the router's GDN prefill) against model.ops._ref_gated_deltanet: output, conv
+    windows (bit for bit), states."""
     gen = torch.Generator().manual_seed(seed)
     n_slots = len(lens) + 2
     args = make_layer_inputs(gen, lens, hk, hv, dk, dv, dtype, n_slots)
     slots = torch.randperm(n_slots, generator=gen)[:len(lens)].to(DEVICE)
     ref_args = [t.clone() for t in args]
     step = prefill_step(lens, slots)
-    out = OPS["gated_deltanet"](*args, step, hk, EPS)
+    out = gated_deltanet_prefill_op(*args, step, hk, EPS)
     ref = _ref_gated_deltanet(*ref_args, step, hk, EPS)
     what = f"op lens={lens} {dtype}"
     assert_close(out, ref, tol_out, f"{what} output")
@@ -201,9 +202,10 @@ def test_layers_of_one_step_share_its_plan_and_workspaces():
     gen = torch.Generator().manual_seed(7)
     slots = torch.tensor([4, 0, 2], device=DEVICE)
     layers = [make_layer_inputs(gen, lens, hk, hv, d, d, torch.float32, 5) for _ in range(2)]
-    alone = [OPS["gated_deltanet"](*[t.clone() for t in args], prefill_step(lens, slots), hk, EPS) for args in layers]
+    alone = [gated_deltanet_prefill_op(*[t.clone() for t in args], prefill_step(lens, slots), hk, EPS)
+             for args in layers]
     step = prefill_step(lens, slots)
-    shared = [OPS["gated_deltanet"](*args, step, hk, EPS) for args in layers]
+    shared = [gated_deltanet_prefill_op(*args, step, hk, EPS) for args in layers]
     plan = step.plans["varlen"][1]
     assert all(torch.equal(a, b) for a, b in zip(alone, shared))
     assert shared[0].data_ptr() not in {t.data_ptr() for t in plan.buffers.values()}
@@ -269,15 +271,21 @@ def test_wy_pass_computes_the_gates_from_raw_a_and_b(dtype):
                                    **kw)
 
 
-def test_op_dispatch(monkeypatch):
-    calls = []
-    monkeypatch.setattr(gdn_prefill, "gated_deltanet_prefill_op", lambda *a: calls.append("prefill") or "p")
-    monkeypatch.setattr(gdn_prefill.gdn_decode, "gated_deltanet_op", lambda *a: calls.append("decode") or "d")
-    slots = torch.tensor([1, 0])
-    assert OPS["gated_deltanet"](*[None] * 10, prefill_step([1, 1], slots), 1, EPS) == "d"
-    assert OPS["gated_deltanet"](*[None] * 10, prefill_step([2, 1], slots), 1, EPS) == "p"
-    assert calls == ["decode", "prefill"]
-    assert set(OPS) == {"gated_deltanet"}
+def test_op_dispatch():
+    # the router (op gated_deltanet, keyed by gdn_prefill.gdn_key): steps of one token a sequence to the decode
+    # kernel, longer ones to this prefill; the reference backend keeps the reference
+    from kernels import registry
+    gen = torch.Generator().manual_seed(9)
+    slots = torch.tensor([1, 0], device=DEVICE)
+    names = []
+    for lens in ([1, 1], [2, 1], [64, 3]):
+        key = gdn_prefill.gdn_key(*make_layer_inputs(gen, lens, 1, 2, 16, 16, torch.float32, 2),
+                                  prefill_step(lens, slots), 1, EPS)
+        names.append(registry.choose("gated_deltanet", key, "triton").name)
+        assert registry.choose("gated_deltanet", key, "reference").name == "reference"
+    assert names == ["gdn_decode", "gdn_prefill_chunked", "gdn_prefill_chunked"]
+    assert [i.run for i in registry.impls("gated_deltanet", "triton") if i.name == "gdn_prefill_chunked"] == [
+        gated_deltanet_prefill_op]
 
 
 # ---- argument checks -----------------------------------------------------------------------------------------

@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 import reference as R
 from kernels import linear as L
+from kernels import registry
 from kernels import row_buckets as RB
 from kernels.gdn_pointwise import gated_rms_norm
+from kernels.tuning import KernelTuning
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 8e-3}
@@ -91,7 +93,7 @@ def test_add_rms_norm_linear_matches_reference(m, n, k, dtype, with_residual):
 
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_rms_norm_linear_unfused_equals_the_two_ops(with_residual):
-    # fused=False (the default above FUSED_NORM_MAX_K; profiles.host_time --prenorm) is add_rms_norm, then the GEMV
+    # fused=False (the router's choice above KernelTuning.fused_norm_max_k) is add_rms_norm, then the GEMV
     x, residual, norm_w = _normed_inputs(2, 96, torch.float32, 3, with_residual)
     _, w = _pair(2, 50, 96, torch.float32, 3)
     out, s = L.add_rms_norm_linear(x, None if residual is None else residual.clone(), norm_w, 1e-6, w, fused=False)
@@ -100,14 +102,17 @@ def test_add_rms_norm_linear_unfused_equals_the_two_ops(with_residual):
     assert_rel(out.double(), R.linear(h.double(), w.double()), 1e-6, "unfused")
 
 
-@pytest.mark.parametrize("k,fused", [(96, True), (1024, True), (1025, False)])
-def test_add_rms_norm_linear_fuses_up_to_max_k(k, fused):
-    # by default the GEMV norms its rows itself up to FUSED_NORM_MAX_K (s: a new tensor), beyond it add_rms_norm
-    # runs first (s: the residual, summed in place)
+@pytest.mark.parametrize("k,max_k,fused", [(96, None, True), (1024, None, True), (1025, None, False),
+                                           (96, 64, False), (1025, 2048, True)])
+def test_add_rms_norm_linear_fuses_up_to_max_k(k, max_k, fused):
+    # the router has the GEMV norm its rows itself up to the tuning's fused_norm_max_k (default 1024; s: a new
+    # tensor), beyond it add_rms_norm runs first (s: the residual, summed in place)
     x, residual, norm_w = _normed_inputs(1, k, torch.float32, 5, True)
     _, w = _pair(1, 9, k, torch.float32, 5)
-    out, s = L.add_rms_norm_linear(x, residual, norm_w, 1e-6, w)
-    assert (s is not residual) == fused == (k <= L.FUSED_NORM_MAX_K)
+    tuning = KernelTuning() if max_k is None else KernelTuning(fused_norm_max_k=max_k)
+    with registry.use(tuning=tuning):
+        out, s = L.add_rms_norm_linear(x, residual, norm_w, 1e-6, w)
+    assert (s is not residual) == fused == (k <= tuning.fused_norm_max_k)
     assert_rel(out.double(), R.linear(R.rms_norm(s, norm_w, 1e-6).double(), w.double()), 1e-5, f"k {k}")
 
 
@@ -154,13 +159,14 @@ def test_skinny_gemm_split_over_k_matches_reference(m, n, k, split):
         L.linear(x, w, plan=(16, 32, 2, 1, 9))
 
 
-def test_skinny_gemm_unsplit_when_split_k_is_off(monkeypatch):
-    # kernels.linear.SPLIT_K False: a plan's SPLIT is ignored (one program a column block, no ticket drawn)
-    monkeypatch.setattr(L, "SPLIT_K", False)
+def test_skinny_gemm_splits_as_its_plan_says(monkeypatch):
+    # a plan's SPLIT is the grid's second dimension (SPLIT programs a column block); SPLIT 1: one a block
     launches = record_launches(monkeypatch, L, "_rows_dot_kernel")
     x, w = _pair(6, 40, 300, torch.float32)
-    assert_rel(L.linear(x, w, plan=(16, 32, 2, 1, 4)).double(), R.linear(x.double(), w.double()), 1e-6, "unsplit")
-    assert [(grid, kwargs["SPLIT"]) for grid, kwargs in launches] == [((3, 1), 1)]
+    for split in (4, 1):
+        out = L.linear(x, w, plan=(16, 32, 2, 1, split))
+        assert_rel(out.double(), R.linear(x.double(), w.double()), 1e-6, f"split {split}")
+    assert [(grid, kwargs["SPLIT"]) for grid, kwargs in launches] == [((3, 4), 4), ((3, 1), 1)]
 
 
 @pytest.mark.parametrize("m,kernel", [(4, "gemv"), (5, "dot"), (16, "dot"), (17, "matmul")])
@@ -253,12 +259,12 @@ SHAPES_2B = [(8224, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (5120, 204
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 8, 16])
 def test_linear_gpu_decode_shapes(m, pdl, dtype, monkeypatch):
-    monkeypatch.setenv("QWEN_PDL", "1" if pdl else "0")
-    for n, k in SHAPES_2B:
-        _check(*_pair(m, n, k, dtype), f"linear {dtype} {m}x{k} @ {n}x{k} pdl={pdl}")
-    _check(*_gated_pair(m, 2048, 6144, dtype), f"gated {dtype} {m} rows, down 2048x6144 pdl={pdl}", gated=True)
-    for n in (8224, 12288):  # GDN in_proj, MLP gate_up: normed inside the GEMV
-        _check_normed(m, n, 2048, dtype, True, tol=1e-2 if dtype == torch.bfloat16 else None)
+    with registry.use(tuning=KernelTuning(pdl=pdl)):
+        for n, k in SHAPES_2B:
+            _check(*_pair(m, n, k, dtype), f"linear {dtype} {m}x{k} @ {n}x{k} pdl={pdl}")
+        _check(*_gated_pair(m, 2048, 6144, dtype), f"gated {dtype} {m} rows, down 2048x6144 pdl={pdl}", gated=True)
+        for n in (8224, 12288):  # GDN in_proj, MLP gate_up: normed inside the GEMV
+            _check_normed(m, n, 2048, dtype, True, tol=1e-2 if dtype == torch.bfloat16 else None)
 
 
 @pytest.mark.gpu

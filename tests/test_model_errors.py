@@ -298,7 +298,7 @@ def test_stream_needs_a_batch_one_cache(model):
         next(stream(model, model.new_cache(2, 8), [1, 2, 3], 4))
 
 
-# ---- session 24's review: what once loaded silently wrong or crashed deep inside ---------------------------
+# ---- found in review: what once loaded silently wrong or crashed deep inside ---------------------------------
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(hidden_size=-64), "hidden_size must be a positive int"),

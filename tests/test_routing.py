@@ -154,3 +154,14 @@ def test_a_tuning_is_part_of_the_choice():
     assert registry.choose("linear", key, "triton", KernelTuning(tma_min_bytes=2 * MIB)).name == "tma_gemv"
     with pytest.raises(ValueError, match="tma_min_bytes"):
         KernelTuning(tma_min_bytes=-1)
+
+
+def test_the_debug_switch_checks_the_op_path(monkeypatch):
+    # the op path launches unchecked (the engine built its arguments); QWEN_CHECK_OPS runs the public checks instead
+    x, weight = torch.randn(3, 32), torch.randn(16, 32)
+    with ops.use_backend("triton"):
+        assert torch.allclose(ops.linear(x, weight), x @ weight.t(), atol=1e-4)
+        monkeypatch.setattr(registry, "CHECK_OPS", True)
+        with pytest.raises(ValueError, match="weight"):
+            ops.linear(x, weight.to(torch.float64))
+        assert torch.allclose(ops.linear(x, weight), x @ weight.t(), atol=1e-4)

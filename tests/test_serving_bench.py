@@ -1,15 +1,13 @@
-"""serving.bench and serving.traces on the CPU: a scaled-down closed-loop replay runs, its metrics add up, and
+"""profiles.bench_serving and profiles.traces on the CPU: a scaled-down closed-loop replay runs, its metrics add up, and
 the prefix cache serves the returning turns."""
 import json
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model import ops
 from model.model import Qwen35ForCausalLM
-from serving import bench, traces
+from profiles import bench_serving, traces
 from tests.hf_oracle import small_config
 
 
@@ -47,9 +45,9 @@ def test_jsonl_round_trip_and_counts(tmp_path):
 
 
 def test_bench_smoke_on_the_cpu(model, tmp_path, capsys):
-    run = bench.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "3", "--max-new", "3",
-                      "--concurrency", "2", "--page-size", "8", "--out-dir", str(tmp_path), "--no-progress"],
-                     model=model)
+    run = bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "3", "--max-new",
+                              "3", "--concurrency", "2", "--page-size", "8", "--out-dir", str(tmp_path),
+                              "--no-progress"], model=model)
     printed = capsys.readouterr().out
     assert "eligible_hit_rate" in printed and "ttft_p50_ms" in printed
     overall = run["overall"]
@@ -64,7 +62,7 @@ def test_bench_smoke_on_the_cpu(model, tmp_path, capsys):
     table = run["requests"]
     assert len(table["rows"]) == 6
     for r in (dict(zip(table["columns"], row)) for row in table["rows"]):
-        phases = [r[f"first_{k}"] for k in bench.PHASES]
+        phases = [r[f"first_{k}"] for k in bench_serving.PHASES]
         assert 0 < sum(phases) <= r["ttft_ms"] + 1e-3
     assert overall["return_dispatch_ms"] > 0
     # where the replay's wall time went, by kind of step: every step counted once, the shares summing to the wall
@@ -81,8 +79,8 @@ def test_bench_smoke_on_the_cpu(model, tmp_path, capsys):
 
 
 def test_step_verdict_names_the_longer_phase():
-    assert bench.step_verdict(30.0, 0.2).startswith("dispatch-bound")
-    assert bench.step_verdict(3.0, 12.0).startswith("GPU-bound")
+    assert bench_serving.step_verdict(30.0, 0.2).startswith("dispatch-bound")
+    assert bench_serving.step_verdict(3.0, 12.0).startswith("GPU-bound")
 
 
 def test_host_time_profiles_a_returning_step_on_the_cpu(capsys):
@@ -93,131 +91,75 @@ def test_host_time_profiles_a_returning_step_on_the_cpu(capsys):
     assert result["python_wall_ms"] > 0 and len(result["python"]) == 3
 
 
-def test_split_knobs_reach_the_cached_plans_and_restore():
-    # host_time's callable knobs behind step_stamps --knob: the split kernel's config and count are lru-cached host
-    # choices, so applying a variant must clear those caches, and restoring must bring the rule back
-    from kernels import paged_decode_attention as P
-    from profiles.host_time import knob_setters
-    auto_plan, auto_splits = P.plan(1, 4, 256, 2), P.choose_num_splits(1, 2, 65536)
-    variants, restore = knob_setters("split_stages")
-    variants["3"]()
-    assert (P.plan(1, 4, 256, 2).num_warps, P.plan(1, 4, 256, 2).num_stages) == (4, 3)
-    restore()
-    assert P.plan(1, 4, 256, 2) == auto_plan and P.DECODE_STAGES == 1
-    variants, restore = knob_setters("max_splits")
-    variants["32"]()
-    assert P.choose_num_splits(1, 2, 65536) <= 32 < auto_splits
-    restore()
-    assert P.choose_num_splits(1, 2, 65536) == auto_splits and P.MAX_SPLITS == 128
-    # two knobs joined by '+': every pair of variants, each applied in turn; both restored
-    variants, restore = knob_setters("combine_release+split_block_n")
-    assert list(variants) == [f"{r}/{n}" for r in ("after_wait", "early") for n in ("64", "32")]
-    variants["early/32"]()
-    assert (P.COMBINE_RELEASE, P.plan(1, 4, 256, 2).block_n) == ("early", 32)
-    assert P.choose_num_splits(1, 2, 2048) == 64  # 64 tiles of 32 keys, where 64-key tiles give 32 splits
-    restore()
-    assert P.plan(1, 4, 256, 2) == auto_plan and P.COMBINE_RELEASE == "early" and P.DECODE_BLOCK_N == 64
-    assert P.choose_num_splits(1, 2, 2048) == 32
+def test_knob_variants_are_configs_and_combine():
+    # host_time's --ab knobs are data: a KernelTuning and EngineConfig fields a variant; 'A+B' is every pair of
+    # variants, named 'a/b', with A's tuning overridden by B's changed fields and both engine fields
+    from kernels.tuning import KernelTuning
+    from profiles.host_time import AB_KNOBS, UNBOUNDED_K, Variant, knob_variants
+    assert set(AB_KNOBS) == {"prenorm", "tma_min", "fed_decode", "token_ring"}
+    assert knob_variants("prenorm")["rule"] == Variant() and knob_variants("tma_min")["8m"] == Variant()
+    pairs = knob_variants("prenorm+tma_min")
+    assert list(pairs) == [f"{a}/{b}" for a in ("fused", "rule", "unfused") for b in ("16m", "8m", "4m")]
+    assert pairs["unfused/4m"].tuning == KernelTuning(fused_norm_max_k=0, tma_min_bytes=4 * 2**20)
+    assert pairs["fused/8m"].tuning == KernelTuning(fused_norm_max_k=UNBOUNDED_K)
+    assert pairs["rule/8m"] == Variant()
+    engines = knob_variants("fed_decode+token_ring")
+    assert engines["on/off"].engine == (("fed_decode", True), ("token_ring", False))
+    assert all(v.tuning == KernelTuning() for v in engines.values())
 
 
 def test_host_time_ab_refuses_an_unknown_knob(capsys):
     from profiles import host_time
     with pytest.raises(SystemExit):
-        host_time.main(["--decode", "1", "--device", "cpu", "--ab", "combine_release+no_such_knob"])
+        host_time.main(["--decode", "1", "--device", "cpu", "--ab", "prenorm+no_such_knob"])
     assert "unknown knob 'no_such_knob'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("knob,names", [("prenorm", ("fused", "unfused")), ("split_k", ("off", "on")),
-                                        ("gdn_early", ("off", "on")), ("tma_gemv", ("off", "on")),
-                                        ("fed_decode", ("off", "on")), ("token_ring", ("off", "on"))])
-def test_host_time_ab_alternates_the_variants(capsys, knob, names):
-    import kernels.backend  # noqa: F401  (registers the triton backend, whichever variant runs first)
-    from kernels import gdn_decode, linear
-    from model import ops
+def engines_under(monkeypatch) -> list:
+    """(the kernel tuning, the EngineConfig fields) each engine host_time builds sees, in order."""
+    from kernels import registry
     from profiles import host_time
-    defaults = (linear.SPLIT_K, gdn_decode.STATE_BEFORE_WAIT, linear.TMA_GEMV, linear.TMA_NORM)
-    prenorm = ops._BACKENDS["triton"]["add_rms_norm_linear"]
+    seen, real = [], host_time.make_engine
+
+    def make_engine(*args, **kwargs):
+        seen.append((registry.tuning(), dict(host_time.ENGINE_FIELDS)))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(host_time, "make_engine", make_engine)
+    return seen
+
+
+@pytest.mark.parametrize("knob", ["prenorm", "tma_min", "fed_decode", "token_ring"])
+def test_host_time_ab_alternates_the_variants(capsys, monkeypatch, knob):
+    from kernels import registry
+    from kernels.tuning import KernelTuning
+    from profiles import host_time
+    seen = engines_under(monkeypatch)
+    variants = host_time.knob_variants(knob)
     rows = host_time.main(["--decode", "1", "--ctx", "24", "--device", "cpu", "--ab", knob])["ab"][knob]
-    assert [(r[knob], r["repeat"]) for r in rows] == [(names[0], 0), (names[1], 0), (names[0], 1), (names[1], 1)]
+    assert [(r[knob], r["repeat"]) for r in rows] == [(n, rep) for rep in (0, 1) for n in variants]
     assert all(r["graph_ms"] > 0 for r in rows) and "graph_ms" in capsys.readouterr().out
-    # each knob's default again afterwards: the whole triton backend registered, its pre-norm as before or by its rule
-    assert (linear.SPLIT_K, gdn_decode.STATE_BEFORE_WAIT, linear.TMA_GEMV, linear.TMA_NORM) == defaults
-    triton_ops = ops._BACKENDS["triton"]
-    after = triton_ops["add_rms_norm_linear"]
-    assert triton_ops["linear"] is linear.linear
-    assert after is prenorm or getattr(after, "keywords", None) == {"fused": None}
-    assert host_time.ENGINE_FIELDS == {}  # an engine knob's setting gone with it
+    # each engine built under its variant's tuning and engine fields
+    assert seen == [(v.tuning, dict(v.engine)) for _ in (0, 1) for v in variants.values()]
+    assert len({tuning for tuning, _ in seen}) > 1 or len({str(fields) for _, fields in seen}) > 1
+    # the defaults again afterwards
+    assert registry.tuning() == KernelTuning() and host_time.ENGINE_FIELDS == {}
 
 
-def test_host_time_ab_argmax_moves_the_greedy_argmax():
-    """graph (the decode graph's own argmax), after (the sampler launches the kernel), torch (the sampler's
-    torch.argmax); the default again afterwards."""
-    from kernels import argmax
-    from model import ops
-    from profiles import host_time
-    from serving import model_runner
-    rows = host_time.main(["--decode", "1", "--ctx", "24", "--device", "cpu", "--ab", "argmax"])["ab"]["argmax"]
-    variants = ("graph", "after", "torch")
-    assert [(r["argmax"], r["repeat"]) for r in rows] == [(v, rep) for rep in (0, 1) for v in variants]
-    assert model_runner.GREEDY_IN_GRAPH and ops._BACKENDS["triton"]["argmax"] is argmax.argmax
-
-
-def test_host_time_ab_gather_rows_swaps_the_decode_gathers():
-    """fused (one kernels.gather_rows launch) against an index_select each, equal rows; the kernel again after."""
-    from kernels import gather_rows
-    from model import ops
-    from profiles import host_time
-    variants, restore = host_time.gather_setters()
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel takes CPU tensors only in the interpreter
-    tables = [torch.randn(5, 7, device=dev), torch.arange(12, dtype=torch.int32, device=dev).view(4, 3)]
-    indices = [torch.tensor([4, 0], device=dev), torch.tensor([1, 1], dtype=torch.int32, device=dev)]
-    got = {}
-    for name, apply in variants.items():
-        apply()
-        got[name] = ops._BACKENDS["triton"]["gather_rows"](tables, indices)
-    restore()
-    assert all(torch.equal(a, b) for a, b in zip(got["fused"], got["torch"]))
-    assert ops._BACKENDS["triton"]["gather_rows"] is gather_rows.gather_rows
-
-
-def test_host_time_ab_takes_several_knobs_in_turn():
+def test_host_time_ab_takes_several_knobs_in_turn(monkeypatch):
     # two-variant knobs, to keep it short (4 decode engines a knob): each knob's table, then its default again
-    from kernels import linear
+    from kernels import registry
+    from kernels.tuning import KernelTuning
     from profiles import host_time
-    knobs = ["tma_norm", "tma_chain"]
-    defaults = (linear.TMA_NORM, linear.TMA_CHAIN)
+    seen = engines_under(monkeypatch)
+    knobs = ["fed_decode", "token_ring"]
     argv = ["--decode", "1", "--ctx", "24", "--device", "cpu", *(a for k in knobs for a in ("--ab", k))]
     found = host_time.main(argv)["ab"]
     assert list(found) == knobs
     for knob in knobs:
-        names = list(host_time.AB_KNOBS[knob][2])
+        names = list(host_time.AB_KNOBS[knob])
         assert [(r[knob], r["repeat"]) for r in found[knob]] == [(n, rep) for rep in (0, 1) for n in names]
-    assert (linear.TMA_NORM, linear.TMA_CHAIN) == defaults
-
-
-def test_host_time_skip_knob_passes_the_mixers_through_and_restores_them():
-    from profiles import host_time
-    argv = ["--decode", "1", "--ctx", "24", "--device", "cpu", "--ab", "skip"]
-    tables = {name: dict(table) for name, table in ops._BACKENDS.items()}
-    found = host_time.main(argv)["ab"]["skip"]
-    assert [(r["skip"], r["repeat"]) for r in found] == [(n, rep) for rep in (0, 1) for n in host_time.SKIPPED]
-    assert {name: dict(table) for name, table in ops._BACKENDS.items()} == tables  # every op back, none added
-    before = {op: ops._impl(op) for op in host_time.PASS_THROUGH}
-    variants, restore = host_time.skip_setters()
-    try:
-        variants["gdn"]()
-        z = torch.randn(1, 2, 3)
-        assert ops.gated_deltanet(None, z, *[None] * 11) is z  # passed through: no kernel, wrong tokens
-        assert ops._impl("paged_attention") is before["paged_attention"]
-        variants["attention"]()
-        assert ops._impl("gated_deltanet") is before["gated_deltanet"]
-        assert ops.paged_attention(z, None, None, None, 1.0) is z
-        variants["attention_empty"]()  # empty kernels in place of prep, split and combine (the interpreter's)
-        assert ops._impl("gated_deltanet") is before["gated_deltanet"]
-        assert ops.attention_prep(z, *[None] * 8) is z and ops.paged_attention(z, None, None, None, 1.0) is z
-    finally:
-        restore()
-    assert {op: ops._impl(op) for op in host_time.PASS_THROUGH} == before
+    assert [fields for _, fields in seen] == [{knob: on} for knob in knobs for _ in (0, 1) for on in (False, True)]
+    assert registry.tuning() == KernelTuning() and host_time.ENGINE_FIELDS == {}
 
 
 def test_host_time_admission_keys():
@@ -248,20 +190,19 @@ def test_host_time_profiles_a_decode_step_on_the_cpu(capsys):
 
 
 def test_hf_baseline_needs_the_gpu():
-    from serving import bench
     with pytest.raises(SystemExit, match="needs the GPU"):
-        bench.main(["--device", "cpu", "--hf-baseline"])
+        bench_serving.main(["--device", "cpu", "--hf-baseline"])
 
 
 def engines_built(monkeypatch, what) -> list:
-    """What each engine the bench builds sees: what(args) at each bench.make_engine call, in order."""
+    """What each engine the bench builds sees: what(args) at each bench_serving.make_engine call, in order."""
     seen = []
-    real_make_engine = bench.make_engine
+    real_make_engine = bench_serving.make_engine
 
     def make_engine(m, args, ts):
         seen.append(what(args))
         return real_make_engine(m, args, ts)
-    monkeypatch.setattr(bench, "make_engine", make_engine)
+    monkeypatch.setattr(bench_serving, "make_engine", make_engine)
     return seen
 
 
@@ -270,9 +211,10 @@ def test_bench_sweep_alternates_the_variants_and_saves_them_side_by_side(model, 
     with that knob; a table of every run plus each variant's mean, and one summary entry in serving.json beside the
     per-variant runs."""
     seen = engines_built(monkeypatch, lambda args: args.interleave)
-    summary = bench.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "2", "--max-new", "2",
-                          "--concurrency", "2", "--page-size", "8", "--out-dir", str(tmp_path), "--no-progress",
-                          "--sweep", "interleave=0,3", "--repeat", "2"], model=model)
+    summary = bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "2",
+                                  "--max-new", "2", "--concurrency", "2", "--page-size", "8", "--out-dir",
+                                  str(tmp_path), "--no-progress", "--sweep", "interleave=0,3", "--repeat", "2"],
+                                 model=model)
     assert seen == [0, 3, 0, 3]
     assert [(r["variant"], r["repeat"]) for r in summary["runs"]] == [
         ("interleave=0", 1), ("interleave=3", 1), ("interleave=0", 2), ("interleave=3", 2)]
@@ -290,31 +232,32 @@ def test_bench_sweep_alternates_the_variants_and_saves_them_side_by_side(model, 
 
 def test_bench_replays_one_turn_traces(model, tmp_path):
     # the warm-up's returning turn fits the engine sized for one-turn traces (it was 64 tokens past it)
-    result = bench.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "1", "--max-new", "2",
-                         "--out-dir", str(tmp_path), "--no-progress"], model=model)
+    result = bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "1",
+                                 "--max-new", "2", "--out-dir", str(tmp_path), "--no-progress"], model=model)
     assert result["overall"]["requests"] == 1
 
 
 def test_bench_sweeps_a_kernel_knob_and_restores_it(model, tmp_path, monkeypatch):
     """--sweep of a decode kernel knob (profiles.host_time's AB_KNOBS): each variant set before its engine is built
     (its graphs captured), the knob's setting back afterwards."""
-    from kernels import paged_decode_attention as P
-    seen = engines_built(monkeypatch, lambda args: P.COMBINE_RELEASE)
-    summary = bench.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "2", "--max-new", "2",
-                          "--concurrency", "2", "--page-size", "8", "--out-dir", str(tmp_path), "--no-progress",
-                          "--sweep", "combine_release=early,after_wait"], model=model)
-    assert seen == ["early", "after_wait"] and P.COMBINE_RELEASE == "early"  # the default again
-    assert [r["variant"] for r in summary["runs"]] == ["combine_release=early", "combine_release=after_wait"]
+    from kernels import registry
+    from kernels.tuning import KernelTuning
+    seen = engines_built(monkeypatch, lambda args: registry.tuning().tma_min_bytes)
+    summary = bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "2",
+                                  "--max-new", "2", "--concurrency", "2", "--page-size", "8", "--out-dir",
+                                  str(tmp_path), "--no-progress", "--sweep", "tma_min=16m,4m"], model=model)
+    assert seen == [16 * 2**20, 4 * 2**20] and registry.tuning() == KernelTuning()  # the default again
+    assert [r["variant"] for r in summary["runs"]] == ["tma_min=16m", "tma_min=4m"]
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--sweep", "slices=4"], "unknown knob"), (["--sweep", "interleave=a,b"], "integers"),
     (["--sweep", "interleave="], "give values"), (["--repeat", "0"], "--repeat"),
-    (["--sweep", "combine_release=soon"], "no variant 'soon'"),
-    (["--sweep", "combine_release+split_block_n=early/16"], "no variant 'early/16'")])
+    (["--sweep", "tma_min=soon"], "no variant 'soon'"),
+    (["--sweep", "prenorm+tma_min=fused/2m"], "no variant 'fused/2m'")])
 def test_bench_refuses_a_bad_sweep(model, argv, message):
     with pytest.raises(SystemExit, match=message):
-        bench.main(["--device", "cpu", *argv], model=model)
+        bench_serving.main(["--device", "cpu", *argv], model=model)
 
 
 @settings(max_examples=60, deadline=None)

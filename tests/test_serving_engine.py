@@ -92,8 +92,8 @@ def test_shared_system_prompt_across_sessions(model):
     system = random_prompt(35, seed=5)
     sessions = [system + random_prompt(6 + i, seed=10 + i) for i in range(3)]
     outs = [engine.generate([p], SamplingParams(max_tokens=5))[0] for p in sessions]
-    # session 1 finds session 0's pages but no snapshot inside the system prompt: it snapshots at the branch
-    # point (32, the end of the shared full pages), which session 2 then hits
+    # the second session finds the first's pages but no snapshot inside the system prompt: it snapshots at the
+    # branch point (32, the end of the shared full pages), which the third then hits
     assert [o.cached_tokens for o in outs] == [0, 0, 32]
     for prompt, out in zip(sessions, outs):
         assert out.output_ids == expected(model, prompt, 5)

@@ -9,9 +9,9 @@ requests. After each step the page refcounts equal their holders and every page 
 a shared page is a cached full page; outputs so far are prefixes of greedy. At the end every request has ended and
 the pool and slots are all free. CPU, fp32, the reference ops; the `tiny` preset with a 1024-token vocabulary and
 random weights everywhere (its own init repeats one token, which would check little). This is the short CI form of
-session 24's longer fuzzer (thousands of examples, also checking logits and cached page contents), which found a
-stale prefix hit (wrong tokens) and a livelock; tests/test_serving_scheduler.py keeps both cases, which this short
-form did not reach in 150 examples.
+tests/engine_fuzzer.py, whose long runs (thousands of examples, also checking logits and cached page contents) found
+a stale prefix hit (wrong tokens) and a livelock; tests/test_serving_scheduler.py keeps both cases, which this short
+form does not reach in 150 examples.
 """
 from collections import Counter
 

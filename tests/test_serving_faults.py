@@ -191,7 +191,7 @@ BAD = {
     "token id past the vocabulary": ("/v1/completions", {"model": "tiny", "prompt": [1, 10**9]}, 400, "prompt"),
     "ignore_eos a string": ("/v1/completions", {"model": "tiny", "prompt": "hi", "ignore_eos": "yes"}, 400,
                             "ignore_eos"),
-    # session 24's review: each of these once answered 500, ran for minutes or was silently ignored
+    # found in review: each of these once answered 500, ran for minutes or was silently ignored
     "a stop string too long": ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": ["y" * 2000]}, 400,
                                "stop"),
     "too many stop strings": ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": list("abcdefghijklmnopq")},
@@ -463,8 +463,8 @@ def test_a_failure_after_the_first_token_ends_that_stream_with_an_error_event(se
 
 
 def test_a_bug_in_the_text_side_ends_the_stream_with_an_error_event(server, monkeypatch):
-    """Not an engine failure: an exception while the server writes a started stream (session 24's review: a bad
-    tool schema did this) becomes an error event and the end of the stream, not a stream that never ends."""
+    """Not an engine failure: an exception while the server writes a started stream (a bad tool schema once did
+    this) becomes an error event and the end of the stream, not a stream that never ends."""
     from serving import openai_protocol
     real_push, calls = openai_protocol.Detokenizer.push, []
 
@@ -503,8 +503,8 @@ def test_an_engine_whose_every_step_fails_fails_each_request_and_health_says_so(
 
 
 def test_a_failed_tensor_parallel_step_stops_the_engine(model, tokenizer, monkeypatch):
-    """Under tensor parallelism a failed step may leave a worker inside a collective that rank 0 never joins (session
-    24's review: every request hung and /health said ok). The loop fails the request and stops: /health says so and
+    """Under tensor parallelism a failed step may leave a worker inside a collective that rank 0 never joins (once,
+    every request hung and /health said ok). The loop fails the request and stops: /health says so and
     later requests fail at once."""
     with live_server(model, tokenizer, engine_config(tokenizer)) as live:
         monkeypatch.setattr(live.engine, "link", object())  # what AsyncEngine asks: is this engine tensor parallel
@@ -553,8 +553,8 @@ def test_a_tensor_parallel_worker_that_dies_stops_the_engine(model, tokenizer, m
 
 
 def test_a_worker_that_dies_during_shutdown_ends_the_wait_for_its_step(model, tokenizer, monkeypatch):
-    """The server stops while a step waits in a collective for a worker that then dies (session 25's review: the
-    shutdown waited for the step, up to NCCL's timeout): the failure reaches the engine and the shutdown ends."""
+    """The server stops while a step waits in a collective for a worker that then dies (the shutdown once waited
+    for the step, up to NCCL's timeout): the failure reaches the engine and the shutdown ends."""
     workers = SimpleNamespace(on_failure=None, failure=None)
     stuck, entered = threading.Event(), threading.Event()
     engine = LLMEngine(model, engine_config(tokenizer))

@@ -82,7 +82,7 @@ def test_snapshot_inside_a_chunk_falls_back_without_a_free_slot(model):
     assert [(c.start, c.num_tokens) for c in chunks] == [(0, 8)] and seq.pending_snapshot_slot is None
 
 
-# ---- found by session 24's engine fuzzer ------------------------------------------------------------------------
+# ---- found by the engine fuzzer (tests/engine_fuzzer.py) ----------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def varied_model():

@@ -76,14 +76,14 @@ def test_compare_matches_groups_of_two_runs(tmp_path, capsys):
     two = critical_shares([_row("tma_gemv", 0, 0, 0, mb=50.0, programs=0), _row("gdn_decode", 0, 18000, 22000),
                            _row("rms_norm", 0, 26000, 27000, programs=0), _row("argmax", 0, 28000, 29000)])
     paths = []
-    for name, replay, knobs in (("base", one, []), ("other", two, ["kv_prefetch=off"])):
+    for name, replay, knobs in (("base", one, []), ("other", two, ["tma_min=16m"])):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps({"graph_ms": 1.5, "knobs": knobs, "groups": summarise([replay])}))
         paths.append(str(path))
     rows = {r["name"]: r for r in step_stamps.main(["--compare", *paths])["compare"]}
     assert rows["tma_gemv"]["step_delta_us"] == pytest.approx(-2.0) and rows["gdn_decode"]["other_us"] == 8.0
     assert rows["rms_norm"]["base_us"] is None and rows["rms_norm"]["other_us"] == 2.0  # only in the other run
-    assert "kv_prefetch=off" in capsys.readouterr().out
+    assert "tma_min=16m" in capsys.readouterr().out
 
 
 SM90_STAMPED = """

@@ -1,4 +1,4 @@
-"""Tensor parallelism (model.parallel, serving.tp_worker) on the CPU with gloo: two spawned ranks
+"""Tensor parallelism (model.parallel, serving.tp_link, serving.tp_worker) on the CPU with gloo: two spawned ranks
 (tests/tp_scenarios.py, run once per module) against world size 1 in this process. forward_step logits equal
 (dense, MoE, replicated KV heads), the engine's greedy output through the rank-0 scheduler and a worker equals
 TP=1 (batching, chunked prefill, padded decode, a prefix-cache hit), and checkpoints written by transformers'
@@ -95,17 +95,17 @@ def test_launch_serves_through_a_spawned_worker(workdir):
     checkpoint, one spawned worker_main serves; the greedy output equals TP=1 and the worker exits on close."""
     import torch.distributed as dist
 
-    from serving.demo import load_model
+    from model.load import load_model
     from serving.tp_worker import launch
     path, cfg = str(workdir / "ckpt-dense"), S.engine_config("cpu")
     prompts = S.prompts()[:2]
     params = S.SamplingParams(max_tokens=6, ignore_eos=True)
-    ref = [o.output_ids for o in LLMEngine(load_model(path, torch.device("cpu"))[0], cfg).generate(prompts, params)]
+    ref = [o.output_ids for o in LLMEngine(load_model(path, "cpu"), cfg).generate(prompts, params)]
     tp, workers = launch(2, path, "cpu", cfg, "reference", timeout=timedelta(seconds=120))  # a dead worker fails it
     failures = []
     workers.on_failure = failures.append
     try:
-        engine = LLMEngine(load_model(path, torch.device("cpu"), tp=tp)[0], cfg)
+        engine = LLMEngine(load_model(path, "cpu", tp=tp), cfg)
         assert [o.output_ids for o in engine.generate(prompts, params)] == ref
         engine.close()
         workers.join(timeout=60)
@@ -173,7 +173,7 @@ def test_a_worker_that_never_joins_times_out():
 
 def test_a_worker_that_dies_after_joining_is_reported():
     """Between a worker's check-in and the group's forming, rank 0 waits in init_process_group: the watcher, which
-    runs from the workers' start, reports a death there (session 25's review: rank 0 waited for good)."""
+    runs from the workers' start, reports a death there (before, rank 0 waited for good)."""
     import threading
 
     from serving.tp_worker import WorkerGroup, await_workers, leader_store
@@ -343,7 +343,7 @@ def test_fused_experts_in_memory_load_sharded():
 
 def test_step_messages_round_trip():
     from serving.batch import StepLists
-    from serving.tp_worker import decode, encode
+    from serving.tp_link import decode, encode
     edits = [("table", [1, 2], [0, 1], [5, 6]), ("reset", [3]), ("copy", 4, 9), ("table", [7], [3], [8])]
     for kind, payload in [("decode", (4, 3, list(range(12)))), ("stop", None),
                           ("eager", StepLists([1, 2, 3], [0, 1, 2], [8, 9, 10], [0, 2, 3], [2, 1], [5, 6], 2,

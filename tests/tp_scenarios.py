@@ -11,11 +11,11 @@ from model import ops
 from model.loader import load_checkpoint
 from model.model import Qwen35ForCausalLM
 from model.parallel import ParallelContext, init_parallel
-from serving import tp_worker
+from serving import tp_link
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
 from serving.sequence import SamplingParams
-from serving.tp_worker import serve_worker
+from serving.tp_link import serve_worker
 
 VOCAB = 500  # token ids drawn below every config's vocabulary (the dense checkpoint's is 509: padded shards)
 SEED = 3
@@ -87,7 +87,7 @@ def run_rank(rank: int, world_size: int, workdir: str, device_type: str = "cpu")
         results["engine"] = {}
         for case, (n, padded, pages) in ENGINE_CASES.items():
             # the preempted case sends every message longer than 16 ints in a second broadcast
-            tp_worker.CAPACITY = 16 if pages < 64 else tp_worker.CAPACITY
+            tp_link.CAPACITY = 16 if pages < 64 else tp_link.CAPACITY
             results["engine"][case] = run_engine(build(n, device, tp), padded, pages, device_type)
         results["loaded"] = {}
         for name in ("dense", "moe"):
