@@ -41,8 +41,8 @@ class EngineConfig:
     fed_decode: a decode step's greedy argmax (inside its graph) also writes the next step's inputs (token, position,
     KV slot through the page table, cached tokens: reference.advance_decode_inputs), and a decode launched ahead
     whose rows moved on exactly so, every row greedy, replays its graph with no copy before it (serving.model_runner).
-    Pages are then allocated a token ahead. Faster at 0.8B, equal at 2B (FINDINGS, decode step). On by default; profiles.bench_serving
-    --sweep fed_decode=0,1 compares.
+    Pages are then allocated a token ahead. Faster at 0.8B, equal at 2B (FINDINGS, decode step). On by default;
+    profiles.bench_serving --sweep fed_decode=0,1 compares.
     token_ring: a fed decode's argmax also stores its tokens in pinned host memory (serving.token_ring), so that
     no copy to the host sits between two decode graphs. On by default; profiles.bench_serving --sweep token_ring=0,1.
     prefill_graph_tokens: eager steps of GEMV_MAX_ROWS + 1 up to this many tokens replay CUDA graphs of their
