@@ -27,20 +27,19 @@ all compile with cp.async pipelining and wgmma; shared memory 41-213 KB; ptxas r
 d256 128x64 (4 bytes). Dropped from the list: d256 64x64 with 4 warps (100-byte spill) and d256 BLOCK_N 32
 (ptxas C7515: wgmma serialised).
 """
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from fa4.softmax import exp2_mixed, needs_rescale, poly_level
+from kernels.environment import INTERPRET
 from kernels.host_math import cdiv
 from kernels.varlen import sequence_span
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _configs():

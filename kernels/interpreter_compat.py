@@ -4,12 +4,9 @@ The interpreter turns a runtime loop bound into an int through a 1-element numpy
 refuses ("only 0-dimensional arrays can be converted to Python scalars"); later triton releases squeeze the
 array first. This applies the same squeeze, once, and only when the interpreter is on.
 
-INTERPRET: whether Triton runs its CPU interpreter, read from the environment once, at import (Triton reads it at
-import too); the kernel modules ask it here instead of reading os.environ at each launch.
+INTERPRET (kernels.environment): whether Triton runs its CPU interpreter; the kernel modules ask it here.
 """
-import os
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from kernels.environment import INTERPRET
 
 
 def apply() -> None:

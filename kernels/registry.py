@@ -12,20 +12,20 @@ Kernels register here (kernels.routes); fa4 registers its forwards (fa4.routes);
 reference compositions and asks `run` for every op. This module imports neither fa4 nor model.
 """
 import functools
-import os
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from kernels import environment
+from kernels.environment import INTERPRET
 from kernels.tuning import KernelTuning
 
 BACKENDS = ("reference", "triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once: Triton reads it at import too
-# QWEN_CHECK_OPS=1 (read once; a test may set it): the op path runs each implementation's checked entry, which
+# QWEN_CHECK_OPS=1 (a test may set this instead): the op path runs each implementation's checked entry, which
 # validates the arguments the engine built as the public kernel functions validate a user's
-CHECK_OPS = os.environ.get("QWEN_CHECK_OPS") == "1"
+CHECK_OPS = environment.CHECK_OPS
 _CACHE_LIMIT = 4096  # distinct keys kept per backend; long prefills over growing contexts make new keys
 
 
@@ -99,7 +99,7 @@ class Op:
 _OPS: dict[str, Op] = {}
 _choices: dict[tuple, Impl] = {}  # (backend, tuning, op, key) -> Impl
 _active = "reference"
-_tuning = KernelTuning(pdl=os.environ.get("QWEN_PDL") != "0")  # the environment, read once
+_tuning = KernelTuning(pdl=environment.PDL)
 
 
 def define(op: str, key: Callable[..., tuple] | None = None) -> None:
