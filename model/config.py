@@ -162,7 +162,8 @@ _DENSE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attentio
 _HF_FIELDS = _DENSE_FIELDS + ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                               "shared_expert_intermediate_size")
 
-# Real sizes (DESIGN.md section 3); the weights of a preset are seeded random, for speed and tests only.
+# The released Qwen3.5 checkpoints' sizes (the fields left out are the defaults they share: vocab 248320, head_dim
+# 256, 16 linear key heads, dk = dv = 128); the weights of a preset are seeded random, for speed and tests only.
 PRESETS: dict[str, Qwen35Config] = {
     "qwen3.5-0.8b": Qwen35Config(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
                                  linear_num_value_heads=16, intermediate_size=3584, tie_word_embeddings=True),

@@ -242,8 +242,9 @@ def _open_safetensors(f: Path):
 
 def load_checkpoint(path, *, device="cpu", dtype=torch.bfloat16, progress: bool = True,
                     tp: ParallelContext | None = None) -> Qwen35ForCausalLM:
-    """Build the model from `path/config.json` and load every safetensors shard in `path` (under tp: this rank's
-    slices, reading only those)."""
+    """Build the model from `path/config.json`, its parameters allocated once in `dtype` on `device`, and copy in
+    every tensor of the safetensors shards in `path`, one at a time (under tp: this rank's slices, reading only
+    those)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise ValueError(f"{path} has no config.json")

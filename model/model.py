@@ -17,7 +17,7 @@ import reference as R
 from model import ops
 from model.cache import CachePools, SequenceCache
 from model.config import Qwen35Config, get_preset
-from model.layers import DecoderLayer, FusedLinear, Linear, NormedInput, RMSNorm
+from model.layers import DecoderLayer, FusedLinear, Linear, RMSNorm
 from model.parallel import SINGLE, ParallelContext, ShardPlan, gather_logits, vocab_parallel_embedding
 from model.step import StepInput
 
@@ -175,8 +175,6 @@ class Qwen35ForCausalLM(nn.Module):
         logits = self.forward_step(step, cache.pools, all_logits=all_logits)
         cache.advance(step)
         return logits.view(input_ids.shape[0], -1, logits.shape[-1])
-
-
 
 
 def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:

@@ -33,7 +33,7 @@ from model.config import Qwen35Config
 @dataclass(frozen=True)
 class ParallelContext:
     """rank in world_size ranks; group: the process group of the model's collectives (None: the default group);
-    cpu_group: a gloo group for host-side control messages (serving.tp_worker), the default group when None."""
+    cpu_group: a gloo group for host-side control messages (serving.tp_link), the default group when None."""
     rank: int = 0
     world_size: int = 1
     group: object = None

@@ -6,8 +6,8 @@
 A code change to the kernel (not a config knob, which `bench_prefill --cute-variants` covers) is measured against
 its base without two processes: each ref's fa4/ becomes its own package (fa4_<ref>, imports renamed), so each has
 its own compile cache and its kernels are timed interleaved with flash-attn-4 in the same process, call by call
-(profiles.common.interleaved_us: a best of 3 rounds of 200 ms each moved by 5-15% from round to round, prefill.json
-'cute_tree_reduce_ab' and 'cute_h100_session25'); vs_fa4 is the median of the iterations' paired ratios.
+(profiles.common.interleaved_us: a best of 3 rounds of 200 ms each moves by 5-15% from round to round,
+profiles/FINDINGS.md); vs_fa4 is the median of the iterations' paired ratios.
 `prepare` needs git (the GPU machine gets the working tree without it); ab_refs/ is ignored by git, so pass it in
 the device run's carry.
 Only fa4/ is taken from the ref: kernels/ (the compile cache, the split-KV kernel) and the rest come from the working

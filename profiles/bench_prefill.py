@@ -1,8 +1,9 @@
 """Prefill benchmark on the GPU: `python -m profiles.bench_prefill [--out DIR] [--only PART] [--quick [WHAT]]`.
 
 1. Attention, bf16: `fa4.flash_attention(backend="triton")` (and "cute" at d128/d256) in TFLOP/s against
-   flash-attn-4, cuDNN SDPA and FA2 SDPA on DESIGN.md's shapes, with each FA4 flag on its own (the rescale
-   threshold, the polynomial exp2 fraction), so the table shows what each idea is worth.
+   flash-attn-4, cuDNN SDPA and FA2 SDPA on ATTN_CASES (the peers' known H200 rows: B4 S8k H32 d128 causal and
+   not, B1 S16k H16/KV4 and B1 S32k H8/KV2 d256 causal; then a d64 GQA row), with each FA4 flag on its own (the
+   rescale threshold, the polynomial exp2 fraction), so the table shows what each idea is worth.
    FLOPs: 4 * Sq * Sk * H * D, halved for causal.
 2. The chunked Gated DeltaNet prefill (kernels/gdn_prefill.py) in Mtok/s against fla's chunk_gated_delta_rule.
 3. `--only sustained`: the CuTe kernel and flash-attn-4 each alone for seconds, with the SM clock and power each
@@ -59,8 +60,8 @@ SETTLE_S = 0.3
 # The CuTe kernel (issue 5): each FA4 idea and schedule option against the default config (the intra-warpgroup overlap
 # on, conditional rescale at 8, no polynomial exp2, one CTA a tile and ping-pong but at dense d128 (non-causal for the
 # former)), as head_dim -> config overrides (a head dim left out does not run the variant). pingpong flips the default
-# ping-pong of the consumer warpgroups, which take turns issuing their GEMMs with it (ncu of the d256 causal row:
-# barrier stalls 1.21 per issued instruction against flash-attn-4's 0.33; fa4.cute.config.default_pingpong). wide_tile:
+# ping-pong of the consumer warpgroups, which take turns issuing their GEMMs with it (at a cost in barrier stalls:
+# profiles/FINDINGS.md; fa4.cute.config.default_pingpong). wide_tile:
 # FA3's K/V tiles on the H100 (d128 176 keys, d256 80); 3_stages: a deeper K/V ring at d128 (32 + 3 x 64 KiB of smem);
 # hoisted_desc: QK^T with our own wgmma descriptors, built once outside the loop (AttentionConfig.hoisted_qk_desc; the
 # default at dense d128 causal only, fa4.cute.config.default_hoisted_qk_desc), dsl_desc: QK^T through cute.gemm

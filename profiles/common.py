@@ -22,8 +22,7 @@ def bench_us(fn: Callable[[], object], *, graph: bool = False, rep_ms: int = 200
 
 def round_order(names: list[str], r: int) -> list[str]:
     """The timing order of round r: rotated by r, so that no call is always timed first, or always right after
-    the same one (session 23: flash-attn-4, always timed last, read 617 TFLOP/s in one harness and 671 in another,
-    in one run on one H200)."""
+    the same one (a call always timed last read ~9% apart in two harnesses: profiles/FINDINGS.md, CuTe forward)."""
     r %= len(names)
     return names[r:] + names[:r]
 
@@ -53,7 +52,7 @@ def interleaved_us(calls: dict[str, Callable[[], object]], iters: int = ITERS, w
     """Microseconds of each call in each of `iters` iterations. An iteration runs every call once, back to back on
     the stream in round_order (rotated by iteration), with a time stamp between two calls, so that the calls
     compared run a few milliseconds apart under the same clock and heat: paired_ratio then cancels the card's
-    drift, which moved a call's best-of-3 by 5-15% from round to round (prefill.json 'cute_h100_session25')."""
+    drift, which moves a call's best-of-3 by 5-15% from round to round (profiles/FINDINGS.md, CuTe forward)."""
     clock = clock or cuda_clock()
     for call in calls.values():
         for _ in range(warmup):

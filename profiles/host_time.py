@@ -24,9 +24,10 @@ import triton
 from kernels import registry
 from kernels.tuning import KernelTuning
 from model import ops
+from model.load import describe_model, load_model
 from profiles.common import print_table
 from serving.config import EngineConfig
-from serving.demo import load_model, pick_device
+from serving.device import pick_device
 from serving.engine import LLMEngine
 from serving.sequence import SamplingParams
 
@@ -374,7 +375,8 @@ def main(argv=None) -> dict:
         raise SystemExit("--ab and --timeline look at decode steps: give --decode B")
     if args.timeline and (args.ab or device.type != "cuda"):
         raise SystemExit("--timeline reads the GPU's kernel records of one decode step: it needs CUDA, without --ab")
-    model, what = load_model(args.model or ("qwen3.5-2b" if device.type == "cuda" else "tiny"), device)
+    spec = args.model or ("qwen3.5-2b" if device.type == "cuda" else "tiny")
+    model, what = load_model(spec, device), describe_model(spec)
     if args.ab:
         found = {}
         for knob in args.ab:

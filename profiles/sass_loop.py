@@ -6,9 +6,9 @@
 
 No GPU. Ours compiles through fa4.cute.compile_cache (the config `flash_attention` picks for the case); flash-attn-4
 compiles through its own interface in torch's fake-tensor mode (FLASH_ATTENTION_ARCH=sm_90, its documented CPU-only
-path; `pip install flash-attn-4==4.0.0b36` with its dependencies, the version DESIGN.md measures). Both cubins come
-from the DSL's own ptxas; Triton's nvdisasm disassembles them. The loop is the innermost one that issues a tile's
-QK^T (wgmma, A from shared memory) and PV (A from registers, B transposed) and holds the exps.
+path; `pip install flash-attn-4==4.0.0b36` with its dependencies, the version of the project's peer figures). Both
+cubins come from the DSL's own ptxas; Triton's nvdisasm disassembles them. The loop is the innermost one that issues
+a tile's QK^T (wgmma, A from shared memory) and PV (A from registers, B transposed) and holds the exps.
 
 Per kernel it prints the loop's instruction mix and the order of its events: the K/V pipeline waits (`wait`), the
 ping-pong barriers (`bar`, `arv`), the wgmma issue and its waits (`depbar<=N`), the row shuffles (`shfl`), the

@@ -23,9 +23,9 @@ import torch
 
 from kernels import stamps
 from model import ops
+from model.load import describe_model, load_model
 from profiles.common import environment, print_table, write_result
 from profiles.host_time import AB_KNOBS, Variant, combined, decoding_engine, knob_variants, running, time_steps
-from serving.demo import load_model
 
 
 def critical_shares(rows: list[dict]) -> list[dict]:
@@ -139,7 +139,7 @@ def main(argv=None) -> dict:
         chosen = combined(chosen, variants[variant])
     args.decode = 1
     ops.set_backend("triton")
-    model, what = load_model(args.model, torch.device("cuda"))
+    model, what = load_model(args.model, torch.device("cuda")), describe_model(args.model)
     with running(chosen):
         found = run(model, args)
     print(f"{what}: a batch-1 decode step over {args.ctx}, graph {found['graph_ms']:.3f} ms (stamped "

@@ -91,7 +91,7 @@ class AsyncEngine:
         self.consecutive_failures = 0  # failed steps since the last good one
         # tensor parallel: a failed step may leave a rank inside a collective the others never join, so the group
         # cannot be trusted again: the loop fails every request and stops (/health: "engine stopped"); the server
-        # then kills the workers instead of asking them to stop (session 24's review: a hang with /health "ok")
+        # then kills the workers instead of asking them to stop (asking could hang, with /health still "ok")
         self.broken: Exception | None = None
         self.stats = EngineStats()
         self._refresh_stats()

@@ -11,15 +11,12 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-
-from model import ops
-from model.loader import load_checkpoint
+from model import load, ops
 from model.model import Qwen35ForCausalLM
 from model.tokenizer import StreamDecoder, load_tokenizer
 from serving.config import EngineConfig
+from serving.device import pick_device
 from serving.engine import LLMEngine
 from serving.sequence import SamplingParams
 
@@ -48,23 +45,6 @@ class TurnStats:
     generated: int
     ttft_s: float
     decode_s: float
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda asked for, but no CUDA GPU is visible")
-    return torch.device(name)
-
-
-def load_model(spec: str, device: torch.device, tp=None) -> tuple[Qwen35ForCausalLM, str]:
-    """A checkpoint folder or a preset name; tp (a model.parallel.ParallelContext): this rank's slices only."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if Path(spec).is_dir():
-        return load_checkpoint(spec, device=device, dtype=dtype, tp=tp), f"checkpoint {spec}"
-    return (Qwen35ForCausalLM.from_preset(spec, device=device, dtype=dtype, tp=tp),
-            f"preset {spec} (RANDOM weights)")
 
 
 def run_turn(engine: LLMEngine, tokenizer, prompt: list[int], max_new_tokens: int, out) -> tuple[list[int], TurnStats]:
@@ -144,7 +124,7 @@ def main(argv=None) -> list[TurnStats]:
     device = pick_device(args.device)
     ops.set_backend(args.ops if args.ops != "auto" else ("triton" if device.type == "cuda" else "reference"))
     spec = args.model or ("qwen3.5-0.8b" if device.type == "cuda" else "tiny")
-    model, what = load_model(spec, device)
+    model, what = load.load_model(spec, device), load.describe_model(spec)
     tokenizer = load_tokenizer()
     engine = make_engine(model, tokenizer, args.max_context, cuda_graphs=not args.eager)
     out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype} | ops: {ops.get_backend()}\n"

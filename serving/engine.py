@@ -23,7 +23,7 @@ from serving.scheduler import Scheduler
 from serving.sequence import SamplingParams, Sequence, SequenceStatus
 from serving.state_cache import StateSnapshotCache
 from serving.token_ring import GreedyTokens
-from serving.tp_worker import leader_link
+from serving.tp_link import leader_link
 
 log = logging.getLogger("serving")
 
@@ -73,7 +73,7 @@ class LLMEngine:
         cfg, self.sizing = self._size(model, cfg)
         self.cfg = cfg
         num_slots = cfg.max_num_seqs + cfg.snapshot_slots + 1  # the last slot and the last page are padding's
-        # tensor parallel: rank 0 sends each step to the workers (serving.tp_worker), whose engines only hold the
+        # tensor parallel: rank 0 sends each step to the workers (serving.tp_link), whose engines only hold the
         # pools and the runner; every rank's pools hold its own heads (model.cache_config). None at TP=1.
         self.link = leader_link(model)
         pools = CachePools.allocate(model.cache_config, cfg.num_pages + 1, cfg.page_size, num_slots, weight.dtype,

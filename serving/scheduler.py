@@ -9,8 +9,8 @@ one step. When a running sequence cannot get a page, the newest running sequence
 (computed full pages stay cached), and it waits to be recomputed, mostly from the prefix cache. When a running
 prefills' next chunks want more pages than are free, running prefills go before any admission (fast lane included),
 oldest first; otherwise the fast lane may go first but must leave them those pages. Admissions would take the pages,
-and newcomers admitted and preempted in turn would starve the running prefills forever (found by session 24's engine
-fuzzer).
+and newcomers admitted and preempted in turn would starve the running prefills forever (a livelock that the engine
+fuzzer, tests/engine_fuzzer.py, found).
 """
 from collections import deque
 
@@ -181,7 +181,7 @@ class Scheduler:
     def _admission_hit(self, seq: Sequence) -> tuple[list[int], PageKey | None]:
         """seq's prefix hit as the step looked it up, or looked up again when a cached page has been evicted since
         (allocations earlier in the step may have handed one of its pages to another sequence, which seq would then
-        share: session 24's fuzzer) or its snapshot is gone (reserved over)."""
+        share: a stale hit, wrong tokens) or its snapshot is gone (reserved over)."""
         hit = self._step_hits.get(seq.id)
         if (hit is None or self.block_manager.num_evictions != self._step_evictions
                 or (hit[1] is not None and hit[1] not in self.state_cache)):

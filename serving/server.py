@@ -33,11 +33,12 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from model import ops
+from model.load import describe_model, load_model
 from model.tokenizer import QwenTokenizer, load_tokenizer
 from serving import tp_worker
 from serving.async_engine import AsyncEngine, EngineFailure, RequestRejected, RequestStream
 from serving.config import EngineConfig
-from serving.demo import load_model, pick_device
+from serving.device import pick_device
 from serving.engine import LLMEngine
 from serving.metrics import ServingMetrics
 from serving.openai_protocol import (
@@ -459,15 +460,15 @@ def main(argv=None) -> None:
         # until the app runs, a worker that dies ends this process: it may be blocked in a collective
         tp, workers = tp_worker.launch(args.tp, args.model, device.type, cfg, backend, on_failure=exit_at_startup)
         device = tp_worker.rank_device(device.type, 0)
-    model, what = load_model(args.model, device, tp=tp)
+    model = load_model(args.model, device, tp=tp)
     engine = LLMEngine(model, cfg)
     log.info("compiling the kernels of every step shape (LLMEngine.warm_up)")
     engine.warm_up()
     max_len = args.max_model_len or model.config.max_position_embeddings
     name = args.served_model_name or Path(args.model).name
     limits = Limits(args.api_key, args.max_body_bytes, args.max_queued)
-    log.info("serving %s on %s as '%s' at http://%s:%d (API key %s)", what, device, name, args.host, args.port,
-             "required" if args.api_key else "off")
+    log.info("serving %s on %s as '%s' at http://%s:%d (API key %s)", describe_model(args.model), device, name,
+             args.host, args.port, "required" if args.api_key else "off")
     app = create_app(engine, tokenizer, name, max_len, limits, aliases=(args.model,), workers=workers)
     try:
         web.run_app(app, host=args.host, port=args.port, print=None)

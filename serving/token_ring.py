@@ -3,9 +3,9 @@
 A fed decode step's argmax (kernels.argmax with reference.DecodeAdvance.token_ring) stores each row's token in
 pinned host memory as well, at [p % RING_ROWS, row] for a row at position p, so that the host reads the step's
 tokens once the step's event has passed, with no device-to-host copy on the stream between two decode graphs.
-Why: that copy cost ~12 us a step (H100, session 35: engine steps 1.521 / 1.525 ms against 1.510 / 1.511 for bare
-replays of the same graph at 2B over 12,288 tokens, 0.815 / 0.819 against 0.803 / 0.808 at 0.8B): the argmax's end
-to the copy's start, the copy, and the copy's end to the next graph's first kernel (4-11 us under torch.profiler).
+Why: that copy cost ~12 us a step (engine steps against bare replays of the same graph at 0.8B and 2B:
+profiles/FINDINGS.md, decode step): the argmax's end to the copy's start, the copy, and the copy's end to the next
+graph's first kernel.
 
 A step overwrites what a step R positions earlier left in a row's slot. The engine reads a decode step's tokens
 before it launches the step after next, so R = 2 would do; before each launch the ring still reads any landing

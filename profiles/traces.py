@@ -1,4 +1,4 @@
-"""Agent traces for serving.bench: a JSONL format and a synthetic generator.
+"""Agent traces for profiles.bench_serving: a JSONL format and a synthetic generator.
 
 A trace is one agent session: turn 1 sends a prompt (a system prompt with tool schemas, shared by every
 session, then the task), the model answers, and every later turn sends the whole conversation back unchanged
@@ -12,7 +12,8 @@ many tokens the model generates (`max_new`, with ignore_eos). `system_tokens` (o
 system prefix (random ids from the file's seed, the same for every trace) to turn 1; with explicit ids,
 `shared_prefix` (optional) says how many leading tokens of turn 1 every trace shares (for the eligible hit rate).
 
-Synthetic variants (DESIGN.md section 5): a shared 4k system prompt and tool schema, then
+Synthetic variants, shaped like the SWE-style agent sessions published serving records replay (a first turn of
+about 50k tokens, then about 800 tokens a turn over 10-15 turns): a shared 4k system prompt and tool schema, then
 - short: a first turn of 8k tokens (the shared 4k included), then 10 turns of 300-800 tokens of tool output;
 - long: a first turn of 50k tokens, then 12 turns of 800;
 each answer 64 to 300 tokens. `scale` multiplies every length (for smoke tests).
@@ -101,7 +102,7 @@ def load_jsonl(path, *, vocab: int, turns: int | None = None, max_new: int | Non
                 n = int(t.get("max_new", 256))
                 ts.append(Turn(ids, min(n, max_new) if max_new is not None else n))
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}:{line_no}: not a trace ({e!r}); see serving/traces.py") from None
+            raise ValueError(f"{path}:{line_no}: not a trace ({e!r}); see profiles/traces.py") from None
         if not ts or any(t.max_new < 1 or not t.new_ids for t in ts):
             raise ValueError(f"{path}:{line_no}: every turn needs tokens and max_new >= 1")
         if any(not 0 <= x < vocab for t in ts for x in t.new_ids):

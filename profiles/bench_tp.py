@@ -1,10 +1,10 @@
 """Batch-1 decode speed at several tensor-parallel sizes, in one run on one machine:
-`python -m serving.tp_bench --model qwen3.5-9b --tp 1 2 [--prompt 512] [--tokens 256] [--out DIR]`.
+`python -m profiles.bench_tp --model qwen3.5-9b --tp 1 2 [--prompt 512] [--tokens 256] [--out DIR]`.
 
 Each size runs in fresh processes (one per rank, spawned; NCCL on cuda:0..N-1, gloo on the CPU) with the engine of
-serving.engine on rank 0 and serving.tp_worker on the others, decode steps from CUDA graphs on GPUs. One request
-warms up (kernels, graphs), then a timed one: a random prompt of --prompt tokens and --tokens greedy new ones
-(ignore_eos). Decode tok/s = (tokens - 1) / (last token time - first token time); TTFT is the timed request's.
+serving.engine on rank 0 and serving.tp_link's worker loop on the others, decode steps from CUDA graphs on GPUs.
+One request warms up (kernels, graphs), then a timed one: a random prompt of --prompt tokens and --tokens greedy
+new ones (ignore_eos). Decode tok/s = (tokens - 1) / (last token time - first token time); TTFT is the timed request's.
 Speedup = tok/s at N / tok/s at 1; scaling efficiency = speedup / N. Prints a table; with --out writes
 DIR/tp.json (the card, versions and command with it), e.g. --out profiles/results.
 """
@@ -22,15 +22,16 @@ import torch.multiprocessing as mp
 def bench_rank(rank: int, world: int, init_method: str, args: argparse.Namespace, out: str) -> None:
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     from model import ops
+    from model.load import load_model
     from model.parallel import init_parallel
     from serving.config import EngineConfig
-    from serving.demo import load_model
     from serving.engine import LLMEngine
-    from serving.tp_worker import dist_backend, rank_device, serve_worker
+    from serving.tp_link import serve_worker
+    from serving.tp_worker import dist_backend, rank_device
     device = rank_device(args.device, rank)
     ops.set_backend("triton" if args.device == "cuda" else "reference")
     tp = init_parallel(rank, world, init_method, backend=dist_backend(args.device))
-    model, _ = load_model(args.model, device, tp=tp)
+    model = load_model(args.model, device, tp=tp)
     common = dict(max_num_seqs=1, max_model_len=args.prompt + args.tokens + 16, snapshot_slots=0,
                   cuda_graphs=not args.eager)
     cfg = (EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common) if args.device == "cuda"

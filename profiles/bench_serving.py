@@ -1,22 +1,24 @@
-"""Closed-loop replay of agent traces through the engine: `python -m serving.bench --model qwen3.5-2b --trace short`.
+"""Closed-loop replay of agent traces through the engine: `python -m profiles.bench_serving --model qwen3.5-2b
+--trace short`.
 
-N users (--concurrency) each replay traces (serving/traces.py: JSONL or the synthetic short/long variants): a user
+N users (--concurrency) each replay traces (profiles/traces.py: JSONL or the synthetic short/long variants): a user
 sends a turn's request (the whole conversation so far, as an agent harness does), waits for the full answer, and
 sends the next turn at once. Before timing, one request warms the kernels and puts the shared system prefix in
 the prefix cache (a server that has seen any earlier session has it).
 
 Per user it reports TTFT p50/p99 (all turns, and returning turns apart: turn 2 on), time to the final answer of
 a trace, decode tok/s (1000 / mean TPOT in ms, TPOT of a request = (last - first token time) / (tokens - 1)),
-the plain cache hit rate (cached prompt tokens / prompt tokens) and the eligible one (cached / the prompt tokens
-that an earlier request of the session, or the shared system prefix, had already sent: DESIGN.md section 5), and
-throughput. It prints a table and adds the run to profiles/results/serving.json (card, versions, command), keyed
-by model, trace and concurrency. --hf-baseline then times transformers' greedy generate on the same config
-(random weights, batch 1) and reports our batch-1 decode speed over it.
+the plain cache hit rate (cached prompt tokens / prompt tokens, as agent harnesses count it) and the eligible one
+(cached / the prompt tokens that an earlier request of the session, or the shared system prefix, had already sent:
+what a prefix cache could have served at best), and throughput. It prints a table and adds the run to
+profiles/results/serving.json (card, versions, command), keyed by model, trace and concurrency. --hf-baseline then
+times transformers' greedy generate on the same config (random weights, batch 1) and reports our batch-1 decode
+speed over it.
 
 `--sweep interleave=4,8,12 --repeat 2` replays once per value of an engine knob on one loaded model, alternating
 the values, and prints them side by side with each value's mean (serving.json keeps every run and a `sweep|...`
-summary). Decode kernel knobs sweep the same way by variant name (`--sweep combine_release=after_wait,early`;
-`combine_release+split_block_n=after_wait/64,early/32` for pairs: profiles.host_time's AB_KNOBS). On the H200
+summary). Decode kernel knobs sweep the same way by variant name (`--sweep tma_min=16m,8m`;
+`prenorm+tma_min=rule/16m,rule/8m` for pairs: profiles.host_time's AB_KNOBS). On the H200
 one configuration's c16 figure moves by about 7% from run to run, within one process too, so compare variants this
 way rather than across processes.
 """
@@ -32,6 +34,7 @@ import torch
 
 from model import ops
 from model.config import Qwen35Config
+from model.load import describe_model, load_model
 from profiles.common import (
     RESULTS,
     TritonCompileLog,
@@ -41,11 +44,11 @@ from profiles.common import (
     print_table,
     write_result,
 )
+from profiles.traces import Trace, load_jsonl, synthetic, write_jsonl
 from serving.config import EngineConfig
-from serving.demo import load_model, pick_device
+from serving.device import pick_device
 from serving.engine import LLMEngine, StepPhases
 from serving.sequence import SamplingParams
-from serving.traces import Trace, load_jsonl, synthetic, write_jsonl
 
 PHASES = ("schedule_ms", "dispatch_ms", "commit_ms", "sample_ms")  # engine.StepPhases' host milliseconds
 
@@ -382,7 +385,7 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
                     help=f"replay once per value of an engine knob ({', '.join(ENGINE_KNOBS)}) or per variant of a "
-                         "decode kernel knob (profiles.host_time's AB_KNOBS, e.g. combine_release=after_wait,early), "
+                         "decode kernel knob (profiles.host_time's AB_KNOBS, e.g. tma_min=16m,8m), "
                          "one model load, and print the variants side by side")
     ap.add_argument("--repeat", type=int, default=1, help="replay every variant this many times, alternating "
                                                           "the variants (run-to-run spread on the GPU: ~7%%)")
@@ -407,7 +410,7 @@ def main(argv=None, model=None) -> dict:
     ops.set_backend(args.ops if args.ops != "auto" else ("triton" if device.type == "cuda" else "reference"))
     if model is None:
         args.model = args.model or ("qwen3.5-2b" if device.type == "cuda" else "tiny")
-        model, what = load_model(args.model, device)
+        model, what = load_model(args.model, device), describe_model(args.model)
     else:
         args.model, what = args.model or "custom", "a given model"
     if knob is None and args.repeat == 1:
@@ -426,11 +429,11 @@ def parse_sweep(spec: str | None) -> tuple[str | None, list]:
     if not listed:
         raise SystemExit(f"--sweep {spec!r}: give values, as in {name}=4,12")
     if name not in ENGINE_KNOBS:
-        from profiles.host_time import AB_KNOBS, knob_setters
+        from profiles.host_time import AB_KNOBS, knob_variants
         if any(part not in AB_KNOBS for part in name.split("+")):  # A+B: pairs of variants, as in host_time --ab
             raise SystemExit(f"--sweep: unknown knob {name!r}; one of {', '.join(ENGINE_KNOBS)} (engine) or "
                              f"{', '.join(sorted(AB_KNOBS))} (kernels, joined by + for pairs)")
-        variants = knob_setters(name)[0]
+        variants = knob_variants(name)
         unknown = [v for v in listed if v not in variants]
         if unknown:
             raise SystemExit(f"--sweep {spec!r}: {name} has no variant {unknown[0]!r}; one of {', '.join(variants)}")
@@ -445,15 +448,11 @@ def run_variants(args, model, what: str, device: torch.device, out, knob: str | 
     """Replay each value of knob (or the one configuration) args.repeat times, alternating them so that a drift of
     the machine hits every variant alike; print and save the variants' figures side by side. A kernel knob's
     variant is set before its replay's engine captures its graphs, and the knob restored after."""
-    kernel_variants, restore = {}, None
+    kernel_variants = {}
     if knob is not None and knob not in ENGINE_KNOBS:
-        from profiles.host_time import knob_setters
-        kernel_variants, restore = knob_setters(knob)
-    try:
-        rows = _replay_variants(args, model, what, device, out, knob, values, kernel_variants)
-    finally:
-        if restore is not None:
-            restore()
+        from profiles.host_time import knob_variants
+        kernel_variants = knob_variants(knob)
+    rows = _replay_variants(args, model, what, device, out, knob, values, kernel_variants)
     means = [{"variant": v, "repeat": "mean",
               **{k: mean([r[k] for r in rows if r["variant"] == v and r[k] is not None]) for k in SWEEP_COLUMNS}}
              for v in dict.fromkeys(r["variant"] for r in rows)]
@@ -468,15 +467,15 @@ def run_variants(args, model, what: str, device: torch.device, out, knob: str | 
 def _replay_variants(args, model, what: str, device: torch.device, out, knob: str | None, values: list,
                      kernel_variants: dict) -> list[dict]:
     """run_variants' replays: one row a variant and repeat."""
+    from profiles.host_time import Variant, running
     rows = []
     for rep in range(args.repeat):
         for value in values or [None]:
-            if value in kernel_variants:
-                kernel_variants[value]()
-            elif knob is not None:
+            if value not in kernel_variants and knob is not None:
                 setattr(args, knob, value)
             out.write(f"=== {knob or 'run'} {'' if value is None else value}, repeat {rep + 1} of {args.repeat}\n")
-            overall = run_once(args, model, what, device, out)["overall"]
+            with running(kernel_variants.get(value, Variant())):
+                overall = run_once(args, model, what, device, out)["overall"]
             rows.append({"variant": "default" if value is None else f"{knob}={value}", "repeat": rep + 1,
                          **{k: overall[k] for k in SWEEP_COLUMNS}})
             gc.collect()
