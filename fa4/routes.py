@@ -59,7 +59,7 @@ def _paged_triton(key, tuning):
 class AttentionKey(NamedTuple):
     """What routes a flash_attention call: its layout ("dense", "varlen", "paged"), causal, the batch, the longest
     query chunk (paged only: the split-KV choice reads it), heads, head dim, page size (0 unpaged), the pages'
-    capacity, dtype, device, and whether every tensor has a unit last stride."""
+    capacity, dtype, device, and the first tensor without a unit last stride ("" when none)."""
     layout: str
     causal: bool
     num_seqs: int
@@ -71,7 +71,7 @@ class AttentionKey(NamedTuple):
     seqlen_k: int
     dtype: torch.dtype
     device: DeviceInfo
-    unit_stride: bool
+    strided: str
 
     def paged(self) -> PD.PagedKey:
         """The model op's key of the same call: paged_attention's router decides split-KV against the forwards."""
@@ -82,8 +82,9 @@ class AttentionKey(NamedTuple):
 
 def attention_key(q, k, v, causal, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k) -> AttentionKey:
     """The key of a checked flash_attention call (reads cu_seqlens_q on the host for a paged varlen call)."""
-    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k)
-    unit = all(t is None or t.stride(-1) == 1 for t in tensors)
+    tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, page_table=page_table,
+                   seqused_k=seqused_k)
+    unit = next((name for name, t in tensors.items() if t is not None and t.stride(-1) != 1), "")
     heads, head_dim, kv_heads = q.shape[-2], q.shape[-1], k.shape[-2]
     if page_table is None:
         layout = "dense" if cu_seqlens_q is None else "varlen"
@@ -118,8 +119,8 @@ def _attention_cute(key, tuning):
 
 
 def _attention_triton(key, tuning):
-    if not key.unit_stride:
-        return "every tensor must be contiguous along its last dim"
+    if key.strided:
+        return f"{key.strided} must be contiguous along its last dim"
     return _triton_forward_unsupported(key.head_dim, key.dtype, key.device)
 
 
@@ -131,9 +132,10 @@ def _int32(t):
 # rescale_threshold, poly_exp2_fraction, key), checked by fa4.interface
 
 def run_split_kv(q, k, v, causal, scale, cu_q, cu_k, page_table, seqused_k, rescale_threshold, poly, key):
-    return PD.paged_decode_attention(q, k, v, _int32(page_table), _int32(seqused_k), softmax_scale=scale,
-                                     cu_seqlens_q=_int32(cu_q), max_seqlen_q=key.q_len if cu_q is not None else None,
-                                     rescale_threshold=rescale_threshold, check_metadata=False)
+    # flash_attention checked every argument and read the metadata once: the kernel launches without checks
+    return PD.launch(q, k, v, _int32(page_table).contiguous(), _int32(seqused_k).contiguous(), scale,
+                     None if cu_q is None else _int32(cu_q).contiguous(), key.num_seqs, key.q_len, None, None, None,
+                     None, None, None, rescale_threshold, True)
 
 
 def run_cute(q, k, v, causal, scale, cu_q, cu_k, page_table, seqused_k, rescale_threshold, poly, key):

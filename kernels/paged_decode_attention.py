@@ -628,13 +628,14 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         return torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
     if check_metadata and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_metadata(q, k_pages, page_table, seqused_k, cu_seqlens_q, q_len)
-    return _launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batch, q_len, gate, num_splits,
+    return launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batch, q_len, gate, num_splits,
                    max_seqlen_k, out, workspace, block_m, rescale_threshold, split_decode_rows)
 
 
-def _launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batch, q_len, gate, num_splits,
+def launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batch, q_len, gate, num_splits,
             max_seqlen_k, out, workspace, block_m, rescale_threshold, split_decode_rows):
-    """paged_decode_attention on checked arguments (or the engine's own, which it built): the plan and the launches."""
+    """paged_decode_attention on checked arguments (the engine's own, or fa4.flash_attention's after its checks):
+    the plan and the launches, nothing checked again."""
     _, page_size, kv_heads, head_dim = k_pages.shape
     num_heads = q.shape[-2]
     group = num_heads // kv_heads
@@ -816,7 +817,7 @@ def split_kv_pays(batch: int, max_q_len: int, group: int, kv_heads: int, head_di
 def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
     """model.ops' paged_attention on this kernel (the router sends it decode steps, mixed steps and agent turns):
     the step's host bound max_seqlen_k; the engine built the step, so nothing is checked again."""
-    return _launch(q, k_pages, v_pages, step.page_table, step.seqused_k, scale, step.cu_seqlens, step.num_seqs,
+    return launch(q, k_pages, v_pages, step.page_table, step.seqused_k, scale, step.cu_seqlens, step.num_seqs,
                    step.max_seqlen_q, gate, None, step.max_seqlen_k, None, None, None, RESCALE_THRESHOLD, True)
 
 

@@ -186,10 +186,10 @@ def test_fa4_auto_routes_short_paged_chunks_here():
     def why(**fields):
         return registry.why_not("attention", key._replace(**fields))["split_kv"]
     assert why() is None
-    assert why(q_len=MAX_Q_LEN + 1).startswith("max q_len 2049")
+    assert why(q_len=MAX_Q_LEN + 1) == "max q_len 2049 is not in 1..2048"
     assert why(q_len=2048).startswith("max q_len 2048 fills the GPU")
     assert why(causal=False) == why(layout="varlen", page_size=0) == "the split-KV kernel takes causal paged calls only"
-    assert why(unit_stride=False) == "every tensor must be contiguous along its last dim"
+    assert why(strided="page_table") == "page_table must be contiguous along its last dim"
 
 
 SM90_COMPILE = """

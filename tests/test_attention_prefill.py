@@ -188,7 +188,11 @@ def test_model_long_chunks_run_on_the_triton_forward(monkeypatch):
     forward over the paged prefix where the forward fills the GPU (here a pretend 8-SM one), gated; it equals the
     reference op."""
     from kernels import paged_decode_attention as P
-    monkeypatch.setattr(P, "_num_sms", lambda device: 8)  # 17 M-blocks x 2 sequences fill 8 SMs
+    from kernels.registry import DeviceInfo
+    from model import ops
+    here = P.device_info(torch.device(DEV))
+    # 17 M-blocks x 2 sequences fill a pretend 8-SM card
+    monkeypatch.setattr(P, "device_info", lambda device: DeviceInfo(here.type, here.capability, 8, here.interpret))
     from model.ops import _ref_paged_attention
     from model.step import StepInput
     lens, q_lens, h, kv, d = [600, 40], [520, 1], 2, 1, 64
@@ -202,7 +206,8 @@ def test_model_long_chunks_run_on_the_triton_forward(monkeypatch):
                      page_table=table, slot_mapping=zeros, state_slots=zeros[:2])
     called, forward = [], TF.triton_forward
     monkeypatch.setattr(TF, "triton_forward", lambda *a, **kw: called.append(1) or forward(*a, **kw))
-    out = P.paged_attention_op(q, k_pages, v_pages, step, d ** -0.5, gate)
+    with ops.use_backend("triton"):
+        out = ops.paged_attention(q, k_pages, v_pages, step, d ** -0.5, gate)
     assert called, "the long chunk did not go to fa4's Triton forward"
     assert_rel(out, _ref_paged_attention(q, k_pages, v_pages, step, d ** -0.5, gate), 1e-5, "long chunk step")
 

@@ -93,12 +93,12 @@ def test_gated_deltanet_choices(key, expected):
 
 
 @pytest.mark.parametrize("key, expected", [
-    (AttentionKey("dense", True, 4, 0, 32, 32, 128, 0, 0, BF16, H200, True), "cute"),
-    (AttentionKey("dense", True, 4, 0, 32, 8, 64, 0, 0, BF16, H200, True), "triton"),  # no d64 CuTe tile
-    (AttentionKey("paged", True, 1, 64, 16, 4, 256, 128, 8192, BF16, H200, True), "split_kv"),
-    (AttentionKey("paged", True, 1, 800, 16, 4, 256, 128, 50048, BF16, H200, True), "cute"),
-    (AttentionKey("paged", False, 1, 64, 16, 4, 256, 128, 8192, BF16, H200, True), "cute"),  # split-KV: causal only
-    (AttentionKey("dense", True, 4, 0, 32, 32, 128, 0, 0, BF16, CPU, True), "reference"),
+    (AttentionKey("dense", True, 4, 0, 32, 32, 128, 0, 0, BF16, H200, ""), "cute"),
+    (AttentionKey("dense", True, 4, 0, 32, 8, 64, 0, 0, BF16, H200, ""), "triton"),  # no d64 CuTe tile
+    (AttentionKey("paged", True, 1, 64, 16, 4, 256, 128, 8192, BF16, H200, ""), "split_kv"),
+    (AttentionKey("paged", True, 1, 800, 16, 4, 256, 128, 50048, BF16, H200, ""), "cute"),
+    (AttentionKey("paged", False, 1, 64, 16, 4, 256, 128, 8192, BF16, H200, ""), "cute"),  # split-KV: causal only
+    (AttentionKey("dense", True, 4, 0, 32, 32, 128, 0, 0, BF16, CPU, ""), "reference"),
 ])
 def test_flash_attention_choices(key, expected):
     assert registry.choose("attention", key, "triton").name == expected
@@ -120,7 +120,7 @@ def test_a_choice_is_made_once_a_key():
 
 
 def test_a_named_implementation_never_falls_back():
-    key = AttentionKey("dense", True, 4, 0, 32, 8, 64, 0, 0, BF16, H200, True)
+    key = AttentionKey("dense", True, 4, 0, 32, 8, 64, 0, 0, BF16, H200, "")
     with pytest.raises(ValueError, match="head_dim 64"):
         registry.named("attention", "cute", key)
     with pytest.raises(ValueError, match="no implementation 'nosuch'"):
