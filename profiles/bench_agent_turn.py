@@ -150,11 +150,11 @@ def best(row, key):
 
 
 def bench_case(name, batch, q_len, ctx, target_us=None, peers=True, check=True, cute=False):
-    from kernels.paged_decode_attention import forward_fill, split_kv_pays
+    from fa4.routes import attention_key
+    from kernels import registry
     q, kp, vp, table, seqused, cu = make_turn(batch, q_len, ctx)
-    fill = forward_fill(q, kp, table, q_len)  # < 1: the CuTe forward runs this call (auto's forward then)
-    ours_route = split_kv_pays(batch, q_len, H // KV, KV, D, 2, ctx + q_len, torch.cuda.get_device_properties(0)
-                               .multi_processor_count, fill)
+    route = registry.choose("attention", attention_key(q, kp, vp, True, cu, None, table, seqused), "triton").name
+    ours_route, cute_route = route == "split_kv", route == "cute"  # auto's choice for this call
     flops, kv_bytes = work(batch, q_len, ctx)
     bound_us = max(flops / PEAK_TFLOPS / 1e6, kv_bytes / READ_TBPS / 1e6)
     row = {"case": name, "B": batch, "q_len": q_len, "ctx": ctx, "GFLOP": flops / 1e9, "KV_MB": kv_bytes / 1e6,
@@ -170,7 +170,7 @@ def bench_case(name, batch, q_len, ctx, target_us=None, peers=True, check=True, 
         if fn is not None:
             row["splits"], tile = holder["splits"], holder["tile"]
             row["tile"] = f"{'chunk' if tile.chunk else 'decode'} M{tile.block_m}x{tile.m_blocks} w{tile.num_warps}"
-    elif fill < 1.0:
+    elif cute_route:
         row["route"] = "ours (CuTe forward: it fills enough of the GPU)"
         fn = timed(row, "ours", lambda: cute_fn(q, kp, vp, table, seqused, cu, q_len))
     else:
@@ -184,7 +184,7 @@ def bench_case(name, batch, q_len, ctx, target_us=None, peers=True, check=True, 
         if ref is not None and fn is not None:
             row["rel_err_vs_fa4"] = float((fn().float() - ref).norm() / ref.norm())
         if cute:  # the CuTe column: auto's own route already timed it where the route is CuTe
-            if fill < 1.0 and not ours_route:
+            if cute_route:
                 cute_call = fn
                 row.update({k.replace("ours", "cute", 1): t for k, t in row.items() if k.startswith("ours_")})
             else:

@@ -61,8 +61,8 @@ def num_sms(device) -> int:
 def cute_attention(q, k, v, *, causal: bool, softmax_scale: float, cu_seqlens_q=None, cu_seqlens_k=None,
                    page_table=None, seqused_k=None, max_seqlen_q: int | None = None, rescale_threshold: float = 8.0,
                    poly_exp2_fraction: float = 0.0, **config_overrides):
-    """Attention on an sm_90 GPU, bf16; returns q's shape. Call `cute_unsupported` first (the inputs are those
-    `fa4.flash_attention` checked).
+    """Attention on an sm_90 GPU, bf16; returns q's shape. The router asks `key_unsupported` first (the inputs are
+    those `fa4.flash_attention` checked).
     q: (B, Sq, H, D), or (total_q, H, D) with cu_seqlens_q (B + 1,). k, v: (B, Sk, KV, D); (total_k, KV, D) with
     cu_seqlens_k; or pools (num_pages, page_size, KV, D) with page_table (B, max_pages) and seqused_k (B,).
     max_seqlen_q: the longest query sequence (read from cu_seqlens_q on the host when not given: a sync).
