@@ -245,7 +245,7 @@ def _heads_at_once(group: int, tile: int, programs: int) -> int:
 
 
 class GdnKey(NamedTuple):
-    """What routes a GDN mixer call (kernels.routes): tokens a sequence (1: decode; longer ones in powers of two),
+    """What routes a GDN mixer call (kernels.registry): tokens a sequence (1: decode; longer ones in powers of two),
     heads and head dims, dtype, device, and whether a decode meets the CuTe kernel's layout (gdn_decode_cute)."""
     q_len: int
     hk: int

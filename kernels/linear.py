@@ -254,7 +254,7 @@ def _rows_dot(x2, weight, o2, plan):
 
 
 class LinearKey(NamedTuple):
-    """What routes a projection (kernels.routes): rows, the rows cuBLAS would run (kernels.row_buckets: padded
+    """What routes a projection (kernels.registry): rows, the rows cuBLAS would run (kernels.row_buckets: padded
     outside graph capture), the weight's (N, K), dtype, device, SwiGLU's gated input, and whether one bf16 row
     meets the TMA-ring GEMV's layout (tma_gemv.available)."""
     rows: int
@@ -313,7 +313,7 @@ def run_cublas(x, weight, out=None, gated: bool = False):
 def linear(x, weight, out=None, *, plan: tuple[int, ...] | None = None, gated: bool = False):
     """x: (..., K) fp16/bf16/fp32; weight: (N, K), x's dtype, unit stride along K -> (..., N) in x's dtype.
     gated: x is (..., 2K) = [gate | up] and the product takes silu(gate) * up (SwiGLU's down projection, one
-    launch instead of two). The router (kernels.routes) picks the kernel by rows and weight: the Triton GEMV up to
+    launch instead of two). The router (kernels.registry) picks the kernel by rows and weight: the Triton GEMV up to
     MAX_ROWS rows, the TMA-ring GEMV for one bf16 row of a wide weight, the skinny GEMM up to DOT_MAX_ROWS unpadded
     rows (graph capture), torch's matmul (cuBLAS) beyond; into `out` when given. plan (benchmark sweeps): the
     GEMV's (BLOCK_N, BLOCK_K, num_warps) or the skinny GEMM's (BLOCK_N, BLOCK_K, STAGES, num_warps, SPLIT), which

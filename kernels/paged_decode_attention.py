@@ -775,8 +775,9 @@ CUTE_FORWARD_FILL = 0.5
 
 
 class PagedKey(NamedTuple):
-    """What routes paged attention (kernels.routes, fa4.routes): the batch, its longest query chunk, the heads,
-    the pages, the key bound (only where the choice reads it: chunks over ALWAYS_Q_LEN), dtype and device."""
+    """What routes paged attention (kernels.registry; entries here and in fa4.routes): the batch, its longest query
+    chunk, the heads, the pages, the key bound (only where the choice reads it: chunks over ALWAYS_Q_LEN), dtype and
+    device."""
     num_seqs: int
     q_len: int
     heads: int

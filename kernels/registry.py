@@ -8,8 +8,9 @@ active backend's, then the reference's. The choice is made once per (backend, tu
 of a shape seen before costs its key and one dict lookup. `use(backend, tuning)` sets both for a block: an A/B
 runs two tunings in one process.
 
-Kernels register here (kernels.routes); fa4 registers its forwards (fa4.routes); model.ops registers the
-reference compositions and asks `run` for every op. This module imports neither fa4 nor model.
+Each kernel module registers its entries (kernels.routes imports them all); fa4 registers its forwards
+(fa4.routes); model.ops registers the reference compositions and asks `run` for every op. This module imports
+neither fa4 nor model.
 """
 import functools
 from collections.abc import Callable
