@@ -309,7 +309,7 @@ GPU_LENS = [1, 2, 65, 1000, 33000]
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("q_len", [1, 3, 8])
-def test_gpu_matches_reference(decode_block_n, dtype, d, group, q_len):
+def test_gpu_matches_reference(dtype, d, group, q_len):
     kv, page = 2, (16 if group in (1, 4) else 64)
     lens = [max(n, q_len) for n in GPU_LENS]
     k_pages, v_pages, table, seqused = make_cache(lens, kv, d, page, dtype, seed=group * 10 + q_len)
@@ -332,7 +332,7 @@ def test_gpu_largest_tile_and_small_head_dim(dtype, d):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 7, 64])
-def test_gpu_varlen_mixed_q_lens(decode_block_n, splits):
+def test_gpu_varlen_mixed_q_lens(splits):
     dtype, d, h, kv, page = torch.bfloat16, 256, 16, 4, 64
     q_lens = [1, 8, 3, 5, 2, 7, 4, 6]
     lens = [8, 70, 1000, 33000, 4, 513, 20000, 129]
