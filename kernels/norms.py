@@ -107,16 +107,22 @@ def _norm(x, residual, weight, eps, out):
     out = output_for(out, x.shape, x)  # fresh: a projection's input, with room for its padded rows
     check_devices(x=x, residual=residual, weight=weight, out=out)
     x2, o2 = rows_view("x", x), rows_view("out", out)
-    r2 = x2 if residual is None else rows_view("residual", residual)
+    r2 = None if residual is None else rows_view("residual", residual)
+    return _launch(x2, r2, weight, eps, o2, out)
+
+
+def _launch(x2, r2, weight, eps, o2, out):
+    """The norm of rows x2 (n_rows, n) (+ r2 when given, the sum written back into it) into o2; returns out."""
+    res = x2 if r2 is None else r2
     n_rows, n = x2.shape
     if n_rows == 0 or n == 0:
         return out
     block_n, rows, warps = _launch_shape(n)
-    stamp, stamping = stamps.slot("rms_norm", x.device)
+    stamp, stamping = stamps.slot("rms_norm", x2.device)
     _rms_norm_kernel[(cdiv(n_rows, rows),)](
-        x2, r2, weight, o2, n_rows, n, x2.stride(0), r2.stride(0), o2.stride(0), float(eps), stamp,
-        HAS_RES=residual is not None, BLOCK_N=block_n, ROWS=rows, STAMPS=stamping, num_warps=warps,
-        **pdl.launch_options(x.device))
+        x2, res, weight, o2, n_rows, n, x2.stride(0), res.stride(0), o2.stride(0), float(eps), stamp,
+        HAS_RES=r2 is not None, BLOCK_N=block_n, ROWS=rows, STAMPS=stamping, num_warps=warps,
+        **pdl.launch_options(x2.device))
     return out
 
 
@@ -135,7 +141,21 @@ def add_rms_norm(x, residual, weight, eps, out=None):
 
 
 
+def rms_norm_op(x, weight, eps):
+    # x: (..., n) from the model: launched without the public checks (the engine built it)
+    out = empty_rows(x.shape, x.dtype, x.device)
+    return _launch(rows_view("x", x), None, weight, eps, out.view(-1, x.shape[-1]), out)
+
+
+def add_rms_norm_op(x, residual, weight, eps):
+    # x, residual: (..., n) from the model; residual None: a first layer
+    out = empty_rows(x.shape, x.dtype, x.device)
+    r2 = None if residual is None else rows_view("residual", residual)
+    return (_launch(rows_view("x", x), r2, weight, eps, out.view(-1, x.shape[-1]), out),
+            x if residual is None else residual)
+
+
 registry.define("rms_norm")
-registry.register("rms_norm", Impl("rms_norm", "triton", rms_norm))
+registry.register("rms_norm", Impl("rms_norm", "triton", rms_norm_op, checked=rms_norm))
 registry.define("add_rms_norm")
-registry.register("add_rms_norm", Impl("add_rms_norm", "triton", add_rms_norm))
+registry.register("add_rms_norm", Impl("add_rms_norm", "triton", add_rms_norm_op, checked=add_rms_norm))
