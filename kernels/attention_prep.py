@@ -149,7 +149,11 @@ def attention_prep(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot
     if out is None and isinstance(q, torch.Tensor):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     check_args(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot_mapping, out)
-    eps = check_real("eps", eps)
+    return _launch(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot_mapping, check_real("eps", eps), out)
+
+
+def _launch(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot_mapping, eps, out):
+    """attention_prep on checked arguments (or the engine's own): the launch."""
     n, h, d = q.shape
     kv = k.shape[1]
     if n == 0:
@@ -167,10 +171,15 @@ def attention_prep(q, k, v, q_norm_w, k_norm_w, cos, sin, k_pages, v_pages, slot
 
 
 def attention_prep_op(q, k, v, q_norm_w, k_norm_w, step, k_pages, v_pages, eps):
-    """model.ops adapter: takes cos, sin and slot_mapping from the StepInput."""
+    """model.ops' attention_prep: cos, sin and slot_mapping from the StepInput the engine built, not checked again."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return _launch(q, k, v, q_norm_w, k_norm_w, step.cos, step.sin, k_pages, v_pages, step.slot_mapping, float(eps),
+                   out)
+
+
+def _checked_op(q, k, v, q_norm_w, k_norm_w, step, k_pages, v_pages, eps):
     return attention_prep(q, k, v, q_norm_w, k_norm_w, step.cos, step.sin, k_pages, v_pages, step.slot_mapping, eps)
 
 
-
 registry.define("attention_prep")
-registry.register("attention_prep", Impl("attention_prep_op", "triton", attention_prep_op))
+registry.register("attention_prep", Impl("attention_prep_op", "triton", attention_prep_op, checked=_checked_op))
