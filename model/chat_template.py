@@ -12,7 +12,11 @@ The layout follows the official Qwen3.5 jinja template (text-only subset):
 * Each user turn is `<|im_start|>user\\n{content}<|im_end|>\\n`; message content is whitespace-trimmed.
 * Assistant turns after the last real user query carry a `<think>\\n{reasoning}\\n</think>\\n\\n` block; earlier ones
   drop their reasoning. Tool calls follow the content in the XML form.
-* Runs of consecutive tool messages become one user turn of `<tool_response>` blocks.
+* Runs of consecutive tool messages become one user turn of `<tool_response>` blocks; a tool message that opens the
+  conversation opens no user turn (the official template only opens one after a non-tool message).
+* Tool-call argument values that are strings are written as is, objects and arrays as JSON; booleans and null follow
+  the model: Qwen3.5's template writes Python's `True`/`False`/`None` (`literals="python"`), Qwen3.6's JSON's
+  `true`/`false`/`null` (`literals="json"`, the default).
 * The generation prompt is `<|im_start|>assistant\\n<think>\\n`, or with thinking disabled
   `<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n`.
 """
@@ -24,6 +28,7 @@ import re
 from dataclasses import dataclass
 
 ROLES = ("system", "user", "assistant", "tool")
+LITERAL_STYLES = ("json", "python")  # how tool-call arguments write booleans and null: Qwen3.6 / Qwen3.5
 
 # Control tokens that appear in the template's own fixed text (the tool-format instructions).
 _TEMPLATE_SPECIALS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
@@ -68,9 +73,12 @@ def render_segments(
     tools: list[dict] | None = None,
     add_generation_prompt: bool = True,
     enable_thinking: bool = False,
+    literals: str = "json",
 ) -> list[Segment]:
-    """Render a conversation as template segments; raises ValueError on malformed input."""
+    """Render a conversation as template segments; raises ValueError on malformed input. `literals` (see
+    LITERAL_STYLES) is how tool-call arguments write booleans and null."""
     _check_messages(messages)
+    _check_literals(literals)
     contents = [_content_text(m.get("content"), m["role"]) for m in messages]
     last_query = _last_query_index(messages, contents)
     segments = _system_turn(messages, contents, tools)
@@ -81,9 +89,9 @@ def render_segments(
         if role == "user":
             segments += [IM_START, "user\n" + contents[i], IM_END, "\n"]
         elif role == "assistant":
-            segments += _assistant_turn(message, contents[i], i > last_query)
+            segments += _assistant_turn(message, contents[i], i > last_query, literals)
         elif role == "tool":
-            segments += _tool_result(messages, contents, i)
+            segments += _tool_result(messages, contents, i, opens_first=False)
     if add_generation_prompt:
         segments += _generation_prompt(enable_thinking)
     return segments
@@ -103,10 +111,16 @@ def render_continuation(
         if message["role"] == "user":
             segments += [IM_START, "user\n" + content, IM_END, "\n"]
         elif message["role"] == "tool":
-            segments += _tool_result(messages, [_content_text(m.get("content"), "tool") for m in messages], i)
+            contents = [_content_text(m.get("content"), "tool") for m in messages]
+            segments += _tool_result(messages, contents, i, opens_first=True)  # after the generated turn
         else:
             raise ValueError(f"messages[{i}]: only user and tool turns can follow a generated turn")
     return segments + _generation_prompt(enable_thinking)
+
+
+def _check_literals(literals: str) -> None:
+    if literals not in LITERAL_STYLES:
+        raise ValueError(f"literals must be one of {LITERAL_STYLES}, got {literals!r}")
 
 
 def _content_text(content, role: str) -> str:
@@ -192,7 +206,7 @@ def _template_text(text: str) -> list[Segment]:
     return [Special(p) if p in _TEMPLATE_SPECIALS else p for p in pieces if p]
 
 
-def _assistant_turn(message: dict, content: str, show_reasoning: bool) -> list[Segment]:
+def _assistant_turn(message: dict, content: str, show_reasoning: bool, literals: str = "json") -> list[Segment]:
     """An assistant turn: optional think block, content, then its tool calls in the XML form."""
     reasoning, content = _assistant_reasoning(message, content)
     segments: list[Segment] = [IM_START, "assistant\n"]
@@ -204,7 +218,7 @@ def _assistant_turn(message: dict, content: str, show_reasoning: bool) -> list[S
         raise ValueError(f"assistant tool_calls must be a list, got {type(calls).__name__}")
     for k, call in enumerate(calls):
         separator = "\n" if k > 0 else ("\n\n" if content else "")
-        segments += [separator, TOOL_CALL, _tool_call_body(call), END_TOOL_CALL]
+        segments += [separator, TOOL_CALL, _tool_call_body(call, literals), END_TOOL_CALL]
     return segments + [IM_END, "\n"]
 
 
@@ -219,7 +233,7 @@ def _assistant_reasoning(message: dict, content: str) -> tuple[str, str]:
     return "", content
 
 
-def _tool_call_body(call) -> str:
+def _tool_call_body(call, literals: str = "json") -> str:
     """The text between `<tool_call>` and `</tool_call>` for one OpenAI-format tool call."""
     function = call.get("function", call) if isinstance(call, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
@@ -228,7 +242,12 @@ def _tool_call_body(call) -> str:
     lines = [f"\n<function={name}>\n"]
     for key, value in _call_arguments(function.get("arguments"), name).items():
         try:
-            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            if isinstance(value, str):
+                text = value
+            elif literals == "python" and (value is None or isinstance(value, bool)):
+                text = str(value)  # Qwen3.5's template: `args_value | string` for scalars
+            else:
+                text = json.dumps(value, ensure_ascii=False)
         except (TypeError, ValueError, RecursionError) as err:  # a set, NaN rules, nesting past the limit
             raise ValueError(f"tool call {name!r}: argument {key!r} is not JSON ({type(err).__name__})") from None
         lines.append(f"<parameter={key}>\n{text}\n</parameter>\n")
@@ -250,9 +269,10 @@ def _call_arguments(arguments, name: str) -> dict:
     return arguments
 
 
-def _tool_result(messages: list[dict], contents: list[str], i: int) -> list[Segment]:
-    """One tool result; a run of consecutive tool messages shares a single user turn."""
-    opens = i == 0 or messages[i - 1]["role"] != "tool"
+def _tool_result(messages: list[dict], contents: list[str], i: int, opens_first: bool) -> list[Segment]:
+    """One tool result; a run of consecutive tool messages shares a single user turn. A run at i == 0 opens one
+    only if `opens_first` (a continuation after a generated turn); a conversation's leading run opens none."""
+    opens = opens_first if i == 0 else messages[i - 1]["role"] != "tool"
     closes = i == len(messages) - 1 or messages[i + 1]["role"] != "tool"
     segments: list[Segment] = [IM_START, "user"] if opens else []
     segments += ["\n", TOOL_RESPONSE, "\n" + contents[i] + "\n", END_TOOL_RESPONSE]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from model.config import PRESETS
 from model.loader import load_checkpoint
 from model.model import Qwen35ForCausalLM
 from model.parallel import ParallelContext
@@ -31,3 +32,20 @@ def load_model(spec: str, device="cpu", dtype: torch.dtype | None = None, *, see
 def describe_model(spec: str) -> str:
     """What load_model(spec) builds, for logs: `checkpoint PATH` or `preset NAME (RANDOM weights)`."""
     return f"checkpoint {spec}" if Path(spec).is_dir() else f"preset {spec} (RANDOM weights)"
+
+
+def check_model_spec(spec: str) -> None:
+    """Raise ValueError, with one line that says what is wrong, unless load_model(spec) can start: spec is a preset
+    name, or a folder with a config.json and safetensors weights (what is in them is checked while loading)."""
+    path = Path(spec)
+    if path.is_dir():
+        missing = [what for what, found in (("config.json", (path / "config.json").is_file()),
+                                             ("*.safetensors weights", any(path.glob("*.safetensors"))))
+                   if not found]
+        if missing:
+            raise ValueError(f"{spec!r} is a folder without {' or '.join(missing)}: not a checkpoint folder")
+        return
+    if spec.lower() in PRESETS:
+        return
+    what = "a file, not a folder" if path.exists() else "no such folder"
+    raise ValueError(f"{spec!r} is not a preset name ({', '.join(PRESETS)}) and not a checkpoint folder ({what})")

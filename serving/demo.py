@@ -7,7 +7,6 @@ prompt tokens, cached tokens, generated tokens, TTFT and decode speed. Defaults:
 `qwen3.5-0.8b` on the GPU. A preset name builds RANDOM weights at that model's real shapes: the text is noise,
 the timings are real.
 """
-import argparse
 import sys
 import time
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from model import load, ops
 from model.model import Qwen35ForCausalLM
 from model.tokenizer import StreamDecoder, load_tokenizer
+from serving import cli
 from serving.config import EngineConfig
 from serving.device import pick_device
 from serving.engine import LLMEngine
@@ -109,13 +109,17 @@ def run_session(model, tokenizer, max_new_tokens: int, max_context: int, out, en
 
 
 def main(argv=None) -> list[TurnStats]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None,
-                    help="a preset name (random weights) or an HF checkpoint folder; default: tiny on the CPU, "
-                         "qwen3.5-0.8b on the GPU")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--max-context", type=int, default=8192)
+    summary = "A scripted agent session through the serving engine.\n\n"
+    ap = cli.Parser(prog=cli.prog("serving.demo"), description=summary + __doc__.split("\n", 1)[1].strip())
+    ap.add_argument("--model", default=None, type=cli.model_spec,
+                    help="a preset name (random weights) or an HF checkpoint folder (default: tiny on the CPU, "
+                         "qwen3.5-0.8b on the GPU)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="where the model runs; auto: cuda when a GPU is visible, else cpu")
+    ap.add_argument("--max-new-tokens", type=cli.positive_int, default=32,
+                    help="tokens the model generates per turn at most")
+    ap.add_argument("--max-context", type=cli.positive_int, default=8192,
+                    help="longest conversation (prompt + generated tokens) the engine takes")
     ap.add_argument("--ops", default="auto", choices=["auto", "reference", "triton"],
                     help="kernel backend of model.ops; auto: triton on the GPU, reference on the CPU")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")

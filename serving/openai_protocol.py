@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from model.chat_template import render_segments
 from model.tokenizer import QwenTokenizer, StreamDecoder
 from model.tool_calls import parse_tool_calls, split_reasoning
 from serving.sequence import SamplingParams
@@ -198,6 +199,25 @@ def parse_completion(body, tokenizer: QwenTokenizer, served: ServedModel) -> Gen
     return GenerationRequest(ids, _sampling(body, len(ids), served, ("max_tokens",)), stream, include_usage)
 
 
+def _check_tool_messages(messages: list) -> None:
+    """Each tool message answers a tool call of an earlier assistant message: its `tool_call_id` names that call's
+    `id`. (Messages that are not dicts are left to the template's checks.)"""
+    call_ids: set = set()
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue
+        if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
+            call_ids.update(call.get("id") for call in message["tool_calls"] if isinstance(call, dict))
+        elif message.get("role") == "tool":
+            param = f"messages[{i}].tool_call_id"
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ApiError(f"'{param}' is required: a tool message answers a tool call by its id", param)
+            if call_id not in call_ids:
+                raise ApiError(f"'{param}' {call_id!r} matches no tool call of an earlier assistant message"[:300],
+                               param)
+
+
 def parse_chat(body, tokenizer: QwenTokenizer, served: ServedModel) -> GenerationRequest:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
@@ -210,10 +230,16 @@ def parse_chat(body, tokenizer: QwenTokenizer, served: ServedModel) -> Generatio
     if _tool_choice(body) == "none":
         tools = None
     thinking = _field(_field(body, "chat_template_kwargs", (dict,), {}), "enable_thinking", (bool,), False)
+    if tools:
+        try:  # the tools alone first, so that an error in them names `tools`
+            render_segments([{"role": "user", "content": ""}], tools)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ApiError(f"bad tools: {error}", "tools") from None
+    _check_tool_messages(messages)
     try:
         ids = tokenizer.apply_chat_template(messages, tools=tools, enable_thinking=thinking)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ApiError(f"bad messages or tools: {error}", "messages") from None
+        raise ApiError(f"bad messages: {error}", "messages") from None
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, len(ids), served, ("max_completion_tokens", "max_tokens"))
     return GenerationRequest(ids, params, stream, include_usage, tools, thinking)

@@ -18,7 +18,6 @@ with OpenAI's error JSON and the server keeps serving. A client that goes away m
 aborted in the engine (its pages freed); a request that fails inside the engine fails alone (500, or an error
 event in its stream).
 """
-import argparse
 import asyncio
 import hmac
 import json
@@ -34,8 +33,8 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from model import ops
 from model.load import describe_model, load_model
-from model.tokenizer import QwenTokenizer, load_tokenizer
-from serving import tp_worker
+from model.tokenizer import QwenTokenizer, tokenizer_for_model
+from serving import cli, tp_worker
 from serving.async_engine import AsyncEngine, EngineFailure, RequestRejected, RequestStream
 from serving.config import EngineConfig
 from serving.device import pick_device
@@ -411,38 +410,58 @@ class ServerArgs:
     tp: int = 1
 
 
+DESCRIPTION = """\
+An OpenAI-compatible HTTP server for a Qwen3.5 model (a checkpoint folder, or a preset with RANDOM weights).
+
+endpoints:
+  POST /v1/chat/completions  chat, with tools and SSE streaming
+  POST /v1/completions       text completion, with SSE streaming
+  GET  /v1/models            the served model
+  GET  /health               200 while the engine steps (no API key needed)
+  GET  /metrics              Prometheus text
+
+It binds 127.0.0.1 unless --host says otherwise. With --api-key (or $FA4_API_KEY) every route but /health needs
+`Authorization: Bearer KEY`.
+"""
+
+
 def parse_args(argv=None) -> ServerArgs:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny", help="a preset name (random weights) or an HF checkpoint folder")
-    ap.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback only)")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the KV pool on the "
-                    "CPU, serving.config.DEFAULT_MAX_MODEL_LEN on a GPU; never past the model's positions)")
-    ap.add_argument("--kv-tokens", type=int, default=65536, help="tokens of KV the page pool holds (CPU)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85,
-                    help="fraction of the card for weights, activations and the KV pool (CUDA)")
+    ap = cli.Parser(prog=cli.prog("serving.server"), description=DESCRIPTION)
+    ap.add_argument("--model", default="tiny", type=cli.model_spec,
+                    help="a preset name (random weights) or an HF checkpoint folder")
+    ap.add_argument("--host", default="127.0.0.1", help="the address to bind; 127.0.0.1 is loopback only")
+    ap.add_argument("--port", type=cli.port, default=8000, help="the TCP port to listen on (1..65535)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="where the model runs; auto: cuda when a GPU is visible, else cpu")
+    ap.add_argument("--max-model-len", type=cli.positive_int, help="longest prompt + completion (default: the KV "
+                    "pool on the CPU, serving.config.DEFAULT_MAX_MODEL_LEN on a GPU; never past the model's positions)")
+    ap.add_argument("--kv-tokens", type=cli.positive_int, default=65536, help="tokens of KV the page pool holds (CPU)")
+    ap.add_argument("--gpu-memory-utilization", type=cli.fraction, default=0.85,
+                    help="fraction of the card for weights, activations and the KV pool (CUDA), in (0, 1]")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
-    ap.add_argument("--max-num-seqs", type=int, default=8, help="requests generated at once")
-    ap.add_argument("--api-key", default=os.environ.get("FA4_API_KEY"),
+    ap.add_argument("--max-num-seqs", type=cli.positive_int, default=8, help="requests generated at once")
+    ap.add_argument("--api-key", default=None,
                     help="require 'Authorization: Bearer KEY' on every route but /health (default: $FA4_API_KEY)")
-    ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
-    ap.add_argument("--max-queued", type=int, default=DEFAULT_MAX_QUEUED,
+    ap.add_argument("--max-body-bytes", type=cli.positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                    help="larger request bodies get 413")
+    ap.add_argument("--max-queued", type=cli.positive_int, default=DEFAULT_MAX_QUEUED,
                     help="requests that may wait for admission; more get 429 with Retry-After")
     ap.add_argument("--served-model-name", help="the model name of the API (default: the --model name)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (GPUs): this one and N-1 workers")
-    return ServerArgs(**vars(ap.parse_args(argv)))
+    ap.add_argument("--tp", type=cli.positive_int, default=1,
+                    help="tensor-parallel processes (GPUs): this one and N-1 workers")
+    args = vars(ap.parse_args(argv))
+    if args["api_key"] is None:  # read here, not as the default: --help must not print the key
+        args["api_key"] = os.environ.get("FA4_API_KEY")
+    return ServerArgs(**args)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    if args.tp < 1:
-        raise SystemExit(f"--tp must be >= 1, got {args.tp}")
     device = pick_device(args.device)
     backend = "triton" if device.type == "cuda" else "reference"
     ops.set_backend(backend)
-    tokenizer = load_tokenizer()
+    tokenizer = tokenizer_for_model(args.model)  # the checkpoint's own chat template when it ships one
     common = dict(max_num_seqs=args.max_num_seqs, eos_token_ids=tokenizer.eos_token_ids,
                   max_model_len=args.max_model_len, cuda_graphs=not args.eager)
     if device.type == "cuda":

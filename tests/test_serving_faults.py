@@ -148,6 +148,8 @@ def greedy_text(live: Live, model, prompt_ids: list[int], n: int) -> str:
 # ---- bad input -------------------------------------------------------------------------------------------------
 
 USER = [{"role": "user", "content": "hi"}]
+CALL_C1 = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]}
 BAD = {
     "malformed json": ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
     "body not an object": ("/v1/completions", [1, 2], 400, None),
@@ -223,9 +225,18 @@ BAD = {
     "tool_choice a number": ("/v1/chat/completions", {"model": "tiny", "messages": USER, "tool_choice": 12}, 400,
                              "tool_choice"),
     "tool parameters a string": ("/v1/chat/completions", {"model": "tiny", "messages": USER, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": "abc"}}]}, 400, "messages"),
+        {"type": "function", "function": {"name": "f", "parameters": "abc"}}]}, 400, "tools"),
     "tool properties a string": ("/v1/chat/completions", {"model": "tiny", "messages": USER, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"properties": "x"}}}]}, 400, "messages"),
+        {"type": "function", "function": {"name": "f", "parameters": {"properties": "x"}}}]}, 400, "tools"),
+    "tool without a name": ("/v1/chat/completions", {"model": "tiny", "messages": USER, "tools": [
+        {"type": "function", "function": {"description": "nameless"}}]}, 400, "tools"),
+    "tool message without tool_call_id": ("/v1/chat/completions", {"model": "tiny", "messages": [
+        *USER, CALL_C1, {"role": "tool", "content": "42"}]}, 400, "messages[2].tool_call_id"),
+    "tool message answering no call": ("/v1/chat/completions", {"model": "tiny", "messages": [
+        *USER, CALL_C1, {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "tool", "tool_call_id": "c9", "content": "7"}]}, 400, "messages[3].tool_call_id"),
+    "tool message before any call": ("/v1/chat/completions", {"model": "tiny", "messages": [
+        *USER, {"role": "tool", "tool_call_id": "c1", "content": "42"}, CALL_C1]}, 400, "messages[1].tool_call_id"),
 }
 
 
@@ -237,6 +248,16 @@ def test_bad_input_gets_4xx_json_and_the_server_keeps_serving(server, case):
     if status == 404:
         assert error["code"] == "model_not_found"
     good_request(server)
+
+
+def test_a_tool_message_must_answer_an_earlier_tool_call(server):
+    tool = {"role": "tool", "content": "42"}
+    for message in (tool, {**tool, "tool_call_id": "c2"}):  # no id; an id of no call
+        body = {"model": "tiny", "messages": [*USER, CALL_C1, message], "max_tokens": 1}
+        error = assert_openai_error(request("POST", server.url + "/v1/chat/completions", body), 400)
+        assert error["type"] == "invalid_request_error" and error["param"] == "messages[2].tool_call_id"
+    body = {"model": "tiny", "messages": [*USER, CALL_C1, {**tool, "tool_call_id": "c1"}], "max_tokens": 1}
+    assert request("POST", server.url + "/v1/chat/completions", body).status == 200
 
 
 def test_a_bad_charset_or_encoding_gets_400(server):

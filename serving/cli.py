@@ -1,0 +1,85 @@
+"""What the command lines (serving.server, serving.demo, profiles.bench_serving) share: a parser whose errors are
+one line on stderr (exit status 2, as argparse's), help that shows every default, and argument types that refuse
+a nonsensical value at parse time, before anything is loaded."""
+import argparse
+
+from model.load import check_model_spec
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written (line breaks kept); each flag's help ends with its default, unless the default
+    is None or False (nothing set) or the help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return text
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text + " (default: %(default)s)"
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with an error as one line: `PROG: error: MESSAGE; see --help`, exit status 2."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
+
+
+def model_spec(spec: str) -> str:
+    """argparse type of --model: a preset name or a checkpoint folder (model.load.check_model_spec)."""
+    try:
+        check_model_spec(spec)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return spec
+
+
+def int_at_least(low: int, high: int | None = None):
+    """argparse type: an integer in [low, high] (no upper bound when high is None)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"in {low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+port = int_at_least(1, 65535)
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in (0, 1] (a share of a GPU's memory)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def prog(module: str) -> str:
+    """How the command is run, for usage lines: `python -m MODULE`."""
+    return f"python -m {module}"
