@@ -15,6 +15,11 @@ profiles/results/serving.json (card, versions, command), keyed by model, trace a
 times transformers' greedy generate on the same config (random weights, batch 1) and reports our batch-1 decode
 speed over it.
 
+`--sessions N` replays N traces as sessions interleaved across the users (each idle user takes the next turn of
+the least recently served session), so that with N > concurrency a session returns after others ran and its prefix
+competes for the caches; it reports the eligible hit rate and the returning turns' TTFT p50/p99. On a GPU the GDN
+snapshot pool is sized by --state-cache-fraction / --state-cache-gb (EngineConfig), on the CPU it has 3C + 16 slots.
+
 `--sweep interleave=4,8,12 --repeat 2` replays once per value of an engine knob on one loaded model, alternating
 the values, and prints them side by side with each value's mean (serving.json keeps every run and a `sweep|...`
 summary). Decode kernel knobs sweep the same way by variant name (`--sweep tma_min=16m,8m`;
@@ -113,28 +118,70 @@ def percentile(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, max(0, round(q / 100 * (len(v) - 1))))]
 
 
-def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: bool = True
+class Sessions:
+    """--sessions: the traces as sessions that any user may serve. An idle user takes the next turn of the least
+    recently served session (the one whose last answer is the oldest; never-served sessions first, in order) that
+    is neither in flight nor done, so with more sessions than users a session's turns come back after others ran."""
+
+    def __init__(self, traces: list[Trace]):
+        self.sessions = [User(i, [t]) for i, t in enumerate(traces)]  # a User of one trace is a session's state
+        self.last_served = [-1] * len(traces)  # the order of each session's last answer (-1: none yet)
+        self.busy: set[int] = set()
+        self.done: set[int] = set()
+        self.served = 0
+
+    def take(self) -> User | None:
+        """The session the next idle user serves, marked in flight; None when none is ready."""
+        ready = [i for i in range(len(self.sessions)) if i not in self.busy and i not in self.done]
+        if not ready:
+            return None
+        i = min(ready, key=lambda j: (self.last_served[j], j))
+        self.busy.add(i)
+        return self.sessions[i]
+
+    def answered(self, session: User) -> None:
+        i = session.index
+        self.busy.discard(i)
+        self.last_served[i], self.served = self.served, self.served + 1
+        if session.trace is None and not session.queue:
+            self.done.add(i)
+
+
+def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: bool = True, sessions: bool = False
            ) -> tuple[list[Request], list[User], float, list[tuple[float, StepPhases]]]:
     """Run every trace to its end with `concurrency` closed-loop users. Returns the requests, users, wall time and
-    each engine step's (wall ms, phases)."""
+    each engine step's (wall ms, phases). Without `sessions` user i replays traces i, i + concurrency, ... one
+    after the other; with it the users interleave the traces' turns (Sessions), and a user's trace times are those
+    of the sessions whose last turn it served."""
     from tqdm import tqdm
-    users = [User(i, traces[i::concurrency]) for i in range(min(concurrency, len(traces)))]
+    pool = Sessions(traces) if sessions else None
+    if pool is None:
+        users = [User(i, traces[i::concurrency]) for i in range(min(concurrency, len(traces)))]
+    else:
+        users = [User(i, []) for i in range(min(concurrency, len(traces)))]
     live: dict[int, tuple[User, Request, list[int]]] = {}
+    owner: dict[int, User] = {}  # with sessions: the user serving each live request
     done: list[Request] = []
     steps: list[tuple[float, StepPhases]] = []
     bar = tqdm(total=sum(len(t.turns) for t in traces), desc="turns", disable=not progress, file=sys.stderr)
     start = time.perf_counter()
     idle = list(users)
     while idle or live:
-        for u in idle:
+        waiting = []  # with sessions: users that found no session ready (all others in flight)
+        for client in idle:
+            u = client if pool is None else pool.take()
+            if u is None:
+                waiting.append(client)
+                continue
             nxt = u.next_prompt()
             if nxt is None:
                 continue
             prompt, max_new, eligible = nxt
             seq_id = engine.add_request(prompt, SamplingParams(max_tokens=max_new, ignore_eos=True))
-            live[seq_id] = (u, Request(u.index, u.trace.id, u.turn, len(prompt), min(eligible, len(prompt) - 1),
+            live[seq_id] = (u, Request(client.index, u.trace.id, u.turn, len(prompt), min(eligible, len(prompt) - 1),
                                        time.perf_counter()), prompt)
-        idle = []
+            owner[seq_id] = client
+        idle = waiting if live else []
         before = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
@@ -148,9 +195,14 @@ def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: b
                 result = engine.pop_output(o.seq_id)
                 r.cached_tokens = result.cached_tokens
                 u.finished_turn(prompt, result.output_ids, now)
+                client = owner.pop(o.seq_id)
+                if pool is not None:
+                    if u.trace is None:  # the session's last turn: its trace time is its server's
+                        client.trace_times.append(u.trace_times[-1])
+                    pool.answered(u)
                 del live[o.seq_id]
                 done.append(r)
-                idle.append(u)
+                idle.append(client)
                 bar.update(1)
     bar.close()
     return done, users, time.perf_counter() - start, steps
@@ -280,7 +332,7 @@ def hf_decode_tok_s(cfg: Qwen35Config, device: torch.device, prompt_len: int, ne
 
 
 def build_traces(args, vocab: int) -> list[Trace]:
-    n = args.num_traces or args.concurrency
+    n = args.sessions or args.num_traces or args.concurrency
     if args.trace in ("short", "long"):
         return synthetic(args.trace, n, vocab=vocab, scale=args.scale, turns=args.turns, max_new=args.max_new,
                          seed=args.seed)
@@ -296,7 +348,8 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
                   interleave_slices=args.interleave, interleave_slice_tokens=args.interleave_slice_tokens,
                   prefill_graph_tokens=args.prefill_graphs,
                   decode_ahead=bool(args.decode_ahead), fed_decode=bool(args.fed_decode),
-                  token_ring=bool(args.token_ring))
+                  token_ring=bool(args.token_ring), state_cache_fraction=args.state_cache_fraction,
+                  state_cache_gb=args.state_cache_gb)
     if model.lm_head.weight.device.type == "cuda":
         return LLMEngine(model, EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common))
     # CPU: room for every user's longest trace plus the cache of one more
@@ -332,6 +385,12 @@ def run_key(args) -> str:
     mode = "eager" if args.eager else "graphs"
     knobs = "".join(f"|{name}{getattr(args, name)}" for name, default in ENGINE_KNOBS.items()
                     if getattr(args, name) != default)
+    if args.sessions:
+        knobs += f"|sessions{args.sessions}"
+    if args.state_cache_gb is not None:
+        knobs += f"|state_cache_gb{args.state_cache_gb:g}"
+    elif args.state_cache_fraction != EngineConfig.state_cache_fraction:
+        knobs += f"|state_cache_fraction{args.state_cache_fraction:g}"
     return f"{args.model}|{trace}|c{args.concurrency}|{args.device_name}|{mode}{knobs}"
 
 
@@ -353,6 +412,10 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--concurrency", type=cli.positive_int, default=1, help="closed-loop users")
     ap.add_argument("--num-traces", type=cli.positive_int, default=None,
                     help="traces in all (default: one per user)")
+    ap.add_argument("--sessions", type=cli.positive_int, default=None, metavar="N",
+                    help="replay N sessions (traces) interleaved across the users: each user takes the next turn of "
+                         "the least recently served session, so with N > concurrency a session's turns come back "
+                         "after other sessions ran (its prefix may be evicted meanwhile)")
     ap.add_argument("--turns", type=cli.positive_int, default=None,
                     help="replay only the first TURNS turns of each trace")
     ap.add_argument("--max-new", type=cli.positive_int, default=None, help="cap every answer at MAX_NEW tokens")
@@ -367,6 +430,7 @@ def main(argv=None, model=None) -> dict:
                         help="CUDA graphs for decode (the default)")
     ap.add_argument("--gpu-memory-utilization", type=cli.fraction, default=0.85,
                     help="fraction of the card for weights, activations and the KV pool (CUDA), in (0, 1]")
+    cli.add_state_cache_args(ap)
     ap.add_argument("--page-size", type=cli.positive_int, default=ENGINE_KNOBS["page_size"],
                     help="tokens of a KV page")
     ap.add_argument("--chunk", type=cli.positive_int, default=ENGINE_KNOBS["chunk"],
@@ -408,6 +472,8 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--per-request", action="store_true", help="also print a row per request")
     args = ap.parse_args(argv)
     knob, values = parse_sweep(args.sweep)
+    if args.sessions and args.num_traces and args.num_traces != args.sessions:
+        raise SystemExit(f"--sessions {args.sessions} replays {args.sessions} traces: leave out --num-traces")
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be >= 1, got {args.repeat}")
     out = sys.stdout
@@ -510,13 +576,15 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
     out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype} | ops: {ops.get_backend()}\n"
               f"engine: {engine.pool_summary}\n"
               f"traces: {len(traces)} x {args.trace} ({sum(len(t.turns) for t in traces)} turns, up to "
-              f"{max(t.total_tokens() for t in traces)} tokens each) at concurrency {args.concurrency}\n")
+              f"{max(t.total_tokens() for t in traces)} tokens each) at concurrency {args.concurrency}"
+              + (" as interleaved sessions" if args.sessions else "") + "\n")
     warm_up(engine, traces)
     runner = engine.runner
     steps_before = (runner.num_graph_steps, runner.num_eager_decode_steps, runner.num_eager_steps,
                     runner.num_graph_prefill_steps, engine.num_ahead_steps, runner.num_fed_steps)
     with TritonCompileLog() as compiles:
-        requests, users, wall, steps = replay(engine, traces, args.concurrency, progress=not args.no_progress)
+        requests, users, wall, steps = replay(engine, traces, args.concurrency, progress=not args.no_progress,
+                                              sessions=bool(args.sessions))
     rows, overall = summarize(requests, users, wall)
     kinds = step_breakdown(steps, wall)
     if args.per_request:
@@ -535,6 +603,11 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
               f"{runner.num_graph_prefill_steps - steps_before[3]} of them through prefill graphs)\n")
     print_table(kinds, ["kind", "steps", "wall_s", "share", "mean_ms", "dispatch_ms", "host_busy_ms", "prefill_tokens",
                         "decode_steps", "rows_per_decode"], out)
+    if args.sessions:
+        out.write(f"{args.sessions} sessions interleaved over {len(users)} users: eligible hit rate "
+                  f"{fmt(overall['eligible_hit_rate'], '.3f')}, returning-turn TTFT p50 "
+                  f"{fmt(overall['ttft_return_p50_ms'], '.1f')} ms, "
+                  f"p99 {fmt(overall['ttft_return_p99_ms'], '.1f')} ms\n")
     if overall["return_sample_ms"] is not None:
         out.write("returning turns' first step, p50 of each phase: schedule {return_schedule_ms:.2f} ms, dispatch "
                   "{return_dispatch_ms:.2f}, commit {return_commit_ms:.2f}, sample and wait {return_sample_ms:.2f}: "
@@ -542,7 +615,8 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
     if compiles.names:
         out.write(f"WARNING: {len(compiles.names)} Triton compiles during the timed replay "
                   f"({compiles.seconds:.2f} s): {sorted(set(compiles.names))}\n")
-    run = dict(model=args.model, weights=what, trace=args.trace, concurrency=args.concurrency, turns=args.turns,
+    run = dict(model=args.model, weights=what, trace=args.trace, concurrency=args.concurrency, sessions=args.sessions,
+               turns=args.turns,
                max_new=args.max_new, scale=args.scale, device=str(device), dtype=str(model.lm_head.weight.dtype),
                ops=ops.get_backend(), engine=engine.pool_summary, cuda_graphs=not args.eager,
                command=command_line(), overall=overall, users=rows,
@@ -574,6 +648,10 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
                   f"{overall['decode_tok_s']:.1f} tok/s = {hf['ratio']:.1f}x\n")
         out.write(f"wrote {save(run, run_key(args), args.out_dir)}\n")
     return run
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def save(run: dict, key: str, out_dir=None) -> Path:

@@ -255,6 +255,7 @@ class AsyncEngine:
             requests_running=len(scheduler.running),
             kv_blocks_total=bm.num_pages, kv_blocks_free=bm.num_available_pages, kv_blocks_cached=len(bm.evictable),
             state_slots_total=engine.cfg.max_num_seqs, state_slots_free=len(scheduler.free_state_slots),
+            state_snapshot_slots_total=engine.cfg.snapshot_slots,
             state_snapshots=len(engine.state_cache), preemptions=scheduler.num_preemptions)
 
     # ---- fault isolation -----------------------------------------------------------------------------------

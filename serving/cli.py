@@ -4,6 +4,7 @@ a nonsensical value at parse time, before anything is loaded."""
 import argparse
 
 from model.load import check_model_spec
+from serving.config import EngineConfig
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -78,6 +79,16 @@ def positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def add_state_cache_args(ap: argparse.ArgumentParser) -> None:
+    """--state-cache-fraction and --state-cache-gb: how much memory the GDN snapshot pool takes on a CUDA device
+    (EngineConfig.state_cache_fraction, state_cache_gb); on the CPU the pool keeps a fixed slot count."""
+    ap.add_argument("--state-cache-fraction", type=fraction, default=EngineConfig.state_cache_fraction,
+                    help="share of the memory left for the KV pool that the GDN snapshot pool (prefix cache) takes, "
+                         "on a GPU, in (0, 1]")
+    ap.add_argument("--state-cache-gb", type=positive_float, default=None,
+                    help="GiB of the GDN snapshot pool on a GPU (overrides --state-cache-fraction)")
 
 
 def prog(module: str) -> str:

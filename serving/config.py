@@ -14,6 +14,11 @@ class EngineConfig:
     gpu_memory_utilization: on a CUDA device, when set, num_pages is ignored and the KV pool takes what is
     left of that fraction of the card after the weights, a profiled worst-case step (one chunk of
     max_num_batched_tokens at the end of a max_model_len context) and a fixed reserve (see serving.engine).
+    state_cache_fraction, state_cache_gb: with gpu_memory_utilization on a CUDA device, snapshot_slots is ignored and
+    the snapshot pool takes state_cache_gb GiB, else state_cache_fraction of what the KV pool would have taken (the
+    budget left after the weights, the peak step, the reserve and the running slots), the KV pool the rest
+    (serving.model_runner.pages_for_memory). 0.1: a snapshot (19 MiB at 0.8B/2B, 49 at 9B) costs what ~1.6k tokens
+    of KV do, so 0.1 keeps one snapshot per ~14k KV tokens: a returning session needs one (its last turn's end).
     max_model_len: the longest sequence (prompt + output); None: the pool's tokens when num_pages sizes it,
     else DEFAULT_MAX_MODEL_LEN, and never beyond the model's max_position_embeddings. Decode steps size their
     page tables by it.
@@ -58,6 +63,8 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = None
+    state_cache_fraction: float = 0.1
+    state_cache_gb: float | None = None
     cuda_graphs: bool = True
     max_graph_batch: int | None = None
     interleave_slices: int = 12
@@ -74,6 +81,10 @@ class EngineConfig:
             raise ValueError(f"snapshot_slots and fast_lane_tokens must be >= 0: {self}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization < 1:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1), got {self.gpu_memory_utilization}")
+        if not 0 <= self.state_cache_fraction <= 1:  # also refuses NaN
+            raise ValueError(f"state_cache_fraction must lie in [0, 1], got {self.state_cache_fraction}")
+        if self.state_cache_gb is not None and not 0 <= self.state_cache_gb < float("inf"):
+            raise ValueError(f"state_cache_gb must be a finite number >= 0, got {self.state_cache_gb}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.interleave_slices < 0 or self.interleave_slice_tokens < 0:

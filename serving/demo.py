@@ -79,10 +79,14 @@ def print_table(stats: list[TurnStats], out) -> None:
     out.write(f"mean decode: {total_gen / total_dec:.1f} tok/s over {total_gen} tokens\n" if total_dec else "")
 
 
-def make_engine(model: Qwen35ForCausalLM, tokenizer, max_context: int, cuda_graphs: bool = True) -> LLMEngine:
-    """An engine for one session: a pool of max_context tokens on the CPU, sized from free memory on the GPU."""
+def make_engine(model: Qwen35ForCausalLM, tokenizer, max_context: int, cuda_graphs: bool = True,
+                state_cache_fraction: float = EngineConfig.state_cache_fraction,
+                state_cache_gb: float | None = None) -> LLMEngine:
+    """An engine for one session: a pool of max_context tokens and 8 snapshot slots on the CPU; on the GPU both
+    sized from free memory (the snapshots by state_cache_gb, else state_cache_fraction)."""
     common = dict(eos_token_ids=tokenizer.eos_token_ids, max_num_seqs=1, max_model_len=max_context,
-                  cuda_graphs=cuda_graphs, snapshot_slots=8)
+                  cuda_graphs=cuda_graphs, snapshot_slots=8, state_cache_fraction=state_cache_fraction,
+                  state_cache_gb=state_cache_gb)
     if model.lm_head.weight.device.type == "cuda":
         return LLMEngine(model, EngineConfig.for_gpu_memory(0.5, **common))
     return LLMEngine(model, EngineConfig.for_token_budget(max_context, **common))
@@ -123,6 +127,7 @@ def main(argv=None) -> list[TurnStats]:
     ap.add_argument("--ops", default="auto", choices=["auto", "reference", "triton"],
                     help="kernel backend of model.ops; auto: triton on the GPU, reference on the CPU")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
+    cli.add_state_cache_args(ap)
     args = ap.parse_args(argv)
     out = sys.stdout
     device = pick_device(args.device)
@@ -130,7 +135,8 @@ def main(argv=None) -> list[TurnStats]:
     spec = args.model or ("qwen3.5-0.8b" if device.type == "cuda" else "tiny")
     model, what = load.load_model(spec, device), load.describe_model(spec)
     tokenizer = load_tokenizer()
-    engine = make_engine(model, tokenizer, args.max_context, cuda_graphs=not args.eager)
+    engine = make_engine(model, tokenizer, args.max_context, cuda_graphs=not args.eager,
+                         state_cache_fraction=args.state_cache_fraction, state_cache_gb=args.state_cache_gb)
     out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype} | ops: {ops.get_backend()}\n"
               f"engine: {engine.pool_summary}\n")
     _, stats = run_session(model, tokenizer, args.max_new_tokens, args.max_context, out, engine)

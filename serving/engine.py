@@ -104,7 +104,7 @@ class LLMEngine:
         self.graphs = f"decode CUDA graphs at batch {sizes}" if use_graphs else f"eager decode ({why_not})"
         if prefill_graphs is not None:
             self.graphs += f"; prefill graphs up to {prefill_graphs.buckets[-1]} tokens"
-        self.pool_summary = (describe_pools(model, cfg.num_pages, cfg.page_size, num_slots)
+        self.pool_summary = (describe_pools(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, cfg.snapshot_slots)
                              + f"; max_model_len {cfg.max_model_len}; {self.graphs}")
         log.info("engine: %s", self.pool_summary)
         self.sequences: dict[int, Sequence] = {}
@@ -122,7 +122,8 @@ class LLMEngine:
 
     @staticmethod
     def _size(model: Qwen35ForCausalLM, cfg: EngineConfig) -> tuple[EngineConfig, dict | None]:
-        """Resolve max_model_len and, on a CUDA device with gpu_memory_utilization, num_pages from free memory."""
+        """Resolve max_model_len and, on a CUDA device with gpu_memory_utilization, num_pages and snapshot_slots from
+        free memory (state_cache_gb, else state_cache_fraction); elsewhere num_pages and snapshot_slots as given."""
         max_pos = model.config.max_position_embeddings
         by_memory = cfg.gpu_memory_utilization is not None and model.lm_head.weight.device.type == "cuda"
         if cfg.max_model_len is not None:
@@ -132,11 +133,12 @@ class LLMEngine:
         max_len = min(max_len, max_pos)
         sizing = None
         if by_memory:
-            num_pages, sizing = pages_for_memory(
+            num_pages, snapshot_slots, sizing = pages_for_memory(
                 model, utilization=cfg.gpu_memory_utilization, page_size=cfg.page_size,
-                num_slots=cfg.max_num_seqs + cfg.snapshot_slots + 1, max_model_len=max_len,
-                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs)
-            cfg = replace(cfg, num_pages=num_pages)
+                num_slots=cfg.max_num_seqs + 1, max_model_len=max_len,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                state_cache_fraction=cfg.state_cache_fraction, state_cache_gb=cfg.state_cache_gb)
+            cfg = replace(cfg, num_pages=num_pages, snapshot_slots=snapshot_slots)
         return replace(cfg, max_model_len=min(max_len, cfg.num_pages * cfg.page_size)), sizing
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:

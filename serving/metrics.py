@@ -93,7 +93,8 @@ class EngineStats:
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0  # pages a new request can take: never used, or cached and unreferenced
     kv_blocks_cached: int = 0  # unreferenced pages that hold a prefix-cache entry (a subset of the free ones)
-    state_slots_total: int = 0  # running sequences' GDN state slots
+    state_slots_total: int = 0  # running sequences' GDN state slots (max_num_seqs)
+    state_snapshot_slots_total: int = 0  # the prefix cache's GDN snapshot slots (EngineConfig.snapshot_slots)
     state_slots_free: int = 0
     state_snapshots: int = 0  # published GDN snapshots of the prefix cache
     preemptions: int = 0
@@ -140,7 +141,10 @@ class ServingMetrics:
                        stats.kv_blocks_free)
         lines += gauge("kv_blocks_cached", "Unreferenced KV pages holding prefix-cache entries.",
                        stats.kv_blocks_cached)
-        lines += gauge("state_slots_total", "GDN state slots for running requests.", stats.state_slots_total)
+        lines += gauge("state_slots_total", "GDN state slots for running requests (max_num_seqs; the snapshot "
+                       "slots are counted apart).", stats.state_slots_total)
+        lines += gauge("state_snapshot_slots_total", "GDN state snapshot slots of the prefix cache.",
+                       stats.state_snapshot_slots_total)
         lines += gauge("state_slots_free", "GDN state slots not held by a request.", stats.state_slots_free)
         lines += gauge("state_snapshots", "GDN state snapshots held by the prefix cache.", stats.state_snapshots)
         lines += gauge("preemptions_total", "Requests preempted for recomputation.", stats.preemptions, "counter")

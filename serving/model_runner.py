@@ -405,28 +405,54 @@ def profile_step_peak(model: Qwen35ForCausalLM, page_size: int, max_model_len: i
     return peak
 
 
+def split_budget(budget: float, *, page_bytes: int, slot_bytes: int, state_cache_fraction: float,
+                 state_cache_gb: float | None) -> tuple[int, int]:
+    """Split `budget` bytes (what is left for the KV pages and the snapshot slots) into (KV pages, snapshot slots):
+    the snapshots take state_cache_gb GiB when given, else state_cache_fraction of the budget; the KV pool the
+    rest, less its padding page. The pages may come out < 1: the caller refuses them."""
+    share = state_cache_gb * 2**30 if state_cache_gb is not None else state_cache_fraction * max(budget, 0)
+    snapshot_slots = int(max(share, 0) // slot_bytes)
+    num_pages = int((budget - snapshot_slots * slot_bytes) // page_bytes) - 1  # one page is the decode padding's
+    return num_pages, snapshot_slots
+
+
 def pages_for_memory(model: Qwen35ForCausalLM, *, utilization: float, page_size: int, num_slots: int,
-                     max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, dict]:
-    """KV pages that fit in `utilization` of the card next to the weights, the profiled peak step, num_slots GDN
-    slots and a reserve for the sampler and the decode graphs. Returns (num_pages, a record of the sizing)."""
+                     max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
+                     state_cache_fraction: float = 0.0, state_cache_gb: float | None = None
+                     ) -> tuple[int, int, dict]:
+    """KV pages and GDN snapshot slots that fit in `utilization` of the card next to the weights, the profiled peak
+    step, num_slots GDN slots (the running sequences' and the padding's) and a reserve for the sampler and the
+    decode graphs; the snapshots take their share first (split_budget). Returns (num_pages, snapshot_slots, a
+    record of the sizing)."""
     dev = model.lm_head.weight.device
     peak = profile_step_peak(model, page_size, max_model_len, max_num_batched_tokens)
     free, total = torch.cuda.mem_get_info(dev)
     reserve = 512 * 2**20 + max_num_seqs * model.config.vocab_size * 32  # sampler (fp32 sort) and graph pool
-    budget = free - (1 - utilization) * total - peak - reserve - num_slots * state_slot_bytes(model)
-    num_pages = int(budget // kv_page_bytes(model, page_size)) - 1  # one page is the decode padding's
-    num_pages = model.tp.min_over_ranks(num_pages)  # tensor parallel: every rank's pool has the same pages
+    slot_bytes = state_slot_bytes(model)
+    budget = free - (1 - utilization) * total - peak - reserve - num_slots * slot_bytes
+    num_pages, snapshot_slots = split_budget(budget, page_bytes=kv_page_bytes(model, page_size), slot_bytes=slot_bytes,
+                                             state_cache_fraction=state_cache_fraction, state_cache_gb=state_cache_gb)
+    # tensor parallel: every rank's pools have the same pages and slots (each rank fits the least of both)
+    snapshot_slots = model.tp.min_over_ranks(snapshot_slots)
+    num_pages = model.tp.min_over_ranks(num_pages)
     if num_pages < -(-max_model_len // page_size):
-        raise ValueError(f"after the weights and a {peak / 2**30:.2f} GiB activation peak, {utilization:.0%} of the "
-                         f"card leaves {max(num_pages, 0)} KV pages, fewer than one {max_model_len}-token "
-                         f"sequence needs; lower max_model_len or max_num_batched_tokens")
-    return num_pages, dict(free_GiB=free / 2**30, total_GiB=total / 2**30, peak_GiB=peak / 2**30,
-                           reserve_GiB=reserve / 2**30)
+        raise ValueError(f"after the weights, a {peak / 2**30:.2f} GiB activation peak and "
+                         f"{snapshot_slots * slot_bytes / 2**30:.2f} GiB of GDN snapshots ({snapshot_slots} slots), "
+                         f"{utilization:.0%} of the card leaves {max(num_pages, 0)} KV pages, fewer than one "
+                         f"{max_model_len}-token sequence needs; lower max_model_len, max_num_batched_tokens or the "
+                         f"state cache (state_cache_fraction, state_cache_gb)")
+    return num_pages, snapshot_slots, dict(free_GiB=free / 2**30, total_GiB=total / 2**30, peak_GiB=peak / 2**30,
+                                           reserve_GiB=reserve / 2**30,
+                                           snapshot_GiB=snapshot_slots * slot_bytes / 2**30)
 
 
-def describe_pools(model: Qwen35ForCausalLM, num_pages: int, page_size: int, num_slots: int) -> str:
+def describe_pools(model: Qwen35ForCausalLM, num_pages: int, page_size: int, running_slots: int,
+                   snapshot_slots: int) -> str:
+    """The pools, for the start-up log: the GDN slots as running_slots (max_num_seqs) and snapshot_slots, plus the
+    padding's one slot."""
+    slot = state_slot_bytes(model)
     kv = num_pages * kv_page_bytes(model, page_size)
-    st = num_slots * state_slot_bytes(model)
+    st = (running_slots + snapshot_slots + 1) * slot
     return (f"KV pool {num_pages} pages x {page_size} = {num_pages * page_size} tokens ({kv / 2**30:.2f} GiB); "
-            f"GDN state {num_slots} slots ({st / 2**30:.2f} GiB, {state_slot_bytes(model) / 2**20:.1f} MiB each)")
-
+            f"GDN state running_slots {running_slots}, snapshot_slots {snapshot_slots} (+1 padding; "
+            f"{st / 2**30:.2f} GiB, {slot / 2**20:.1f} MiB each)")

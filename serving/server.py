@@ -401,6 +401,8 @@ class ServerArgs:
     max_model_len: int | None = None
     kv_tokens: int = 65536
     gpu_memory_utilization: float = 0.85
+    state_cache_fraction: float = EngineConfig.state_cache_fraction
+    state_cache_gb: float | None = None
     eager: bool = False
     max_num_seqs: int = 8
     api_key: str | None = None
@@ -438,6 +440,7 @@ def parse_args(argv=None) -> ServerArgs:
     ap.add_argument("--kv-tokens", type=cli.positive_int, default=65536, help="tokens of KV the page pool holds (CPU)")
     ap.add_argument("--gpu-memory-utilization", type=cli.fraction, default=0.85,
                     help="fraction of the card for weights, activations and the KV pool (CUDA), in (0, 1]")
+    cli.add_state_cache_args(ap)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--max-num-seqs", type=cli.positive_int, default=8, help="requests generated at once")
     ap.add_argument("--api-key", default=None,
@@ -463,7 +466,8 @@ def main(argv=None) -> None:
     ops.set_backend(backend)
     tokenizer = tokenizer_for_model(args.model)  # the checkpoint's own chat template when it ships one
     common = dict(max_num_seqs=args.max_num_seqs, eos_token_ids=tokenizer.eos_token_ids,
-                  max_model_len=args.max_model_len, cuda_graphs=not args.eager)
+                  max_model_len=args.max_model_len, cuda_graphs=not args.eager,
+                  state_cache_fraction=args.state_cache_fraction, state_cache_gb=args.state_cache_gb)
     if device.type == "cuda":
         cfg = EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common)
     else:

@@ -124,7 +124,7 @@ def undocumented(text: str, flags: list[str]) -> list[str]:
 
 SERVER_FLAGS = ["--model", "--host", "--port", "--device", "--max-model-len", "--kv-tokens", "--gpu-memory-utilization",
                 "--eager", "--max-num-seqs", "--api-key", "--max-body-bytes", "--max-queued", "--served-model-name",
-                "--tp"]
+                "--tp", "--state-cache-fraction", "--state-cache-gb"]
 
 
 def test_server_help_documents_every_flag_its_default_and_the_endpoints(capsys, monkeypatch):
@@ -142,7 +142,8 @@ def test_server_help_documents_every_flag_its_default_and_the_endpoints(capsys, 
 def test_demo_and_bench_help_name_the_module_and_document_every_flag(capsys, monkeypatch):
     text = help_text(demo.main, capsys, monkeypatch)
     assert text.startswith("usage: python -m serving.demo") and "demo.py" not in text
-    assert undocumented(text, ["--model", "--device", "--max-new-tokens", "--max-context", "--ops", "--eager"]) == []
+    assert undocumented(text, ["--model", "--device", "--max-new-tokens", "--max-context", "--ops", "--eager",
+                               "--state-cache-fraction", "--state-cache-gb"]) == []
     assert "(default: 32)" in text and "(default: 8192)" in text
     text = help_text(bench_serving.main, capsys, monkeypatch)
     assert text.startswith("usage: python -m profiles.bench_serving")

@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from model.model import Qwen35ForCausalLM
 from profiles import bench_serving, traces
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
 from tests.hf_oracle import small_config
 
 
@@ -286,3 +288,47 @@ def test_host_time_timeline_needs_a_decode_step_on_cuda():
     from profiles import host_time
     with pytest.raises(SystemExit, match="give --decode B"):
         host_time.main(["--timeline", "--device", "cpu"])
+
+
+def submitted(requests) -> list[tuple[str, int]]:
+    return [(r.trace, r.turn) for r in sorted(requests, key=lambda r: r.submit)]
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_sessions_interleave_their_turns_across_the_users(model, concurrency):
+    ts = traces.synthetic("short", 3, vocab=512, scale=0.005, turns=3, max_new=2)
+    engine = LLMEngine(model, EngineConfig.for_token_budget(4096, page_size=8, max_num_seqs=concurrency))
+    requests, users, _, _ = bench_serving.replay(engine, ts, concurrency, progress=False, sessions=True)
+    order = submitted(requests)
+    assert sorted(order) == [(t.id, j) for t in ts for j in range(3)]
+    for t in ts:  # each session's turns in order
+        assert [turn for trace, turn in order if trace == t.id] == [0, 1, 2]
+    assert order[:3] == [(t.id, 0) for t in ts]  # never-served sessions first
+    assert all(a[0] != b[0] for a, b in zip(order, order[1:]))  # 3 sessions > users: none runs twice in a row
+    if concurrency == 1:  # one user: round robin
+        assert order == [(t.id, j) for j in range(3) for t in ts]
+    assert {r.user for r in requests} == set(range(concurrency))
+    assert sum(len(u.trace_times) for u in users) == 3  # every session's trace time, kept by its last server
+    # the returning turns found their prefixes: the eligible hit rate covers them
+    _, overall = bench_serving.summarize(requests, users, 1.0)
+    assert overall["eligible_hit_rate"] > 0.5
+
+
+def test_bench_sessions_flag_reports_hit_rate_and_returning_ttft(model, tmp_path, capsys):
+    run = bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.005", "--turns", "3",
+                              "--max-new", "2", "--concurrency", "2", "--sessions", "3", "--page-size", "8",
+                              "--out-dir", str(tmp_path), "--no-progress"], model=model)
+    printed = capsys.readouterr().out
+    overall = run["overall"]
+    assert run["sessions"] == 3 and overall["requests"] == 9
+    assert overall["ttft_return_p99_ms"] >= overall["ttft_return_p50_ms"] > 0 and overall["eligible_hit_rate"] > 0
+    line = next(x for x in printed.splitlines() if x.startswith("3 sessions interleaved over 2 users"))
+    assert "eligible hit rate" in line and "returning-turn TTFT p50" in line and "p99" in line
+    assert f"{overall['eligible_hit_rate']:.3f}" in line
+    saved = json.loads((tmp_path / "serving.json").read_text())
+    assert any("|sessions3" in key for key in saved["runs"])
+
+
+def test_bench_sessions_refuses_a_different_num_traces(model, capsys):
+    with pytest.raises(SystemExit, match="--sessions"):
+        bench_serving.main(["--device", "cpu", "--sessions", "3", "--num-traces", "2"], model=model)

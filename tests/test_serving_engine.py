@@ -275,7 +275,8 @@ def test_max_model_len_bounds_requests(model):
 def test_pool_summary_reports_the_sizes(model):
     engine = small_engine(model)
     assert "KV pool 64 pages x 8 = 512 tokens" in engine.pool_summary
-    assert "GDN state 13 slots" in engine.pool_summary  # 4 running + 8 snapshots + 1 for padding
+    assert "GDN state running_slots 4, snapshot_slots 8 (+1 padding" in engine.pool_summary
+    assert engine.pools.num_slots == 13  # 4 running + 8 snapshots + 1 for padding
     assert engine.pools.num_pages == 65  # the last page is the decode padding's
 
 

@@ -89,6 +89,17 @@ def test_models_list(server):
     assert [m.id for m in models] == ["tiny"]
 
 
+def test_metrics_report_running_and_snapshot_slots_apart(server):
+    assert server.client.completions.create(model="tiny", prompt="ok", max_tokens=1).usage  # the stats refresh
+    reply = httpx.get(server.url + "/metrics")
+    assert reply.status_code == 200
+    series = dict(line.rsplit(" ", 1) for line in reply.text.splitlines() if line and not line.startswith("#"))
+    # the fixture's engine: max_num_seqs 4, snapshot_slots 8 (and the pools' one padding slot, in neither)
+    assert float(series["fa4_state_slots_total"]) == 4 and float(series["fa4_state_snapshot_slots_total"]) == 8
+    assert "# TYPE fa4_state_snapshot_slots_total gauge" in reply.text
+    assert "running_slots 4, snapshot_slots 8" in server.engine.pool_summary  # as the start-up log says
+
+
 def test_completion_equals_greedy_and_streaming_equals_it(server):
     prompt = server.tokenizer.encode("The quick brown fox")
     want = greedy_text(server, prompt, 12)
