@@ -56,28 +56,20 @@ def _paged_triton(key, tuning):
 
 # ---- fa4.flash_attention -----------------------------------------------------------------------------------
 
-class AttentionKey(NamedTuple):
-    """What routes a flash_attention call: its layout ("dense", "varlen", "paged"), causal, the batch, the longest
-    query chunk (paged only: the split-KV choice reads it), heads, head dim, page size (0 unpaged), the pages'
-    capacity, dtype, device, and the first tensor without a unit last stride ("" when none)."""
-    layout: str
-    causal: bool
-    num_seqs: int
-    q_len: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    page_size: int
-    seqlen_k: int
-    dtype: torch.dtype
-    device: DeviceInfo
-    strided: str
+_ATTENTION_FIELDS = [("layout", str), ("causal", bool), *PD.PagedKey.__annotations__.items(), ("strided", str)]
+
+
+class AttentionKey(NamedTuple("AttentionKey", _ATTENTION_FIELDS)):
+    """What routes a flash_attention call: its layout ("dense", "varlen", "paged"), causal, the paged key's fields
+    (kernels.paged_decode_attention.PagedKey: the batch, the longest query chunk (paged only), heads, head dim, page
+    size (0 unpaged), the pages' capacity, dtype, device), and the first tensor without a unit last stride ("" when
+    none)."""
+    __slots__ = ()
 
     def paged(self) -> PD.PagedKey:
         """The model op's key of the same call: paged_attention's router decides split-KV against the forwards."""
-        seqlen_k = self.seqlen_k if self.q_len > PD.ALWAYS_Q_LEN else 0
-        return PD.PagedKey(self.num_seqs, self.q_len, self.heads, self.kv_heads, self.head_dim, self.page_size,
-                           seqlen_k, self.dtype, self.device)
+        shape = PD.PagedKey(*self[2:-1])
+        return shape if shape.q_len > PD.ALWAYS_Q_LEN else shape._replace(seqlen_k=0)
 
 
 def attention_key(q, k, v, causal, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k) -> AttentionKey:

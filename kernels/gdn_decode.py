@@ -303,12 +303,17 @@ def launch_decode(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, rec
     return out
 
 
-def gated_deltanet_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,
-                      num_k_heads, eps):
-    """model.ops.gated_deltanet on this kernel (the router sends it steps of one token a sequence)."""
-    out = torch.empty_like(z, memory_format=torch.contiguous_format)
-    return launch_decode(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
-                         step.state_slots, eps, out)
+def decode_op(launch):
+    """model.ops.gated_deltanet on a decode launcher (launch_decode, gdn_decode_cute.launch): the router sends it
+    steps of one token a sequence, whose arguments the engine built."""
+    def op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step, num_k_heads, eps):
+        out = torch.empty_like(z, memory_format=torch.contiguous_format)
+        return launch(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step.state_slots,
+                      eps, out)
+    return op
+
+
+gated_deltanet_op = decode_op(launch_decode)
 
 
 # ---- the router's entries (kernels.registry): the decode step on the CuTe kernel or this one -------------------
@@ -330,6 +335,6 @@ def _checked_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recur
                            step.state_slots, num_k_heads, eps)
 
 
-registry.register("gated_deltanet", Impl("gdn_decode_cute", "triton", gdn_decode_cute.gated_deltanet_op,
+registry.register("gated_deltanet", Impl("gdn_decode_cute", "triton", decode_op(gdn_decode_cute.launch),
                                          _gdn_decode_cute, 0.0, _checked_op))
 registry.register("gated_deltanet", Impl("gdn_decode", "triton", gated_deltanet_op, _gdn_decode, 1.0, _checked_op))

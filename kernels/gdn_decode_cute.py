@@ -318,11 +318,3 @@ def launch(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_
         with torch.cuda.device(device):
             _CACHE.get(cfg)(*args)
     return out
-
-
-def gated_deltanet_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,
-                      num_k_heads, eps):
-    """model.ops.gated_deltanet on this kernel (the router sends it decode steps in its layout)."""
-    out = torch.empty_like(z, memory_format=torch.contiguous_format)
-    return launch(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step.state_slots, eps,
-                  out)

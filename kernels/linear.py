@@ -504,14 +504,19 @@ def _gemv_rows(key, tuning):
     return None if key.rows <= GEMV_MAX_ROWS else f"{key.rows} rows > {GEMV_MAX_ROWS}"
 
 
-def _tma_gemv(key, tuning):
+def _tma_ring(key, tuning):
+    # the TMA-ring GEMV, alone or with the norm staged in: one bf16 row in its layout, a weight worth the ring
     if not (key.rows == 1 and key.tma_layout and key.device.sm90):
         return "not one bf16 row in the TMA-ring GEMV's layout on sm_90"
     if key.n * key.k * key.dtype.itemsize < tuning.tma_min_bytes:
         return f"the weight is under tuning.tma_min_bytes ({tuning.tma_min_bytes})"
+    return None
+
+
+def _tma_gemv(key, tuning):
     if key.gated and key.k < tuning.tma_gated_min_k:
         return f"a gated K under tuning.tma_gated_min_k ({tuning.tma_gated_min_k})"
-    return None
+    return _tma_ring(key, tuning)
 
 
 def _skinny_rows(key, tuning):
@@ -523,14 +528,6 @@ def _skinny_rows(key, tuning):
 
 def _cublas_rows(key, tuning):
     return None if key.rows > GEMV_MAX_ROWS else f"{key.rows} rows: the GEMV's"
-
-
-def _tma_norm(key, tuning):
-    if not (key.rows == 1 and key.tma_layout and key.device.sm90):
-        return "not one bf16 row in the TMA-ring GEMV's layout on sm_90"
-    if key.n * key.k * key.dtype.itemsize < tuning.tma_min_bytes:
-        return f"the weight is under tuning.tma_min_bytes ({tuning.tma_min_bytes})"
-    return None
 
 
 def _norm_gemv(key, tuning):
@@ -561,7 +558,7 @@ def _register() -> None:
             ("cublas", run_cublas, _cublas_rows, 2.0)):
         registry.register("linear", Impl(name, triton, run, supports, cost, checked=_checked_linear))
     for name, run, supports, cost in (
-            ("tma_norm_gemv", run_tma_norm_gemv, _tma_norm, 0.0),
+            ("tma_norm_gemv", run_tma_norm_gemv, _tma_ring, 0.0),
             ("norm_gemv", run_norm_gemv, all_of(_norm_gemv, triton_unsupported), 1.0),
             ("norm_then_linear", run_norm_then_linear, triton_unsupported, 2.0)):
         registry.register("add_rms_norm_linear", Impl(name, triton, run, supports, cost, checked=add_rms_norm_linear))

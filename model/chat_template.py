@@ -233,14 +233,20 @@ def _assistant_reasoning(message: dict, content: str) -> tuple[str, str]:
     return "", content
 
 
-def _tool_call_body(call, literals: str = "json") -> str:
-    """The text between `<tool_call>` and `</tool_call>` for one OpenAI-format tool call."""
+def _tool_call(call) -> tuple[str, dict]:
+    """An OpenAI-format tool call's (function name, arguments as a dict)."""
     function = call.get("function", call) if isinstance(call, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or not name:
         raise ValueError("assistant tool call has no function name")
+    return name, _call_arguments(function.get("arguments"), name)
+
+
+def _tool_call_body(call, literals: str = "json") -> str:
+    """The text between `<tool_call>` and `</tool_call>` for one OpenAI-format tool call."""
+    name, arguments = _tool_call(call)
     lines = [f"\n<function={name}>\n"]
-    for key, value in _call_arguments(function.get("arguments"), name).items():
+    for key, value in arguments.items():
         try:
             if isinstance(value, str):
                 text = value

@@ -42,10 +42,10 @@ from model.chat_template import (
     Segment,
     Special,
     _assistant_reasoning,
-    _call_arguments,
     _check_messages,
     _check_tools,
     _content_text,
+    _tool_call,
 )
 
 _RAW_RE = re.compile(r"[A-Za-z0-9_.\-]*")  # strings that cannot spell or complete a control-token name
@@ -255,9 +255,5 @@ def _mask_messages(messages: list[dict], fields: _Fields) -> list[dict]:
 
 
 def _mask_call(call, fields: _Fields) -> dict:
-    function = call.get("function", call) if isinstance(call, dict) else None
-    name = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(name, str) or not name:
-        raise ValueError("assistant tool call has no function name")
-    arguments = _call_arguments(function.get("arguments"), name)
+    name, arguments = _tool_call(call)
     return {"type": "function", "function": {"name": fields.mask(name), "arguments": fields.mask_tree(arguments)}}

@@ -60,22 +60,23 @@ non_negative_int = int_at_least(0)
 port = int_at_least(1, 65535)
 
 
-def fraction(text: str) -> float:
-    """argparse type: a number in (0, 1] (a share of a GPU's memory)."""
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in (0, 1] (a share of a GPU's memory)."""
+    value = _number(text)
     if not 0 < value <= 1:  # also refuses NaN
         raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
     return value
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
