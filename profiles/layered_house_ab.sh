@@ -1,7 +1,7 @@
 #!/bin/bash
 # The layered house (issue 48) against cf00f67 on one GPU machine: `git archive cf00f67 | tar -x -C ab_refs/base` here
-# first (drop its tests/ and profiles/results/ to fit the 64 MiB carry), then run with RUN=T|AB1|AB2|AB3|AB4, carrying
-# .gpu (../shared/gpu/make-bundle.sh) and ab_refs. T: GPU tests (TESTARGS: paths, default tests/); AB*: base, new, alternated.
+# first (drop its tests/ and profiles/results/ to fit the 64 MiB carry), then run with RUN=T|C1|BIG|KER, carrying
+# .gpu (../shared/gpu/make-bundle.sh) and ab_refs. T: GPU tests (TESTARGS: paths, default tests/); the others: base, new, new, base.
 [ -d /tmp/site/flash_attn ] || tar -xJf .gpu/site.tar.xz -C /tmp
 export PYTHONUNBUFFERED=1 SITE=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 NEW=$PWD; BASE=$PWD/ab_refs/base
@@ -12,33 +12,35 @@ if [ "$RUN" = T ]; then
   cd $NEW; export PYTHONPATH=$NEW:$SITE
   timeout ${TT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTARGS:-tests/} 2>&1 | tail -30 | tee $OUT/gpu_tests.log
 fi
-if [ "$RUN" = AB1 ]; then
-  for rep in 1 2; do for side in base new; do
-    d=$(side_dir $side); cd $d; export PYTHONPATH=$d:$SITE; mkdir -p $OUT/$side
-    for c in 1 16; do
-      echo "=== $side rep $rep 2B c$c"
-      timeout 150 python3 -m $(bench $side) --model qwen3.5-2b --trace short --concurrency $c --no-progress --out-dir $OUT/$side 2>&1 | grep -E "^overall|decode_tok_s|mixed" | head -4
-    done
-  done; done 2>&1 | tee $OUT/ab1.log
+run_side() {  # run_side SIDE LABEL TIMEOUT CMD...: one fresh process of SIDE's tree
+  local side=$1 label=$2 t=$3; shift 3; local d=$(side_dir $side)
+  cd $d; export PYTHONPATH=$d:$SITE; mkdir -p $OUT/$side; echo "=== $side $label"
+  timeout $t "$@" 2>&1
+}
+ALTERNATION="base new new base"
+if [ "$RUN" = C1 ]; then  # the c1 rows and the returning turn's host time
+  for side in $ALTERNATION; do
+    run_side $side "2B c1" 120 python3 -m $(bench $side) --model qwen3.5-2b --trace short --concurrency 1 \
+      --no-progress --out-dir $OUT/$side | grep -E "^overall|decode_tok_s" | head -3
+    run_side $side "0.8B c1" 100 python3 -m $(bench $side) --model qwen3.5-0.8b --trace short --concurrency 1 \
+      --no-progress --out-dir $OUT/$side | grep -E "^overall|decode_tok_s" | head -3
+    run_side $side "returning 514" 90 python3 -m profiles.host_time --model qwen3.5-2b --ctx 8192 --new 514 \
+      | grep -E "unprofiled|under cProfile"
+  done 2>&1 | tee $OUT/c1.log
 fi
-if [ "$RUN" = AB2 ]; then
-  for rep in 1 2; do for side in base new; do
-    d=$(side_dir $side); cd $d; export PYTHONPATH=$d:$SITE; mkdir -p $OUT/$side
-    echo "=== $side rep $rep 0.8B c1"; timeout 100 python3 -m $(bench $side) --model qwen3.5-0.8b --trace short --concurrency 1 --no-progress --out-dir $OUT/$side 2>&1 | tail -3
-    echo "=== $side rep $rep returning 514"; timeout 150 python3 -m profiles.host_time --model qwen3.5-2b --ctx 8192 --new 514 2>&1 | grep -E "unprofiled|under cProfile"
-  done; done 2>&1 | tee $OUT/ab2.log
+if [ "$RUN" = BIG ]; then  # 9B c1 and the long trace's returning TTFT
+  for side in $ALTERNATION; do
+    run_side $side "9B c1" 150 python3 -m $(bench $side) --model qwen3.5-9b --trace short --concurrency 1 \
+      --no-progress --out-dir $OUT/$side | tail -3
+    run_side $side "2B long" 150 python3 -m $(bench $side) --model qwen3.5-2b --trace long --concurrency 1 \
+      --no-progress --out-dir $OUT/$side | tail -3
+  done 2>&1 | tee $OUT/big.log
 fi
-if [ "$RUN" = AB3 ]; then
-  for side in base new new base; do
-    d=$(side_dir $side); cd $d; export PYTHONPATH=$d:$SITE; mkdir -p $OUT/$side
-    echo "=== $side 9B c1"; timeout 150 python3 -m $(bench $side) --model qwen3.5-9b --trace short --concurrency 1 --no-progress --out-dir $OUT/$side 2>&1 | tail -3
-    echo "=== $side 2B long"; timeout 150 python3 -m $(bench $side) --model qwen3.5-2b --trace long --concurrency 1 --no-progress --out-dir $OUT/$side 2>&1 | tail -3
-  done 2>&1 | tee $OUT/ab3.log
-fi
-if [ "$RUN" = AB4 ]; then
-  for side in base new new base; do
-    d=$(side_dir $side); cd $d; export PYTHONPATH=$d:$SITE; mkdir -p $OUT/$side
-    echo "=== $side kernels"; timeout 200 python3 -m profiles.bench_decode --only attention --quick --out $OUT/$side 2>&1 | tail -4
-    timeout 200 python3 -m profiles.bench_prefill --only gdn --out $OUT/$side 2>&1 | tail -6
-  done 2>&1 | tee $OUT/ab4.log
+if [ "$RUN" = KER ]; then  # B1 decode attention, GDN prefill, CuTe prefill against flash-attn-4
+  for side in $ALTERNATION; do
+    run_side $side "decode attention" 120 python3 -m profiles.bench_decode --only attention --quick --out $OUT/$side \
+      | tail -4
+    run_side $side "gdn prefill" 120 python3 -m profiles.bench_prefill --only gdn --out $OUT/$side | tail -6
+    run_side $side "cute prefill" 150 python3 -m profiles.bench_prefill --only cute --out $OUT/$side | tail -8
+  done 2>&1 | tee $OUT/ker.log
 fi
