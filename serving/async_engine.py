@@ -36,8 +36,8 @@ class RequestStream:
     """One request's tokens, as an async iterator; `output` resolves to its RequestOutput when it ends
     (None when it was cancelled before it reached the engine, or failed)."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams):
-        self.prompt_ids, self.params = prompt_ids, params
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, cache_point: int = 0):
+        self.prompt_ids, self.params, self.cache_point = prompt_ids, params, cache_point
         self.seq_id: int | None = None
         self.cancelled = False
         self.cancel_reason = "abort"
@@ -124,8 +124,9 @@ class AsyncEngine:
         free_slots = max(0, self.engine.cfg.max_num_seqs - self.stats.requests_running)
         return max(0, len(self._adds) + self.stats.requests_waiting - free_slots)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        stream = RequestStream(prompt_ids, params)
+    def submit(self, prompt_ids: list[int], params: SamplingParams, cache_point: int = 0) -> RequestStream:
+        """Queue a request (LLMEngine.add_request's arguments) and return its stream."""
+        stream = RequestStream(prompt_ids, params, cache_point)
         if self.broken is not None:
             stream.fail(EngineFailure(f"the engine has stopped: {self.broken!r}"))
             return stream
@@ -201,7 +202,7 @@ class AsyncEngine:
                 stream.finish(None)
                 continue
             try:
-                stream.seq_id = self.engine.add_request(stream.prompt_ids, stream.params)
+                stream.seq_id = self.engine.add_request(stream.prompt_ids, stream.params, stream.cache_point)
             except Exception as error:  # noqa: BLE001 - a refused request fails alone
                 stream.fail(RequestRejected(str(error)))
                 continue

@@ -82,14 +82,18 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_state_cache_args(ap: argparse.ArgumentParser) -> None:
+def add_state_cache_args(ap: argparse.ArgumentParser, cpu_slots: int | None = None) -> None:
     """--state-cache-fraction and --state-cache-gb: how much memory the GDN snapshot pool takes on a CUDA device
-    (EngineConfig.state_cache_fraction, state_cache_gb); on the CPU the pool keeps a fixed slot count."""
+    (EngineConfig.state_cache_fraction, state_cache_gb); on the CPU the pool keeps a fixed slot count, which
+    --snapshot-slots sets where cpu_slots gives its default."""
     ap.add_argument("--state-cache-fraction", type=fraction, default=EngineConfig.state_cache_fraction,
                     help="share of the memory left for the KV pool that the GDN snapshot pool (prefix cache) takes, "
                          "on a GPU, in (0, 1]")
     ap.add_argument("--state-cache-gb", type=positive_float, default=None,
                     help="GiB of the GDN snapshot pool on a GPU (overrides --state-cache-fraction)")
+    if cpu_slots is not None:
+        ap.add_argument("--snapshot-slots", type=non_negative_int, default=cpu_slots,
+                        help="GDN snapshot slots of the prefix cache on the CPU (a GPU sizes them from memory)")
 
 
 def prog(module: str) -> str:

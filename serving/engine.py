@@ -141,9 +141,13 @@ class LLMEngine:
             cfg = replace(cfg, num_pages=num_pages, snapshot_slots=snapshot_slots)
         return replace(cfg, max_model_len=min(max_len, cfg.num_pages * cfg.page_size)), sizing
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its id. Raises if it could never fit in the KV pool."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, cache_point: int = 0) -> int:
+        """Queue a request; returns its id. Raises if it could never fit in the KV pool. cache_point: where a prefix
+        that other requests share ends (the system and tools message of a chat), so that the prefix cache keeps a
+        GDN snapshot there (at its page boundary); 0: none."""
         params = params or SamplingParams()
+        if not 0 <= cache_point <= len(prompt_ids):
+            raise ValueError(f"cache_point must lie in [0, {len(prompt_ids)}] (the prompt's tokens), got {cache_point}")
         pages = -(-(len(prompt_ids) + params.max_tokens) // self.cfg.page_size)
         if pages > self.cfg.num_pages:
             raise ValueError(f"{len(prompt_ids)} prompt + {params.max_tokens} new tokens need {pages} pages; "
@@ -157,6 +161,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (), generator=self._seeds))
         # a CPU generator: the sampler draws each row's uniform on the host, so sampling adds no per-row sync
         seq = Sequence(self._next_id, prompt_ids, params, torch.Generator().manual_seed(seed))
+        seq.cache_point = cache_point
         self._next_id += 1
         self.sequences[seq.id] = seq
         self.scheduler.add(seq)

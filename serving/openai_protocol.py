@@ -53,6 +53,7 @@ class GenerationRequest:
     include_usage: bool
     tools: list[dict] | None = None
     enable_thinking: bool = False
+    cache_point: int = 0  # where the system and tools message ends (LLMEngine.add_request)
 
 
 # ---- parsing -------------------------------------------------------------------------------------------------
@@ -242,7 +243,25 @@ def parse_chat(body, tokenizer: QwenTokenizer, served: ServedModel) -> Generatio
         raise ApiError(f"bad messages: {error}", "messages") from None
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, len(ids), served, ("max_completion_tokens", "max_tokens"))
-    return GenerationRequest(ids, params, stream, include_usage, tools, thinking)
+    return GenerationRequest(ids, params, stream, include_usage, tools, thinking,
+                             _shared_prefix_end(tokenizer, messages, tools, thinking, ids))
+
+
+def _shared_prefix_end(tokenizer: QwenTokenizer, messages: list[dict], tools, thinking: bool, ids: list[int]) -> int:
+    """The tokens of the conversation's head that sessions share (its system message and tools), where the prefix
+    cache should keep a snapshot; 0 when there is none. Templates refuse a conversation without a user turn, so the
+    head is rendered before a stand-in one: the head ends at the last turn opening both renderings share."""
+    head = messages[:1] if messages[0].get("role") == "system" else []
+    if not head and not tools:
+        return 0
+    try:
+        probe = tokenizer.apply_chat_template([*head, {"role": "user", "content": "?"}], tools=tools,
+                                              enable_thinking=thinking)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return 0
+    shared = next((i for i, (a, b) in enumerate(zip(probe, ids)) if a != b), min(len(probe), len(ids)))
+    opening = tokenizer.encode_special("<|im_start|>")
+    return max((i for i in range(shared) if ids[i] == opening), default=0)
 
 
 # ---- text of the generated tokens ------------------------------------------------------------------------------

@@ -28,6 +28,10 @@ class Scheduler:
                  pools: CachePools):
         self.cfg, self.page_size = cfg, cfg.page_size
         self.block_manager, self.state_cache, self.pools = block_manager, state_cache, pools
+        # pages and snapshots leave together: a snapshot with the page it is keyed by, a chain's pages past its
+        # deepest snapshot before the pages that lead to one
+        block_manager.snapshot_keys, block_manager.on_evict = state_cache, state_cache.drop
+        state_cache.on_evict = block_manager.demote
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest admission first
         self.free_state_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
@@ -142,13 +146,16 @@ class Scheduler:
         """(tokens to compute from start, a snapshot point inside them or None). Up to budget, ending at a page
         boundary unless the chunk reaches the sequence's end. The snapshot points (the end of the cached pages
         beyond the hit, where sessions branch; the prompt's last page boundary) need the GDN state there: the
-        chunk takes the first one inside it in the step (model.step snapshot_offsets) and ends at the second."""
+        chunk takes the first one inside it in the step (model.step snapshot_offsets) and ends at the second. The
+        shared prefix's end (seq.cache_point) is one too: a sparse ladder, so that a session whose deeper
+        snapshot is gone, or a new one with the same system prompt, falls back there rather than to token 0."""
         end = min(seq.num_tokens, start + max(budget, 0))
         aligned = end // self.page_size * self.page_size
         if end < seq.num_tokens and aligned > start:
             end = aligned
         prompt_boundary = seq.num_prompt_tokens // self.page_size * self.page_size
-        points = sorted({b for b in (seq.cached_pages_end, prompt_boundary) if start < b < end})
+        shared = seq.cache_point // self.page_size * self.page_size
+        points = sorted({b for b in (seq.cached_pages_end, prompt_boundary, shared) if start < b < end})
         if len(points) > 1:
             end = points[1]
         return end - start, (points[0] if points else None)
@@ -229,7 +236,7 @@ class Scheduler:
             self.block_manager.publish_computed_pages(seq)
             if seq.pending_snapshot_slot is not None:  # the step wrote the state at the point inside the chunk
                 key = self._key_at(seq, seq.pending_snapshot_tokens)
-                self.state_cache.publish_private(seq.pending_snapshot_slot, key)
+                self._publish(seq.pending_snapshot_slot, key, seq.pending_snapshot_tokens)
                 seq.pending_snapshot_slot = None
             if seq.num_computed_tokens % self.page_size == 0:
                 self._snapshot(seq)
@@ -239,11 +246,20 @@ class Scheduler:
         n = seq.num_computed_tokens
         key = self._key_at(seq, n)
         if n <= seq.num_prompt_tokens:
-            self.state_cache.save(key, seq.state_slot)
+            if key in self.block_manager.page_of_hash:
+                self.state_cache.save(key, seq.state_slot, n)
             return
         slot = self.state_cache.save_private(seq.state_slot, seq.rolling_snapshot_slot)
         if slot is not None:
             seq.rolling_snapshot_slot, seq.rolling_snapshot_tokens = slot, n
+
+    def _publish(self, slot: int, key: PageKey, tokens: int) -> None:
+        """Publish a private snapshot where its page is cached; else no hit could reach it (the page was computed
+        twice and the cached copy has left): its slot goes back."""
+        if key in self.block_manager.page_of_hash:
+            self.state_cache.publish_private(slot, key, tokens)
+        else:
+            self.state_cache.release(slot)
 
     def _key_at(self, seq: Sequence, n: int) -> PageKey:
         """The snapshot key of seq's state after n tokens (page-aligned): the hash of the page that ends there."""
@@ -253,15 +269,23 @@ class Scheduler:
         """Give back seq's pages and slot; its rolling snapshot is published for later requests."""
         if seq.rolling_snapshot_slot is not None:
             key = self._key_at(seq, seq.rolling_snapshot_tokens)
-            self.state_cache.publish_private(seq.rolling_snapshot_slot, key)
+            self._publish(seq.rolling_snapshot_slot, key, seq.rolling_snapshot_tokens)
             seq.rolling_snapshot_slot = None
         if seq.pending_snapshot_slot is not None:  # scheduled but never committed (a failed step, a preemption)
             self.state_cache.release(seq.pending_snapshot_slot)
             seq.pending_snapshot_slot = None
-        self.block_manager.free(seq)
+        self.block_manager.free(seq, self._snapshot_pages(seq))
         self.free_state_slots.append(seq.state_slot)
         seq.state_slot = None
         self.running.remove(seq)
+
+    def _snapshot_pages(self, seq: Sequence) -> int:
+        """How many of seq's published pages lead to its deepest published snapshot (0: none)."""
+        hashes = seq.known_page_hashes()[:seq.num_published_pages]
+        for j in range(len(hashes), 0, -1):
+            if hashes[j - 1] in self.state_cache:
+                return j
+        return 0
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self._release(seq)

@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_MAX_QUEUED = 256
 RETRY_AFTER_S = 1
+# the CPU's snapshot pool: two snapshots a request (its prompt's end, its answer's end) for 64 recent requests
+CPU_SNAPSHOT_SLOTS = 128
 UNHEALTHY_FAILURES = 3  # failed engine steps in a row that make /health answer 503
 CLIENT_CHECK_S = 0.5  # how often a request that gets no tokens (queued, or a long prefill) checks its client
 
@@ -159,7 +161,7 @@ async def serve_generation(request: web.Request, req: GenerationRequest, respond
     if state.engine.num_queued >= state.limits.max_queued:
         raise ApiError(f"{state.engine.num_queued} requests are already waiting; retry later", status=429,
                        kind="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-    stream = state.engine.submit(req.prompt_ids, req.params)
+    stream = state.engine.submit(req.prompt_ids, req.params, req.cache_point)
     try:
         return await respond(generate_text(request, req, stream))
     finally:
@@ -403,6 +405,7 @@ class ServerArgs:
     gpu_memory_utilization: float = 0.85
     state_cache_fraction: float = EngineConfig.state_cache_fraction
     state_cache_gb: float | None = None
+    snapshot_slots: int = CPU_SNAPSHOT_SLOTS
     eager: bool = False
     max_num_seqs: int = 8
     api_key: str | None = None
@@ -440,7 +443,7 @@ def parse_args(argv=None) -> ServerArgs:
     ap.add_argument("--kv-tokens", type=cli.positive_int, default=65536, help="tokens of KV the page pool holds (CPU)")
     ap.add_argument("--gpu-memory-utilization", type=cli.fraction, default=0.85,
                     help="fraction of the card for weights, activations and the KV pool (CUDA), in (0, 1]")
-    cli.add_state_cache_args(ap)
+    cli.add_state_cache_args(ap, cpu_slots=CPU_SNAPSHOT_SLOTS)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--max-num-seqs", type=cli.positive_int, default=8, help="requests generated at once")
     ap.add_argument("--api-key", default=None,
@@ -458,6 +461,17 @@ def parse_args(argv=None) -> ServerArgs:
     return ServerArgs(**args)
 
 
+def engine_config(args: ServerArgs, device: torch.device, eos_token_ids: tuple[int, ...]) -> EngineConfig:
+    """The engine's config: on a GPU its KV and snapshot pools sized from memory, on the CPU from --kv-tokens and
+    --snapshot-slots."""
+    common = dict(max_num_seqs=args.max_num_seqs, eos_token_ids=eos_token_ids, max_model_len=args.max_model_len,
+                  cuda_graphs=not args.eager, state_cache_fraction=args.state_cache_fraction,
+                  state_cache_gb=args.state_cache_gb)
+    if device.type == "cuda":
+        return EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common)
+    return EngineConfig.for_token_budget(args.kv_tokens, snapshot_slots=args.snapshot_slots, **common)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO)
@@ -465,13 +479,7 @@ def main(argv=None) -> None:
     backend = "triton" if device.type == "cuda" else "reference"
     ops.set_backend(backend)
     tokenizer = tokenizer_for_model(args.model)  # the checkpoint's own chat template when it ships one
-    common = dict(max_num_seqs=args.max_num_seqs, eos_token_ids=tokenizer.eos_token_ids,
-                  max_model_len=args.max_model_len, cuda_graphs=not args.eager,
-                  state_cache_fraction=args.state_cache_fraction, state_cache_gb=args.state_cache_gb)
-    if device.type == "cuda":
-        cfg = EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common)
-    else:
-        cfg = EngineConfig.for_token_budget(args.kv_tokens, **common)
+    cfg = engine_config(args, device, tokenizer.eos_token_ids)
     tp, workers = None, None
     if args.tp > 1:  # rank 0 here; ranks 1..N-1 in spawned workers that build the same engine
         if device.type == "cuda" and torch.cuda.device_count() < args.tp:

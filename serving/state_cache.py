@@ -3,13 +3,29 @@
 A prefix hit at n tokens needs the KV pages of [0, n) AND the conv window and recurrent state of every linear
 layer after exactly n tokens. Snapshots live in extra slots of CachePools, after the running sequences'
 slots, and are keyed by the chain hash of the page that ends at n (n is page-aligned). A snapshot slot is
-free, private (one running sequence's rolling snapshot, not evictable) or published (keyed, evictable in
-LRU order). Copies between slots are tensor copies on the pools' device.
+free, private (one running sequence's rolling snapshot, not evictable) or published (keyed, evictable).
+
+Published snapshots are evicted by worth, not by age alone (GreedyDual): a snapshot's worth is the tokens a hit
+on it saves times the sessions behind it (1 + the hits it served), and its priority is the clock at its last use
+plus its worth; the lowest priority goes first and sets the clock. So a shared system prompt's snapshot that ten
+sessions restored outlives the ends of one-off requests, and stale snapshots still age out. Copies between slots
+are tensor copies on the pools' device.
 """
-from collections import OrderedDict
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from model.cache import CachePools
 from serving.sequence import PageKey
+
+
+@dataclass
+class Snapshot:
+    slot: int
+    tokens: int  # the hit's length: what restoring this snapshot saves
+    hits: int = 0
+    priority: float = 0.0
+    entry: int = 0  # its live heap entry's tie-breaker: older entries of it are stale
 
 
 class StateSnapshotCache:
@@ -18,43 +34,88 @@ class StateSnapshotCache:
             raise ValueError(f"snapshot slots [{first_slot}, {first_slot + num_slots}) exceed the pools' "
                              f"{pools.num_slots} slots")
         self.pools = pools
+        self.num_slots = num_slots
         self.free_slots = list(range(first_slot + num_slots - 1, first_slot - 1, -1))  # pop() takes the lowest
-        self.slot_of_key: OrderedDict[PageKey, int] = OrderedDict()  # published snapshots, least recently used first
+        self.published: dict[PageKey, Snapshot] = {}
+        self._heap: list[tuple[float, int, PageKey]] = []  # (priority, tie, key); entries go stale on each use
+        self._tie = 0
+        self.clock = 0.0  # GreedyDual's: the priority of the last snapshot evicted
+        self.num_evictions = 0
+        # called with the key of each snapshot evicted for room (serving.block_manager: its chain's pages go first)
+        self.on_evict: Callable[[PageKey], None] | None = None
 
     def __contains__(self, key: PageKey) -> bool:
-        return key in self.slot_of_key
+        return key in self.published
 
     def __len__(self) -> int:
-        return len(self.slot_of_key)
+        return len(self.published)
+
+    @property
+    def slot_of_key(self) -> dict[PageKey, int]:
+        return {key: snap.slot for key, snap in self.published.items()}
 
     def copy_state(self, src: int, dst: int) -> None:
         """conv_states[:, dst] = conv_states[:, src], recurrent likewise: every linear layer at once."""
         self.pools.copy_slot(src, dst)
 
+    def _touch(self, key: PageKey, snap: Snapshot) -> None:
+        snap.priority = self.clock + snap.tokens * (1 + snap.hits)
+        self._tie += 1
+        snap.entry = self._tie
+        heapq.heappush(self._heap, (snap.priority, self._tie, key))
+        if len(self._heap) > 4 * len(self.published) + 64:  # drop stale entries now and then
+            self._heap = [(s.priority, s.entry, k) for k, s in self.published.items()]
+            heapq.heapify(self._heap)
+
+    def _evict_one(self) -> int:
+        """Evict the published snapshot of lowest priority; returns its slot."""
+        while True:
+            priority, entry, key = heapq.heappop(self._heap)
+            snap = self.published.get(key)
+            if snap is not None and snap.entry == entry:
+                break
+        del self.published[key]
+        self.clock = priority
+        self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(key)
+        return snap.slot
+
     def _take_slot(self) -> int | None:
-        """A free slot, else the least recently used published one; None when all are private."""
+        """A free slot, else the published one of least worth; None when all are private."""
         if self.free_slots:
             return self.free_slots.pop()
-        if self.slot_of_key:
-            return self.slot_of_key.popitem(last=False)[1]
-        return None
+        return self._evict_one() if self.published else None
 
-    def save(self, key: PageKey, src_slot: int) -> bool:
-        """Publish a copy of src_slot's state under key; False when no slot can be had (snapshots are optional)."""
-        if key in self.slot_of_key:
-            self.slot_of_key.move_to_end(key)
+    def _publish(self, key: PageKey, slot: int, tokens: int) -> None:
+        snap = self.published[key] = Snapshot(slot, tokens)
+        self._touch(key, snap)
+
+    def save(self, key: PageKey, src_slot: int, tokens: int) -> bool:
+        """Publish a copy of src_slot's state (after `tokens` tokens) under key; False when no slot can be had
+        (snapshots are optional)."""
+        if key in self.published:
+            self._touch(key, self.published[key])
             return True
         slot = self._take_slot()
         if slot is None:
             return False
         self.copy_state(src_slot, slot)
-        self.slot_of_key[key] = slot
+        self._publish(key, slot, tokens)
         return True
 
     def restore(self, key: PageKey, dst_slot: int) -> None:
-        """Copy the snapshot under key into a running sequence's slot."""
-        self.slot_of_key.move_to_end(key)
-        self.copy_state(self.slot_of_key[key], dst_slot)
+        """Copy the snapshot under key into a running sequence's slot: one more session behind it."""
+        snap = self.published[key]
+        snap.hits += 1
+        self._touch(key, snap)
+        self.copy_state(snap.slot, dst_slot)
+
+    def drop(self, key: PageKey) -> None:
+        """Free the snapshot under key, if any (its page left the KV cache: no hit can reach it)."""
+        snap = self.published.pop(key, None)
+        if snap is not None:
+            self.free_slots.append(snap.slot)
 
     # ---- private (rolling) snapshots ---------------------------------------------------------------------
 
@@ -74,10 +135,11 @@ class StateSnapshotCache:
             self.copy_state(src_slot, slot)
         return slot
 
-    def publish_private(self, slot: int, key: PageKey) -> None:
-        """Turn a private snapshot into a published one (or drop it when key is already published)."""
-        if key in self.slot_of_key:
-            self.slot_of_key.move_to_end(key)
+    def publish_private(self, slot: int, key: PageKey, tokens: int) -> None:
+        """Turn a private snapshot (after `tokens` tokens) into a published one (or drop it when key is already
+        published)."""
+        if key in self.published:
+            self._touch(key, self.published[key])
             self.free_slots.append(slot)
         else:
-            self.slot_of_key[key] = slot
+            self._publish(key, slot, tokens)

@@ -172,6 +172,17 @@ def check_invariants(engine: LLMEngine, where: str):
     private = [s.rolling_snapshot_slot for s in sched.running if s.rolling_snapshot_slot is not None]
     pending = [s.pending_snapshot_slot for s in sched.running if s.pending_snapshot_slot is not None]
     check(not pending, f"{where}: pending snapshot slots between steps: {pending}")
+    # a snapshot leaves with the page it is keyed by; the eviction tiers are disjoint and hold unreferenced pages
+    lost = [k.hex()[:8] for k in sc.published if k not in bm.page_of_hash]
+    check(not lost, f"{where}: snapshots whose page left the cache: {lost}")
+    check(not set(bm._tail) & set(bm._lru), f"{where}: a page in both eviction tiers")
+    children = [0] * bm.num_pages
+    for p in range(bm.num_pages):
+        if bm.parent_of(p) >= 0:
+            check(bm.hash_of_page[p] is not None and bm.hash_of_page[bm.parent_of(p)] is not None,
+                  f"{where}: page {p}'s chain link {bm.parent_of(p)} is not between cached pages")
+            children[bm.parent_of(p)] += 1
+    check(children == bm.children, f"{where}: children counts {bm.children} != {children}")
     allsnap = list(sc.free_slots) + list(sc.slot_of_key.values()) + private
     check(len(allsnap) == len(set(allsnap)) == cfg.snapshot_slots
           and set(allsnap) == set(range(cfg.max_num_seqs, cfg.max_num_seqs + cfg.snapshot_slots)),
@@ -376,7 +387,7 @@ def run_scenario(sc: dict, check_contents: bool = True) -> dict:
             ref = ref_tokens(prompt)
             stop = (ref[op["stop_at"] % mt],) if op.get("stop_at") is not None else ()
             params = SamplingParams(max_tokens=mt, ignore_eos=op["ignore_eos"], stop_token_ids=stop)
-            rid = engine.add_request(prompt, params)
+            rid = engine.add_request(prompt, params, min(op.get("cache_point", 0), len(prompt)))
             r = dict(prompt=prompt, params=params, seq=engine.sequences[rid], final=None, stream=[],
                      expected=expected_output(prompt, params, tuple(c["eos"])))
             reqs[rid] = r
@@ -463,6 +474,7 @@ def strategies():
         max_tokens=st.integers(1, MAX_NEW),
         ignore_eos=st.booleans(),
         stop_at=st.one_of(st.none(), st.none(), st.integers(0, MAX_NEW - 1)),
+        cache_point=st.one_of(st.just(0), st.integers(1, 64)),  # a shared prefix's end: a snapshot point
     ))
     step = st.fixed_dictionaries(dict(op=st.just("step"), n=st.integers(1, 6)))
     abort = st.fixed_dictionaries(dict(op=st.just("abort"), which=st.integers(0, 10)))

@@ -1,4 +1,5 @@
-"""KVBlockManager: refcounts, sharing, LRU eviction of cached pages, and no leaks under random traffic."""
+"""KVBlockManager: refcounts, sharing, eviction of cached pages (past the snapshots first, then LRU), and no leaks
+under random traffic."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -108,6 +109,51 @@ def test_a_page_computed_twice_keeps_the_first_copy():
     assert bm.cached_prefix(b.page_hashes(1, PAGE)) == [a.pages[0]]
     bm.free(b)
     assert len(bm.free_pages) == 2 and not bm.evictable  # b's copy was never published: it went back free
+
+
+def test_pages_past_the_deepest_snapshot_are_evicted_first_and_take_their_snapshot():
+    bm = KVBlockManager(num_pages=5, page_size=PAGE)
+    evicted = []
+    bm.on_evict = evicted.append
+    a = computed(bm, new_seq(list(range(12))), 12)
+    b = computed(bm, new_seq(list(range(100, 108)), seq_id=1), 8)
+    a_pages, b_pages, a_keys = list(a.pages), list(b.pages), a.page_hashes(3, PAGE)
+    bm.free(a, covered_pages=1)  # a's snapshot is at its first page: pages 1 and 2 serve no hit
+    bm.free(b)
+    assert list(bm.evictable) == [a_pages[2], a_pages[1], a_pages[0], b_pages[1], b_pages[0]]
+    assert [bm.take_page() for _ in range(3)] == [a_pages[2], a_pages[1], a_pages[0]]
+    assert evicted == [a_keys[2], a_keys[1], a_keys[0]]
+    assert bm.cached_prefix(b.page_hashes(2, PAGE)) == b_pages
+
+
+def test_a_gone_snapshot_demotes_its_chain_back_to_the_previous_snapshot():
+    bm = KVBlockManager(num_pages=8, page_size=PAGE)
+    a = computed(bm, new_seq(list(range(16))), 16)
+    b = computed(bm, new_seq(list(range(100, 104)) + [0], seq_id=1), 4)
+    a_pages, keys = list(a.pages), a.page_hashes(4, PAGE)
+    bm.snapshot_keys = {keys[1], keys[3]}
+    bm.free(a)
+    bm.free(b)
+    bm.demote(keys[1])  # not the chain's end: page 2 runs on to the snapshot at page 3, nothing moves
+    assert list(bm.evictable)[0] == a_pages[3]
+    bm.snapshot_keys = {keys[1]}
+    bm.demote(keys[3])  # pages 3 and 2 now lead nowhere; page 1 ends on a snapshot
+    assert list(bm.evictable)[:2] == [a_pages[3], a_pages[2]] and bm._tail.keys() == {a_pages[3], a_pages[2]}
+
+
+def test_release_past_the_snapshots_stops_at_a_branch_point():
+    bm = KVBlockManager(num_pages=8, page_size=PAGE)
+    a = computed(bm, new_seq([1] * 8 + [2] * 4), 12)
+    a_pages = list(a.pages)
+    b = new_seq([1] * 8 + [3] * 4 + [0], seq_id=1)
+    bm.share_prefix(b, bm.cached_prefix(b.page_hashes(2, PAGE)))
+    computed(bm, b, 12)
+    b_last = b.pages[2]
+    assert b.pages[:2] == a_pages[:2] and bm.children[a_pages[1]] == 2  # a branch point after page 1
+    bm.free(a)
+    bm.free(b, covered_pages=0)  # b has no snapshot: its own page goes first, not the chain a branches from
+    assert list(bm._tail) == [b_last]
+    assert list(bm.evictable) == [b_last, a_pages[2], a_pages[1], a_pages[0]]
 
 
 @settings(max_examples=60, deadline=None)

@@ -100,6 +100,29 @@ def test_shared_system_prompt_across_sessions(model):
     assert_nothing_leaks(engine)
 
 
+def test_a_cache_point_lets_the_second_session_hit_the_system_prompt(model):
+    engine = small_engine(model)
+    system = random_prompt(35, seed=5)
+    sessions = [system + random_prompt(6 + i, seed=10 + i) for i in range(2)]
+    first = engine.sequences[engine.add_request(sessions[0], SamplingParams(max_tokens=5), cache_point=35)]
+    while engine.has_unfinished:
+        engine.step()
+    second = engine.sequences[engine.add_request(sessions[1], SamplingParams(max_tokens=5), cache_point=35)]
+    while engine.has_unfinished:
+        engine.step()
+    # the first session snapshotted at the system prompt's last page boundary (32): the second starts there
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
+    assert second.output_ids == expected(model, sessions[1], 5)
+    assert_nothing_leaks(engine)
+
+
+@pytest.mark.parametrize("cache_point", [-1, 36])
+def test_a_cache_point_outside_the_prompt_is_refused(model, cache_point):
+    engine = small_engine(model)
+    with pytest.raises(ValueError, match="cache_point"):
+        engine.add_request(random_prompt(35, seed=5), cache_point=cache_point)
+
+
 @padded
 def test_chunked_prefill_with_a_tiny_token_budget(model, padded):
     engine = small_engine(model, page_size=4, num_pages=128, max_num_batched_tokens=6, padded=padded)

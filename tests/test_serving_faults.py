@@ -783,9 +783,9 @@ def test_tool_output_with_control_token_text_cannot_inject_roles(server, monkeyp
     prompts = []
     real_add = server.engine.add_request
 
-    def add_request(prompt_ids, params=None):
+    def add_request(prompt_ids, params=None, cache_point=0):
         prompts.append(list(prompt_ids))
-        return real_add(prompt_ids, params)
+        return real_add(prompt_ids, params, cache_point)
 
     monkeypatch.setattr(server.engine, "add_request", add_request)
     out = server.client().chat.completions.create(model="tiny", messages=messages, max_tokens=2)

@@ -52,18 +52,21 @@ def test_a_tiny_budget_goes_to_decodes(model):
     assert [(c.seq.id, c.num_tokens) for c in chunks] == [(ids[0], 1), (ids[1], 1)]
 
 
-@pytest.mark.parametrize("start, budget, cached_pages_end, size, point", [
-    (0, 100, 0, 21, 20),   # reaches the sequence's end, passing the prompt's last page boundary (20): snapshot
-    (0, 20, 0, 20, None),  # ends on that boundary: the commit snapshots there
-    (0, 10, 0, 8, None),   # budget-limited: ends on a page boundary
-    (0, 3, 0, 3, None),    # less than a page of budget: a partial chunk rather than none
-    (3, 6, 0, 5, None),    # realigns a partial start
-    (0, 100, 12, 20, 12),  # two points: the branch point (12) in the step, the chunk stops at the second (20)
+@pytest.mark.parametrize("start, budget, cached_pages_end, cache_point, size, point", [
+    (0, 100, 0, 0, 21, 20),   # reaches the sequence's end, passing the prompt's last page boundary (20): snapshot
+    (0, 20, 0, 0, 20, None),  # ends on that boundary: the commit snapshots there
+    (0, 10, 0, 0, 8, None),   # budget-limited: ends on a page boundary
+    (0, 3, 0, 0, 3, None),    # less than a page of budget: a partial chunk rather than none
+    (3, 6, 0, 0, 5, None),    # realigns a partial start
+    (0, 100, 12, 0, 20, 12),  # two points: the branch point (12) in the step, the chunk stops at the second (20)
+    (0, 100, 0, 11, 20, 8),   # a shared prefix ending at 11: a point at its page boundary (8), then 20
+    (0, 100, 12, 14, 20, 12),  # the same page boundary (12) as the branch point: one point
+    (12, 100, 0, 11, 9, 20),  # a chunk past the shared prefix: only the prompt's boundary
 ])
-def test_plan_chunk(model, start, budget, cached_pages_end, size, point):
+def test_plan_chunk(model, start, budget, cached_pages_end, cache_point, size, point):
     engine = engine_with_budget(model, budget=64)
     seq = Sequence(0, prompt(21), SamplingParams(), torch.Generator())
-    seq.cached_pages_end = cached_pages_end
+    seq.cached_pages_end, seq.cache_point = cached_pages_end, cache_point
     assert engine.scheduler.plan_chunk(seq, start, budget) == (size, point)
 
 

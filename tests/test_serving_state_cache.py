@@ -1,4 +1,4 @@
-"""StateSnapshotCache: slot copies of every linear layer's state, LRU eviction, private rolling snapshots."""
+"""StateSnapshotCache: slot copies of every linear layer's state, eviction by worth, private rolling snapshots."""
 import torch
 
 from model.cache import CachePools
@@ -28,31 +28,60 @@ def value_of(cache: StateSnapshotCache, slot: int) -> float:
 def test_save_and_restore_copy_every_linear_layer():
     cache = make_cache(2)
     fill(cache, 0, 3.0)
-    assert cache.save(key=11, src_slot=0) and 11 in cache
+    assert cache.save(key=11, src_slot=0, tokens=64) and 11 in cache
     fill(cache, 0, 0.0)
     cache.restore(11, dst_slot=1)
     assert value_of(cache, 1) == 3.0 and value_of(cache, 0) == 0.0
 
 
-def test_published_snapshots_evict_least_recently_used_first():
+def test_equal_worth_evicts_least_recently_used_first():
     cache = make_cache(2)
     for key in (1, 2):
         fill(cache, 0, float(key))
-        cache.save(key, 0)
-    cache.restore(1, 1)  # key 1 is now the most recently used
+        cache.save(key, 0, tokens=64)
+    cache.save(1, 0, tokens=64)  # key 1 is now the most recently used
     fill(cache, 0, 3.0)
-    cache.save(3, 0)
+    cache.save(3, 0, tokens=64)
     assert 2 not in cache and 1 in cache and 3 in cache
     cache.restore(3, 1)
     assert value_of(cache, 1) == 3.0
 
 
+def test_worth_is_tokens_times_sessions_and_old_snapshots_still_age_out():
+    cache = make_cache(3)
+    cache.save("system", 0, tokens=400)
+    for _ in range(4):  # four sessions started from the shared system prompt
+        cache.restore("system", 1)
+    cache.save("deep", 0, tokens=1600)
+    cache.save("short", 0, tokens=100)
+    cache.save("new", 0, tokens=1200)  # the 100-token one goes first: least worth
+    assert set(cache.published) == {"system", "deep", "new"}
+    cache.save("newer", 0, tokens=1200)  # then "new": its priority, clock 100 + 1200, is under 1600 and 2000
+    assert set(cache.published) == {"system", "deep", "newer"}
+    for i in range(6):  # unused snapshots age: later saves outbid them once the clock has risen past their worth
+        cache.save(i, 0, tokens=1200)
+    assert "deep" not in cache and "system" not in cache and cache.clock >= 2000
+
+
+def test_a_dropped_snapshot_frees_its_slot_and_an_evicted_one_is_reported():
+    cache = make_cache(1)
+    evicted = []
+    cache.on_evict = evicted.append
+    cache.save(1, 0, tokens=16)
+    cache.drop(1)
+    cache.drop(1)  # twice is harmless
+    assert len(cache) == 0 and cache.free_slots == [RUNNING] and evicted == []
+    cache.save(2, 0, tokens=16)
+    cache.save(3, 0, tokens=16)
+    assert evicted == [2] and 3 in cache
+
+
 def test_saving_a_known_key_copies_nothing():
     cache = make_cache(1)
     fill(cache, 0, 1.0)
-    cache.save(5, 0)
+    cache.save(5, 0, tokens=16)
     fill(cache, 0, 2.0)
-    assert cache.save(5, 0)
+    assert cache.save(5, 0, tokens=16)
     cache.restore(5, 1)
     assert value_of(cache, 1) == 1.0
 
@@ -63,11 +92,11 @@ def test_private_snapshots_are_never_evicted_and_publish_once():
     a = cache.save_private(0, None)
     b = cache.save_private(0, None)
     assert {a, b} == {2, 3}
-    assert not cache.save(7, 0) and cache.save_private(0, None) is None  # both slots are private
+    assert not cache.save(7, 0, tokens=16) and cache.save_private(0, None) is None  # both slots are private
     fill(cache, 0, 4.0)
     assert cache.save_private(0, a) == a and value_of(cache, a) == 4.0  # a rolling snapshot is overwritten
-    cache.publish_private(a, key=9)
-    cache.publish_private(b, key=9)  # the same point again: b's slot goes back free
+    cache.publish_private(a, key=9, tokens=32)
+    cache.publish_private(b, key=9, tokens=32)  # the same point again: b's slot goes back free
     assert len(cache) == 1 and cache.free_slots == [b]
     cache.restore(9, 1)
     assert value_of(cache, 1) == 4.0
