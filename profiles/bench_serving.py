@@ -17,8 +17,10 @@ speed over it.
 
 `--sessions N` replays N traces as sessions interleaved across the users (each idle user takes the next turn of
 the least recently served session), so that with N > concurrency a session returns after others ran and its prefix
-competes for the caches; it reports the eligible hit rate and the returning turns' TTFT p50/p99. On a GPU the GDN
-snapshot pool is sized by --state-cache-fraction / --state-cache-gb (EngineConfig), on the CPU it has 3C + 16 slots.
+competes for the caches; it reports the eligible hit rate beside the offline optimum's over the same requests and
+KV pool (profiles.belady) and the returning turns' TTFT p50/p99. On a GPU the GDN snapshot pool is sized by
+--state-cache-fraction / --state-cache-gb (EngineConfig), on the CPU it has 3C + 16 slots; --snapshot-slots sets
+it on either, and --kv-working-set F caps the KV pool at F times the pages the replay writes.
 
 `--sweep interleave=4,8,12 --repeat 2` replays once per value of an engine knob on one loaded model, alternating
 the values, and prints them side by side with each value's mean (serving.json keeps every run and a `sweep|...`
@@ -31,6 +33,7 @@ import gc
 import json
 import sys
 import time
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +42,7 @@ import torch
 from model import ops
 from model.config import Qwen35Config
 from model.load import describe_model, load_model
+from profiles.belady import belady_hits
 from profiles.common import (
     RESULTS,
     TritonCompileLog,
@@ -53,6 +57,7 @@ from serving import cli
 from serving.config import EngineConfig
 from serving.device import pick_device
 from serving.engine import LLMEngine, StepPhases
+from serving.model_runner import state_slot_bytes
 from serving.sequence import SamplingParams
 
 PHASES = ("schedule_ms", "dispatch_ms", "commit_ms", "sample_ms")  # engine.StepPhases' host milliseconds
@@ -71,6 +76,9 @@ class Request:
     generated: int = 0
     cached_tokens: int = 0
     first_step: dict | None = None  # the phases (engine.StepPhases, ms) of the step that gave the first token
+    order: int = 0  # its submission among the replay's requests
+    finish_order: int = 0  # the submissions before it finished
+    ids: tuple[array, array] | None = None  # with sessions: its prompt and answer (for profiles.belady)
 
     @property
     def ttft_ms(self) -> float:
@@ -177,9 +185,10 @@ def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: b
             if nxt is None:
                 continue
             prompt, max_new, eligible = nxt
-            seq_id = engine.add_request(prompt, SamplingParams(max_tokens=max_new, ignore_eos=True))
+            seq_id = engine.add_request(prompt, SamplingParams(max_tokens=max_new, ignore_eos=True),
+                                        cache_point=min(u.trace.shared_prefix, len(prompt)))
             live[seq_id] = (u, Request(client.index, u.trace.id, u.turn, len(prompt), min(eligible, len(prompt) - 1),
-                                       time.perf_counter()), prompt)
+                                       time.perf_counter(), order=len(live) + len(done)), prompt)
             owner[seq_id] = client
         idle = waiting if live else []
         before = time.perf_counter()
@@ -194,6 +203,9 @@ def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: b
             if o.finished:
                 result = engine.pop_output(o.seq_id)
                 r.cached_tokens = result.cached_tokens
+                if pool is not None:
+                    r.ids = array("i", prompt), array("i", result.output_ids)
+                    r.finish_order = len(live) + len(done)
                 u.finished_turn(prompt, result.output_ids, now)
                 client = owner.pop(o.seq_id)
                 if pool is not None:
@@ -206,6 +218,22 @@ def replay(engine: LLMEngine, traces: list[Trace], concurrency: int, progress: b
                 bar.update(1)
     bar.close()
     return done, users, time.perf_counter() - start, steps
+
+
+def offline_optimum(requests: list[Request], num_pages: int, page_size: int) -> dict:
+    """The eligible hit rate that Belady's MIN over the same requests, in admission order, and the same KV pool
+    would get (profiles.belady), and ours over it."""
+    ordered = sorted(requests, key=lambda r: r.order)
+    # each request was submitted, then finished after finish_order submissions: the events in that order
+    events = sorted([(r.order, 0, "admit", i) for i, r in enumerate(ordered)]
+                    + [(r.finish_order, -1, "finish", i) for i, r in enumerate(ordered)])
+    hits = belady_hits([(list(r.ids[0]), list(r.ids[1])) for r in ordered], num_pages, page_size,
+                       [(kind, i) for _, _, kind, i in events])
+    eligible = sum(r.eligible_tokens for r in ordered)
+    best = sum(min(h, r.eligible_tokens) for h, r in zip(hits, ordered))
+    ours = sum(r.cached_tokens for r in ordered)
+    return {"belady_eligible_hit_rate": best / eligible if eligible else None,
+            "hit_rate_over_belady": ours / best if best else None}
 
 
 def step_kind(phases: StepPhases) -> str:
@@ -339,18 +367,30 @@ def build_traces(args, vocab: int) -> list[Trace]:
     return load_jsonl(args.trace, vocab=vocab, turns=args.turns, max_new=args.max_new, seed=args.seed)
 
 
+def working_set_pages(traces: list[Trace], page_size: int) -> int:
+    """The pages a replay of traces writes: the shared prefix once, then each trace's own tokens."""
+    shared = max((t.shared_prefix for t in traces), default=0)
+    return shared // page_size + sum(-(-(t.total_tokens() - shared) // page_size) for t in traces)
+
+
 def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
     page = args.page_size
     max_len = -(-(max(t.total_tokens() for t in traces) + 1) // page) * page
+    slots = 3 * args.concurrency + 16 if args.snapshot_slots is None else args.snapshot_slots
     common = dict(page_size=page, max_num_seqs=args.concurrency, max_model_len=max_len,
-                  snapshot_slots=3 * args.concurrency + 16, max_num_batched_tokens=args.chunk,
+                  snapshot_slots=slots, max_num_batched_tokens=args.chunk,
                   fast_lane_tokens=args.fast_lane, cuda_graphs=not args.eager, seed=args.seed,
                   interleave_slices=args.interleave, interleave_slice_tokens=args.interleave_slice_tokens,
                   prefill_graph_tokens=args.prefill_graphs,
                   decode_ahead=bool(args.decode_ahead), fed_decode=bool(args.fed_decode),
                   token_ring=bool(args.token_ring), state_cache_fraction=args.state_cache_fraction,
                   state_cache_gb=args.state_cache_gb)
+    if args.kv_working_set is not None:  # a fixed pool on either device
+        pages = int(args.kv_working_set * working_set_pages(traces, page))
+        return LLMEngine(model, EngineConfig(num_pages=max(pages, args.concurrency * max_len // page), **common))
     if model.lm_head.weight.device.type == "cuda":
+        if args.snapshot_slots is not None:  # that many slots' bytes (the sizing rounds down to whole slots)
+            common["state_cache_gb"] = args.snapshot_slots * state_slot_bytes(model) * (1 + 1e-9) / 2**30
         return LLMEngine(model, EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common))
     # CPU: room for every user's longest trace plus the cache of one more
     return LLMEngine(model, EngineConfig.for_token_budget((args.concurrency + 1) * max_len, **common))
@@ -387,6 +427,10 @@ def run_key(args) -> str:
                     if getattr(args, name) != default)
     if args.sessions:
         knobs += f"|sessions{args.sessions}"
+    if args.snapshot_slots is not None:
+        knobs += f"|snapshot_slots{args.snapshot_slots}"
+    if args.kv_working_set is not None:
+        knobs += f"|kv_working_set{args.kv_working_set:g}"
     if args.state_cache_gb is not None:
         knobs += f"|state_cache_gb{args.state_cache_gb:g}"
     elif args.state_cache_fraction != EngineConfig.state_cache_fraction:
@@ -431,6 +475,12 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--gpu-memory-utilization", type=cli.fraction, default=0.85,
                     help="fraction of the card for weights, activations and the KV pool (CUDA), in (0, 1]")
     cli.add_state_cache_args(ap)
+    ap.add_argument("--snapshot-slots", type=cli.non_negative_int, default=None,
+                    help="GDN snapshot slots of the prefix cache, on either device (default: 3C + 16 on the CPU, "
+                         "sized from memory on a GPU)")
+    ap.add_argument("--kv-working-set", type=cli.positive_float, default=None, metavar="F",
+                    help="a KV pool of F times the pages the replay writes (at least the users' longest traces), "
+                         "on either device (default: the CPU's room for C + 1 traces, a GPU's memory)")
     ap.add_argument("--page-size", type=cli.positive_int, default=ENGINE_KNOBS["page_size"],
                     help="tokens of a KV page")
     ap.add_argument("--chunk", type=cli.positive_int, default=ENGINE_KNOBS["chunk"],
@@ -586,6 +636,8 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
         requests, users, wall, steps = replay(engine, traces, args.concurrency, progress=not args.no_progress,
                                               sessions=bool(args.sessions))
     rows, overall = summarize(requests, users, wall)
+    if args.sessions:
+        overall.update(offline_optimum(requests, engine.cfg.num_pages, engine.cfg.page_size))
     kinds = step_breakdown(steps, wall)
     if args.per_request:
         print_table([request_row(r) for r in requests], ["user", "turn", "prompt", "cached", "new", "ttft_ms",
@@ -605,7 +657,9 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
                         "decode_steps", "rows_per_decode"], out)
     if args.sessions:
         out.write(f"{args.sessions} sessions interleaved over {len(users)} users: eligible hit rate "
-                  f"{fmt(overall['eligible_hit_rate'], '.3f')}, returning-turn TTFT p50 "
+                  f"{fmt(overall['eligible_hit_rate'], '.3f')} (offline optimum "
+                  f"{fmt(overall['belady_eligible_hit_rate'], '.3f')} in {engine.cfg.num_pages} KV pages), "
+                  f"returning-turn TTFT p50 "
                   f"{fmt(overall['ttft_return_p50_ms'], '.1f')} ms, "
                   f"p99 {fmt(overall['ttft_return_p99_ms'], '.1f')} ms\n")
     if overall["return_sample_ms"] is not None:

@@ -216,6 +216,7 @@ class Scheduler:
             self.pools.reset_slots([seq.state_slot])
         else:
             self.state_cache.restore(key, seq.state_slot)
+        seq.snapshot_key = key
         seq.num_computed_tokens = start
         n = self._reserve_snapshot(seq, start, n, point)
         if seq.num_cached_tokens is None:
@@ -235,8 +236,7 @@ class Scheduler:
             seq.num_computed_tokens = c.end
             self.block_manager.publish_computed_pages(seq)
             if seq.pending_snapshot_slot is not None:  # the step wrote the state at the point inside the chunk
-                key = self._key_at(seq, seq.pending_snapshot_tokens)
-                self._publish(seq.pending_snapshot_slot, key, seq.pending_snapshot_tokens)
+                self._publish(seq, seq.pending_snapshot_slot, seq.pending_snapshot_tokens)
                 seq.pending_snapshot_slot = None
             if seq.num_computed_tokens % self.page_size == 0:
                 self._snapshot(seq)
@@ -246,20 +246,32 @@ class Scheduler:
         n = seq.num_computed_tokens
         key = self._key_at(seq, n)
         if n <= seq.num_prompt_tokens:
-            if key in self.block_manager.page_of_hash:
-                self.state_cache.save(key, seq.state_slot, n)
+            if key in self.block_manager.page_of_hash and self.state_cache.save(key, seq.state_slot, n,
+                                                                                 self._shared(seq, n)):
+                self._advance(seq, key)
             return
         slot = self.state_cache.save_private(seq.state_slot, seq.rolling_snapshot_slot)
         if slot is not None:
             seq.rolling_snapshot_slot, seq.rolling_snapshot_tokens = slot, n
 
-    def _publish(self, slot: int, key: PageKey, tokens: int) -> None:
-        """Publish a private snapshot where its page is cached; else no hit could reach it (the page was computed
-        twice and the cached copy has left): its slot goes back."""
+    def _publish(self, seq: Sequence, slot: int, tokens: int) -> None:
+        """Publish seq's private snapshot after tokens where its page is cached; else no hit could reach it (the
+        page was computed twice and the cached copy has left): its slot goes back."""
+        key = self._key_at(seq, tokens)
         if key in self.block_manager.page_of_hash:
-            self.state_cache.publish_private(slot, key, tokens)
+            self.state_cache.publish_private(slot, key, tokens, self._shared(seq, tokens))
+            self._advance(seq, key)
         else:
             self.state_cache.release(slot)
+
+    def _shared(self, seq: Sequence, tokens: int) -> bool:
+        """Whether a snapshot after tokens ends seq's shared prefix (its cache_point's page boundary)."""
+        return tokens > 0 and tokens == seq.cache_point // self.page_size * self.page_size
+
+    def _advance(self, seq: Sequence, key: PageKey) -> None:
+        """seq published key, its deepest snapshot: its session moves there (state_cache.advance)."""
+        self.state_cache.advance(seq.snapshot_key, key)
+        seq.snapshot_key = key
 
     def _key_at(self, seq: Sequence, n: int) -> PageKey:
         """The snapshot key of seq's state after n tokens (page-aligned): the hash of the page that ends there."""
@@ -268,8 +280,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         """Give back seq's pages and slot; its rolling snapshot is published for later requests."""
         if seq.rolling_snapshot_slot is not None:
-            key = self._key_at(seq, seq.rolling_snapshot_tokens)
-            self._publish(seq.rolling_snapshot_slot, key, seq.rolling_snapshot_tokens)
+            self._publish(seq, seq.rolling_snapshot_slot, seq.rolling_snapshot_tokens)
             seq.rolling_snapshot_slot = None
         if seq.pending_snapshot_slot is not None:  # scheduled but never committed (a failed step, a preemption)
             self.state_cache.release(seq.pending_snapshot_slot)

@@ -77,6 +77,7 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prefix-cache hit of the first admission
         self.cached_pages_end = 0  # tokens that cached KV pages covered at the last lookup (hit or not)
         self.cache_point = 0  # where a prefix shared with other requests ends (LLMEngine.add_request)
+        self.snapshot_key: PageKey | None = None  # its deepest published snapshot, or the one it started from
         self.finish_reason: str | None = None
         self._page_hashes: list[PageKey] = []
 

@@ -6,10 +6,15 @@ slots, and are keyed by the chain hash of the page that ends at n (n is page-ali
 free, private (one running sequence's rolling snapshot, not evictable) or published (keyed, evictable).
 
 Published snapshots are evicted by worth, not by age alone (GreedyDual): a snapshot's worth is the tokens a hit
-on it saves times the sessions behind it (1 + the hits it served), and its priority is the clock at its last use
-plus its worth; the lowest priority goes first and sets the clock. So a shared system prompt's snapshot that ten
-sessions restored outlives the ends of one-off requests, and stale snapshots still age out. Copies between slots
-are tensor copies on the pools' device.
+on it saves times the sessions behind it, and its priority is the clock at its last use plus its worth; the
+lowest priority goes first and sets the clock, so unused snapshots still age out. The sessions behind a snapshot:
+- the requests parked there (`live`): a request's deepest published snapshot is where its session would come back;
+  a request that restores it takes the session over, and moves it on when it publishes a deeper one (`advance`);
+- the sessions that branched from it: every restore after the first (`hits` - 1);
+- one more at a shared prefix's end (a request's cache_point: the server's system and tools message).
+So the point a session has moved past (its earlier turns' ends, its prompt's last page) is worth nothing and goes
+first, a system prompt that ten sessions restored stays, and each session keeps its latest end. Copies between
+slots are tensor copies on the pools' device.
 """
 import heapq
 from collections.abc import Callable
@@ -24,6 +29,8 @@ class Snapshot:
     slot: int
     tokens: int  # the hit's length: what restoring this snapshot saves
     hits: int = 0
+    live: int = 0
+    shared: bool = False
     priority: float = 0.0
     entry: int = 0  # its live heap entry's tie-breaker: older entries of it are stale
 
@@ -59,7 +66,7 @@ class StateSnapshotCache:
         self.pools.copy_slot(src, dst)
 
     def _touch(self, key: PageKey, snap: Snapshot) -> None:
-        snap.priority = self.clock + snap.tokens * (1 + snap.hits)
+        snap.priority = self.clock + snap.tokens * (snap.live + max(snap.hits - 1, 0) + snap.shared)
         self._tie += 1
         snap.entry = self._tie
         heapq.heappush(self._heap, (snap.priority, self._tie, key))
@@ -87,13 +94,13 @@ class StateSnapshotCache:
             return self.free_slots.pop()
         return self._evict_one() if self.published else None
 
-    def _publish(self, key: PageKey, slot: int, tokens: int) -> None:
-        snap = self.published[key] = Snapshot(slot, tokens)
+    def _publish(self, key: PageKey, slot: int, tokens: int, shared: bool) -> None:
+        snap = self.published[key] = Snapshot(slot, tokens, shared=shared)
         self._touch(key, snap)
 
-    def save(self, key: PageKey, src_slot: int, tokens: int) -> bool:
-        """Publish a copy of src_slot's state (after `tokens` tokens) under key; False when no slot can be had
-        (snapshots are optional)."""
+    def save(self, key: PageKey, src_slot: int, tokens: int, shared: bool = False) -> bool:
+        """Publish a copy of src_slot's state (after `tokens` tokens; at a shared prefix's end with shared) under
+        key; False when no slot can be had (snapshots are optional)."""
         if key in self.published:
             self._touch(key, self.published[key])
             return True
@@ -101,15 +108,25 @@ class StateSnapshotCache:
         if slot is None:
             return False
         self.copy_state(src_slot, slot)
-        self._publish(key, slot, tokens)
+        self._publish(key, slot, tokens, shared)
         return True
 
     def restore(self, key: PageKey, dst_slot: int) -> None:
-        """Copy the snapshot under key into a running sequence's slot: one more session behind it."""
+        """Copy the snapshot under key into a running sequence's slot (which takes over a session parked there)."""
         snap = self.published[key]
         snap.hits += 1
         self._touch(key, snap)
         self.copy_state(snap.slot, dst_slot)
+
+    def advance(self, old: PageKey | None, new: PageKey) -> None:
+        """A request whose deepest snapshot was old (None: none) published new, deeper: its session moves there."""
+        if old == new or new not in self.published:
+            return
+        if old in self.published and self.published[old].live > 0:
+            self.published[old].live -= 1
+            self._touch(old, self.published[old])
+        self.published[new].live += 1
+        self._touch(new, self.published[new])
 
     def drop(self, key: PageKey) -> None:
         """Free the snapshot under key, if any (its page left the KV cache: no hit can reach it)."""
@@ -135,11 +152,11 @@ class StateSnapshotCache:
             self.copy_state(src_slot, slot)
         return slot
 
-    def publish_private(self, slot: int, key: PageKey, tokens: int) -> None:
+    def publish_private(self, slot: int, key: PageKey, tokens: int, shared: bool = False) -> None:
         """Turn a private snapshot (after `tokens` tokens) into a published one (or drop it when key is already
         published)."""
         if key in self.published:
             self._touch(key, self.published[key])
             self.free_slots.append(slot)
         else:
-            self._publish(key, slot, tokens)
+            self._publish(key, slot, tokens, shared)

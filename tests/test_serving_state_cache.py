@@ -47,20 +47,36 @@ def test_equal_worth_evicts_least_recently_used_first():
     assert value_of(cache, 1) == 3.0
 
 
-def test_worth_is_tokens_times_sessions_and_old_snapshots_still_age_out():
+def test_worth_counts_the_sessions_behind_a_snapshot_and_a_point_a_session_passed_goes_first():
     cache = make_cache(3)
-    cache.save("system", 0, tokens=400)
-    for _ in range(4):  # four sessions started from the shared system prompt
+    cache.save("system", 0, tokens=400, shared=True)  # a shared prefix's end: one session ahead of time
+    for _ in range(4):  # four sessions restored it: three branches besides the first
         cache.restore("system", 1)
-    cache.save("deep", 0, tokens=1600)
-    cache.save("short", 0, tokens=100)
-    cache.save("new", 0, tokens=1200)  # the 100-token one goes first: least worth
-    assert set(cache.published) == {"system", "deep", "new"}
-    cache.save("newer", 0, tokens=1200)  # then "new": its priority, clock 100 + 1200, is under 1600 and 2000
-    assert set(cache.published) == {"system", "deep", "newer"}
-    for i in range(6):  # unused snapshots age: later saves outbid them once the clock has risen past their worth
-        cache.save(i, 0, tokens=1200)
-    assert "deep" not in cache and "system" not in cache and cache.clock >= 2000
+    cache.save("prompt", 0, tokens=1200)
+    cache.advance(None, "prompt")  # a request parked at its prompt's end...
+    cache.save("end", 0, tokens=1500)
+    cache.advance("prompt", "end")  # ...then moved on to its answer's: the prompt's end serves no session
+    worths = {k: s.priority for k, s in cache.published.items()}
+    assert worths == {"system": 400 * (1 + 3), "prompt": 0, "end": 1500}
+    cache.save("other", 0, tokens=100)
+    cache.advance(None, "other")
+    assert set(cache.published) == {"system", "end", "other"}  # the passed point went, though deeper and newer
+    for i in range(12):  # unused snapshots age: later ones outbid them once the clock has risen past their worth
+        cache.save(i, 0, tokens=700)
+        cache.advance(None, i)
+    assert "system" not in cache and "end" not in cache and cache.clock >= 1600
+
+
+def test_a_session_taken_over_moves_on_once():
+    cache = make_cache(3)
+    cache.save("turn1", 0, tokens=64)
+    cache.advance(None, "turn1")
+    cache.restore("turn1", 1)  # the session returns: a new request takes it over from turn1...
+    cache.save("turn2", 0, tokens=128)
+    cache.advance("turn1", "turn2")  # ...and moves it to turn2
+    assert (cache.published["turn1"].live, cache.published["turn2"].live) == (0, 1)
+    cache.advance("turn1", "turn2")  # again (a second request from turn1): nothing goes below zero
+    assert cache.published["turn1"].live == 0 and cache.published["turn1"].priority == 0
 
 
 def test_a_dropped_snapshot_frees_its_slot_and_an_evicted_one_is_reported():
