@@ -383,7 +383,8 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
                   interleave_slices=args.interleave, interleave_slice_tokens=args.interleave_slice_tokens,
                   prefill_graph_tokens=args.prefill_graphs,
                   decode_ahead=bool(args.decode_ahead), fed_decode=bool(args.fed_decode),
-                  token_ring=bool(args.token_ring), state_cache_fraction=args.state_cache_fraction,
+                  token_ring=bool(args.token_ring), kv_eviction=args.kv_eviction,
+                  state_cache_fraction=args.state_cache_fraction,
                   state_cache_gb=args.state_cache_gb)
     if args.kv_working_set is not None:  # a fixed pool on either device
         pages = int(args.kv_working_set * working_set_pages(traces, page))
@@ -417,7 +418,7 @@ ENGINE_KNOBS = {"chunk": EngineConfig.max_num_batched_tokens, "fast_lane": 1024,
                 "interleave_slice_tokens": EngineConfig.interleave_slice_tokens,
                 "prefill_graphs": EngineConfig.prefill_graph_tokens,
                 "decode_ahead": int(EngineConfig.decode_ahead), "fed_decode": int(EngineConfig.fed_decode),
-                "token_ring": int(EngineConfig.token_ring)}
+                "token_ring": int(EngineConfig.token_ring), "kv_eviction": EngineConfig.kv_eviction}
 
 
 def run_key(args) -> str:
@@ -506,6 +507,9 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--token-ring", type=int, choices=(0, 1), default=ENGINE_KNOBS["token_ring"],
                     help="a fed decode's argmax stores its tokens in pinned host memory, so that no copy sits "
                          "between two decode graphs (EngineConfig.token_ring)")
+    ap.add_argument("--kv-eviction", choices=("lru", "mru"), default=ENGINE_KNOBS["kv_eviction"],
+                    help="which released chain's cached KV pages go first when the pool is full "
+                         "(EngineConfig.kv_eviction)")
     ap.add_argument("--seed", type=cli.non_negative_int, default=0, help="seed of the synthetic traces and of sampling")
     ap.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
                     help=f"replay once per value of an engine knob ({', '.join(ENGINE_KNOBS)}) or per variant of a "
@@ -545,8 +549,8 @@ def main(argv=None, model=None) -> dict:
 
 
 def parse_sweep(spec: str | None) -> tuple[str | None, list]:
-    """--sweep KNOB=V1,V2,... -> (the knob, its values): an ENGINE_KNOBS name with int values, or a decode kernel
-    knob of profiles.host_time's AB_KNOBS with variant names; (None, []) without it."""
+    """--sweep KNOB=V1,V2,... -> (the knob, its values): an ENGINE_KNOBS name with int values (kv_eviction: its
+    names), or a decode kernel knob of profiles.host_time's AB_KNOBS with variant names; (None, []) without it."""
     if spec is None:
         return None, []
     name, _, listed = spec.partition("=")
@@ -563,6 +567,10 @@ def parse_sweep(spec: str | None) -> tuple[str | None, list]:
         unknown = [v for v in listed if v not in variants]
         if unknown:
             raise SystemExit(f"--sweep {spec!r}: {name} has no variant {unknown[0]!r}; one of {', '.join(variants)}")
+        return name, listed
+    if name == "kv_eviction":
+        if set(listed) - {"lru", "mru"}:
+            raise SystemExit(f"--sweep {spec!r}: kv_eviction is lru or mru")
         return name, listed
     try:
         return name, [int(v) for v in listed]

@@ -5,18 +5,27 @@ evictable). A full page is published under the chain hash of its tokens (sequenc
 sequence with the same prefix shares it instead of recomputing it.
 
 A hit on the hybrid model needs a GDN snapshot at its end (serving.state_cache), so cached pages past a chain's
-deepest snapshot can serve no hit: they are evicted first (`_tail`), before the pages that lead to a
-snapshot (`_lru`, least recently used first). A snapshot leaves with the page it is keyed by (`on_evict`).
+deepest snapshot can serve no hit: they are evicted first (`_tail`, deepest first), before the pages that lead to
+a snapshot (`_lru`). Those go by `eviction`, each chain from its tail: "lru", the least recently released chain
+first; "mru", the most recently released first. Agent sessions come back in about the order they left, each after
+its tool call, so when the pool cannot hold them all the session that left last is the one needed last (Belady's
+choice); LRU then evicts exactly the session due next. A snapshot leaves with the page it is keyed by
+(`on_evict`).
 """
 from collections import OrderedDict, deque
 from collections.abc import Callable, Container
 
 from serving.sequence import PageKey, Sequence
 
+EVICTION_ORDERS = ("lru", "mru")
+
 
 class KVBlockManager:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, eviction: str = "lru"):
+        if eviction not in EVICTION_ORDERS:
+            raise ValueError(f"eviction must be one of {EVICTION_ORDERS}, got {eviction!r}")
         self.num_pages, self.page_size = num_pages, page_size
+        self.newest_first = eviction == "mru"
         self.refcount = [0] * num_pages
         self.hash_of_page: list[PageKey | None] = [None] * num_pages
         self.page_of_hash: dict[PageKey, int] = {}
@@ -38,7 +47,7 @@ class KVBlockManager:
     @property
     def evictable(self) -> dict[int, None]:
         """The cached pages no sequence holds, in eviction order."""
-        return {**self._tail, **self._lru}
+        return {**self._tail, **dict.fromkeys(reversed(self._lru) if self.newest_first else self._lru)}
 
     @property
     def num_available_pages(self) -> int:
@@ -51,7 +60,7 @@ class KVBlockManager:
         if self.free_pages:
             page = self.free_pages.popleft()
         elif self._tail or self._lru:
-            page, _ = (self._tail or self._lru).popitem(last=False)
+            page = self._tail.popitem(last=False)[0] if self._tail else self._lru.popitem(last=self.newest_first)[0]
             self._uncache(page)
         else:
             raise MemoryError("no KV page is free or evictable")
@@ -155,13 +164,17 @@ class KVBlockManager:
         seq.num_published_pages = max(seq.num_published_pages, full)
 
     def free(self, seq: Sequence, covered_pages: int | None = None) -> None:
-        """Return seq's pages, last first, so that a prefix's tail is evicted before its head. Pages from
-        covered_pages on (past seq's deepest snapshot) go to the tail, up to a branch point."""
-        covered = len(seq.pages) if covered_pages is None else covered_pages
-        for i in range(len(seq.pages) - 1, -1, -1):
-            page = seq.pages[i]
-            if i >= covered and self.children[page] > 1:  # another chain runs on from here
+        """Return seq's pages. Those from covered_pages on (past seq's deepest snapshot, up to a branch point) go
+        to the tail tier, deepest first; the others in the order that evicts the chain from its tail."""
+        pages = seq.pages
+        covered = len(pages) if covered_pages is None else covered_pages
+        for i in range(len(pages) - 1, covered - 1, -1):
+            if self.children[pages[i]] > 1:  # another chain runs on from here
                 covered = i + 1
-            self.release(page, tail=i >= covered)
+                break
+        for i in range(len(pages) - 1, covered - 1, -1):
+            self.release(pages[i], tail=True)
+        for i in range(covered) if self.newest_first else range(covered - 1, -1, -1):
+            self.release(pages[i])
         seq.pages = []
         seq.num_published_pages = 0

@@ -79,7 +79,7 @@ class LLMEngine:
         pools = CachePools.allocate(model.cache_config, cfg.num_pages + 1, cfg.page_size, num_slots, weight.dtype,
                                     weight.device)
         self.pools = pools if self.link is None else self.link.recording(pools)
-        self.block_manager = KVBlockManager(cfg.num_pages, cfg.page_size)
+        self.block_manager = KVBlockManager(cfg.num_pages, cfg.page_size, cfg.kv_eviction)
         self.state_cache = StateSnapshotCache(self.pools, cfg.max_num_seqs, cfg.snapshot_slots)
         self.scheduler = Scheduler(cfg, self.block_manager, self.state_cache, self.pools)
         why_not = None

@@ -305,7 +305,8 @@ def run_scenario(sc: dict, check_contents: bool = True) -> dict:
     cfg = EngineConfig(num_pages=c["num_pages"], page_size=ps, max_num_seqs=c["max_num_seqs"],
                        snapshot_slots=c["snapshot_slots"], max_num_batched_tokens=c["budget"],
                        fast_lane_tokens=c["fast_lane"], eos_token_ids=tuple(c["eos"]),
-                       interleave_slices=c["slices"], decode_ahead=c["ahead"], fed_decode=c.get("fed", False))
+                       interleave_slices=c["slices"], decode_ahead=c["ahead"], fed_decode=c.get("fed", False),
+                       kv_eviction=c.get("eviction", "lru"))
     engine = LLMEngine(model(), cfg, pad_decode=c["padded"])
     rows: dict[int, list[torch.Tensor]] = {}  # seq id -> the logits rows it sampled from, in order
     orig_sample = engine._sample
@@ -461,6 +462,7 @@ def strategies():
         ahead=st.booleans(),
         fed=st.booleans(),
         padded=st.booleans(),
+        eviction=st.sampled_from(["lru", "mru"]),
         cap_tokens=st.one_of(st.integers(12, 48), st.integers(12, 320)),
         extra_pages=st.integers(0, 6),
     ))

@@ -88,6 +88,23 @@ def test_freed_cached_pages_stay_cached_and_evict_in_lru_order():
     assert bm.cached_prefix(new_seq(list(range(100, 108))).page_hashes(2, PAGE)) == b_pages
 
 
+def test_mru_evicts_the_chain_released_last_from_its_tail():
+    bm = KVBlockManager(num_pages=4, page_size=PAGE, eviction="mru")
+    a = computed(bm, new_seq(list(range(8))), 8)
+    b = computed(bm, new_seq(list(range(100, 108)), seq_id=1), 8)
+    a_pages, b_pages = list(a.pages), list(b.pages)
+    bm.free(a)
+    bm.free(b)
+    assert list(bm.evictable) == [b_pages[1], b_pages[0], a_pages[1], a_pages[0]]
+    assert bm.take_page() == b_pages[1]  # b left last: its tail goes first, a stays whole
+    assert bm.cached_prefix(new_seq(list(range(8))).page_hashes(2, PAGE)) == a_pages
+
+
+def test_an_unknown_eviction_order_is_refused():
+    with pytest.raises(ValueError, match="eviction"):
+        KVBlockManager(num_pages=4, page_size=PAGE, eviction="fifo")
+
+
 def test_a_hit_refreshes_lru_position():
     bm = KVBlockManager(num_pages=2, page_size=PAGE)
     a = computed(bm, new_seq([1, 2, 3, 4]), 4)
