@@ -11,6 +11,7 @@ from kernels import (  # noqa: F401  (imported for their registrations)
     gdn_decode,
     gdn_prefill,
     linear,
+    moe,
     norms,
     paged_decode_attention,
 )

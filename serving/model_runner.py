@@ -63,10 +63,8 @@ GRAPH_OPS = ("paged_attention", "gated_deltanet", "attention_prep", "gather_rows
 
 def graphs_unsupported(model: Qwen35ForCausalLM) -> str | None:
     """Why decode steps of this model cannot be captured with the active ops backend, or None."""
-    if model.config.is_moe:
-        return "MoE routing syncs with the host"
     table = ops.backend_table()
-    ref = [op for op in GRAPH_OPS if table[op] == "reference"]
+    ref = [op for op in GRAPH_OPS + (("moe",) if model.config.is_moe else ()) if table[op] == "reference"]
     if ref:
         return f"ops {ref} run the reference backend (host syncs); use the triton backend"
     return None

@@ -33,8 +33,8 @@ from model.step import StepInput
 
 def prefill_graphs_unsupported(model: Qwen35ForCausalLM) -> str | None:
     """Why this model's prefill stretches cannot be captured, or None."""
-    if model.config.is_moe:
-        return "MoE routing syncs with the host"
+    if model.config.is_moe and ops.backend_table()["moe"] == "reference":
+        return "the reference MoE's expert loop syncs with the host; use the triton backend"
     if model.plan.sharded:
         return "tensor-parallel stretches hold collectives"
     return None

@@ -97,7 +97,9 @@ def test_graphs_are_refused_where_they_would_sync():
         moe = Qwen35ForCausalLM.random(replace(KERNEL_SMALL, intermediate_size=0, num_experts=4,
                                                num_experts_per_tok=2, moe_intermediate_size=32,
                                                shared_expert_intermediate_size=32), seed=0)
-        assert "MoE" in graphs_unsupported(moe)
+        assert graphs_unsupported(moe) is None  # the fused MoE (kernels.moe) syncs with nothing
+    with ops.use_backend("reference"):
+        assert "moe" in graphs_unsupported(moe)
     engine = LLMEngine(model, EngineConfig(num_pages=32, max_num_seqs=2))
     assert "eager decode (not a CUDA device)" in engine.pool_summary
 
@@ -122,6 +124,27 @@ def test_padded_decode_on_triton_ops_follows_the_reference_cpu():
         assert engine.runner.num_eager_decode_steps == 2  # padded 3 -> 4
     common = assert_logits_close_until_divergence(*results["triton"], *results["reference"], tol=1e-4)
     assert common >= 3
+
+
+@interpreter_only
+def test_moe_engine_on_triton_ops_follows_the_reference_cpu():
+    """An MoE model (top-2 of 6 experts, a shared expert) through the engine on the Triton kernels in the
+    interpreter (kernels.moe among them): prefill and padded decode follow the reference ops' logits."""
+    cfg = replace(KERNEL_SMALL, intermediate_size=0, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                  shared_expert_intermediate_size=40)
+    model = Qwen35ForCausalLM.random(cfg, seed=4)
+    prompts = prompts_of((5, 9), cfg.vocab_size, seed=5)
+    results = {}
+    for backend in ("reference", "triton"):
+        engine = LLMEngine(model, EngineConfig(num_pages=32, page_size=16, max_num_seqs=4, snapshot_slots=4),
+                           pad_decode=True)
+        logits = record_logits(engine)
+        with ops.use_backend(backend):
+            ids = [engine.add_request(p, SamplingParams(max_tokens=3)) for p in prompts]
+            while engine.has_unfinished:
+                engine.step()
+        results[backend] = [engine.pop_output(i).output_ids for i in ids], [logits[i] for i in sorted(logits)]
+    assert assert_logits_close_until_divergence(*results["triton"], *results["reference"], tol=1e-4) >= 3
 
 
 @interpreter_only

@@ -1,0 +1,131 @@
+"""kernels.moe (routing on the device, pairs sorted into expert blocks, grouped SwiGLU GEMMs, the top-k sum) against
+reference.moe: batch 1 to 64, odd hidden and expert sizes, top-k 1 to 8, experts that no token chose, all tokens on
+one expert, tied router scores, expert-parallel slices, the shared expert; fp32 in the interpreter on the CPU, bf16
+on the GPU (and replayed in a CUDA graph there); the block alignment's invariants; bad arguments."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reference as R
+from kernels.moe import BLOCK_M, align_blocks, fused_moe
+from tests.conftest import HAS_CUDA, assert_rel
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
+TOL = 2e-2 if HAS_CUDA else 1e-5
+
+
+def weights(experts: int, hidden: int, inter: int, seed: int, shared_inter: int | None = None):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(DTYPE).to(DEV)
+    router = rand(experts, hidden)
+    gate_up, down = rand(experts, 2 * inter, hidden, scale=hidden ** -0.5), rand(experts, hidden, inter,
+                                                                                  scale=inter ** -0.5)
+    shared = None
+    if shared_inter:
+        shared = (rand(shared_inter, hidden, scale=hidden ** -0.5), rand(shared_inter, hidden, scale=hidden ** -0.5),
+                  rand(hidden, shared_inter, scale=shared_inter ** -0.5), rand(1, hidden, scale=hidden ** -0.5))
+    return router, gate_up, down, shared
+
+
+def tokens(n: int, hidden: int, seed: int):
+    return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed)).to(DTYPE).to(DEV)
+
+
+def check(x, router, gate_up, down, top_k, shared=None, expert_start=None, what=""):
+    got = fused_moe(x, router, gate_up, down, top_k, shared, expert_start)
+    want = R.moe(x.float(), router.float(), gate_up.float(), down.float(), top_k,
+                 None if shared is None else tuple(t.float() for t in shared), expert_start)
+    assert got.dtype == x.dtype
+    assert_rel(got.float(), want, TOL, what)
+
+
+@pytest.mark.parametrize("n, experts, top_k, hidden, inter", [
+    (1, 8, 2, 64, 32),     # a decode row
+    (5, 16, 4, 96, 48),    # the verify rows of speculative decoding, odd sizes
+    (64, 32, 8, 80, 40),   # a batch of 64: every expert chosen by some
+    (3, 64, 8, 72, 24),    # most experts chosen by no token
+    (17, 6, 1, 48, 100),   # top-1, an intermediate wider than a column block
+])
+def test_equals_the_reference(n, experts, top_k, hidden, inter):
+    router, gate_up, down, shared = weights(experts, hidden, inter, seed=n, shared_inter=inter + 3)
+    x = tokens(n, hidden, seed=n + 1)
+    check(x, router, gate_up, down, top_k, shared, what=f"n={n} E={experts} k={top_k}")
+    check(x, router, gate_up, down, top_k, None, what="without the shared expert")
+
+
+def test_all_tokens_on_one_expert_and_tied_scores():
+    router, gate_up, down, _ = weights(8, 64, 32, seed=3)
+    router[:] = 0
+    router[5] = 1.0  # every token's top expert is 5 (x has positive entries); the rest tie at 0
+    gate_up[1::2] = gate_up[0::2]  # tied experts share weights, so any choice among a tie gives the same sum
+    down[1::2] = down[0::2]
+    x = tokens(40, 64, seed=4).abs() + 0.1
+    check(x, router, gate_up, down, 1, what="one expert")
+    router[4] = router[5]  # experts 4 and 5 tie exactly, and their weights are the same
+    gate_up[4], down[4] = gate_up[5], down[5]
+    check(x, router, gate_up, down, 2, what="a tie")
+
+
+@pytest.mark.parametrize("start, local", [(0, 4), (4, 4), (6, 2)])
+def test_an_expert_parallel_slice_adds_only_its_experts(start, local):
+    router, gate_up, down, _ = weights(8, 64, 32, seed=5)
+    x = tokens(9, 64, seed=6)
+    check(x, router, gate_up[start:start + local].contiguous(), down[start:start + local].contiguous(), 3,
+          expert_start=start, what=f"experts [{start}, {start + local})")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 70), st.integers(1, 9), st.integers(1, 24), st.integers(0, 2**16))
+def test_alignment_puts_each_pair_once_in_a_block_of_its_expert(n, top_k, experts, seed):
+    top_k = min(top_k, experts)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(n)]).to(DEV)
+    start, local = experts // 4, experts - experts // 4 - experts // 5
+    pairs, block_expert = align_blocks(ids, local, start)
+    pairs, block_expert = pairs.cpu(), block_expert.cpu()
+    flat = ids.reshape(-1).cpu() - start
+    mine = ((flat >= 0) & (flat < local)).nonzero().flatten()
+    real = pairs[pairs < ids.numel()]
+    assert sorted(real.tolist()) == mine.tolist()  # every pair of ours once, no other
+    for b, e in enumerate(block_expert.tolist()):
+        block = pairs[b * BLOCK_M:(b + 1) * BLOCK_M]
+        block = block[block < ids.numel()]
+        if e < 0:
+            assert not block.numel()
+        else:
+            assert block.numel() and (flat[block.long()] == e).all()
+    used = (block_expert >= 0).nonzero().flatten()
+    assert used.numel() == 0 or used.tolist() == list(range(used.numel()))  # the real blocks come first
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda a: a.update(x=a["x"][0]), "x"),
+    (lambda a: a.update(top_k=0), "top_k"),
+    (lambda a: a.update(down_w=a["down_w"][:, :, :-1].contiguous()), "down_w"),
+    (lambda a: a.update(gate_up_w=a["gate_up_w"].double()), "gate_up_w"),
+    (lambda a: a.update(expert_start=7), "expert_start"),
+])
+def test_bad_arguments_name_themselves(bad, match):
+    router, gate_up, down, _ = weights(8, 64, 32, seed=7)
+    args = dict(x=tokens(3, 64, seed=8), router_w=router, gate_up_w=gate_up, down_w=down, top_k=2)
+    bad(args)
+    with pytest.raises(ValueError, match=match):
+        fused_moe(**args)
+
+
+@pytest.mark.gpu
+def test_replays_in_a_cuda_graph_with_new_tokens():
+    router, gate_up, down, shared = weights(64, 256, 128, seed=9, shared_inter=128)
+    x = tokens(4, 256, seed=10)
+    fused_moe(x, router, gate_up, down, 8, shared)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, router, gate_up, down, 8, shared)
+    x.copy_(tokens(4, 256, seed=11))
+    graph.replay()
+    want = R.moe(x.float(), router.float(), gate_up.float(), down.float(), 8, tuple(t.float() for t in shared))
+    assert_rel(out.float(), want, TOL, "graph replay")
