@@ -23,7 +23,14 @@ from kernels.registry import DeviceInfo, Impl, device_info, triton_unsupported
 from reference._checks import check_tensor
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-BLOCK_M = 16  # pairs a block: tl.dot's least M
+BLOCK_M = 16  # pairs a block at decode sizes: tl.dot's least M
+PREFILL_BLOCK_M = 64  # where experts average more than BLOCK_M pairs: fewer re-reads of each expert's weights
+
+
+def block_m_for(num_pairs: int, num_local: int) -> int:
+    """Pairs a block: each block reads its expert's weights once, so blocks should be full where experts have many
+    pairs (a prefill chunk: 8k tokens x top-8 over 256 experts is 256 pairs an expert)."""
+    return PREFILL_BLOCK_M if num_pairs > BLOCK_M * num_local else BLOCK_M
 
 
 def route(x, router_w, top_k: int):
@@ -130,8 +137,9 @@ def routed_experts(x, weights, ids, gate_up_w, down_w, expert_start: int = 0):
     n, hidden = x.shape
     top_k = ids.shape[1]
     num_local, inter = gate_up_w.shape[0], gate_up_w.shape[1] // 2
-    pairs, block_expert = align_blocks(ids, num_local, expert_start)
     num_pairs = ids.numel()
+    block_m = block_m_for(num_pairs, num_local)
+    pairs, block_expert = align_blocks(ids, num_local, expert_start, block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # pairs not ours stay 0
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -139,11 +147,11 @@ def routed_experts(x, weights, ids, gate_up_w, down_w, expert_start: int = 0):
     if blocks and inter and hidden:
         _gate_up_kernel[(blocks, cdiv(inter, _block_n(inter)))](
             x, gate_up_w, pairs, block_expert, h, num_pairs, top_k, hidden, inter, x.stride(0),
-            gate_up_w.stride(0), gate_up_w.stride(1), h.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=_block_n(inter),
+            gate_up_w.stride(0), gate_up_w.stride(1), h.stride(0), BLOCK_M=block_m, BLOCK_N=_block_n(inter),
             BLOCK_K=64, DOT_PRECISION=precision, num_warps=4)
         _down_kernel[(blocks, cdiv(hidden, _block_n(hidden)))](
             h, down_w, pairs, block_expert, weights.reshape(-1).contiguous(), y, num_pairs, hidden, inter,
-            h.stride(0), down_w.stride(0), down_w.stride(1), y.stride(0), BLOCK_M=BLOCK_M,
+            h.stride(0), down_w.stride(0), down_w.stride(1), y.stride(0), BLOCK_M=block_m,
             BLOCK_N=_block_n(hidden), BLOCK_K=64, DOT_PRECISION=precision, num_warps=4)
     return y.view(n, top_k, hidden).sum(1)
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference as R
-from kernels.moe import BLOCK_M, align_blocks, fused_moe
+from kernels.moe import BLOCK_M, PREFILL_BLOCK_M, align_blocks, block_m_for, fused_moe
 from tests.conftest import HAS_CUDA, assert_rel
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -49,6 +49,7 @@ def check(x, router, gate_up, down, top_k, shared=None, expert_start=None, what=
     (64, 32, 8, 80, 40),   # a batch of 64: every expert chosen by some
     (3, 64, 8, 72, 24),    # most experts chosen by no token
     (17, 6, 1, 48, 100),   # top-1, an intermediate wider than a column block
+    (150, 4, 2, 40, 24),   # a prefill chunk's density: 75 pairs an expert, in blocks of PREFILL_BLOCK_M
 ])
 def test_equals_the_reference(n, experts, top_k, hidden, inter):
     router, gate_up, down, shared = weights(experts, hidden, inter, seed=n, shared_inter=inter + 3)
@@ -78,21 +79,26 @@ def test_an_expert_parallel_slice_adds_only_its_experts(start, local):
           expert_start=start, what=f"experts [{start}, {start + local})")
 
 
+def test_blocks_grow_where_experts_have_many_pairs():
+    assert block_m_for(8, 256) == BLOCK_M and block_m_for(8192 * 8, 256) == PREFILL_BLOCK_M
+
+
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 70), st.integers(1, 9), st.integers(1, 24), st.integers(0, 2**16))
-def test_alignment_puts_each_pair_once_in_a_block_of_its_expert(n, top_k, experts, seed):
+@given(st.integers(1, 70), st.integers(1, 9), st.integers(1, 24), st.integers(0, 2**16),
+       st.sampled_from([BLOCK_M, PREFILL_BLOCK_M]))
+def test_alignment_puts_each_pair_once_in_a_block_of_its_expert(n, top_k, experts, seed, block_m):
     top_k = min(top_k, experts)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(n)]).to(DEV)
     start, local = experts // 4, experts - experts // 4 - experts // 5
-    pairs, block_expert = align_blocks(ids, local, start)
+    pairs, block_expert = align_blocks(ids, local, start, block_m)
     pairs, block_expert = pairs.cpu(), block_expert.cpu()
     flat = ids.reshape(-1).cpu() - start
     mine = ((flat >= 0) & (flat < local)).nonzero().flatten()
     real = pairs[pairs < ids.numel()]
     assert sorted(real.tolist()) == mine.tolist()  # every pair of ours once, no other
     for b, e in enumerate(block_expert.tolist()):
-        block = pairs[b * BLOCK_M:(b + 1) * BLOCK_M]
+        block = pairs[b * block_m:(b + 1) * block_m]
         block = block[block < ids.numel()]
         if e < 0:
             assert not block.numel()
