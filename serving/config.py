@@ -50,6 +50,9 @@ class EngineConfig:
     profiles.bench_serving --sweep fed_decode=0,1 compares.
     token_ring: a fed decode's argmax also stores its tokens in pinned host memory (serving.token_ring), so that
     no copy to the host sits between two decode graphs. On by default; profiles.bench_serving --sweep token_ring=0,1.
+    snapshot_interval: a chunk that passes a multiple of this many tokens (whole pages) and has no other snapshot
+    point inside snapshots there too, when a slot is free: a sparse ladder along long prompts, so that a chain whose
+    deepest snapshot went with its tail pages still has a hit part-way; 0: off.
     kv_eviction: which cached KV pages go first when the pool is full (serving.block_manager), each chain from its
     tail: "mru", the chain released last (agent sessions return in about the order they left, so it is needed last:
     0.90 of the eligible prefix tokens hit against LRU's 0.66, with 75% of the working set; FINDINGS, prefix cache
@@ -77,6 +80,7 @@ class EngineConfig:
     fed_decode: bool = True
     token_ring: bool = True
     prefill_graph_tokens: int = 2048
+    snapshot_interval: int = 4096
     kv_eviction: str = "mru"
 
     def __post_init__(self):
@@ -97,6 +101,8 @@ class EngineConfig:
                              f"{self.interleave_slices} and {self.interleave_slice_tokens}")
         if self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
+        if self.snapshot_interval < 0:
+            raise ValueError(f"snapshot_interval must be >= 0, got {self.snapshot_interval}")
         if self.kv_eviction not in ("lru", "mru"):
             raise ValueError(f"kv_eviction must be 'lru' or 'mru', got {self.kv_eviction!r}")
         if self.max_graph_batch is not None and self.max_graph_batch < 1:

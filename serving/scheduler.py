@@ -162,14 +162,26 @@ class Scheduler:
 
     def _reserve_snapshot(self, seq: Sequence, start: int, n: int, point: int | None) -> int:
         """A snapshot slot for the point inside seq's chunk of n tokens from start; without a slot the chunk ends
-        at the point instead (its commit snapshots there). Returns the chunk's tokens."""
+        at the point instead (its commit snapshots there). A chunk without a point takes a rung of the ladder
+        (every snapshot_interval tokens) if it passes one and a slot is free. Returns the chunk's tokens."""
         if point is None:
+            rung = self._ladder_rung(start, start + n)
+            if rung is not None and (slot := self.state_cache.reserve()) is not None:
+                seq.pending_snapshot_slot, seq.pending_snapshot_tokens = slot, rung
             return n
         slot = self.state_cache.reserve()
         if slot is None:
             return point - start
         seq.pending_snapshot_slot, seq.pending_snapshot_tokens = slot, point
         return n
+
+    def _ladder_rung(self, start: int, end: int) -> int | None:
+        """The deepest multiple of snapshot_interval (whole pages) strictly inside (start, end), or None."""
+        step = self.cfg.snapshot_interval // self.page_size * self.page_size
+        if not step:
+            return None
+        rung = (end - 1) // step * step
+        return rung if rung > start else None
 
     # ---- admission and the hybrid prefix cache -----------------------------------------------------------
 

@@ -306,7 +306,7 @@ def run_scenario(sc: dict, check_contents: bool = True) -> dict:
                        snapshot_slots=c["snapshot_slots"], max_num_batched_tokens=c["budget"],
                        fast_lane_tokens=c["fast_lane"], eos_token_ids=tuple(c["eos"]),
                        interleave_slices=c["slices"], decode_ahead=c["ahead"], fed_decode=c.get("fed", False),
-                       kv_eviction=c.get("eviction", "lru"))
+                       kv_eviction=c.get("eviction", "lru"), snapshot_interval=c.get("interval", 0))
     engine = LLMEngine(model(), cfg, pad_decode=c["padded"])
     rows: dict[int, list[torch.Tensor]] = {}  # seq id -> the logits rows it sampled from, in order
     orig_sample = engine._sample
@@ -463,6 +463,7 @@ def strategies():
         fed=st.booleans(),
         padded=st.booleans(),
         eviction=st.sampled_from(["lru", "mru"]),
+        interval=st.sampled_from([0, 0, 4, 8, 24]),  # snapshot ladder rungs every this many tokens
         cap_tokens=st.one_of(st.integers(12, 48), st.integers(12, 320)),
         extra_pages=st.integers(0, 6),
     ))

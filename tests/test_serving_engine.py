@@ -116,6 +116,19 @@ def test_a_cache_point_lets_the_second_session_hit_the_system_prompt(model):
     assert_nothing_leaks(engine)
 
 
+def test_a_chunk_past_a_ladder_rung_snapshots_there(model):
+    """Chunks of 24 tokens (pages of 8) over a 41-token prompt with a rung every 16 tokens: the first chunk snapshots
+    at 16 inside its step and at 24 at its end; a request that shares only the first 20 tokens then starts at 16."""
+    engine = small_engine(model, max_num_batched_tokens=24, snapshot_interval=16)
+    prompt = random_prompt(41, seed=6)
+    engine.generate([prompt], SamplingParams(max_tokens=2))
+    other = prompt[:20] + random_prompt(9, seed=7)
+    out = engine.generate([other], SamplingParams(max_tokens=4))[0]
+    assert out.cached_tokens == 16
+    assert out.output_ids == expected(model, other, 4)
+    assert_nothing_leaks(engine)
+
+
 @pytest.mark.parametrize("cache_point", [-1, 36])
 def test_a_cache_point_outside_the_prompt_is_refused(model, cache_point):
     engine = small_engine(model)
