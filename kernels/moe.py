@@ -58,7 +58,7 @@ def align_blocks(ids, num_local: int, expert_start: int, block_m: int = BLOCK_M)
     first = counts.cumsum(0) - counts  # where each expert's pairs start in `order`
     rank = torch.arange(pairs, device=dev) - first[sorted_key]
     starts = torch.cat([ends.new_zeros(1), ends])[:-1]
-    capacity = cdiv(pairs + min(pairs, num_local) * (block_m - 1), block_m) * block_m  # every pair its own block
+    capacity = block_capacity(pairs, num_local, block_m)
     dest = torch.where(sorted_key < num_local, starts[sorted_key.clamp(max=num_local - 1)] + rank, capacity)
     sorted_pairs = torch.full((capacity + 1,), pairs, dtype=torch.int32, device=dev)
     sorted_pairs.scatter_(0, dest, order.to(torch.int32))
@@ -66,6 +66,87 @@ def align_blocks(ids, num_local: int, expert_start: int, block_m: int = BLOCK_M)
     block_expert = torch.searchsorted(ends, block_start, right=True)
     block_expert = torch.where(block_expert < num_local, block_expert, -1).to(torch.int32)
     return sorted_pairs[:capacity], block_expert
+
+
+def block_capacity(pairs: int, num_local: int, block_m: int) -> int:
+    """Slots for the sorted pairs at most: every pair in a block of its own expert (a static bound: no sync)."""
+    return cdiv(pairs + min(pairs, num_local) * (block_m - 1), block_m) * block_m
+
+
+ROUTE_ALIGN_MAX_PAIRS = 1024  # up to this many pairs (decode steps, verify rows) one program routes and aligns
+
+
+@triton.jit
+def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, starts_ptr, pairs_ptr, block_expert_ptr,
+                        n, num_experts, expert_start, num_local, capacity, logits_stride,
+                        TOP_K: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    # one program: each token's softmax, top-k (the lowest index among ties) and renormalised weights, then the
+    # pairs sorted into blocks of their local expert (ranks from atomic counters: a unique slot each)
+    e_idx = tl.arange(0, E_PAD)
+    e_ok = e_idx < num_experts
+    tl.store(counts_ptr + e_idx, tl.zeros((E_PAD,), tl.int32), mask=e_idx < num_local)
+    for t in range(n):
+        row = tl.load(logits_ptr + t * logits_stride + e_idx, mask=e_ok, other=float("-inf")).to(tl.float32)
+        prob = tl.exp(row - tl.max(row, 0))
+        prob = tl.where(e_ok, prob / tl.sum(prob, 0), -1.0)
+        total = 0.0
+        for j in tl.static_range(TOP_K):
+            best = tl.max(prob, 0)
+            pick = tl.min(tl.where(prob == best, e_idx, E_PAD), 0)
+            tl.store(weights_ptr + t * TOP_K + j, best)
+            tl.store(ids_ptr + t * TOP_K + j, pick)
+            total += best
+            prob = tl.where(e_idx == pick, -1.0, prob)
+        for j in tl.static_range(TOP_K):
+            w = tl.load(weights_ptr + t * TOP_K + j)
+            tl.store(weights_ptr + t * TOP_K + j, w / total)
+    tl.debug_barrier()
+    p_idx = tl.arange(0, P_PAD)
+    num_pairs = n * TOP_K
+    local = tl.load(ids_ptr + p_idx, mask=p_idx < num_pairs, other=-1) - expert_start
+    mine = (p_idx < num_pairs) & (local >= 0) & (local < num_local)
+    rank = tl.atomic_add(counts_ptr + local, 1, mask=mine)
+    for off in range(0, capacity, CHUNK):  # every slot padding first
+        slots = off + tl.arange(0, CHUNK)
+        tl.store(pairs_ptr + slots, tl.zeros((CHUNK,), tl.int32) + num_pairs, mask=slots < capacity)
+    tl.debug_barrier()
+    counts = tl.load(counts_ptr + e_idx, mask=e_idx < num_local, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(starts_ptr + e_idx, ends - padded, mask=e_idx < num_local)
+    tl.debug_barrier()
+    start = tl.load(starts_ptr + local, mask=mine, other=0)
+    tl.store(pairs_ptr + start + rank, p_idx, mask=mine)
+    ends = tl.where(e_idx < num_local, ends, 2147483647)
+    for off in range(0, capacity // BLOCK_M, CHUNK):  # a block's expert: how many experts end at or before it
+        blocks = off + tl.arange(0, CHUNK)
+        before = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)
+        tl.store(block_expert_ptr + blocks, tl.where(before < num_local, before, -1),
+                 mask=blocks < capacity // BLOCK_M)
+
+
+def route_and_align(x, router_w, top_k: int, num_local: int, expert_start: int, block_m: int = BLOCK_M):
+    """route and align_blocks in one launch after the router's projection, for up to ROUTE_ALIGN_MAX_PAIRS pairs
+    (decode sizes, where the dozen launches of the two apart cost more than the experts' weights take to read).
+    Returns (weights (n, top_k) fp32, sorted_pairs, block_expert); within an expert's blocks the pairs' order is
+    the atomics' (each pair's result is its own row: the output does not depend on it)."""
+    n, num_experts = x.shape[0], router_w.shape[0]
+    pairs = n * top_k
+    logits = F.linear(x, router_w)
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(max(pairs, 1), dtype=torch.int32, device=x.device)
+    counts = torch.empty(max(num_local, 1), dtype=torch.int32, device=x.device)
+    starts = torch.empty_like(counts)
+    capacity = block_capacity(pairs, num_local, block_m)
+    sorted_pairs = torch.empty(max(capacity, 1), dtype=torch.int32, device=x.device)
+    block_expert = torch.empty(max(capacity // block_m, 1), dtype=torch.int32, device=x.device)
+    if n:
+        _route_align_kernel[(1,)](logits, weights, ids, counts, starts, sorted_pairs, block_expert, n, num_experts,
+                                  expert_start, num_local, capacity, logits.stride(0), TOP_K=top_k,
+                                  E_PAD=triton.next_power_of_2(num_experts), P_PAD=triton.next_power_of_2(pairs),
+                                  BLOCK_M=block_m, CHUNK=64, num_warps=4)
+    return weights, sorted_pairs[:capacity], block_expert[:capacity // block_m]
 
 
 @triton.jit
@@ -130,27 +211,24 @@ def _block_n(width: int) -> int:
     return min(64, triton.next_power_of_2(max(width, 16)))
 
 
-def routed_experts(x, weights, ids, gate_up_w, down_w, expert_start: int = 0):
-    """sum_k weights[:, k] * expert_{ids[:, k]}(x) over this rank's experts, in fp32: (n, H).
-    x: (n, H); weights: (n, top_k) fp32; ids: (n, top_k) router ids; gate_up_w: (E_local, 2I, H); down_w:
-    (E_local, H, I), experts from expert_start."""
+def grouped_experts(x, weights, sorted_pairs, block_expert, block_m: int, gate_up_w, down_w):
+    """sum_k weights[:, k] * expert(x) over the pairs sorted into expert blocks (align_blocks, route_and_align), in
+    fp32: (n, H). x: (n, H); weights: (n, top_k) fp32; gate_up_w: (E_local, 2I, H); down_w: (E_local, H, I)."""
     n, hidden = x.shape
-    top_k = ids.shape[1]
-    num_local, inter = gate_up_w.shape[0], gate_up_w.shape[1] // 2
-    num_pairs = ids.numel()
-    block_m = block_m_for(num_pairs, num_local)
-    pairs, block_expert = align_blocks(ids, num_local, expert_start, block_m)
+    top_k = weights.shape[1]
+    inter = gate_up_w.shape[1] // 2
+    num_pairs = n * top_k
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # pairs not ours stay 0
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     blocks = block_expert.numel()
     if blocks and inter and hidden:
         _gate_up_kernel[(blocks, cdiv(inter, _block_n(inter)))](
-            x, gate_up_w, pairs, block_expert, h, num_pairs, top_k, hidden, inter, x.stride(0),
+            x, gate_up_w, sorted_pairs, block_expert, h, num_pairs, top_k, hidden, inter, x.stride(0),
             gate_up_w.stride(0), gate_up_w.stride(1), h.stride(0), BLOCK_M=block_m, BLOCK_N=_block_n(inter),
             BLOCK_K=64, DOT_PRECISION=precision, num_warps=4)
         _down_kernel[(blocks, cdiv(hidden, _block_n(hidden)))](
-            h, down_w, pairs, block_expert, weights.reshape(-1).contiguous(), y, num_pairs, hidden, inter,
+            h, down_w, sorted_pairs, block_expert, weights.reshape(-1).contiguous(), y, num_pairs, hidden, inter,
             h.stride(0), down_w.stride(0), down_w.stride(1), y.stride(0), BLOCK_M=block_m,
             BLOCK_N=_block_n(hidden), BLOCK_K=64, DOT_PRECISION=precision, num_warps=4)
     return y.view(n, top_k, hidden).sum(1)
@@ -163,9 +241,17 @@ def _shared_expert(x, shared):
 
 
 def fused_moe_op(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=None):
-    """model.ops' moe on these kernels (the engine built the arguments: nothing is checked)."""
-    weights, ids = route(x, router_w, top_k)
-    out = routed_experts(x, weights, ids, gate_up_w, down_w, expert_start or 0)
+    """model.ops' moe on these kernels (the engine built the arguments: nothing is checked). Up to
+    ROUTE_ALIGN_MAX_PAIRS pairs the routing and the alignment are one launch; above, torch ops on the device."""
+    start, num_local = expert_start or 0, gate_up_w.shape[0]
+    pairs = x.shape[0] * top_k
+    block_m = block_m_for(pairs, num_local)
+    if pairs <= ROUTE_ALIGN_MAX_PAIRS:
+        weights, sorted_pairs, block_expert = route_and_align(x, router_w, top_k, num_local, start, block_m)
+    else:
+        weights, ids = route(x, router_w, top_k)
+        sorted_pairs, block_expert = align_blocks(ids, num_local, start, block_m)
+    out = grouped_experts(x, weights, sorted_pairs, block_expert, block_m, gate_up_w, down_w)
     if shared is not None:
         out += _shared_expert(x, shared)
     return out.to(x.dtype)

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference as R
-from kernels.moe import BLOCK_M, PREFILL_BLOCK_M, align_blocks, block_m_for, fused_moe
+from kernels import moe
+from kernels.moe import BLOCK_M, PREFILL_BLOCK_M, align_blocks, block_m_for, fused_moe, route, route_and_align
 from tests.conftest import HAS_CUDA, assert_rel
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -51,7 +52,10 @@ def check(x, router, gate_up, down, top_k, shared=None, expert_start=None, what=
     (17, 6, 1, 48, 100),   # top-1, an intermediate wider than a column block
     (150, 4, 2, 40, 24),   # a prefill chunk's density: 75 pairs an expert, in blocks of PREFILL_BLOCK_M
 ])
-def test_equals_the_reference(n, experts, top_k, hidden, inter):
+@pytest.mark.parametrize("one_launch_routing", [True, False], ids=["route_and_align", "torch-routing"])
+def test_equals_the_reference(n, experts, top_k, hidden, inter, one_launch_routing, monkeypatch):
+    if not one_launch_routing:
+        monkeypatch.setattr(moe, "ROUTE_ALIGN_MAX_PAIRS", 0)
     router, gate_up, down, shared = weights(experts, hidden, inter, seed=n, shared_inter=inter + 3)
     x = tokens(n, hidden, seed=n + 1)
     check(x, router, gate_up, down, top_k, shared, what=f"n={n} E={experts} k={top_k}")
@@ -83,6 +87,24 @@ def test_blocks_grow_where_experts_have_many_pairs():
     assert block_m_for(8, 256) == BLOCK_M and block_m_for(8192 * 8, 256) == PREFILL_BLOCK_M
 
 
+def assert_aligned(pairs, block_expert, flat, num_pairs: int, local: int, block_m: int):
+    """Each pair of ours (flat: its local expert) once, in a block of its expert; other slots padding; real blocks
+    first, -1 after."""
+    pairs, block_expert = pairs.cpu(), block_expert.cpu()
+    mine = ((flat >= 0) & (flat < local)).nonzero().flatten()
+    real = pairs[pairs < num_pairs]
+    assert sorted(real.tolist()) == mine.tolist()
+    for b, e in enumerate(block_expert.tolist()):
+        block = pairs[b * block_m:(b + 1) * block_m]
+        block = block[block < num_pairs]
+        if e < 0:
+            assert not block.numel()
+        else:
+            assert block.numel() and (flat[block.long()] == e).all()
+    used = (block_expert >= 0).nonzero().flatten()
+    assert used.numel() == 0 or used.tolist() == list(range(used.numel()))
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 70), st.integers(1, 9), st.integers(1, 24), st.integers(0, 2**16),
        st.sampled_from([BLOCK_M, PREFILL_BLOCK_M]))
@@ -92,20 +114,22 @@ def test_alignment_puts_each_pair_once_in_a_block_of_its_expert(n, top_k, expert
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(n)]).to(DEV)
     start, local = experts // 4, experts - experts // 4 - experts // 5
     pairs, block_expert = align_blocks(ids, local, start, block_m)
-    pairs, block_expert = pairs.cpu(), block_expert.cpu()
-    flat = ids.reshape(-1).cpu() - start
-    mine = ((flat >= 0) & (flat < local)).nonzero().flatten()
-    real = pairs[pairs < ids.numel()]
-    assert sorted(real.tolist()) == mine.tolist()  # every pair of ours once, no other
-    for b, e in enumerate(block_expert.tolist()):
-        block = pairs[b * block_m:(b + 1) * block_m]
-        block = block[block < ids.numel()]
-        if e < 0:
-            assert not block.numel()
-        else:
-            assert block.numel() and (flat[block.long()] == e).all()
-    used = (block_expert >= 0).nonzero().flatten()
-    assert used.numel() == 0 or used.tolist() == list(range(used.numel()))  # the real blocks come first
+    assert_aligned(pairs, block_expert, ids.reshape(-1).cpu() - start, ids.numel(), local, block_m)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 8), st.integers(2, 40), st.integers(0, 2**16),
+       st.sampled_from([BLOCK_M, PREFILL_BLOCK_M]))
+def test_route_and_align_in_one_launch_routes_as_torch_and_aligns(n, top_k, experts, seed, block_m):
+    top_k = min(top_k, experts)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=gen).to(DEV)  # fp32: bf16 logits would tie, and ties may pick either expert
+    router = torch.randn(experts, 16, generator=gen).to(DEV)
+    start, local = experts // 4, experts - experts // 4 - experts // 5
+    got_w, pairs, block_expert = route_and_align(x, router, top_k, local, start, block_m)
+    want_w, ids = route(x, router, top_k)
+    assert torch.allclose(got_w, want_w, rtol=1e-5, atol=1e-6)
+    assert_aligned(pairs, block_expert, ids.reshape(-1).cpu() - start, ids.numel(), local, block_m)
 
 
 @pytest.mark.parametrize("bad, match", [
