@@ -150,47 +150,54 @@ def route_and_align(x, router_w, top_k: int, num_local: int, expert_start: int, 
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, pairs_ptr, block_expert_ptr, h_ptr, num_pairs, top_k, hidden, inter,
-                    x_stride, w_expert_stride, w_row_stride, h_stride,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # block b of one expert e, columns [n0, n0 + BLOCK_N) of I: h[pair] = silu(x[tok] @ gate_e^T) * (x[tok] @ up_e^T)
+def _block_rows(pairs_ptr, block_expert_ptr, num_pairs, top_k, BLOCK_M: tl.constexpr, DENSE: tl.constexpr):
+    # this program's block: (its expert, its BLOCK_M pairs, which are real, their tokens); DENSE: the shared expert,
+    # whose "pairs" are the tokens in order (expert 0, no tables)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if DENSE:
+        return tl.full([], 0, tl.int32), rows, rows < num_pairs, rows.to(tl.int64)
     e = tl.load(block_expert_ptr + tl.program_id(0))
+    pair = tl.load(pairs_ptr + rows)
+    return e, pair, (pair < num_pairs) & (e >= 0), (pair // top_k).to(tl.int64)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, pairs_ptr, block_expert_ptr, h_ptr, num_pairs, top_k, hidden, inter,
+                    x_stride, w_expert_stride, w_row_stride, h_stride,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    DENSE: tl.constexpr):
+    # block b of one expert e, columns [n0, n0 + BLOCK_N) of I: h[pair] = silu(x[tok] @ gate_e^T) * (x[tok] @ up_e^T)
+    e, pair, real, tok = _block_rows(pairs_ptr, block_expert_ptr, num_pairs, top_k, BLOCK_M, DENSE)
     if e < 0:
         return
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs_ptr + rows)
-    real = pair < num_pairs
-    tok = (pair // top_k).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
-    w = w_ptr + e.to(tl.int64) * w_expert_stride
+    offset = e.to(tl.int64) * w_expert_stride
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
         xa = tl.load(x_ptr + tok[:, None] * x_stride + ks[None, :], mask=real[:, None] & k_ok[None, :], other=0.0)
+        w_at = offset + cols[None, :] * w_row_stride + ks[:, None]
         w_mask = k_ok[:, None] & col_ok[None, :]
-        wg = tl.load(w + cols[None, :] * w_row_stride + ks[:, None], mask=w_mask, other=0.0)
-        wu = tl.load(w + (inter + cols)[None, :] * w_row_stride + ks[:, None], mask=w_mask, other=0.0)
-        gate += tl.dot(xa, wg, input_precision=DOT_PRECISION)
-        up += tl.dot(xa, wu, input_precision=DOT_PRECISION)
+        gate += tl.dot(xa, tl.load(wg_ptr + w_at, mask=w_mask, other=0.0), input_precision=DOT_PRECISION)
+        up += tl.dot(xa, tl.load(wu_ptr + w_at, mask=w_mask, other=0.0), input_precision=DOT_PRECISION)
     y = gate * tl.sigmoid(gate) * up
     tl.store(h_ptr + pair.to(tl.int64)[:, None] * h_stride + cols[None, :], y.to(h_ptr.dtype.element_ty),
              mask=real[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, weight_ptr, y_ptr, num_pairs, hidden, inter,
-                 h_stride, w_expert_stride, w_row_stride, y_stride,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # block b of one expert e, columns [n0, n0 + BLOCK_N) of H: y[pair] = weight[pair] * (h[pair] @ down_e^T)
-    e = tl.load(block_expert_ptr + tl.program_id(0))
+def _down_kernel(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, weight_ptr, x_ptr, gate_ptr, y_ptr, num_pairs, top_k,
+                 hidden, inter, h_stride, w_expert_stride, w_row_stride, x_stride, y_slots, slot,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 DENSE: tl.constexpr):
+    # block b of one expert e, columns [n0, n0 + BLOCK_N) of H: y[tok, its slot] = scale * (h[pair] @ down_e^T);
+    # the scale is the routing weight, or for the shared expert (DENSE) sigmoid(x[tok] . gate)
+    e, pair, real, tok = _block_rows(pairs_ptr, block_expert_ptr, num_pairs, top_k, BLOCK_M, DENSE)
     if e < 0:
         return
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs_ptr + rows)
-    real = pair < num_pairs
     pair = pair.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
@@ -202,42 +209,64 @@ def _down_kernel(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, weight_ptr, y_ptr, n
         ha = tl.load(h_ptr + pair[:, None] * h_stride + ks[None, :], mask=real[:, None] & k_ok[None, :], other=0.0)
         wd = tl.load(w + cols[None, :] * w_row_stride + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc += tl.dot(ha, wd, input_precision=DOT_PRECISION)
-    scale = tl.load(weight_ptr + pair, mask=real, other=0.0)
-    tl.store(y_ptr + pair[:, None] * y_stride + cols[None, :], acc * scale[:, None],
-             mask=real[:, None] & col_ok[None, :])
+    if DENSE:
+        logit = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < hidden
+            xa = tl.load(x_ptr + tok[:, None] * x_stride + ks[None, :], mask=real[:, None] & k_ok[None, :],
+                         other=0.0).to(tl.float32)
+            logit += tl.sum(xa * tl.load(gate_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :], 1)
+        scale = tl.sigmoid(logit)
+        row = tok * y_slots + slot
+    else:
+        scale = tl.load(weight_ptr + pair, mask=real, other=0.0)
+        row = tok * y_slots + pair % top_k
+    tl.store(y_ptr + row[:, None] * hidden + cols[None, :], acc * scale[:, None], mask=real[:, None] & col_ok[None, :])
 
 
 def _block_n(width: int) -> int:
     return min(64, triton.next_power_of_2(max(width, 16)))
 
 
-def grouped_experts(x, weights, sorted_pairs, block_expert, block_m: int, gate_up_w, down_w):
-    """sum_k weights[:, k] * expert(x) over the pairs sorted into expert blocks (align_blocks, route_and_align), in
-    fp32: (n, H). x: (n, H); weights: (n, top_k) fp32; gate_up_w: (E_local, 2I, H); down_w: (E_local, H, I)."""
+def _expert_gemms(x, wg, wu, down_w, h, y, *, pairs, block_expert, weights, gate, num_pairs, top_k, slot, block_m,
+                  dense):
+    # one SwiGLU expert stack's two grouped GEMMs into y (n, top_k + 1, H): the routed experts (slots 0..top_k-1)
+    # or, dense, the shared expert (slot top_k)
+    hidden, inter = x.shape[1], down_w.shape[-1]
+    blocks = cdiv(num_pairs, block_m) if dense else block_expert.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    expert_stride = 0 if dense else wg.stride(0)
+    if not (blocks and inter and hidden):
+        return
+    _gate_up_kernel[(blocks, cdiv(inter, _block_n(inter)))](
+        x, wg, wu, pairs, block_expert, h, num_pairs, top_k, hidden, inter, x.stride(0), expert_stride,
+        wg.stride(-2), h.stride(0), BLOCK_M=block_m, BLOCK_N=_block_n(inter), BLOCK_K=64, DOT_PRECISION=precision,
+        DENSE=dense, num_warps=4)
+    _down_kernel[(blocks, cdiv(hidden, _block_n(hidden)))](
+        h, down_w, pairs, block_expert, weights, x, gate, y, num_pairs, top_k, hidden, inter, h.stride(0),
+        0 if dense else down_w.stride(0), down_w.stride(-2), x.stride(0), y.shape[1], slot, BLOCK_M=block_m,
+        BLOCK_N=_block_n(hidden), BLOCK_K=64, DOT_PRECISION=precision, DENSE=dense, num_warps=4)
+
+
+def grouped_experts(x, weights, sorted_pairs, block_expert, block_m: int, gate_up_w, down_w, shared=None):
+    """sum_k weights[:, k] * expert(x) over the pairs sorted into expert blocks (align_blocks, route_and_align), plus
+    sigmoid(x . shared_gate_w) * the shared expert(x) when shared is given, in fp32: (n, H). x: (n, H); weights:
+    (n, top_k) fp32; gate_up_w: (E_local, 2I, H); down_w: (E_local, H, I); shared: as fused_moe's."""
     n, hidden = x.shape
     top_k = weights.shape[1]
     inter = gate_up_w.shape[1] // 2
-    num_pairs = n * top_k
-    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    y = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)  # pairs not ours stay 0
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    blocks = block_expert.numel()
-    if blocks and inter and hidden:
-        _gate_up_kernel[(blocks, cdiv(inter, _block_n(inter)))](
-            x, gate_up_w, sorted_pairs, block_expert, h, num_pairs, top_k, hidden, inter, x.stride(0),
-            gate_up_w.stride(0), gate_up_w.stride(1), h.stride(0), BLOCK_M=block_m, BLOCK_N=_block_n(inter),
-            BLOCK_K=64, DOT_PRECISION=precision, num_warps=4)
-        _down_kernel[(blocks, cdiv(hidden, _block_n(hidden)))](
-            h, down_w, sorted_pairs, block_expert, weights.reshape(-1).contiguous(), y, num_pairs, hidden, inter,
-            h.stride(0), down_w.stride(0), down_w.stride(1), y.stride(0), BLOCK_M=block_m,
-            BLOCK_N=_block_n(hidden), BLOCK_K=64, DOT_PRECISION=precision, num_warps=4)
-    return y.view(n, top_k, hidden).sum(1)
-
-
-def _shared_expert(x, shared):
-    gate_w, up_w, down_w, gate_proj = shared
-    h = F.silu(F.linear(x, gate_w)) * F.linear(x, up_w)
-    return torch.sigmoid(F.linear(x, gate_proj).float()) * F.linear(h, down_w).float()
+    y = torch.zeros(n, top_k + 1, hidden, dtype=torch.float32, device=x.device)  # pairs not ours stay 0
+    h = torch.empty(n * top_k, inter, dtype=x.dtype, device=x.device)
+    _expert_gemms(x, gate_up_w, gate_up_w[:, inter:], down_w, h, y, pairs=sorted_pairs, block_expert=block_expert,
+                  weights=weights.reshape(-1), gate=x, num_pairs=n * top_k, top_k=top_k, slot=0, block_m=block_m,
+                  dense=False)
+    if shared is not None:
+        gate_w, up_w, shared_down, shared_gate = shared
+        h_shared = torch.empty(n, gate_w.shape[0], dtype=x.dtype, device=x.device)
+        _expert_gemms(x, gate_w, up_w, shared_down, h_shared, y, pairs=x, block_expert=x, weights=x,
+                      gate=shared_gate, num_pairs=n, top_k=1, slot=top_k, block_m=BLOCK_M, dense=True)
+    return y.sum(1)
 
 
 def fused_moe_op(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=None):
@@ -251,10 +280,7 @@ def fused_moe_op(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=Non
     else:
         weights, ids = route(x, router_w, top_k)
         sorted_pairs, block_expert = align_blocks(ids, num_local, start, block_m)
-    out = grouped_experts(x, weights, sorted_pairs, block_expert, block_m, gate_up_w, down_w)
-    if shared is not None:
-        out += _shared_expert(x, shared)
-    return out.to(x.dtype)
+    return grouped_experts(x, weights, sorted_pairs, block_expert, block_m, gate_up_w, down_w, shared).to(x.dtype)
 
 
 def fused_moe(x, router_w, gate_up_w, down_w, top_k: int, shared=None, expert_start: int | None = None):
