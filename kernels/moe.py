@@ -1,6 +1,7 @@
 """Fused MoE for Qwen3.5-MoE in Triton: routing on the device, the token-expert pairs sorted into blocks of one
 expert each, one grouped GEMM for gate_up with SwiGLU fused, one for down scaled by the routing weight, and the
-top-k sum; the shared expert beside it.
+top-k sum; the shared expert runs in the same two kernels (a dense mode: its tokens in order, its sigmoid gate in
+the down kernel). Up to ROUTE_ALIGN_MAX_PAIRS pairs (decode and verify steps) one program routes and aligns.
 
 A block is BLOCK_M pairs of one expert (an expert's pairs padded to whole blocks), so each program reads its
 expert's weight tile once for all the tokens that chose it. The pairs are sorted on the device, and the grids are
