@@ -19,13 +19,15 @@ run_side() {  # run_side SIDE LABEL TIMEOUT CMD...: one fresh process of SIDE's 
   cd $d; export PYTHONPATH=$d:$SITE; mkdir -p $OUT/$side; echo "=== $side $label"
   timeout $t "$@" 2>&1
 }
+# each replay's results in a folder of its own ($OUT/side/<ns clock>): serving.json keeps one run a key
+next_dir() { echo $OUT/$1/$(date +%s%N); }
 ALTERNATION="base new new base"
 if [[ " $RUN " == *" C1 "* ]]; then  # the c1 rows and the returning turn's host time
   for side in $ALTERNATION; do
     run_side $side "2B c1" 120 python3 -m $(bench $side) --model qwen3.5-2b --trace short --concurrency 1 \
-      --no-progress --out-dir $OUT/$side | grep -E "^overall|decode_tok_s" | head -3
+      --no-progress --out-dir $(next_dir $side) | grep -E "^ +all |triton compiles|WARNING"
     run_side $side "0.8B c1" 100 python3 -m $(bench $side) --model qwen3.5-0.8b --trace short --concurrency 1 \
-      --no-progress --out-dir $OUT/$side | grep -E "^overall|decode_tok_s" | head -3
+      --no-progress --out-dir $(next_dir $side) | grep -E "^ +all |triton compiles|WARNING"
     run_side $side "returning 514" 90 python3 -m profiles.host_time --model qwen3.5-2b --ctx 8192 --new 514 \
       | grep -E "unprofiled|under cProfile"
   done 2>&1 | tee $OUT/c1.log
@@ -33,9 +35,9 @@ fi
 if [[ " $RUN " == *" BIG "* ]]; then  # 9B c1 and the long trace's returning TTFT
   for side in $ALTERNATION; do
     run_side $side "9B c1" 150 python3 -m $(bench $side) --model qwen3.5-9b --trace short --concurrency 1 \
-      --no-progress --out-dir $OUT/$side | tail -3
+      --no-progress --out-dir $(next_dir $side) | tail -3
     run_side $side "2B long" 150 python3 -m $(bench $side) --model qwen3.5-2b --trace long --concurrency 1 \
-      --no-progress --out-dir $OUT/$side | tail -3
+      --no-progress --out-dir $(next_dir $side) | tail -3
   done 2>&1 | tee $OUT/big.log
 fi
 if [[ " $RUN " == *" KER "* ]]; then  # B1 decode attention, GDN prefill, CuTe prefill against flash-attn-4
