@@ -1,6 +1,7 @@
 """profiles.bench_serving and profiles.traces on the CPU: a scaled-down closed-loop replay runs, its metrics add up, and
 the prefix cache serves the returning turns."""
 import json
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -327,6 +328,26 @@ def test_bench_sessions_flag_reports_hit_rate_and_returning_ttft(model, tmp_path
     assert f"{overall['eligible_hit_rate']:.3f}" in line
     saved = json.loads((tmp_path / "serving.json").read_text())
     assert any("|sessions3" in key for key in saved["runs"])
+    # Belady's MIN over the same requests and pool bounds the measured rate (a little slack: it holds pages by
+    # request, where the engine shares them)
+    assert overall["belady_eligible_hit_rate"] >= overall["eligible_hit_rate"] - 0.02
+    assert f"offline optimum {overall['belady_eligible_hit_rate']:.3f}" in line
+
+
+def test_bench_pool_flags_size_the_snapshot_and_kv_pools(model, tmp_path):
+    run = bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.005", "--turns", "2",
+                              "--max-new", "2", "--concurrency", "2", "--sessions", "4", "--page-size", "8",
+                              "--snapshot-slots", "5", "--kv-working-set", "0.75", "--kv-eviction", "lru",
+                              "--out-dir", str(tmp_path), "--no-progress"], model=model)
+    assert "snapshot_slots 5" in run["engine"]
+    pages = int(run["engine"].split("KV pool ")[1].split(" pages")[0])
+    traces = bench_serving.build_traces(SimpleNamespace(sessions=4, num_traces=None, concurrency=2, trace="short",
+                                                        scale=0.005, turns=2, max_new=2, seed=0),
+                                        model.config.vocab_size)
+    longest = max(t.total_tokens() for t in traces)
+    assert pages == max(int(0.75 * bench_serving.working_set_pages(traces, 8)), 2 * (-(-(longest + 1) // 8)))
+    saved = json.loads((tmp_path / "serving.json").read_text())
+    assert any("|snapshot_slots5|kv_working_set0.75" in key and "kv_evictionlru" in key for key in saved["runs"])
 
 
 def test_bench_sessions_refuses_a_different_num_traces(model, capsys):
