@@ -56,7 +56,7 @@ class KVBlockManager:
 
     def take_page(self) -> int:
         """A page for new tokens: a free one, else a cached one (dropped from the cache, with its snapshot): first
-        those past their chain's snapshots, then the least recently used."""
+        those past their chain's snapshots, then by the eviction order."""
         if self.free_pages:
             page = self.free_pages.popleft()
         elif self._tail or self._lru:
