@@ -22,6 +22,7 @@ from kernels import registry
 from kernels.host_math import cdiv
 from kernels.registry import DeviceInfo, Impl, device_info, triton_unsupported
 from reference._checks import check_tensor
+from reference.moe import topk_route
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_M = 16  # pairs a block at decode sizes: tl.dot's least M
@@ -32,14 +33,6 @@ def block_m_for(num_pairs: int, num_local: int) -> int:
     """Pairs a block: each block reads its expert's weights once, so blocks should be full where experts have many
     pairs (a prefill chunk: 8k tokens x top-8 over 256 experts is 256 pairs an expert)."""
     return PREFILL_BLOCK_M if num_pairs > BLOCK_M * num_local else BLOCK_M
-
-
-def route(x, router_w, top_k: int):
-    """Softmax over the experts in fp32, the top_k, renormalised. x: (n, H); router_w: (E, H) -> weights (n, top_k)
-    fp32, ids (n, top_k) int64 (as reference.moe.topk_route; torch on the device, no host sync)."""
-    probs = torch.softmax(F.linear(x, router_w).float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    return weights / weights.sum(-1, keepdim=True), ids
 
 
 def align_blocks(ids, num_local: int, expert_start: int, block_m: int = BLOCK_M):
@@ -128,8 +121,9 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, starts_ptr
 
 
 def route_and_align(x, router_w, top_k: int, num_local: int, expert_start: int, block_m: int = BLOCK_M):
-    """route and align_blocks in one launch after the router's projection, for up to ROUTE_ALIGN_MAX_PAIRS pairs
-    (decode sizes, where the dozen launches of the two apart cost more than the experts' weights take to read).
+    """reference.moe.topk_route and align_blocks in one launch after the router's projection, for up to
+    ROUTE_ALIGN_MAX_PAIRS pairs (decode sizes, where the dozen launches of the two apart cost more than the experts'
+    weights take to read).
     Returns (weights (n, top_k) fp32, sorted_pairs, block_expert); within an expert's blocks the pairs' order is
     the atomics' (each pair's result is its own row: the output does not depend on it)."""
     n, num_experts = x.shape[0], router_w.shape[0]
@@ -279,7 +273,7 @@ def fused_moe_op(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=Non
     if pairs <= ROUTE_ALIGN_MAX_PAIRS:
         weights, sorted_pairs, block_expert = route_and_align(x, router_w, top_k, num_local, start, block_m)
     else:
-        weights, ids = route(x, router_w, top_k)
+        weights, ids = topk_route(x, router_w, top_k)
         sorted_pairs, block_expert = align_blocks(ids, num_local, start, block_m)
     return grouped_experts(x, weights, sorted_pairs, block_expert, block_m, gate_up_w, down_w, shared).to(x.dtype)
 

@@ -11,21 +11,15 @@ their tails, as the engine does. It may
 hit at any page, where the engine needs a GDN snapshot there too: an upper bound.
 """
 import heapq
-from array import array
 
-from serving.sequence import page_hash
+from serving.sequence import SamplingParams, Sequence
 
 NEVER = 1 << 62
 
 
 def page_keys(tokens: list[int], num_pages: int, page_size: int) -> list[bytes]:
-    """The prefix cache's chain keys (serving.sequence.page_hash) of tokens' first num_pages full pages."""
-    keys, prev = [], b""
-    raw = array("i", tokens[:num_pages * page_size]).tobytes()
-    for offset in range(0, len(raw), 4 * page_size):
-        prev = page_hash(prev, raw[offset:offset + 4 * page_size])
-        keys.append(prev)
-    return keys
+    """The prefix cache's chain keys of tokens' first num_pages full pages (serving.sequence.Sequence's own)."""
+    return Sequence(0, tokens, SamplingParams(), None).page_hashes(num_pages, page_size) if num_pages else []
 
 
 class MinCache:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import reference as R
 from kernels import moe
-from kernels.moe import BLOCK_M, PREFILL_BLOCK_M, align_blocks, block_m_for, fused_moe, route, route_and_align
+from kernels.moe import BLOCK_M, PREFILL_BLOCK_M, align_blocks, block_m_for, fused_moe, route_and_align
 from tests.conftest import HAS_CUDA, assert_rel
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -105,14 +105,18 @@ def assert_aligned(pairs, block_expert, flat, num_pairs: int, local: int, block_
     assert used.numel() == 0 or used.tolist() == list(range(used.numel()))
 
 
+def drawn_case(top_k: int, experts: int, seed: int):
+    """(top_k at most experts, a generator, an expert-parallel slice [start, start + local) of the experts)."""
+    start = experts // 4
+    return min(top_k, experts), torch.Generator().manual_seed(seed), start, experts - start - experts // 5
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 70), st.integers(1, 9), st.integers(1, 24), st.integers(0, 2**16),
        st.sampled_from([BLOCK_M, PREFILL_BLOCK_M]))
 def test_alignment_puts_each_pair_once_in_a_block_of_its_expert(n, top_k, experts, seed, block_m):
-    top_k = min(top_k, experts)
-    gen = torch.Generator().manual_seed(seed)
+    top_k, gen, start, local = drawn_case(top_k, experts, seed)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(n)]).to(DEV)
-    start, local = experts // 4, experts - experts // 4 - experts // 5
     pairs, block_expert = align_blocks(ids, local, start, block_m)
     assert_aligned(pairs, block_expert, ids.reshape(-1).cpu() - start, ids.numel(), local, block_m)
 
@@ -121,13 +125,11 @@ def test_alignment_puts_each_pair_once_in_a_block_of_its_expert(n, top_k, expert
 @given(st.integers(1, 40), st.integers(1, 8), st.integers(2, 40), st.integers(0, 2**16),
        st.sampled_from([BLOCK_M, PREFILL_BLOCK_M]))
 def test_route_and_align_in_one_launch_routes_as_torch_and_aligns(n, top_k, experts, seed, block_m):
-    top_k = min(top_k, experts)
-    gen = torch.Generator().manual_seed(seed)
+    top_k, gen, start, local = drawn_case(top_k, experts, seed)
     x = torch.randn(n, 16, generator=gen).to(DEV)  # fp32: bf16 logits would tie, and ties may pick either expert
     router = torch.randn(experts, 16, generator=gen).to(DEV)
-    start, local = experts // 4, experts - experts // 4 - experts // 5
     got_w, pairs, block_expert = route_and_align(x, router, top_k, local, start, block_m)
-    want_w, ids = route(x, router, top_k)
+    want_w, ids = R.topk_route(x, router, top_k)
     assert torch.allclose(got_w, want_w, rtol=1e-5, atol=1e-6)
     assert_aligned(pairs, block_expert, ids.reshape(-1).cpu() - start, ids.numel(), local, block_m)
 
