@@ -44,6 +44,8 @@ def _conv_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, cu_ptr, chunk_ptr, y_ptr, C
                  BLOCK_C: tl.constexpr, SILU: tl.constexpr):
     # grid (chunks, cdiv(C, BLOCK_C)); x, y: (N, C) rows; states: (slots, C, K-1); w: (C, K)
     start, end, seq = chunk_span(chunk_ptr, tl.program_id(0))
+    if start >= end:  # an empty piece of a device plan's table
+        return
     seq_start = tl.load(cu_ptr + seq)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     t = start + tl.arange(0, BT)  # (BT,) tokens
@@ -94,7 +96,7 @@ def _window_kernel(x_ptr, state_ptr, slots_ptr, dst_slots_ptr, cu_ptr, lens_ptr,
     else:
         n = tl.load(cu_ptr + seq + 1) - seq_start
         dst = slot
-    if PREFIX and n == 0:
+    if n == 0:  # no snapshot, or a sequence without tokens (a device plan's padding): the window stays
         return
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # (BLOCK_C,)
     i = tl.arange(0, KP)  # (KP,) window entries
@@ -159,7 +161,7 @@ def causal_conv1d_varlen(x, weight, conv_states, state_slots, cu_seqlens, *, cu_
     if k > 1 and n:
         windows = dict(K=k, KP=next_power_of_2(k - 1), BLOCK_C=BLOCK_C, num_warps=4)
         strides = (c, x.stride(0), conv_states.stride(0), conv_states.stride(1))
-        if plan.offsets is not None:  # before the final windows replace the old ones they may read
+        if plan.snapshots:  # before the final windows replace the old ones they may read
             _window_kernel[(n, blocks)](x, conv_states, state_slots, plan.snapshot_slots, cu_seqlens,
                                         plan.offsets_dev, *strides, PREFIX=True, **windows)
         _window_kernel[(n, blocks)](x, conv_states, state_slots, state_slots, cu_seqlens, cu_seqlens,

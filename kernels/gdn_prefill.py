@@ -170,6 +170,8 @@ def _chunk_wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, chun
     c = tl.program_id(0)
     j = tl.program_id(1)
     start, end, _ = chunk_span(chunk_ptr, c)
+    if start >= end:  # an empty piece of a device plan's table
+        return
     r, rk, rv = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
     t = start + r
     tm = t < end
@@ -234,6 +236,8 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, cu_ptr, first_chunk_ptr,
     vb = tl.program_id(2)
     bos = tl.load(cu_ptr + i)
     eos = tl.load(cu_ptr + i + 1)
+    if bos == eos:  # a sequence without tokens (a device plan's padding): its slot is not this step's
+        return
     c = tl.load(first_chunk_ptr + i).to(tl.int64)  # int64: the h offsets pass 2^31 at long T
     slot = tl.load(slots_ptr + i).to(tl.int64)
     r, rk, rv = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
@@ -267,6 +271,8 @@ def _chunk_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, chunk_ptr, o_p
     j = tl.program_id(1)
     vb = tl.program_id(2)
     start, end, _ = chunk_span(chunk_ptr, c)
+    if start >= end:
+        return
     r, rk, rv = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
     cols = vb * BV + rv
     t = start + r
@@ -450,8 +456,8 @@ def state_pass(ws, plan: VarlenPlan, recurrent_states, common):
     n, hv, dk, dv = plan.num_seqs, u.shape[1], w.shape[2], u.shape[2]
     h = plan.buffer("h", (plan.chunks.shape[0], hv, dk, dv), u.dtype)
     v_new = plan.buffer("v_new", u.shape, u.dtype)
-    bv = state_block(n, hv, dv)
-    snapshot = plan.cuts is not None
+    bv = state_block(plan.split_for_seqs or n, hv, dv)
+    snapshot = plan.snapshots
     _chunk_state_kernel[(n, hv, cdiv(dv, bv))](  # slots of either int type: the kernel widens them
         w, u, kd, gcum, plan.cu32, plan.first_chunk, plan.cuts_dev if snapshot else plan.first_chunk,
         plan.state_slots, plan.snapshot_slots if snapshot else plan.state_slots, recurrent_states, h, v_new,
@@ -514,7 +520,7 @@ def output_pass(q, k, v_new, h, gcum, chunks, out, scale, common, gate=None):
 def step_plan(step, total: int) -> VarlenPlan:
     """The step's batch checked and laid out once (kernels.varlen.plan_varlen), kept in step.plans for its other
     layers; built again where the step's batch changed since."""
-    key = (step.cu_seqlens, step.cu_seqlens_host, step.state_slots, step.snapshot_offsets, step.snapshot_slots, total)
+    key = _plan_key(step, total)
     held = step.plans.get("varlen")
     if held is not None and all(a is b if torch.is_tensor(a) or torch.is_tensor(b) else a == b
                                 for a, b in zip(held[0], key)):
@@ -523,6 +529,16 @@ def step_plan(step, total: int) -> VarlenPlan:
                        snapshot_offsets=step.snapshot_offsets, snapshot_slots=step.snapshot_slots)
     step.plans["varlen"] = (key, plan)
     return plan
+
+
+def _plan_key(step, total: int) -> tuple:
+    return step.cu_seqlens, step.cu_seqlens_host, step.state_slots, step.snapshot_offsets, step.snapshot_slots, total
+
+
+def hold_plan(step, plan: VarlenPlan) -> None:
+    """Make `plan` (a device plan over step's tensors: kernels.varlen.DeviceBatch.plan) the one step_plan gives
+    this step's layers: a captured step plans nothing on the host."""
+    step.plans["varlen"] = (_plan_key(step, plan.num_tokens), plan)
 
 
 def gated_deltanet_prefill_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, step,

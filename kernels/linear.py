@@ -23,12 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, registry, split_k, stamps, tma_gemv
+from kernels import pdl, registry, row_buckets, split_k, stamps, tma_gemv
 from kernels.activations import silu_and_mul
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
 from kernels.registry import DeviceInfo, Impl, all_of, device_info, triton_unsupported
-from kernels.row_buckets import DOT_MAX_ROWS, GEMV_MAX_ROWS, MATMUL_ROW_BUCKET, empty_rows, padded_operand, padded_rows
+from kernels.row_buckets import DOT_MAX_ROWS, GEMV_MAX_ROWS, empty_rows, padded_operand, padded_rows
 from reference._checks import check_real, check_tensor, is_int
 
 MAX_ROWS = GEMV_MAX_ROWS
@@ -351,7 +351,7 @@ def warm_up_row_buckets(weights, max_rows: int) -> None:
     kernel for each before a live prefill step needs it (CUDA only; see kernels.row_buckets)."""
     shapes = {(tuple(w.shape), w.dtype, w.device): w for w in weights if w.is_cuda and w.ndim == 2}
     for w in shapes.values():
-        for m in range(MATMUL_ROW_BUCKET, max_rows + MATMUL_ROW_BUCKET, MATMUL_ROW_BUCKET):
+        for m in row_buckets.row_buckets_up_to(row_buckets.row_bucket(max_rows)):
             torch.matmul(w.new_empty((m, w.shape[1])), w.t())
 
 

@@ -1,8 +1,8 @@
-"""Row counts padded for cuBLAS: eager prefill projections run on a multiple of MATMUL_ROW_BUCKET rows.
+"""Row counts padded for cuBLAS: eager prefill projections run on a bucket's rows (row_bucket).
 
 cuBLAS chooses its kernel on the host for each new shape, about ten times the cost of a call of a shape it has seen,
-and every prefill step brings new row counts. So kernels.linear runs prefill projections on rows padded to a
-multiple of MATMUL_ROW_BUCKET (the engine warms every bucket up) and drops the padding rows' products (prefill
+and every prefill step brings new row counts. So kernels.linear runs prefill projections on rows padded to their
+bucket (the engine warms every bucket up) and drops the padding rows' products (prefill
 steps faster padded than not: FINDINGS).
 
 The padding is free when the operand's storage already has the rows: the elementwise kernels that feed projections
@@ -17,6 +17,9 @@ import math
 import torch
 
 MATMUL_ROW_BUCKET = 64
+# past COARSE_ROWS, buckets lie COARSE_ROW_BUCKET apart: a first turn's 8k-token steps need 24 shapes (cuBLAS picks,
+# prefill graphs) instead of 96, for at most 12% padding rows
+COARSE_ROWS, COARSE_ROW_BUCKET = 2048, 256
 # up to this many rows a projection runs kernels.linear's GEMV (its MAX_ROWS), which is not padded
 GEMV_MAX_ROWS = 4
 # up to this many unpadded rows (CUDA-graph capture: decode batches) it runs kernels.linear's skinny GEMM
@@ -43,7 +46,20 @@ def padded_rows(rows: int, device: torch.device) -> int:
         return rows
     if rows <= DOT_MAX_ROWS and _in_decode_step[0]:
         return rows
-    return -(-rows // MATMUL_ROW_BUCKET) * MATMUL_ROW_BUCKET
+    return row_bucket(rows)
+
+
+def row_bucket(rows: int) -> int:
+    """The bucket of a prefill step's rows: a multiple of MATMUL_ROW_BUCKET up to COARSE_ROWS, of COARSE_ROW_BUCKET
+    past it."""
+    size = MATMUL_ROW_BUCKET if rows <= COARSE_ROWS else COARSE_ROW_BUCKET
+    return -(-rows // size) * size
+
+
+def row_buckets_up_to(max_rows: int) -> tuple[int, ...]:
+    """Every bucket of at most max_rows rows, ascending."""
+    fine = range(MATMUL_ROW_BUCKET, min(max_rows, COARSE_ROWS) + 1, MATMUL_ROW_BUCKET)
+    return (*fine, *range(COARSE_ROWS + COARSE_ROW_BUCKET, max_rows + 1, COARSE_ROW_BUCKET))
 
 
 def empty_rows(shape, dtype: torch.dtype, device: torch.device, row_dims: int = -1) -> torch.Tensor:

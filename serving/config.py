@@ -57,9 +57,10 @@ class EngineConfig:
     tail: "mru", the chain released last (agent sessions return in about the order they left, so it is needed last:
     0.90 of the eligible prefix tokens hit against LRU's 0.66, with 75% of the working set; FINDINGS, prefix cache
     under many sessions), or "lru", the chain released first (when the latest sessions come back first).
-    prefill_graph_tokens: eager steps of GEMV_MAX_ROWS + 1 up to this many tokens replay CUDA graphs of their
-    row-wise stretches (serving.prefill_graphs), captured at every multiple of 64 rows up to it, when decode graphs
-    are on and the model allows (not MoE, not tensor parallel); 0: off."""
+    prefill_graph_tokens: eager steps of GEMV_MAX_ROWS + 1 up to this many tokens replay CUDA graphs of all but
+    their attention cores (serving.prefill_graphs), captured at every row bucket up to it (kernels.row_buckets),
+    when decode graphs are on and the model allows (not tensor parallel, not the reference MoE); None: every
+    prefill step (max_num_batched_tokens + max_num_seqs); 0: off."""
     num_pages: int = 256
     page_size: int = 16
     max_num_seqs: int = 8
@@ -79,7 +80,7 @@ class EngineConfig:
     decode_ahead: bool = True
     fed_decode: bool = True
     token_ring: bool = True
-    prefill_graph_tokens: int = 2048
+    prefill_graph_tokens: int | None = None
     snapshot_interval: int = 4096
     kv_eviction: str = "mru"
 
@@ -99,7 +100,7 @@ class EngineConfig:
         if self.interleave_slices < 0 or self.interleave_slice_tokens < 0:
             raise ValueError(f"interleave_slices and interleave_slice_tokens must be >= 0, got "
                              f"{self.interleave_slices} and {self.interleave_slice_tokens}")
-        if self.prefill_graph_tokens < 0:
+        if self.prefill_graph_tokens is not None and self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
         if self.snapshot_interval < 0:
             raise ValueError(f"snapshot_interval must be >= 0, got {self.snapshot_interval}")
@@ -123,6 +124,11 @@ class EngineConfig:
         top = min(self.max_graph_batch or self.max_num_seqs, self.max_num_seqs)
         return tuple(sorted({b for b in GRAPH_LADDER if b < top} | {top}))
 
+    def prefill_graph_rows(self) -> int:
+        """The most tokens a step replays prefill graphs for (prefill_graph_tokens; 0: none)."""
+        every_step = self.max_num_batched_tokens + self.max_num_seqs
+        return every_step if self.prefill_graph_tokens is None else min(self.prefill_graph_tokens, every_step)
+
     def prefill_slices(self, prefill_tokens: int, num_layers: int) -> int:
         """The layer slices of a mixed step whose prefill chunks hold prefill_tokens tokens: interleave_slices, more
         for long prefills with interleave_slice_tokens, at most one a layer."""
@@ -133,3 +139,4 @@ class EngineConfig:
 
 
 DEFAULT_MAX_MODEL_LEN = 65536
+

@@ -92,9 +92,9 @@ class LLMEngine:
             why_not = graphs_unsupported(model)
         use_graphs = why_not is None
         prefill_graphs = None
-        prefill_rows = min(cfg.prefill_graph_tokens, cfg.max_num_batched_tokens + cfg.max_num_seqs)
+        prefill_rows = cfg.prefill_graph_rows()
         if use_graphs and prefill_rows >= MATMUL_ROW_BUCKET and prefill_graphs_unsupported(model) is None:
-            prefill_graphs = PrefillGraphs(model, prefill_rows)
+            prefill_graphs = PrefillGraphs(model, prefill_rows, cfg.max_num_seqs)
         self.runner = ModelRunner(model, self.pools, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
                                   max_num_seqs=cfg.max_num_seqs, dummy_page=cfg.num_pages, dummy_slot=num_slots - 1,
                                   graph_sizes=cfg.graph_batch_sizes() if use_graphs or pad_decode else (),
@@ -138,7 +138,8 @@ class LLMEngine:
                 model, utilization=cfg.gpu_memory_utilization, page_size=cfg.page_size,
                 num_slots=cfg.max_num_seqs + 1, max_model_len=max_len,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-                state_cache_fraction=cfg.state_cache_fraction, state_cache_gb=cfg.state_cache_gb)
+                state_cache_fraction=cfg.state_cache_fraction, state_cache_gb=cfg.state_cache_gb,
+                graph_rows=cfg.prefill_graph_rows() if cfg.cuda_graphs else 0)
             cfg = replace(cfg, num_pages=num_pages, snapshot_slots=snapshot_slots)
         return replace(cfg, max_model_len=min(max_len, cfg.num_pages * cfg.page_size)), sizing
 

@@ -27,7 +27,8 @@ Two paths.
 - Mixed steps with graphs: the decode rows replay their graph and the other chunks run eagerly; rows come back
   in that order (execute returns the chunks in row order).
 - Prefill graphs (serving.prefill_graphs): an eager step of 5..EngineConfig.prefill_graph_tokens tokens replays
-  CUDA graphs of its row-wise stretches (projections, norms, MLPs) and runs only the mixer cores eagerly.
+  CUDA graphs of everything but its attention cores (projections, norms, MLPs, the GDN cores planned on the device)
+  and runs only the attention cores eagerly.
 
 Graphs need the decode ops free of host syncs: the "triton" ops backend (kernels/paged_decode_attention.py,
 kernels/gdn_decode.py, norms, attention_prep) is; the reference ops and MoE routing (its .tolist()) are not, so
@@ -341,7 +342,7 @@ class ModelRunner:
         graphs. Each is warmed up eagerly first, on a side stream, so Triton compiles and cuBLAS picks its kernels
         outside the capture."""
         if self.prefill_graphs is not None:
-            self.prefill_graphs.capture()
+            self.prefill_graphs.capture(self.pools)
         if not self.use_graphs:
             return
         stream = torch.cuda.Stream(self.device)
@@ -416,16 +417,18 @@ def split_budget(budget: float, *, page_bytes: int, slot_bytes: int, state_cache
 
 def pages_for_memory(model: Qwen35ForCausalLM, *, utilization: float, page_size: int, num_slots: int,
                      max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
-                     state_cache_fraction: float = 0.0, state_cache_gb: float | None = None
+                     state_cache_fraction: float = 0.0, state_cache_gb: float | None = None, graph_rows: int = 0
                      ) -> tuple[int, int, dict]:
     """KV pages and GDN snapshot slots that fit in `utilization` of the card next to the weights, the profiled peak
-    step, num_slots GDN slots (the running sequences' and the padding's) and a reserve for the sampler and the
-    decode graphs; the snapshots take their share first (split_budget). Returns (num_pages, snapshot_slots, a
+    step, num_slots GDN slots (the running sequences' and the padding's) and a reserve for the sampler, the decode
+    graphs and the prefill graphs of up to graph_rows tokens (their private pool holds a step of that size: the
+    peak's share); the snapshots take their share first (split_budget). Returns (num_pages, snapshot_slots, a
     record of the sizing)."""
     dev = model.lm_head.weight.device
     peak = profile_step_peak(model, page_size, max_model_len, max_num_batched_tokens)
     free, total = torch.cuda.mem_get_info(dev)
     reserve = 512 * 2**20 + max_num_seqs * model.config.vocab_size * 32  # sampler (fp32 sort) and graph pool
+    reserve += peak * min(graph_rows, max_num_batched_tokens) / max_num_batched_tokens
     slot_bytes = state_slot_bytes(model)
     budget = free - (1 - utilization) * total - peak - reserve - num_slots * slot_bytes
     num_pages, snapshot_slots = split_budget(budget, page_bytes=kv_page_bytes(model, page_size), slot_bytes=slot_bytes,

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import reference as R
 from kernels import gdn_prefill
 from kernels.gdn_prefill import chunk_gated_delta_rule, gated_deltanet_prefill_op
-from kernels.varlen import CHUNK, token_chunks
+from kernels.varlen import CHUNK, DeviceBatch, max_pieces, token_chunks
 from model.ops import _ref_gated_deltanet
 from model.step import StepInput
 
@@ -141,6 +141,70 @@ def test_token_chunks_cut_every_sequence(lens_and_cuts):
     assert table.dtype == first_chunk.dtype == torch.int32 and table.shape == (len(spans), 3)
     assert table.tolist() == spans and first_chunk.tolist() == first
     assert first_chunk.data_ptr() % 16 == 0  # one compiled variant of the kernels that take it, whatever the count
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 200), st.integers(0, 199)), min_size=1, max_size=5), st.integers(0, 3))
+def test_device_plan_lays_out_token_chunks(lens_and_cuts, spare_seqs):
+    """kernels.varlen.DeviceBatch: the piece tables built on the device equal token_chunks' (with and without the
+    cuts) in their first rows, the rest empty (start == end), and each sequence's first piece; sequences past the
+    batch's own hold no tokens."""
+    lens = [n for n, _ in lens_and_cuts]
+    cu = tuple([0, *torch.tensor(lens).cumsum(0).tolist()])
+    offsets = tuple(o if 0 < o < n else 0 for n, o in lens_and_cuts)
+    cuts = tuple(cu[i] + o if o else 0 for i, o in enumerate(offsets))
+    max_seqs, rows = len(lens) + spare_seqs, cu[-1] + 64 * spare_seqs
+    batch = DeviceBatch(max_seqs, rows, DEVICE)
+    slots = torch.arange(len(lens), device=DEVICE)
+    batch.fill(cu, slots, offsets, slots + len(lens))
+    batch.build(rows)
+    plan = batch.plan(rows)
+    assert plan.chunks.shape == plan.plain_chunks.shape == (max_pieces(rows, max_seqs), 3)
+    for table, host in ((plan.chunks, token_chunks(cu, "cpu", cuts if any(cuts) else None)),
+                        (plan.plain_chunks, token_chunks(cu, "cpu"))):
+        n = host[0].shape[0]
+        assert table[:n].tolist() == host[0].tolist()
+        assert (table[n:, 0] == table[n:, 1]).all()
+    assert plan.first_chunk[:len(lens)].tolist() == token_chunks(cu, "cpu", cuts if any(cuts) else None)[1].tolist()
+    assert plan.cu_seqlens.tolist() == [*cu, *[cu[-1]] * spare_seqs]
+    assert plan.cuts_dev.tolist() == [*cuts, *[0] * spare_seqs]
+    assert plan.offsets_dev.tolist() == [*offsets, *[0] * spare_seqs]
+    with pytest.raises(ValueError, match="device batch holds up to"):
+        batch.fill(cu + (cu[-1] + 1,) * (spare_seqs + 1), torch.arange(max_seqs + 1, device=DEVICE), None, None)
+
+
+def test_op_on_a_device_plan_equals_the_host_plan():
+    """The GDN op of a step whose plan was built on the device (a captured prefill step: more sequences and rows
+    than the batch, a snapshot in one sequence, stale slots from a larger batch before) gives the host plan's
+    outputs, windows, states and snapshots; slots outside the step stay as they were."""
+    gen = torch.Generator().manual_seed(21)
+    lens, hk, hv, d = [70, 5, 130], 1, 2, 16
+    n_slots, rows, max_seqs = 10, 320, 5
+    args = make_layer_inputs(gen, lens, hk, hv, d, d, torch.float32, n_slots)
+    slots, snaps = torch.tensor([4, 0, 7], device=DEVICE), torch.tensor([4, 9, 7], device=DEVICE)
+    host_args = [t.clone() for t in args]
+    host_step = prefill_step(lens, slots)
+    host_step.snapshot_offsets, host_step.snapshot_slots = (0, 3, 0), snaps
+    ref = gated_deltanet_prefill_op(*host_args, host_step, hk, EPS)
+
+    batch = DeviceBatch(max_seqs, rows, DEVICE)
+    batch.fill((0, 1, 2, 3, 4, 5), torch.tensor([1, 2, 3, 5, 6], device=DEVICE), None, None)  # a larger batch's
+    batch.fill(host_step.cu_seqlens_host, slots, (0, 3, 0), snaps)
+    batch.build(rows)
+    pad = lambda t: torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])  # the graph's rows past the step
+    qkv, z, b, a = (pad(t) for t in args[:4])
+    zeros = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
+    step = StepInput(token_ids=zeros, positions=zeros, cu_seqlens=batch.cu_seqlens, max_seqlen_q=rows,
+                     seqused_k=zeros[:1], page_table=zeros.view(-1, 1)[:1], slot_mapping=zeros,
+                     state_slots=batch.state_slots, snapshot_slots=batch.snapshot_slots)
+    gdn_prefill.hold_plan(step, batch.plan(rows))
+    out = gated_deltanet_prefill_op(qkv, z, b, a, *args[4:], step, hk, EPS)
+    assert_close(out[:sum(lens)], ref, 1e-6, "device-planned output")
+    assert torch.equal(args[8], host_args[8]), "conv windows and snapshots"
+    assert_close(args[9], host_args[9], 1e-6, "device-planned states and snapshots")
+    untouched = [i for i in range(n_slots) if i not in (0, 4, 7, 9)]
+    assert torch.equal(args[9][untouched], host_args[9][untouched]) and torch.equal(args[8][untouched],
+                                                                                    host_args[8][untouched])
 
 
 def prefill_step(lens, slots) -> StepInput:

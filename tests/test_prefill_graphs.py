@@ -54,13 +54,14 @@ def serve(engine: LLMEngine, before_step=None):
 
 
 def test_stretches_give_the_plain_engine_cpu():
+    # the reference ops: every core eager between the stretches
     model = Qwen35ForCausalLM.random(SMALL, seed=2)
     cfg = EngineConfig(num_pages=128, page_size=16, max_num_seqs=4, snapshot_slots=8, max_num_batched_tokens=256)
     plain = LLMEngine(model, cfg)
     out_p, log_p = serve(plain)
     engine = LLMEngine(model, cfg)
-    graphs = engine.runner.prefill_graphs = PrefillGraphs(model, 128)
-    graphs.capture(eager=True)
+    graphs = engine.runner.prefill_graphs = PrefillGraphs(model, 128, cfg.max_num_seqs)
+    graphs.capture(engine.pools, eager=True)
     assert graphs.buckets == (64, 128) and len(graphs.graphs[64]) == SMALL.num_hidden_layers + 1
     out_g, log_g = serve(engine, before_step=lambda: poison_padding(graphs))
     assert out_g == out_p
@@ -73,6 +74,53 @@ def test_stretches_give_the_plain_engine_cpu():
     assert engine.runner.num_eager_steps == plain.runner.num_eager_steps == 7
 
 
+def recording(replay, offsets: list):
+    """replay (PrefillGraphs.forward_step_layers) that also records each step's cu_seqlens and snapshot offsets."""
+    def run(step, pools):
+        offsets.append((step.cu_seqlens_host, step.snapshot_offsets))
+        return replay(step, pools)
+    return run
+
+
+def test_segments_with_device_planned_gdn_cores_give_the_plain_step_cpu():
+    # the triton ops (the interpreter; one step, each costs ~15 s here): the GDN cores inside the segments, planned
+    # on the device from the static batch (kernels.varlen.DeviceBatch), for a step of two prompts, one of which
+    # snapshots its GDN state at a cache point inside the step; the batch held a larger step's slots before
+    model = Qwen35ForCausalLM.random(SMALL, seed=2)
+    cfg = EngineConfig(num_pages=128, page_size=16, max_num_seqs=4, snapshot_slots=8, max_num_batched_tokens=256)
+    prompts = prompts_of((90, 27), SMALL.vocab_size, seed=5)
+    results = []
+    with ops.use_backend("triton"):
+        for graphs_on in (False, True):
+            engine = LLMEngine(model, cfg)
+            logits = record_sampled_logits(engine)
+            if graphs_on:
+                graphs = engine.runner.prefill_graphs = PrefillGraphs(model, 128, cfg.max_num_seqs)
+                graphs.capture(engine.pools, eager=True)
+                attention = SMALL.full_attention_layers
+                assert graphs.segments == [(0, attention[0]), (attention[0] + 1, SMALL.num_hidden_layers)]
+                assert len(graphs.graphs[128]) == 2
+                poison_padding(graphs)
+                graphs.batch.fill((0, 1, 2, 3, 4), torch.arange(1, 5), None, None)  # stale slots past the step
+                graphs.forward_step_layers = recording(graphs.forward_step_layers, offsets := [])
+            ids = [engine.add_request(prompts[0], SamplingParams(max_tokens=1), cache_point=48),
+                   engine.add_request(prompts[1], SamplingParams(max_tokens=1))]
+            while engine.has_unfinished:
+                engine.step()
+            pools = engine.pools
+            results.append(([logits[i][0] for i in ids], [t.clone() for t in (*pools.conv_states,
+                                                                              *pools.recurrent_states)]))
+    # a step of both prompts with a snapshot inside it (the cache point's), then the rest of the first prompt
+    (cu, snapshots), *_ = offsets
+    assert len(cu) == 3 and snapshots is not None and snapshots[0] == 48, offsets
+    assert engine.runner.num_graph_prefill_steps == len(offsets)
+    (log_e, states_e), (log_g, states_g) = results
+    for x, y in zip(log_g, log_e):
+        assert torch.isfinite(x).all() and rel_err(x, y) < 1e-5, f"{rel_err(x, y):.2e}"
+    for x, y in zip(states_g, states_e):
+        assert rel_err(x, y) < 1e-5, f"GDN pools (slots and snapshots): {rel_err(x, y):.2e}"
+
+
 def test_prefill_graphs_are_refused_where_they_cannot_run():
     moe = Qwen35ForCausalLM.random(replace(SMALL, intermediate_size=0, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=32, shared_expert_intermediate_size=32), seed=0)
@@ -83,7 +131,9 @@ def test_prefill_graphs_are_refused_where_they_cannot_run():
     model = Qwen35ForCausalLM.random(SMALL, seed=0)
     assert prefill_graphs_unsupported(model) is None
     with pytest.raises(ValueError, match="max_tokens"):
-        PrefillGraphs(model, 32)
+        PrefillGraphs(model, 32, 4)
+    with pytest.raises(ValueError, match="max_seqs"):
+        PrefillGraphs(model, 64, 0)
     with pytest.raises(ValueError, match="prefill_graph_tokens"):
         EngineConfig(prefill_graph_tokens=-1)
     engine = LLMEngine(model, EngineConfig(num_pages=32, max_num_seqs=2))  # the CPU: no graphs of any kind
