@@ -137,6 +137,11 @@ class EngineConfig:
             slices = max(slices, -(-prefill_tokens // self.interleave_slice_tokens))
         return min(slices, num_layers)
 
+    def slice_cuts(self, prefill_tokens: int, num_layers: int) -> frozenset[int]:
+        """The layers before which a mixed step's decodes run (prefill_slices' cuts; 0 tokens: the fewest slices)."""
+        slices = self.prefill_slices(prefill_tokens, num_layers)
+        return frozenset(num_layers * k // slices for k in range(1, slices))
+
 
 DEFAULT_MAX_MODEL_LEN = 65536
 

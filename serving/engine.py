@@ -94,7 +94,8 @@ class LLMEngine:
         prefill_graphs = None
         prefill_rows = cfg.prefill_graph_rows()
         if use_graphs and prefill_rows >= MATMUL_ROW_BUCKET and prefill_graphs_unsupported(model) is None:
-            prefill_graphs = PrefillGraphs(model, prefill_rows, cfg.max_num_seqs)
+            prefill_graphs = PrefillGraphs(model, prefill_rows, cfg.max_num_seqs,
+                                           cfg.slice_cuts(0, model.config.num_hidden_layers))
         self.runner = ModelRunner(model, self.pools, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
                                   max_num_seqs=cfg.max_num_seqs, dummy_page=cfg.num_pages, dummy_slot=num_slots - 1,
                                   graph_sizes=cfg.graph_batch_sizes() if use_graphs or pad_decode else (),
@@ -301,9 +302,7 @@ class LLMEngine:
         its last token and gets a page). A decode step's tokens are read only after the next slice is launched:
         the host, the bottleneck of an eager prefill, launches that slice while the GPU runs the decode step.
         Returns (the prefill rows' logits, the decode steps' outputs, how many decode steps ran)."""
-        num_layers = self.model.config.num_hidden_layers
-        slices = self.cfg.prefill_slices(sum(c.num_tokens for c in prefills), num_layers)
-        cuts = {num_layers * k // slices for k in range(1, slices)}
+        cuts = self.cfg.slice_cuts(sum(c.num_tokens for c in prefills), self.model.config.num_hidden_layers)
         outputs, layer, sampled, steps = [], 0, None, 0
         try:
             for out in self.runner.eager_layers(prefills):

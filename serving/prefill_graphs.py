@@ -13,10 +13,12 @@ Stretch i (0 <= i <= L, for L layers) ends where layer i's mixer core begins:
     stretch i:      layer i-1's mixer_out (its out projection and MLP) -> layer i's mixer_in
     stretch L:      layer L-1's mixer_out -> the final norm
 A segment is a run of stretches joined by the cores captured with them (the GDN cores); each segment is one
-graph, and an eager attention core follows each segment but the last. For Qwen3.5's pattern (three GDN layers,
-then an attention layer) a step is L/4 + 1 replays and L/4 eager cores, then lm_head on the sequences' last rows
-(eager: B rows). The graphs read and write static buffers: the tokens, the residual stream (updated in place by
-the fused add + norm), each mixer kind's projected input and core output, and the final norm's output. Captured
+graph, and an eager attention core follows a segment that ends at one. A segment also ends after a GDN core where
+a mixed step's prefill slice ends (`cuts`, EngineConfig.slice_cuts), so that its decode step waits for no more
+prefill work than the slice's. For Qwen3.5's pattern (three GDN layers, then an attention layer) without cuts a
+step is L/4 + 1 replays and L/4 eager cores, then lm_head on the sequences' last rows (eager: B rows).
+The graphs read and write static buffers: the tokens, the residual stream (updated in place by the fused add +
+norm), each mixer kind's projected input and core output, and the final norm's output. Captured
 for every row bucket up to `max_tokens` (kernels.row_buckets): an eager step of N rows runs its projections on
 exactly its bucket's rows, so a replayed step computes the very same products as the eager one. Rows past N hold
 what an earlier step left there; every op on them is row-wise (the cores' piece tables end at the step's last
@@ -49,7 +51,7 @@ def prefill_graphs_unsupported(model: Qwen35ForCausalLM) -> str | None:
 class PrefillGraphs:
     """The prefill graphs of a model for steps of up to max_tokens tokens and max_seqs sequences."""
 
-    def __init__(self, model: Qwen35ForCausalLM, max_tokens: int, max_seqs: int):
+    def __init__(self, model: Qwen35ForCausalLM, max_tokens: int, max_seqs: int, cuts: frozenset[int] = frozenset()):
         if max_tokens < MATMUL_ROW_BUCKET:
             raise ValueError(f"max_tokens must be at least {MATMUL_ROW_BUCKET}, got {max_tokens}")
         if max_seqs < 1:
@@ -68,8 +70,7 @@ class PrefillGraphs:
         # the GDN cores join the graphs where their op is the Triton one (the reference plans on the host)
         gdn_in_graphs = ops.backend_table()["gated_deltanet"] == "triton"
         captured = [gdn_in_graphs and layer.layer_type == "linear_attention" for layer in self.layers]
-        eager = [i for i, c in enumerate(captured) if not c]
-        self.segments = list(zip([0] + [i + 1 for i in eager], eager + [len(self.layers)]))  # (first, last) stretch
+        self.segments = _segments(captured, cuts)
         self.batch = DeviceBatch(max_seqs, rows, weight.device) if any(captured) else None
         self.max_seqs = max_seqs
         self.graphs: dict[int, list] = {}  # rows -> its segments' CUDA graphs, in order
@@ -117,14 +118,15 @@ class PrefillGraphs:
         return step
 
     def _segment(self, k: int, rows: int) -> None:
-        """Segment k at `rows` rows: its stretches and the GDN cores between them."""
-        first, last = self.segments[k]
-        step = self._device_step(rows) if last > first else None
+        """Segment k at `rows` rows: its stretches and the GDN cores between them (and after the last one, where
+        the segment ends at a slice cut)."""
+        first, last, core_last = self.segments[k]
+        step = self._device_step(rows) if last > first or core_last else None
         if k == 0 and self.batch is not None:
             self.batch.build(rows)
         for i in range(first, last + 1):
             self._stretch(i, rows)
-            if i < last:
+            if i < last or core_last:
                 self._core(i, rows, step, self.pools)
 
     @torch.no_grad()
@@ -169,13 +171,28 @@ class PrefillGraphs:
         self.tokens[:n].copy_(step.token_ids)
         if self.batch is not None:
             self.batch.fill(step.cu_seqlens_host, step.state_slots, step.snapshot_offsets, step.snapshot_slots)
-        for graph, (first, last) in zip(graphs, self.segments):
+        for graph, (first, last, core_last) in zip(graphs, self.segments):
             graph.replay()
-            yield from (None for _ in range(first, last))
-            if last < len(self.layers):
+            yield from (None for _ in range(first, last + core_last))
+            if last < len(self.layers) and not core_last:
                 self._core(last, n, step, pools)
                 yield None
         yield self.model.lm_head(self.final[:n][step.last_token_indices])
+
+
+def _segments(captured: list[bool], cuts: frozenset[int]) -> list[tuple[int, int, bool]]:
+    """(first stretch, last stretch, whether core `last` ends the segment) of each graph: a segment ends before an
+    eager core (captured[i] False), after a captured core at a slice cut (the mixed step's decodes run before layer
+    i in cuts), and at the final norm (stretch L)."""
+    segments, first = [], 0
+    for i, in_graph in enumerate(captured):
+        if not in_graph:
+            segments.append((first, i, False))
+            first = i + 1
+        elif i + 1 in cuts:
+            segments.append((first, i, True))
+            first = i + 1
+    return segments + [(first, len(captured), False)]
 
 
 class _EagerSegment:

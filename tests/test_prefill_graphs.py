@@ -19,7 +19,7 @@ from model.config import Qwen35Config
 from model.model import Qwen35ForCausalLM
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
-from serving.prefill_graphs import PrefillGraphs, prefill_graphs_unsupported
+from serving.prefill_graphs import PrefillGraphs, _segments, prefill_graphs_unsupported
 from serving.sequence import SamplingParams
 
 SMALL = Qwen35Config(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -95,11 +95,12 @@ def test_segments_with_device_planned_gdn_cores_give_the_plain_step_cpu():
             engine = LLMEngine(model, cfg)
             logits = record_sampled_logits(engine)
             if graphs_on:
-                graphs = engine.runner.prefill_graphs = PrefillGraphs(model, 128, cfg.max_num_seqs)
+                # a slice cut after layer 0: its GDN core ends the first segment
+                graphs = engine.runner.prefill_graphs = PrefillGraphs(model, 128, cfg.max_num_seqs, frozenset({1}))
                 graphs.capture(engine.pools, eager=True)
-                attention = SMALL.full_attention_layers
-                assert graphs.segments == [(0, attention[0]), (attention[0] + 1, SMALL.num_hidden_layers)]
-                assert len(graphs.graphs[128]) == 2
+                assert SMALL.full_attention_layers == [3]
+                assert graphs.segments == [(0, 0, True), (1, 3, False), (4, 4, False)]
+                assert len(graphs.graphs[128]) == 3
                 poison_padding(graphs)
                 graphs.batch.fill((0, 1, 2, 3, 4), torch.arange(1, 5), None, None)  # stale slots past the step
                 graphs.forward_step_layers = recording(graphs.forward_step_layers, offsets := [])
@@ -119,6 +120,19 @@ def test_segments_with_device_planned_gdn_cores_give_the_plain_step_cpu():
         assert torch.isfinite(x).all() and rel_err(x, y) < 1e-5, f"{rel_err(x, y):.2e}"
     for x, y in zip(states_g, states_e):
         assert rel_err(x, y) < 1e-5, f"GDN pools (slots and snapshots): {rel_err(x, y):.2e}"
+
+
+def test_segments_end_at_eager_cores_and_slice_cuts():
+    g, a = True, False  # a GDN core in the graphs, an attention core between them
+    assert _segments([g, g, g, a] * 2, frozenset()) == [(0, 3, False), (4, 7, False), (8, 8, False)]
+    # 12 slices of 24 layers cut every 2 layers: a cut after a GDN core ends its segment there
+    assert _segments([g, g, g, a] * 2, frozenset({2, 4, 6})) == [(0, 1, True), (2, 3, False), (4, 5, True),
+                                                                 (6, 7, False), (8, 8, False)]
+    assert _segments([a, g], frozenset({1})) == [(0, 0, False), (1, 2, False)]  # a cut after an eager core
+    assert _segments([a, a], frozenset()) == [(0, 0, False), (1, 1, False), (2, 2, False)]  # the reference GDN
+    cfg = EngineConfig(interleave_slices=12)
+    assert cfg.slice_cuts(0, 24) == frozenset(range(2, 24, 2)) and EngineConfig(interleave_slices=1).slice_cuts(
+        0, 24) == frozenset()
 
 
 def test_prefill_graphs_are_refused_where_they_cannot_run():
