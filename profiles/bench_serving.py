@@ -497,8 +497,8 @@ def main(argv=None, model=None) -> dict:
                     "ceil(T / TOKENS) slices, one a layer at most (EngineConfig.interleave_slice_tokens; 0: off)")
     ap.add_argument("--prefill-graphs", type=cli.non_negative_int, default=ENGINE_KNOBS["prefill_graphs"],
                     metavar="TOKENS",
-                    help="prefill steps up to TOKENS replay CUDA graphs of their row-wise stretches "
-                         "(EngineConfig.prefill_graph_tokens; 0: off)")
+                    help="prefill steps up to TOKENS replay CUDA graphs of all but their attention cores "
+                         "(EngineConfig.prefill_graph_tokens; default: every step; 0: off)")
     ap.add_argument("--decode-ahead", type=int, choices=(0, 1), default=ENGINE_KNOBS["decode_ahead"],
                     help="launch each decode step before reading the last one's tokens (EngineConfig.decode_ahead)")
     ap.add_argument("--fed-decode", type=int, choices=(0, 1), default=ENGINE_KNOBS["fed_decode"],

@@ -1,0 +1,19 @@
+#!/bin/bash
+# Issue 49 section 2 on one GPU machine (carry .gpu: ../shared/gpu/make-bundle.sh): the prefill graphs' GPU tests,
+# then 2B at 16 users with the prefill graphs off (0) and on (every step), alternated in one process, the mixed
+# steps' host_busy_ms beside their wall, and the returning 514-token step's host time. Prints the host's CPU model.
+[ -d /tmp/site/flash_attn ] || tar -xJf .gpu/site.tar.xz -C /tmp
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+nvidia-smi --query-gpu=name --format=csv,noheader; lscpu | grep "Model name"; nproc
+if [[ " $RUN " == *" T "* ]]; then
+  timeout ${TT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTARGS:-tests/test_prefill_graphs.py \
+    tests/test_gdn_prefill.py tests/test_causal_conv1d.py} 2>&1 | tail -15 | tee $OUT/gpu_tests.log
+fi
+if [[ " $RUN " == *" C16 "* ]]; then
+  timeout 300 python3 -m profiles.bench_serving --model qwen3.5-2b --trace short --concurrency 16 --no-progress \
+    --sweep prefill_graphs=0,8208 --repeat ${REPEAT:-1} --out-dir $OUT/c16 2>&1 | tail -40 | tee $OUT/c16.log
+fi
+if [[ " $RUN " == *" HOST "* ]]; then
+  timeout 150 python3 -m profiles.host_time --model qwen3.5-2b --ctx 8192 --new 514 2>&1 \
+    | grep -E "unprofiled|under cProfile|GPU busy" | tee $OUT/host_time.log
+fi
