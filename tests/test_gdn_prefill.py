@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import compiled_script_output, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -171,6 +171,25 @@ def test_device_plan_lays_out_token_chunks(lens_and_cuts, spare_seqs):
     assert plan.offsets_dev.tolist() == [*offsets, *[0] * spare_seqs]
     with pytest.raises(ValueError, match="device batch holds up to"):
         batch.fill(cu + (cu[-1] + 1,) * (spare_seqs + 1), torch.arange(max_seqs + 1, device=DEVICE), None, None)
+
+
+PLAN_SM90 = """
+from tests.sm90_compile import ptxas_sm90a
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+from kernels import varlen as V
+fn = V._device_plan_kernel
+const = dict(BT=V.CHUNK, BLOCK=64)
+sig = {n: "constexpr" if n in const else "*i32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+k = triton.compile(ASTSource(fn, sig, const, {}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
+print(ptxas_sm90a(k.asm["ptx"])["regs"])
+"""
+
+
+def test_device_plan_kernel_compiles_for_sm90():
+    # the interpreter runs the plan's loops as Python: compile them for sm_90a as a graph would launch them
+    assert int(compiled_script_output(PLAN_SM90)) > 0
 
 
 def test_op_on_a_device_plan_equals_the_host_plan():
