@@ -3,7 +3,7 @@ expert each, one grouped GEMM for gate_up with SwiGLU fused, one for down scaled
 top-k sum; the shared expert runs in the same two kernels (a dense mode: its tokens in order, its sigmoid gate in
 the down kernel). Up to ROUTE_ALIGN_MAX_PAIRS pairs (decode and verify steps) one program routes and aligns.
 
-A block is BLOCK_M pairs of one expert (an expert's pairs padded to whole blocks), so each program reads its
+A block is block_m pairs of one expert (an expert's pairs padded to whole blocks), so each program reads its
 expert's weight tile once for all the tokens that chose it. The pairs are sorted on the device, and the grids are
 sized by the shapes' upper bound (every pair its own expert, each padded to a block): programs of blocks past the
 real count exit. So nothing syncs with the host, and an MoE decode step captures in a CUDA graph like a dense one.
@@ -21,21 +21,22 @@ import triton.language as tl
 from kernels import registry
 from kernels.host_math import cdiv
 from kernels.registry import DeviceInfo, Impl, device_info, triton_unsupported
+from kernels.tuning import KernelTuning, MoeTiles
 from reference._checks import check_tensor
 from reference.moe import topk_route
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-BLOCK_M = 16  # pairs a block at decode sizes: tl.dot's least M
-PREFILL_BLOCK_M = 64  # where experts average more than BLOCK_M pairs: fewer re-reads of each expert's weights
 
 
-def block_m_for(num_pairs: int, num_local: int) -> int:
-    """Pairs a block: each block reads its expert's weights once, so blocks should be full where experts have many
-    pairs (a prefill chunk: 8k tokens x top-8 over 256 experts is 256 pairs an expert)."""
-    return PREFILL_BLOCK_M if num_pairs > BLOCK_M * num_local else BLOCK_M
+def tiles_for(num_pairs: int, num_local: int, tuning: KernelTuning) -> MoeTiles:
+    """The grouped GEMMs' plan: each block reads its expert's weights once, so blocks should be full where experts
+    have many pairs (a prefill chunk: 8k tokens x top-8 over 256 experts is 256 pairs an expert): the prefill tiles
+    where experts average more than the decode tiles' block, else the decode tiles."""
+    decode = tuning.moe_decode
+    return tuning.moe_prefill if num_pairs > decode.block_m * num_local else decode
 
 
-def align_blocks(ids, num_local: int, expert_start: int, block_m: int = BLOCK_M):
+def align_blocks(ids, num_local: int, expert_start: int, block_m: int):
     """Sort the pairs by local expert into blocks of block_m (an expert's pairs padded to whole blocks).
     ids: (n, top_k) router expert ids. Returns sorted_pairs (blocks * block_m,) int32 (a pair index = token * top_k
     + slot, or n * top_k as padding) and block_expert (blocks,) int32 (the block's local expert, -1 past the real
@@ -120,7 +121,7 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, starts_ptr
                  mask=blocks < capacity // BLOCK_M)
 
 
-def route_and_align(x, router_w, top_k: int, num_local: int, expert_start: int, block_m: int = BLOCK_M):
+def route_and_align(x, router_w, top_k: int, num_local: int, expert_start: int, block_m: int):
     """reference.moe.topk_route and align_blocks in one launch after the router's projection, for up to
     ROUTE_ALIGN_MAX_PAIRS pairs (decode sizes, where the dozen launches of the two apart cost more than the experts'
     weights take to read).
@@ -220,62 +221,62 @@ def _down_kernel(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, weight_ptr, x_ptr, g
     tl.store(y_ptr + row[:, None] * hidden + cols[None, :], acc * scale[:, None], mask=real[:, None] & col_ok[None, :])
 
 
-def _block_n(width: int) -> int:
-    return min(64, triton.next_power_of_2(max(width, 16)))
-
-
-def _expert_gemms(x, wg, wu, down_w, h, y, *, pairs, block_expert, weights, gate, num_pairs, top_k, slot, block_m,
-                  dense):
+def _expert_gemms(x, wg, wu, down_w, h, y, *, pairs, block_expert, weights, gate, num_pairs, top_k, slot,
+                  tiles: MoeTiles, dense):
     # one SwiGLU expert stack's two grouped GEMMs into y (n, top_k + 1, H): the routed experts (slots 0..top_k-1)
     # or, dense, the shared expert (slot top_k)
     hidden, inter = x.shape[1], down_w.shape[-1]
-    blocks = cdiv(num_pairs, block_m) if dense else block_expert.numel()
+    blocks = cdiv(num_pairs, tiles.block_m) if dense else block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     expert_stride = 0 if dense else wg.stride(0)
     if not (blocks and inter and hidden):
         return
-    _gate_up_kernel[(blocks, cdiv(inter, _block_n(inter)))](
+    plan = dict(BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, DOT_PRECISION=precision, DENSE=dense,
+                num_warps=tiles.warps, num_stages=tiles.stages)
+    block_n = lambda width: min(tiles.block_n, triton.next_power_of_2(max(width, 16)))
+    _gate_up_kernel[(blocks, cdiv(inter, block_n(inter)))](
         x, wg, wu, pairs, block_expert, h, num_pairs, top_k, hidden, inter, x.stride(0), expert_stride,
-        wg.stride(-2), h.stride(0), BLOCK_M=block_m, BLOCK_N=_block_n(inter), BLOCK_K=64, DOT_PRECISION=precision,
-        DENSE=dense, num_warps=4)
-    _down_kernel[(blocks, cdiv(hidden, _block_n(hidden)))](
+        wg.stride(-2), h.stride(0), BLOCK_N=block_n(inter), **plan)
+    _down_kernel[(blocks, cdiv(hidden, block_n(hidden)))](
         h, down_w, pairs, block_expert, weights, x, gate, y, num_pairs, top_k, hidden, inter, h.stride(0),
-        0 if dense else down_w.stride(0), down_w.stride(-2), x.stride(0), y.shape[1], slot, BLOCK_M=block_m,
-        BLOCK_N=_block_n(hidden), BLOCK_K=64, DOT_PRECISION=precision, DENSE=dense, num_warps=4)
+        0 if dense else down_w.stride(0), down_w.stride(-2), x.stride(0), y.shape[1], slot, BLOCK_N=block_n(hidden),
+        **plan)
 
 
-def grouped_experts(x, weights, sorted_pairs, block_expert, block_m: int, gate_up_w, down_w, shared=None):
-    """sum_k weights[:, k] * expert(x) over the pairs sorted into expert blocks (align_blocks, route_and_align), plus
-    sigmoid(x . shared_gate_w) * the shared expert(x) when shared is given, in fp32: (n, H). x: (n, H); weights:
-    (n, top_k) fp32; gate_up_w: (E_local, 2I, H); down_w: (E_local, H, I); shared: as fused_moe's."""
+def grouped_experts(x, weights, sorted_pairs, block_expert, tiles: MoeTiles, gate_up_w, down_w, shared=None):
+    """sum_k weights[:, k] * expert(x) over the pairs sorted into expert blocks of tiles.block_m (align_blocks,
+    route_and_align), plus sigmoid(x . shared_gate_w) * the shared expert(x) when shared is given, in fp32: (n, H).
+    x: (n, H); weights: (n, top_k) fp32; gate_up_w: (E_local, 2I, H); down_w: (E_local, H, I); shared: as
+    fused_moe's."""
     n, hidden = x.shape
     top_k = weights.shape[1]
     inter = gate_up_w.shape[1] // 2
     y = torch.zeros(n, top_k + 1, hidden, dtype=torch.float32, device=x.device)  # pairs not ours stay 0
     h = torch.empty(n * top_k, inter, dtype=x.dtype, device=x.device)
     _expert_gemms(x, gate_up_w, gate_up_w[:, inter:], down_w, h, y, pairs=sorted_pairs, block_expert=block_expert,
-                  weights=weights.reshape(-1), gate=x, num_pairs=n * top_k, top_k=top_k, slot=0, block_m=block_m,
+                  weights=weights.reshape(-1), gate=x, num_pairs=n * top_k, top_k=top_k, slot=0, tiles=tiles,
                   dense=False)
     if shared is not None:
         gate_w, up_w, shared_down, shared_gate = shared
         h_shared = torch.empty(n, gate_w.shape[0], dtype=x.dtype, device=x.device)
         _expert_gemms(x, gate_w, up_w, shared_down, h_shared, y, pairs=x, block_expert=x, weights=x,
-                      gate=shared_gate, num_pairs=n, top_k=1, slot=top_k, block_m=BLOCK_M, dense=True)
+                      gate=shared_gate, num_pairs=n, top_k=1, slot=top_k, tiles=tiles, dense=True)
     return y.sum(1)
 
 
 def fused_moe_op(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=None):
-    """model.ops' moe on these kernels (the engine built the arguments: nothing is checked). Up to
-    ROUTE_ALIGN_MAX_PAIRS pairs the routing and the alignment are one launch; above, torch ops on the device."""
+    """model.ops' moe on these kernels (the engine built the arguments: nothing is checked), on the active tuning's
+    tiles (tiles_for). Up to ROUTE_ALIGN_MAX_PAIRS pairs the routing and the alignment are one launch; above, torch
+    ops on the device."""
     start, num_local = expert_start or 0, gate_up_w.shape[0]
     pairs = x.shape[0] * top_k
-    block_m = block_m_for(pairs, num_local)
+    tiles = tiles_for(pairs, num_local, registry.tuning())
     if pairs <= ROUTE_ALIGN_MAX_PAIRS:
-        weights, sorted_pairs, block_expert = route_and_align(x, router_w, top_k, num_local, start, block_m)
+        weights, sorted_pairs, block_expert = route_and_align(x, router_w, top_k, num_local, start, tiles.block_m)
     else:
         weights, ids = topk_route(x, router_w, top_k)
-        sorted_pairs, block_expert = align_blocks(ids, num_local, start, block_m)
-    return grouped_experts(x, weights, sorted_pairs, block_expert, block_m, gate_up_w, down_w, shared).to(x.dtype)
+        sorted_pairs, block_expert = align_blocks(ids, num_local, start, tiles.block_m)
+    return grouped_experts(x, weights, sorted_pairs, block_expert, tiles, gate_up_w, down_w, shared).to(x.dtype)
 
 
 def fused_moe(x, router_w, gate_up_w, down_w, top_k: int, shared=None, expert_start: int | None = None):

@@ -7,6 +7,25 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class MoeTiles:
+    """A launch plan of kernels.moe's grouped GEMMs: pairs a block (block_m, also the routing's alignment), output
+    columns a program (block_n, at most the width's power of two), the K step, warps and software-pipeline stages."""
+    block_m: int
+    block_n: int
+    block_k: int = 64
+    warps: int = 4
+    stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's least), got {value!r}")
+        if self.warps not in (1, 2, 4, 8, 16) or not isinstance(self.stages, int) or self.stages < 1:
+            raise ValueError(f"warps must be a power of two up to 16 and stages >= 1, got {self.warps}, {self.stages}")
+
+
+@dataclass(frozen=True)
 class KernelTuning:
     # One bf16 row of a weight of at least tma_min_bytes runs the TMA-ring GEMV (kernels.tma_gemv): smaller ones
     # stream faster on the Triton GEMV; 8 MiB takes 0.8B's 10-13 MB in-projections, which 16 MiB left out (0.8B's
@@ -22,6 +41,12 @@ class KernelTuning:
     chain_pause_bytes: int = 80 * 2**10
     # programmatic dependent launch on sm_90 (kernels.pdl); off only for the no-PDL rows of a benchmark
     pdl: bool = True
+    # kernels.moe's grouped GEMMs where experts average at most moe_decode.block_m pairs (decode and verify steps:
+    # tl.dot's least M, and columns split finely enough that the few experts' weights stream over every SM), and
+    # above it (prefill: blocks of 64 pairs read each expert's weights a quarter as often as 16; profiles.bench_moe
+    # --tiles times others beside it)
+    moe_decode: MoeTiles = MoeTiles(16, 64)
+    moe_prefill: MoeTiles = MoeTiles(64, 64)
 
     def __post_init__(self):
         for name in ("tma_min_bytes", "tma_gated_min_k", "fused_norm_max_k", "chain_pause_bytes"):

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference as R
-from kernels import moe
-from kernels.moe import BLOCK_M, PREFILL_BLOCK_M, align_blocks, block_m_for, fused_moe, route_and_align
+from kernels import moe, registry
+from kernels.moe import align_blocks, fused_moe, route_and_align, tiles_for
+from kernels.tuning import KernelTuning, MoeTiles
 from tests.conftest import HAS_CUDA, assert_rel
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -50,7 +51,7 @@ def check(x, router, gate_up, down, top_k, shared=None, expert_start=None, what=
     (64, 32, 8, 80, 40),   # a batch of 64: every expert chosen by some
     (3, 64, 8, 72, 24),    # most experts chosen by no token
     (17, 6, 1, 48, 100),   # top-1, an intermediate wider than a column block
-    (150, 4, 2, 40, 24),   # a prefill chunk's density: 75 pairs an expert, in blocks of PREFILL_BLOCK_M
+    (150, 4, 2, 40, 24),   # a prefill chunk's density: 75 pairs an expert, in the prefill tiles' blocks
 ])
 @pytest.mark.parametrize("one_launch_routing", [True, False], ids=["route_and_align", "torch-routing"])
 def test_equals_the_reference(n, experts, top_k, hidden, inter, one_launch_routing, monkeypatch):
@@ -84,7 +85,24 @@ def test_an_expert_parallel_slice_adds_only_its_experts(start, local):
 
 
 def test_blocks_grow_where_experts_have_many_pairs():
-    assert block_m_for(8, 256) == BLOCK_M and block_m_for(8192 * 8, 256) == PREFILL_BLOCK_M
+    tuning = KernelTuning()
+    assert tiles_for(8, 256, tuning) is tuning.moe_decode and tiles_for(8192 * 8, 256, tuning) is tuning.moe_prefill
+    assert tiles_for(16 * 256, 256, tuning) is tuning.moe_decode  # 16 pairs an expert still fill a decode block
+
+
+@pytest.mark.parametrize("tiles", [MoeTiles(32, 16, 32, 2, 2), MoeTiles(128, 128, 16, 8, 4)])
+def test_other_tiles_give_the_reference(tiles):
+    # a tuning's tiles (an A/B of profiles.bench_moe --tiles): other block, column and K sizes give the same sum
+    router, gate_up, down, shared = weights(16, 96, 40, seed=8, shared_inter=24)
+    with registry.use(tuning=KernelTuning(moe_decode=tiles, moe_prefill=tiles)):
+        for n in (3, 70):  # decode's density and prefill's (over 16 experts, 70 x 4 pairs is 17.5 an expert)
+            check(tokens(n, 96, seed=n), router, gate_up, down, 4, shared, what=f"{tiles} n={n}")
+
+
+@pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_n=48), dict(block_k=0), dict(warps=3), dict(stages=0)])
+def test_tiles_refuse_what_tl_dot_cannot_run(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        MoeTiles(**{**dict(block_m=16, block_n=64), **bad})
 
 
 def assert_aligned(pairs, block_expert, flat, num_pairs: int, local: int, block_m: int):
@@ -113,7 +131,7 @@ def drawn_case(top_k: int, experts: int, seed: int):
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 70), st.integers(1, 9), st.integers(1, 24), st.integers(0, 2**16),
-       st.sampled_from([BLOCK_M, PREFILL_BLOCK_M]))
+       st.sampled_from([16, 64]))
 def test_alignment_puts_each_pair_once_in_a_block_of_its_expert(n, top_k, experts, seed, block_m):
     top_k, gen, start, local = drawn_case(top_k, experts, seed)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(n)]).to(DEV)
@@ -123,7 +141,7 @@ def test_alignment_puts_each_pair_once_in_a_block_of_its_expert(n, top_k, expert
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 40), st.integers(1, 8), st.integers(2, 40), st.integers(0, 2**16),
-       st.sampled_from([BLOCK_M, PREFILL_BLOCK_M]))
+       st.sampled_from([16, 64]))
 def test_route_and_align_in_one_launch_routes_as_torch_and_aligns(n, top_k, experts, seed, block_m):
     top_k, gen, start, local = drawn_case(top_k, experts, seed)
     x = torch.randn(n, 16, generator=gen).to(DEV)  # fp32: bf16 logits would tie, and ties may pick either expert
