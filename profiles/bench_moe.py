@@ -10,15 +10,21 @@ and transformers 5.17's block (Qwen3_5MoeSparseMoeBlock with the same weights) w
   57.7 MB;
 - prefill: FLOPs = 2 x rows x (top-k x 3 x H x I + 3 x H x I_shared + E x H), against cuBLAS's bf16 8192^3
   TFLOP/s.
+`--tiles 64x64x64w4s3,128x64x64w8s3` also times ours under each of these MoE tiles (block x columns x K step, warps,
+stages: kernels.tuning.MoeTiles) as both the decode and the prefill tiles, one KernelTuning each, in this process.
 Results go to profiles/results/moe.json.
 """
 import argparse
+import re
+from dataclasses import replace
 
 import torch
 import triton
 
 import reference as R
+from kernels import registry
 from kernels.moe import fused_moe_op
+from kernels.tuning import MoeTiles
 from profiles.common import RESULTS, bandwidth_ceilings, environment, print_table, write_result
 
 HIDDEN, EXPERTS, TOP_K, INTER, SHARED = 2048, 256, 8, 512, 512
@@ -107,11 +113,36 @@ def bench_rows(rows: int, weights, read_tb_s: float, gemm_tflops: float) -> dict
     return row
 
 
+def parse_tiles(spec: str) -> MoeTiles:
+    """'128x64x64w8s3' -> MoeTiles(128, 64, 64, 8, 3)."""
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)", spec.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"tiles {spec!r}: write BLOCKxCOLUMNSxK, warps, stages as in 64x64x64w4s3")
+    try:
+        return MoeTiles(*map(int, m.groups()))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def bench_tiles(rows: int, weights, tiles: MoeTiles) -> float:
+    """ours at `rows` rows with `tiles` as both the decode and the prefill tiles: us (graphed up to 64 rows)."""
+    router, gate_up, down, shared = weights
+    x = (torch.randn(rows, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
+    with registry.use(tuning=replace(registry.tuning(), moe_decode=tiles, moe_prefill=tiles)):
+        ours = lambda t: fused_moe_op(t, router, gate_up, down, TOP_K, shared)  # noqa: E731
+        return time_us(graphed(ours, x) if rows <= 64 else lambda: ours(x))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(RESULTS), help="folder for moe.json")
     ap.add_argument("--rows", default="1,4,16,64,1024,8192", help="row counts, comma-separated")
+    ap.add_argument("--tiles", default="", help="MoE tiles to time ours under, comma-separated (64x64x64w4s3)")
     args = ap.parse_args(argv)
+    try:
+        variants = [parse_tiles(t) for t in args.tiles.split(",") if t.strip()]
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
     weights = layer_weights()
     ceilings = bandwidth_ceilings(2.0)
     read = ceilings["read_TBps"]
@@ -120,9 +151,19 @@ def main(argv=None) -> dict:
     columns = ["rows", "ours_us", "bound_us", "ours_over_bound", "ours_TFLOPs", "ours_of_cublas", "hf_grouped_mm_us",
                "hf_grouped_mm_over_ours", "hf_eager_us", "reference_us", "hf_grouped_mm_rel_err"]
     print_table(rows, columns)
+    sweep = []
+    for r in rows:
+        for tiles in variants:
+            us = bench_tiles(r["rows"], weights, tiles)
+            sweep.append(dict(rows=r["rows"], tiles=f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k}w{tiles.warps}"
+                              f"s{tiles.stages}", us=us, default_us=r["ours_us"], default_over=r["ours_us"] / us))
+    if sweep:
+        print_table(sweep, ["rows", "tiles", "us", "default_us", "default_over"])
     result = dict(what="one Qwen3.5-35B-A3B MoE layer (random bf16 weights): ours, reference.moe and transformers' "
                        "block", shapes=dict(hidden=HIDDEN, experts=EXPERTS, top_k=TOP_K, inter=INTER, shared=SHARED),
-                  environment=environment(), ceilings=ceilings, cublas_bf16_8192_TFLOPs=gemm, rows=rows)
+                  environment=environment(), ceilings=ceilings, cublas_bf16_8192_TFLOPs=gemm, rows=rows,
+                  default_tiles={k: str(getattr(registry.tuning(), f"moe_{k}")) for k in ("decode", "prefill")},
+                  tiles_sweep=sweep)
     path = write_result("moe", result, args.out)
     print(f"wrote {path}")
     return result

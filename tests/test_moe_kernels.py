@@ -2,6 +2,8 @@
 reference.moe: batch 1 to 64, odd hidden and expert sizes, top-k 1 to 8, experts that no token chose, all tokens on
 one expert, tied router scores, expert-parallel slices, the shared expert; fp32 in the interpreter on the CPU, bf16
 on the GPU (and replayed in a CUDA graph there); the block alignment's invariants; bad arguments."""
+import argparse
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -179,3 +181,11 @@ def test_replays_in_a_cuda_graph_with_new_tokens():
     graph.replay()
     want = R.moe(x.float(), router.float(), gate_up.float(), down.float(), 8, tuple(t.float() for t in shared))
     assert_rel(out.float(), want, TOL, "graph replay")
+
+
+def test_bench_moe_reads_tiles():
+    from profiles.bench_moe import parse_tiles
+    assert parse_tiles(" 128x64x32w8s4") == MoeTiles(128, 64, 32, 8, 4)
+    for bad in ("128x64x32w8", "12x64x64w4s3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_tiles(bad)
