@@ -49,6 +49,7 @@ from profiles.common import (
     bandwidth_ceilings,
     command_line,
     environment,
+    host_cpu,
     print_table,
     write_result,
 )
@@ -632,6 +633,7 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
         write_jsonl(traces, args.write_trace)
     engine = make_engine(model, args, traces)
     out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype} | ops: {ops.get_backend()}\n"
+              f"host: {host_cpu()}\n"
               f"engine: {engine.pool_summary}\n"
               f"traces: {len(traces)} x {args.trace} ({sum(len(t.turns) for t in traces)} turns, up to "
               f"{max(t.total_tokens() for t in traces)} tokens each) at concurrency {args.concurrency}"

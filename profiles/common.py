@@ -1,5 +1,6 @@
 """Shared benchmark plumbing: timing, the bandwidth ceilings of this run, the environment record, tables, JSON."""
 import json
+import os
 import platform
 import sys
 from collections.abc import Callable
@@ -116,15 +117,28 @@ def bandwidth_ceilings(gib: float = 4.0) -> dict[str, float]:
     return {"read_TBps": nbytes / read_us / 1e6, "copy_TBps": 2 * nbytes / copy_us / 1e6}
 
 
+def host_cpu() -> str:
+    """The host's CPU model and its core count (serving figures depend on the host: a step's launches are host
+    work)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores)"
+
+
 def environment() -> dict:
-    """The card and the library versions of this run."""
+    """The card, the host's CPU and the library versions of this run."""
     def version(pkg):
         try:
             return metadata.version(pkg)
         except metadata.PackageNotFoundError:
             return None
     env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
+           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+           "host_cpu": host_cpu()}
     for pkg in ("triton", "flash-attn-4", "flash-linear-attention", "fla-core", "nvidia-cutlass-dsl",
                 "transformers"):
         env[pkg] = version(pkg)

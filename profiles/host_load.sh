@@ -15,5 +15,5 @@ if [[ " $RUN " == *" C16 "* ]]; then
 fi
 if [[ " $RUN " == *" HOST "* ]]; then
   timeout 150 python3 -m profiles.host_time --model qwen3.5-2b --ctx 8192 --new 514 2>&1 \
-    | grep -E "unprofiled|under cProfile|GPU busy" | tee $OUT/host_time.log
+    | grep -E "^host:|unprofiled|under cProfile|GPU busy" | tee $OUT/host_time.log
 fi

@@ -25,7 +25,7 @@ from kernels import registry
 from kernels.tuning import KernelTuning
 from model import ops
 from model.load import describe_model, load_model
-from profiles.common import print_table
+from profiles.common import host_cpu, print_table
 from serving.config import EngineConfig
 from serving.device import pick_device
 from serving.engine import LLMEngine
@@ -391,6 +391,7 @@ def main(argv=None) -> dict:
     engine = make_engine(model, 1, args.ctx + args.new + 64)
     engine.warm_up()
     plain = returning_walls(engine, args.ctx, args.new)
+    print(f"host: {host_cpu()}")
     print(f"{what} on {device}: a step of {args.new} new tokens over {args.ctx} cached, unprofiled: wall "
           + ", ".join(f"{ms:.1f}" for ms in plain) + " ms")
     returning_step(engine, args.ctx, args.new, seed=1)
