@@ -8,6 +8,7 @@ from reference.moe import moe, sigmoid_gate_mul, silu_and_mul, swiglu, topk_rout
 from reference.norms import add_rms_norm, gated_rms_norm, l2norm, rms_norm
 from reference.rope import apply_rope, rope_cos_sin
 from reference.sampling import DecodeAdvance, advance_decode_inputs, argmax
+from reference.speculative import greedy_accept, speculative_accept
 
 __all__ = [
     "attention", "gather_pages", "paged_attention", "write_kv_pages",
@@ -19,4 +20,5 @@ __all__ = [
     "add_rms_norm", "gated_rms_norm", "l2norm", "rms_norm",
     "apply_rope", "rope_cos_sin",
     "DecodeAdvance", "advance_decode_inputs", "argmax",
+    "greedy_accept", "speculative_accept",
 ]
