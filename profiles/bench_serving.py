@@ -274,8 +274,8 @@ def request_row(r: Request) -> dict:
 
 
 def request_table(rows: list[dict]) -> dict:
-    """request_row dicts as one table, {"columns": [...], "rows": [[...], ...]}: serving.json keeps every request of
-    every run, and key names repeated per request made it the largest result file."""
+    """request_row dicts as one table, {"columns": [...], "rows": [[...], ...]} (key names repeated per request made
+    serving.json the largest result file)."""
     columns = list(rows[0]) if rows else []
     return {"columns": columns, "rows": [[r[c] for c in columns] for r in rows]}
 
@@ -524,7 +524,8 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--write-trace", default=None, help="also write the replayed traces to this JSONL file")
     ap.add_argument("--out-dir", default=None, help="where serving.json goes (default profiles/results)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar while the traces replay")
-    ap.add_argument("--per-request", action="store_true", help="also print a row per request")
+    ap.add_argument("--per-request", action="store_true",
+                    help="also print a row per request and keep them in serving.json")
     args = ap.parse_args(argv)
     knob, values = parse_sweep(args.sweep)
     if args.sessions and args.num_traces and args.num_traces != args.sessions:
@@ -692,8 +693,9 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
                           fed=runner.num_fed_steps - steps_before[5]),
                step_kinds=kinds,
                triton_compiles=dict(count=len(compiles.names), seconds=compiles.seconds,
-                                    kernels=sorted(set(compiles.names))),
-               requests=request_table([request_row(r) for r in requests]))
+                                    kernels=sorted(set(compiles.names))))
+    if args.per_request:  # every request's row: kept only when asked (a 64-session replay's would fill the file)
+        run["requests"] = request_table([request_row(r) for r in requests])
     if device.type == "cuda":
         run["ceilings"] = bandwidth_ceilings(2.0)
     path = save(run, run_key(args), args.out_dir)  # before the baseline: a run cut short during it keeps ours

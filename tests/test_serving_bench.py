@@ -50,7 +50,7 @@ def test_jsonl_round_trip_and_counts(tmp_path):
 def test_bench_smoke_on_the_cpu(model, tmp_path, capsys):
     run = bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "3", "--max-new",
                               "3", "--concurrency", "2", "--page-size", "8", "--out-dir", str(tmp_path),
-                              "--no-progress"], model=model)
+                              "--no-progress", "--per-request"], model=model)
     printed = capsys.readouterr().out
     assert "eligible_hit_rate" in printed and "ttft_p50_ms" in printed
     overall = run["overall"]
@@ -238,6 +238,7 @@ def test_bench_replays_one_turn_traces(model, tmp_path):
     result = bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "1",
                                  "--max-new", "2", "--out-dir", str(tmp_path), "--no-progress"], model=model)
     assert result["overall"]["requests"] == 1
+    assert "requests" not in result  # the per-request table only with --per-request
 
 
 def test_bench_sweeps_a_kernel_knob_and_restores_it(model, tmp_path, monkeypatch):
