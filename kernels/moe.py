@@ -150,11 +150,15 @@ def _block_rows(pairs_ptr, block_expert_ptr, num_pairs, top_k, BLOCK_M: tl.const
     # this program's block: (its expert, its BLOCK_M pairs, which are real, their tokens); DENSE: the shared expert,
     # whose "pairs" are the tokens in order (expert 0, no tables)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if DENSE:
-        return tl.full([], 0, tl.int32), rows, rows < num_pairs, rows.to(tl.int64)
-    e = tl.load(block_expert_ptr + tl.program_id(0))
-    pair = tl.load(pairs_ptr + rows)
-    return e, pair, (pair < num_pairs) & (e >= 0), (pair // top_k).to(tl.int64)
+    if DENSE:  # one return at the end: Triton's compiler refuses a return inside a branch
+        e = tl.full([], 0, tl.int32)
+        pair = rows
+        real = rows < num_pairs
+    else:
+        e = tl.load(block_expert_ptr + tl.program_id(0))
+        pair = tl.load(pairs_ptr + rows)
+        real = (pair < num_pairs) & (e >= 0)
+    return e, pair, real, (pair // top_k).to(tl.int64)
 
 
 @triton.jit

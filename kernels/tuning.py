@@ -45,8 +45,8 @@ class KernelTuning:
     # tl.dot's least M, and columns split finely enough that the few experts' weights stream over every SM), and
     # above it (prefill: blocks of 64 pairs read each expert's weights a quarter as often as 16; profiles.bench_moe
     # --tiles times others beside it)
-    moe_decode: MoeTiles = MoeTiles(16, 64)
-    moe_prefill: MoeTiles = MoeTiles(64, 64)
+    moe_decode: MoeTiles = MoeTiles(16, 32, 128, 4, 4)
+    moe_prefill: MoeTiles = MoeTiles(64, 128, 64, 4, 4)
 
     def __post_init__(self):
         for name in ("tma_min_bytes", "tma_gated_min_k", "fused_norm_max_k", "chain_pause_bytes"):

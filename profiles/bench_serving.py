@@ -614,6 +614,7 @@ def _replay_variants(args, model, what: str, device: torch.device, out, knob: st
                 overall = run_once(args, model, what, device, out)["overall"]
             rows.append({"variant": "default" if value is None else f"{knob}={value}", "repeat": rep + 1,
                          **{k: overall[k] for k in SWEEP_COLUMNS}})
+            gc.unfreeze()  # the engine's warm-up froze its objects (LLMEngine.warm_up): let its cycles go
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -702,6 +703,7 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
     out.write(f"wrote {path}\n")
     if args.hf_baseline:
         del engine, runner
+        gc.unfreeze()  # as between a sweep's variants
         gc.collect()
         torch.cuda.empty_cache()
         hf = hf_decode_tok_s(model.config, device, args.hf_prompt, args.hf_new)

@@ -384,7 +384,8 @@ class LLMEngine:
             for seq_id in (first, second):
                 self.pop_output(seq_id)
         # what exists now (weights, compiled kernels, graphs, the caller's data) lives as long as the engine: keep it
-        # out of the collector's full passes, each of which stops a live step for 0.1-0.2 s on millions of objects
+        # out of the collector's full passes, each of which stops a live step for 0.1-0.2 s on millions of objects.
+        # A process that drops this engine to build another calls gc.unfreeze() first, or its cycles stay
         gc.collect()
         gc.freeze()
 
