@@ -30,9 +30,7 @@ host); the reference GDN's cores run eagerly.
 """
 import torch
 
-from kernels.gdn_prefill import hold_plan
 from kernels.row_buckets import GEMV_MAX_ROWS, MATMUL_ROW_BUCKET, row_bucket, row_buckets_up_to
-from kernels.varlen import DeviceBatch
 from model import ops
 from model.cache import CachePools
 from model.model import Qwen35ForCausalLM
@@ -71,7 +69,10 @@ class PrefillGraphs:
         gdn_in_graphs = ops.backend_table()["gated_deltanet"] == "triton"
         captured = [gdn_in_graphs and layer.layer_type == "linear_attention" for layer in self.layers]
         self.segments = _segments(captured, cuts)
-        self.batch = DeviceBatch(max_seqs, rows, weight.device) if any(captured) else None
+        self.batch = None
+        if any(captured):  # Triton's kernels: imported only where they run (a CPU install has no Triton)
+            from kernels.varlen import DeviceBatch
+            self.batch = DeviceBatch(max_seqs, rows, weight.device)
         self.max_seqs = max_seqs
         self.graphs: dict[int, list] = {}  # rows -> its segments' CUDA graphs, in order
         self.pools: CachePools | None = None
@@ -109,6 +110,7 @@ class PrefillGraphs:
 
     def _device_step(self, rows: int) -> StepInput:
         """The step the captured GDN cores of a `rows`-token graph see: the device batch's tensors and its plan."""
+        from kernels.gdn_prefill import hold_plan
         b, dev = self.batch, self.tokens.device
         unused = torch.zeros(1, dtype=torch.int32, device=dev)  # what GDN cores never read (pages, positions)
         step = StepInput(token_ids=self.tokens[:rows], positions=self.tokens[:rows], cu_seqlens=b.cu_seqlens,
