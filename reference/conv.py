@@ -55,3 +55,15 @@ def causal_conv1d_update(x, conv_state, weight, activation: str | None = "silu")
     y, new_state = causal_conv1d(x[:, None, :], weight, initial_state=conv_state, activation=activation)
     conv_state.copy_(new_state)
     return y[:, 0]
+
+
+def causal_conv1d_windows(x, weight, *, initial_state, activation: str | None = "silu"):
+    """A speculative verify step's conv: x (batch, T, C) from the windows initial_state (batch, C, K-1). Returns
+    (y like x, windows (batch, T, C, K-1)): windows[:, i] is the state after token i, where a step that keeps L of
+    its T tokens rolls back to windows[:, L - 1]."""
+    check_tensor("x", x, ndim=3)
+    y, _ = causal_conv1d(x, weight, initial_state=initial_state, activation=activation)
+    k = weight.shape[1]
+    full = torch.cat([initial_state.to(x.dtype), x.transpose(1, 2)], dim=2)  # (batch, C, K-1+T)
+    windows = torch.stack([full[:, :, i + 1:i + k] for i in range(x.shape[1])], dim=1)
+    return y, windows

@@ -38,6 +38,17 @@ def _recurrent_one(q, k, v, g, beta, state):
     return torch.stack(outs) if outs else v.new_zeros(v.shape), state
 
 
+def _recurrent_states_one(q, k, v, g, beta, state):
+    # _recurrent_one, keeping the state after every token: -> o: (T, H, dv), states (T, H, dk, dv)
+    states = []
+    for t in range(q.shape[0]):
+        o, state = _recurrent_one(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+        states.append((o[0], state))
+    if not states:
+        return v.new_zeros(v.shape), state.new_zeros(0, *state.shape)
+    return torch.stack([o for o, _ in states]), torch.stack([st for _, st in states])
+
+
 def _chunked_one(q, k, v, g, beta, state, chunk_size):
     """The same recurrence, one chunk at a time. Within a chunk, with G_t = cumsum(g) and
     u_j = beta_j (v_j - exp(G_j) S0^T k_j - sum_{i<j} exp(G_j - G_i) (k_j.k_i) u_i), i.e. the unit lower
@@ -116,6 +127,14 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, scale=No
                                use_qk_l2norm: bool = True):
     """The oracle: one token at a time. Returns (o, final_state)."""
     return _run(_recurrent_one, q, k, v, g, beta, initial_state, scale, cu_seqlens, use_qk_l2norm)
+
+
+def recurrent_gated_delta_rule_states(q, k, v, g, beta, *, initial_state=None, scale=None,
+                                      use_qk_l2norm: bool = True):
+    """A speculative verify step's oracle: batch sequences of T tokens each ((batch, T, ...) shapes), with the state
+    after every token. Returns (o, states (batch, T, Hv, dk, dv) fp32): a step that keeps L of its T tokens rolls
+    each GDN layer back to states[:, L - 1]."""
+    return _run(_recurrent_states_one, q, k, v, g, beta, initial_state, scale, None, use_qk_l2norm)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, scale=None, cu_seqlens=None,

@@ -1,5 +1,6 @@
 """The reference gated delta rule (reference/gated_delta.py): chunked == recurrent, varlen == per sequence,
-state carry, closed forms, transformers' torch implementations, and argument checks."""
+state carry, closed forms, transformers' torch implementations, a verify step's per-token states (and conv windows), and
+argument checks."""
 import math
 
 import pytest
@@ -8,7 +9,15 @@ from conftest import assert_rel, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference import chunk_gated_delta_rule, gdn_gates, l2norm, recurrent_gated_delta_rule
+from reference import (
+    causal_conv1d,
+    causal_conv1d_windows,
+    chunk_gated_delta_rule,
+    gdn_gates,
+    l2norm,
+    recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule_states,
+)
 
 F64_TOL = 1e-10  # chunked vs recurrent, both in fp64
 F32_TOL = 1e-4  # the same in fp32
@@ -227,3 +236,26 @@ def test_bad_chunk_size():
     for c in (0, -4):
         with pytest.raises(ValueError, match="chunk_size must be positive"):
             chunk_gated_delta_rule(**x, cu_seqlens=cu, chunk_size=c)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 3), t=st.integers(1, 5), hkv=heads, dk=dims, dv=dims)
+def test_verify_states_are_the_prefixes_final_states(seed, batch, t, hkv, dk, dv):
+    # a verify step of t tokens (speculative decoding) rolls back to the state after its L-th token: that state is
+    # the final state of the rule over the first L tokens, and so is the conv window
+    hk, hv = hkv
+    q, k, v, g, beta, s0 = make_inputs(seed, (batch, t), hk, hv, dk, dv, n_states=batch)
+    o, states = recurrent_gated_delta_rule_states(q, k, v, g, beta, initial_state=s0)
+    assert states.shape == (batch, t, hv, dk, dv)
+    full_o, _ = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
+    assert_rel(o, full_o, F64_TOL, "outputs")
+    for n in range(1, t + 1):
+        _, final = recurrent_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], initial_state=s0)
+        assert_rel(states[:, n - 1], final, F64_TOL, f"state after token {n}")
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(batch, t, 5, generator=gen), torch.randn(5, 4, generator=gen)
+    window0 = torch.randn(batch, 5, 3, generator=gen)
+    y, windows = causal_conv1d_windows(x, w, initial_state=window0)
+    assert torch.equal(y, causal_conv1d(x, w, initial_state=window0)[0]) and windows.shape == (batch, t, 5, 3)
+    for n in range(1, t + 1):
+        assert torch.equal(windows[:, n - 1], causal_conv1d(x[:, :n], w, initial_state=window0)[1]), n
