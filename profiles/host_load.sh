@@ -1,7 +1,9 @@
 #!/bin/bash
-# Issue 49 section 2 on one GPU machine (carry .gpu: ../shared/gpu/make-bundle.sh): the prefill graphs' GPU tests,
+# Issue 49 on one GPU machine (carry .gpu: ../shared/gpu/make-bundle.sh): the prefill graphs' GPU tests,
 # then 2B at 16 users with the prefill graphs off (0) and on (every step), alternated in one process, the mixed
-# steps' host_busy_ms beside their wall, and the returning 514-token step's host time. Prints the host's CPU model.
+# steps' host_busy_ms beside their wall, and the returning 514-token step's host time; SESSIONS: section 1's rows (64
+# sessions over 8 users: A with the KV pool for all and 2 snapshot slots a session, B with 75% of the working set).
+# Prints the host's CPU model.
 [ -d /tmp/site/flash_attn ] || tar -xJf .gpu/site.tar.xz -C /tmp
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 nvidia-smi --query-gpu=name --format=csv,noheader; lscpu | grep "Model name"; nproc
@@ -16,4 +18,11 @@ fi
 if [[ " $RUN " == *" HOST "* ]]; then
   timeout 150 python3 -m profiles.host_time --model qwen3.5-2b --ctx 8192 --new 514 2>&1 \
     | grep -E "^host:|unprofiled|under cProfile|GPU busy" | tee $OUT/host_time.log
+fi
+if [[ " $RUN " == *" SESSIONS "* ]]; then
+  for kv in 2 0.75; do
+    timeout 280 python3 -m profiles.bench_serving --model qwen3.5-2b --trace short --sessions 64 --concurrency 8 \
+      --snapshot-slots 128 --kv-working-set $kv --no-progress --out-dir $OUT/sessions 2>&1 \
+      | grep -E "sessions interleaved|^ +all |returning" | tee -a $OUT/sessions.log
+  done
 fi
