@@ -21,8 +21,8 @@ if [[ " $RUN " == *" HOST "* ]]; then
 fi
 if [[ " $RUN " == *" SESSIONS "* ]]; then
   for kv in 2 0.75; do
-    timeout 280 python3 -m profiles.bench_serving --model qwen3.5-2b --trace short --sessions 64 --concurrency 8 \
-      --snapshot-slots 128 --kv-working-set $kv --no-progress --out-dir $OUT/sessions 2>&1 \
+    timeout 280 python3 -m profiles.bench_serving --model qwen3.5-2b --trace short --sessions=64 --concurrency 8 \
+      --snapshot-slots 128 --kv-working-set $kv --no-progress --out-dir "$OUT/interleaved" 2>&1 \
       | grep -E "sessions interleaved|^ +all |returning" | tee -a $OUT/sessions.log
   done
 fi
