@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from reference._checks import check_cu_seqlens, check_snapshots, check_tensor
+from reference._checks import check_cu_seqlens, check_snapshots, check_tensor, snapshot_cuts
 
 CHUNK = 64  # tokens per piece of token_chunks
 
@@ -239,7 +239,7 @@ class DeviceBatch:
         if b > n or cu[-1] > self.max_rows:
             raise ValueError(f"a device batch holds up to {n} sequences of {self.max_rows} tokens, got {b} of {cu[-1]}")
         offsets = list(snapshot_offsets) if snapshot_offsets is not None else [0] * b
-        cuts = [cu[i] + o if o else 0 for i, o in enumerate(offsets)]
+        cuts = snapshot_cuts(cu, offsets)
         pad = n - b
         values = [*cu, *[cu[-1]] * pad, *offsets, *[0] * pad, *cuts, *[0] * pad]
         # a fresh pinned tensor a step: the allocator keeps it until the copy ran (a reused one could be rewritten

@@ -2,10 +2,10 @@
 from reference.attention import attention, gather_pages, paged_attention, write_kv_pages
 from reference.conv import causal_conv1d, causal_conv1d_update, causal_conv1d_windows
 from reference.gated_delta import (
-                                   chunk_gated_delta_rule,
-                                   gdn_gates,
-                                   recurrent_gated_delta_rule,
-                                   recurrent_gated_delta_rule_states,
+    chunk_gated_delta_rule,
+    gdn_gates,
+    recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule_states,
 )
 from reference.gather import gather_rows
 from reference.linear import add_rms_norm_linear, linear, out_proj_mlp, silu_and_mul_linear

@@ -104,4 +104,9 @@ def check_snapshots(cu: list[int], offsets, slots, state_slots) -> tuple[int, ..
             or slots.dtype not in (torch.int32, torch.int64) or slots.device != state_slots.device:
         raise ValueError(f"snapshot_slots must be a contiguous ({n},) int32/int64 tensor on {state_slots.device}, got "
                          f"{slots.shape if isinstance(slots, torch.Tensor) else slots!r}")
+    return snapshot_cuts(cu, offsets)
+
+
+def snapshot_cuts(cu, offsets) -> tuple[int, ...]:
+    """Each sequence's snapshot as an absolute token position (cu: cu_seqlens' values; offset 0: none, 0)."""
     return tuple(cu[i] + o if o else 0 for i, o in enumerate(offsets))

@@ -144,4 +144,3 @@ class EngineConfig:
 
 
 DEFAULT_MAX_MODEL_LEN = 65536
-
