@@ -11,7 +11,7 @@ from model.step import StepInput
 
 @dataclass
 class CachePools:
-    """k_pages, v_pages: (full_layers, num_pages, page_size, kv_heads, head_dim) in the model dtype;
+    """k_pages, v_pages: (full_layers [+ MTP layers], num_pages, page_size, kv_heads, head_dim) in the model dtype;
     conv_states: (linear_layers, num_slots, conv_dim, kernel-1) in the model dtype;
     recurrent_states: (linear_layers, num_slots, value_heads, key_dim, value_dim) fp32."""
     k_pages: torch.Tensor
@@ -21,10 +21,11 @@ class CachePools:
 
     @classmethod
     def allocate(cls, cfg: Qwen35Config, num_pages: int, page_size: int, num_slots: int,
-                 dtype: torch.dtype, device) -> "CachePools":
+                 dtype: torch.dtype, device, mtp_layers: int = 0) -> "CachePools":
+        """mtp_layers: KV layers of the MTP head after the trunk's attention layers (0: no speculation)."""
         if not 1 <= page_size <= 4096 or num_pages < 1 or num_slots < 1:
             raise ValueError(f"bad pool sizes: num_pages={num_pages}, page_size={page_size}, num_slots={num_slots}")
-        kv_shape = (len(cfg.full_attention_layers), num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        kv_shape = (len(cfg.full_attention_layers) + mtp_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         n_lin = len(cfg.linear_attention_layers)
         return cls(
             k_pages=torch.zeros(kv_shape, dtype=dtype, device=device),
@@ -67,12 +68,14 @@ class SequenceCache:
     """
 
     def __init__(self, cfg: Qwen35Config, batch: int, max_tokens: int, *, page_size: int = 16,
-                 dtype=torch.float32, device="cpu", shuffle_pages: bool = False, seed: int = 0):
+                 dtype=torch.float32, device="cpu", shuffle_pages: bool = False, seed: int = 0,
+                 mtp_layers: int = 0):
         if batch < 1 or max_tokens < 1:
             raise ValueError(f"batch and max_tokens must be positive, got {batch} and {max_tokens}")
         self.cfg, self.batch, self.max_tokens, self.device = cfg, batch, max_tokens, torch.device(device)
         self.pages_per_seq = -(-max_tokens // page_size)
-        self.pools = CachePools.allocate(cfg, batch * self.pages_per_seq, page_size, batch, dtype, device)
+        self.pools = CachePools.allocate(cfg, batch * self.pages_per_seq, page_size, batch, dtype, device,
+                                         mtp_layers)
         free = list(range(self.pools.num_pages))
         if shuffle_pages:
             random.Random(seed).shuffle(free)

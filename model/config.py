@@ -9,7 +9,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 _LEGACY_LAYER_TYPES = {"attention": "full_attention", "conv": "linear_attention", "mamba": "linear_attention"}
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # what from_hf reads
 _MAY_BE_ZERO = ("intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                "shared_expert_intermediate_size")  # 0 where the MLP is MoE, or dense
+                "shared_expert_intermediate_size", "mtp_num_hidden_layers")  # 0 where the MLP is MoE, or dense; no MTP
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class Qwen35Config:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     max_position_embeddings: int = 262144
+    mtp_num_hidden_layers: int = 0  # the multi-token-prediction head's decoder layers (`mtp.*`; released: 1)
     eos_token_ids: tuple[int, ...] = field(default=(248044, 248046))
 
     def __post_init__(self):
@@ -158,7 +159,7 @@ class Qwen35Config:
 _DENSE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "head_dim", "intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
                  "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "rms_norm_eps",
-                 "max_position_embeddings")
+                 "max_position_embeddings", "mtp_num_hidden_layers")
 _HF_FIELDS = _DENSE_FIELDS + ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                               "shared_expert_intermediate_size")
 
@@ -166,28 +167,32 @@ _HF_FIELDS = _DENSE_FIELDS + ("num_experts", "num_experts_per_tok", "moe_interme
 # 256, 16 linear key heads, dk = dv = 128); the weights of a preset are seeded random, for speed and tests only.
 PRESETS: dict[str, Qwen35Config] = {
     "qwen3.5-0.8b": Qwen35Config(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
-                                 linear_num_value_heads=16, intermediate_size=3584, tie_word_embeddings=True),
+                                 linear_num_value_heads=16, intermediate_size=3584, tie_word_embeddings=True,
+                                 mtp_num_hidden_layers=1),
     "qwen3.5-2b": Qwen35Config(hidden_size=2048, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
-                               linear_num_value_heads=16, intermediate_size=6144, tie_word_embeddings=True),
+                               linear_num_value_heads=16, intermediate_size=6144, tie_word_embeddings=True,
+                               mtp_num_hidden_layers=1),
     "qwen3.5-4b": Qwen35Config(hidden_size=2560, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
-                               linear_num_value_heads=32, intermediate_size=9216, tie_word_embeddings=True),
+                               linear_num_value_heads=32, intermediate_size=9216, tie_word_embeddings=True,
+                               mtp_num_hidden_layers=1),
     "qwen3.5-9b": Qwen35Config(hidden_size=4096, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
-                               linear_num_value_heads=32, intermediate_size=12288),
+                               linear_num_value_heads=32, intermediate_size=12288, mtp_num_hidden_layers=1),
     "qwen3.5-27b": Qwen35Config(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
-                                linear_num_value_heads=48, intermediate_size=17408),
+                                linear_num_value_heads=48, intermediate_size=17408, mtp_num_hidden_layers=1),
     "qwen3.5-35b-a3b": Qwen35Config(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
                                     num_key_value_heads=2, linear_num_value_heads=32, intermediate_size=0,
                                     num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
-                                    shared_expert_intermediate_size=512),
+                                    shared_expert_intermediate_size=512, mtp_num_hidden_layers=1),
     # Small presets that run fast on the CPU, with the real vocabulary so the real tokenizer works.
     "tiny": Qwen35Config(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=64, intermediate_size=256, linear_num_key_heads=2, linear_num_value_heads=4,
-                         linear_key_head_dim=32, linear_value_head_dim=32, tie_word_embeddings=True),
+                         linear_key_head_dim=32, linear_value_head_dim=32, tie_word_embeddings=True,
+                         mtp_num_hidden_layers=1),
     "tiny-moe": Qwen35Config(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=64, intermediate_size=0, linear_num_key_heads=2, linear_num_value_heads=4,
                              linear_key_head_dim=32, linear_value_head_dim=32, tie_word_embeddings=True,
                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                             shared_expert_intermediate_size=64),
+                             shared_expert_intermediate_size=64, mtp_num_hidden_layers=1),
 }
 
 

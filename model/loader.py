@@ -3,7 +3,9 @@
 Handles the text-only layout (`model.layers.*`, flat config), the VLM layout (`model.language_model.*`,
 config nested under `text_config`), sharded folders (`model.safetensors.index.json`), tied embeddings, and
 MoE experts either per expert on disk (`mlp.experts.{e}.{gate,up,down}_proj.weight`) or fused
-(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`). `model.visual.*` and `mtp.*` are skipped and counted.
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`), and the multi-token-prediction head `mtp.*` (its MoE experts
+in either layout) when the checkpoint has one: without `mtp.*` tensors the model is built without the head.
+`model.visual.*` is skipped and counted.
 
 Tensor parallel (`tp=`): the model holds one rank's slices (model.parallel.ShardPlan) and each tensor is sliced as
 it is read: from the safetensors file only the rows or columns of the rank (get_slice), and experts of other ranks
@@ -12,6 +14,7 @@ are not read at all.
 import json
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,7 +28,8 @@ from model.parallel import ParallelContext
 
 log = logging.getLogger(__name__)
 
-SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+SKIPPED_PREFIXES = ("model.visual.", "visual.")
+MTP_PREFIXES = ("mtp.", "model.mtp.")
 _BACKBONE_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 _STACKED = {"gate_proj": 0, "up_proj": 1}  # halves of the fused experts' gate_up_proj
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -37,6 +41,8 @@ def canonical_name(name: str) -> str | None:
     """An HF tensor name in our naming (`model.*` backbone, `lm_head.*`), or None when it is to be skipped."""
     if name.startswith(SKIPPED_PREFIXES):
         return None
+    if name.startswith(MTP_PREFIXES):
+        return name[name.index("mtp."):]
     for prefix in _BACKBONE_PREFIXES:
         if name.startswith(prefix):
             return "model." + name[len(prefix):]
@@ -87,7 +93,7 @@ class WeightLoader:
     def load(self, hf_name: str, tensor) -> None:
         """tensor: the full HF tensor, or (tensor parallel) a safetensors slice to read this rank's part from."""
         name = canonical_name(hf_name)
-        if name is None:
+        if name is None or (name.startswith("mtp.") and not self.model.has_mtp):
             self.skipped += 1
             return
         _check_dtype(hf_name, tensor)
@@ -187,7 +193,7 @@ class WeightLoader:
         if problems:
             raise ValueError("checkpoint does not match the model: " + "; ".join(problems))
         if self.skipped:
-            log.info("skipped %d tensors (model.visual.*, mtp.*)", self.skipped)
+            log.info("skipped %d tensors (model.visual.*, or mtp.* of a model built without its head)", self.skipped)
 
 
 def _check_dtype(hf_name: str, tensor) -> None:
@@ -199,8 +205,15 @@ def _check_dtype(hf_name: str, tensor) -> None:
                          "(quantized checkpoints are not supported)")
 
 
+def has_mtp_tensors(names) -> bool:
+    return any(name.startswith(MTP_PREFIXES) for name in names)
+
+
 def load_state_dict(model: Qwen35ForCausalLM, state_dict: dict[str, torch.Tensor]) -> Qwen35ForCausalLM:
-    """Load an in-memory HF state dict (e.g. a transformers model's) through the checkpoint mapping."""
+    """Load an in-memory HF state dict (e.g. a transformers model's, which has no `mtp.*`: the model's MTP head is
+    then dropped) through the checkpoint mapping."""
+    if model.has_mtp and not has_mtp_tensors(state_dict):
+        model.drop_mtp()
     loader = WeightLoader(model)
     for name, tensor in state_dict.items():
         loader.load(name, tensor)
@@ -231,6 +244,16 @@ def checkpoint_files(path: Path) -> dict[Path, set[str] | None]:
     return dict.fromkeys(files)
 
 
+def _tensor_names(files: dict[Path, set[str] | None]):
+    """Every tensor name of the checkpoint (an unindexed file's from its header)."""
+    for f, names in files.items():
+        if names is None:
+            with _open_safetensors(f) as sf:
+                yield from sf.keys()
+        else:
+            yield from names
+
+
 def _open_safetensors(f: Path):
     """safe_open, with a file that is not safetensors (truncated, corrupt, a git-lfs pointer, a folder) named in a
     ValueError."""
@@ -254,10 +277,13 @@ def load_checkpoint(path, *, device="cpu", dtype=torch.bfloat16, progress: bool 
         cfg = Qwen35Config.from_json(path / "config.json")
     except json.JSONDecodeError as error:
         raise ValueError(f"{path / 'config.json'} is not valid JSON: {error}") from None
+    files = checkpoint_files(path)
+    if cfg.mtp_num_hidden_layers and not has_mtp_tensors(_tensor_names(files)):
+        log.info("%s has no mtp.* tensors: built without the MTP head (no speculative decoding)", path)
+        cfg = replace(cfg, mtp_num_hidden_layers=0)
     model = Qwen35ForCausalLM.empty(cfg, device=device, dtype=dtype, tp=tp)
     loader = WeightLoader(model)
     lazy = model.plan.sharded
-    files = checkpoint_files(path)
     with tqdm(total=len(files), desc=f"loading {path.name}", unit="shard", disable=not progress) as bar:
         for f, names in files.items():
             with _open_safetensors(f) as sf:

@@ -18,6 +18,7 @@ from model import ops
 from model.cache import CachePools, SequenceCache
 from model.config import Qwen35Config, get_preset
 from model.layers import DecoderLayer, FusedLinear, Linear, RMSNorm
+from model.mtp import MultiTokenPredictor
 from model.parallel import SINGLE, ParallelContext, ShardPlan, gather_logits, vocab_parallel_embedding
 from model.step import StepInput
 
@@ -43,6 +44,8 @@ class Qwen35ForCausalLM(nn.Module):
         vocab_rows = self.plan.vocab.size if self.plan.sharded else cfg.vocab_size
         self.lm_head = Linear(cfg.hidden_size, vocab_rows)
         self.tie_weights()
+        # registered last, so that seeded random weights of the trunk do not depend on whether it exists
+        self.mtp = MultiTokenPredictor(cfg, self.plan) if cfg.mtp_num_hidden_layers else None
         # layer index -> its ordinal among layers of its kind (the index into the cache pools)
         self._pool_index = {i: cfg.full_attention_layers.index(i) if t == "full_attention"
                             else cfg.linear_attention_layers.index(i) for i, t in enumerate(cfg.layer_types)}
@@ -55,6 +58,15 @@ class Qwen35ForCausalLM(nn.Module):
     def cache_config(self) -> Qwen35Config:
         """The config of this rank's cache shapes (its KV heads and GDN heads); the model config at world size 1."""
         return self.plan.local
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp is not None
+
+    def drop_mtp(self) -> None:
+        """Serve without the MTP head (a checkpoint without `mtp.*` tensors): its weights are freed. The config
+        keeps what the checkpoint declared; has_mtp says whether the head is here."""
+        self.mtp = None
 
     def tie_weights(self) -> None:
         """Share the embedding with lm_head when the config says so."""
@@ -112,10 +124,12 @@ class Qwen35ForCausalLM(nn.Module):
                 local.copy_(full.take(self.plan, name, p))
 
     def new_cache(self, batch: int, max_tokens: int, *, page_size: int = 16, shuffle_pages: bool = False,
-                  seed: int = 0) -> SequenceCache:
+                  seed: int = 0, mtp: bool = False) -> SequenceCache:
+        """mtp: the pools also hold the MTP head's KV layer."""
         p = self.lm_head.weight
         return SequenceCache(self.cache_config, batch, max_tokens, page_size=page_size, dtype=p.dtype, device=p.device,
-                             shuffle_pages=shuffle_pages, seed=seed)
+                             shuffle_pages=shuffle_pages, seed=seed,
+                             mtp_layers=self.config.mtp_num_hidden_layers if mtp else 0)
 
     # ---- forward -----------------------------------------------------------------------------------------
 
@@ -144,16 +158,19 @@ class Qwen35ForCausalLM(nn.Module):
             return pools.k_pages[j], pools.v_pages[j]
         return pools.conv_states[j], pools.recurrent_states[j]
 
-    def forward_step(self, step: StepInput, pools: CachePools, *, all_logits: bool = False) -> torch.Tensor:
+    def forward_step(self, step: StepInput, pools: CachePools, *, all_logits: bool = False,
+                     with_hidden: bool = False):
         """Run N new tokens of B sequences through the model, reading and extending the pools.
-        Returns logits (N, vocab) when all_logits, else each sequence's last token (B, vocab)."""
-        *_, logits = self.forward_step_layers(step, pools, all_logits=all_logits)
-        return logits
+        Returns logits (N, vocab) when all_logits, else each sequence's last token (B, vocab); with_hidden: also
+        every token's hidden state after the final norm (N, hidden), what the MTP head reads."""
+        *_, out = self.forward_step_layers(step, pools, all_logits=all_logits, with_hidden=with_hidden)
+        return out
 
     @torch.no_grad()
-    def forward_step_layers(self, step: StepInput, pools: CachePools, *, all_logits: bool = False):
+    def forward_step_layers(self, step: StepInput, pools: CachePools, *, all_logits: bool = False,
+                            with_hidden: bool = False):
         """forward_step as a generator: yields None after each decoder layer's kernels are launched, then the
-        logits (serving interleaves other work between a prefill's layers)."""
+        logits, or (logits, hidden) with_hidden (serving interleaves other work between a prefill's layers)."""
         self.prepare_rope(step)
         x = self.embed(step.token_ids) if step.embeddings is None else step.embeddings
         residual = None
@@ -161,8 +178,28 @@ class Qwen35ForCausalLM(nn.Module):
             x, residual = layer(x, residual, step, *self.layer_caches(i, pools))
             yield None
         h, _ = ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
-        logits = self.lm_head(h if all_logits else h[step.last_token_indices])
-        yield gather_logits(logits, self.plan) if self.plan.sharded else logits
+        logits = self.logits(h if all_logits else h[step.last_token_indices])
+        yield (logits, h) if with_hidden else logits
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        # h: (n, hidden) normed -> (n, vocab)
+        logits = self.lm_head(h)
+        return gather_logits(logits, self.plan) if self.plan.sharded else logits
+
+    @torch.no_grad()
+    def forward_mtp(self, step: StepInput, hidden: torch.Tensor, pools: CachePools, *, all_logits: bool = False):
+        """The MTP head over a step whose token_ids are each row's next token (row t: token t+1 at position t) and
+        hidden (N, hidden) the trunk's (or the previous draft's) normed hidden state of each row. Writes the head's
+        KV into its pool layer (pools from new_cache(mtp=True) or a pool with one more attention layer).
+        Returns (logits (N or B, vocab) as forward_step's, the head's output hidden (N, hidden))."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head (its checkpoint has no mtp.* tensors)")
+        j = len(self.config.full_attention_layers)
+        if pools.k_pages.shape[0] <= j:
+            raise ValueError("the cache pools have no layer for the MTP head's KV (allocate them with mtp_layers)")
+        self.prepare_rope(step)
+        h = self.mtp(self.embed(step.token_ids), hidden, step, pools.k_pages[j], pools.v_pages[j])
+        return self.logits(h if all_logits else h[step.last_token_indices]), h
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: SequenceCache, *, all_logits: bool = True) -> torch.Tensor:

@@ -118,7 +118,7 @@ def _even(total: int, world: int, rank: int, what: str, why: str = "") -> Split:
 
 
 # per-layer HF tensor names (after model.layers.{i}.) -> how they are sliced
-_LAYER = re.compile(r"^model\.layers\.\d+\.(.+)$")
+_LAYER = re.compile(r"^(?:model|mtp)\.layers\.\d+\.(.+)$")  # the trunk's layers and the MTP head's
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 

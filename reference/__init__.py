@@ -10,6 +10,7 @@ from reference.gated_delta import (
 from reference.gather import gather_rows
 from reference.linear import add_rms_norm_linear, linear, out_proj_mlp, silu_and_mul_linear
 from reference.moe import moe, sigmoid_gate_mul, silu_and_mul, swiglu, topk_route
+from reference.mtp import mtp_hidden
 from reference.norms import add_rms_norm, gated_rms_norm, l2norm, rms_norm
 from reference.rope import apply_rope, rope_cos_sin
 from reference.sampling import DecodeAdvance, advance_decode_inputs, argmax
@@ -22,6 +23,7 @@ __all__ = [
     "chunk_gated_delta_rule", "gdn_gates", "recurrent_gated_delta_rule", "recurrent_gated_delta_rule_states",
     "add_rms_norm_linear", "linear", "out_proj_mlp", "silu_and_mul_linear",
     "moe", "sigmoid_gate_mul", "silu_and_mul", "swiglu", "topk_route",
+    "mtp_hidden",
     "add_rms_norm", "gated_rms_norm", "l2norm", "rms_norm",
     "apply_rope", "rope_cos_sin",
     "DecodeAdvance", "advance_decode_inputs", "argmax",

@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in fp64."""
-    out, ref = out.double(), ref.double()
+    out, ref = out.detach().double(), ref.detach().double()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
 
 

@@ -42,3 +42,26 @@ def hf_text_model(cfg: Qwen35Config, seed: int = 0):
     model = model.float().eval()
     randomize_(model, seed)
     return model
+
+
+def hf_state_dict(model, per_expert: bool = False) -> dict[str, torch.Tensor]:
+    """Our model's weights named and split as in an HF checkpoint (fused projections into their parts, the tied
+    lm_head left out); MoE experts packed (`mlp.experts.gate_up_proj`) or per_expert (`mlp.experts.{e}.*_proj`)."""
+    from model.loader import fused_parts
+    params = dict(model.named_parameters())
+    out = {hf: params[target][rows].clone() for hf, (target, rows, _) in fused_parts(model).items()}
+    fused = {target for target, _, _ in fused_parts(model).values()}
+    for name, p in params.items():
+        if name in fused:
+            continue
+        if per_expert and name.endswith("mlp.experts.gate_up_proj"):
+            base, inter = name[:-len(".gate_up_proj")], p.shape[1] // 2
+            for e in range(p.shape[0]):
+                out[f"{base}.{e}.gate_proj.weight"] = p[e, :inter].clone()
+                out[f"{base}.{e}.up_proj.weight"] = p[e, inter:].clone()
+        elif per_expert and name.endswith("mlp.experts.down_proj"):
+            for e in range(p.shape[0]):
+                out[f"{name[:-len('.down_proj')]}.{e}.down_proj.weight"] = p[e].clone()
+        else:
+            out[name] = p.detach().clone()
+    return out

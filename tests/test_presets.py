@@ -1,4 +1,5 @@
-"""The presets have the real Qwen3.5 text-model sizes (counted on the meta device, nothing allocated)."""
+"""The presets have the real Qwen3.5 text-model sizes (counted on the meta device, nothing allocated; the MTP head
+apart, as the published sizes leave it out)."""
 import pytest
 import torch
 
@@ -13,8 +14,9 @@ SIZES = {"qwen3.5-0.8b": (0.70, 0.80), "qwen3.5-2b": (1.80, 2.00), "qwen3.5-4b":
 def count_params(name):
     with torch.device("meta"):
         model = Qwen35ForCausalLM(get_preset(name))
-    total = sum(p.numel() for p in model.parameters())
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    trunk = {n: p for n, p in model.named_parameters() if not n.startswith("mtp.")}
+    total = sum(p.numel() for p in trunk.values())
+    experts = sum(p.numel() for n, p in trunk.items() if ".experts." in n)
     cfg = model.config
     active = total - experts + (experts * cfg.num_experts_per_tok // cfg.num_experts if cfg.is_moe else 0)
     return total / 1e9, active / 1e9
@@ -27,3 +29,13 @@ def test_preset_sizes(name):
     assert lo <= total <= hi, f"{name}: {total:.3f}B parameters"
     if name.endswith("a3b"):
         assert 2.5 <= active <= 3.5, f"{name}: {active:.3f}B active parameters"
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_presets_carry_one_mtp_layer(name):
+    """Every released Qwen3.5 has one MTP layer: a full-attention decoder layer with the trunk's MLP kind."""
+    with torch.device("meta"):
+        model = Qwen35ForCausalLM(get_preset(name))
+    assert model.has_mtp and len(model.mtp.layers) == 1
+    assert model.mtp.layers[0].layer_type == "full_attention"
+    assert hasattr(model.mtp.layers[0].mlp, "experts") == model.config.is_moe
