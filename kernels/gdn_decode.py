@@ -246,7 +246,8 @@ def _heads_at_once(group: int, tile: int, programs: int) -> int:
 
 class GdnKey(NamedTuple):
     """What routes a GDN mixer call (kernels.registry): tokens a sequence (1: decode; longer ones in powers of two),
-    heads and head dims, dtype, device, and whether a decode meets the CuTe kernel's layout (gdn_decode_cute)."""
+    heads and head dims, dtype, device, whether a decode meets the CuTe kernel's layout (gdn_decode_cute), and
+    whether the step also writes the state after each token (a speculative verify step: StepInput.position_slots)."""
     q_len: int
     hk: int
     hv: int
@@ -255,6 +256,7 @@ class GdnKey(NamedTuple):
     dtype: torch.dtype
     device: DeviceInfo
     cute_layout: bool
+    per_position: bool = False
 
 
 def decode_key(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, num_k_heads) -> GdnKey:
@@ -326,6 +328,11 @@ def _gdn_decode_cute(key, tuning):
 
 def _gdn_decode(key, tuning):
     return triton_unsupported(key) if key.q_len == 1 else f"{key.q_len} tokens a sequence"
+
+
+def writes_no_positions(key, tuning):
+    """A supports predicate of the kernels that write a sequence's state only after its last token."""
+    return "the state after every token (a verify step)" if key.per_position else None
 
 
 registry.define("gated_deltanet")

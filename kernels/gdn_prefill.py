@@ -56,11 +56,11 @@ import triton.language as tl
 
 from kernels import registry
 from kernels.causal_conv1d import causal_conv1d_varlen
-from kernels.gdn_decode import GdnKey, decode_key
+from kernels.gdn_decode import GdnKey, decode_key, writes_no_positions
 from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm, gated_rms_norm
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import triton_runs_on
-from kernels.registry import Impl, device_info, triton_unsupported
+from kernels.registry import Impl, all_of, device_info, triton_unsupported
 from kernels.row_buckets import empty_rows
 from kernels.varlen import CHUNK, VarlenPlan, chunk_span, host_ints, plan_for, plan_varlen
 from reference._checks import check_real, check_tensor
@@ -574,9 +574,9 @@ def gdn_key(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent
         return decode_key(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, num_k_heads)
     _, hv, dk, dv = recurrent_states.shape
     return GdnKey(next_power_of_2(step.max_seqlen_q), num_k_heads, hv, dk, dv, qkv.dtype, device_info(qkv.device),
-                  False)
+                  False, step.position_slots is not None)
 
 
 registry.define("gated_deltanet", gdn_key)
 registry.register("gated_deltanet", Impl("gdn_prefill_chunked", "triton", gated_deltanet_prefill_op,
-                                         triton_unsupported, 2.0))
+                                         all_of(triton_unsupported, writes_no_positions), 2.0))

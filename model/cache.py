@@ -13,11 +13,15 @@ from model.step import StepInput
 class CachePools:
     """k_pages, v_pages: (full_layers [+ MTP layers], num_pages, page_size, kv_heads, head_dim) in the model dtype;
     conv_states: (linear_layers, num_slots, conv_dim, kernel-1) in the model dtype;
-    recurrent_states: (linear_layers, num_slots, value_heads, key_dim, value_dim) fp32."""
+    recurrent_states: (linear_layers, num_slots, value_heads, key_dim, value_dim) fp32;
+    hidden: with an MTP layer, (num_slots, hidden_size) in the model dtype: beside each slot's GDN state, the trunk's
+    normed hidden state of the last token that state has seen (the MTP head's input for that token's row), so that
+    a snapshot restored at a prefix hit of n tokens gives the head its row n-1."""
     k_pages: torch.Tensor
     v_pages: torch.Tensor
     conv_states: torch.Tensor
     recurrent_states: torch.Tensor
+    hidden: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, cfg: Qwen35Config, num_pages: int, page_size: int, num_slots: int,
@@ -25,7 +29,8 @@ class CachePools:
         """mtp_layers: KV layers of the MTP head after the trunk's attention layers (0: no speculation)."""
         if not 1 <= page_size <= 4096 or num_pages < 1 or num_slots < 1:
             raise ValueError(f"bad pool sizes: num_pages={num_pages}, page_size={page_size}, num_slots={num_slots}")
-        kv_shape = (len(cfg.full_attention_layers) + mtp_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        kv_layers = len(cfg.full_attention_layers) + mtp_layers
+        kv_shape = (kv_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         n_lin = len(cfg.linear_attention_layers)
         return cls(
             k_pages=torch.zeros(kv_shape, dtype=dtype, device=device),
@@ -33,7 +38,8 @@ class CachePools:
             conv_states=torch.zeros(n_lin, num_slots, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1,
                                     dtype=dtype, device=device),
             recurrent_states=torch.zeros(n_lin, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                         cfg.linear_value_head_dim, dtype=torch.float32, device=device))
+                                         cfg.linear_value_head_dim, dtype=torch.float32, device=device),
+            hidden=torch.zeros(num_slots, cfg.hidden_size, dtype=dtype, device=device) if mtp_layers else None)
 
     @property
     def num_pages(self) -> int:
@@ -51,6 +57,8 @@ class CachePools:
         """Copy slot src's GDN state (every linear layer's conv window and recurrent state) into slot dst."""
         self.conv_states[:, dst].copy_(self.conv_states[:, src])
         self.recurrent_states[:, dst].copy_(self.recurrent_states[:, src])
+        if self.hidden is not None:
+            self.hidden[dst].copy_(self.hidden[src])
 
     def reset_slots(self, slots: list[int]) -> None:
         """Zero the GDN state of the given slots (a new sequence starts from nothing); host ints, so no index
@@ -58,6 +66,8 @@ class CachePools:
         for slot in slots:
             self.conv_states[:, slot].zero_()
             self.recurrent_states[:, slot].zero_()
+            if self.hidden is not None:
+                self.hidden[slot].zero_()
 
 
 class SequenceCache:

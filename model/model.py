@@ -159,16 +159,18 @@ class Qwen35ForCausalLM(nn.Module):
         return pools.conv_states[j], pools.recurrent_states[j]
 
     def forward_step(self, step: StepInput, pools: CachePools, *, all_logits: bool = False,
-                     with_hidden: bool = False):
+                     with_hidden: bool = False, logit_rows: torch.Tensor | None = None):
         """Run N new tokens of B sequences through the model, reading and extending the pools.
-        Returns logits (N, vocab) when all_logits, else each sequence's last token (B, vocab); with_hidden: also
-        every token's hidden state after the final norm (N, hidden), what the MTP head reads."""
-        *_, out = self.forward_step_layers(step, pools, all_logits=all_logits, with_hidden=with_hidden)
+        Returns logits (N, vocab) when all_logits, else each sequence's last token (B, vocab), or the tokens at
+        logit_rows (R,) int64 (a verify step's rows); with_hidden: also every token's hidden state after the final
+        norm (N, hidden), what the MTP head reads."""
+        *_, out = self.forward_step_layers(step, pools, all_logits=all_logits, with_hidden=with_hidden,
+                                           logit_rows=logit_rows)
         return out
 
     @torch.no_grad()
     def forward_step_layers(self, step: StepInput, pools: CachePools, *, all_logits: bool = False,
-                            with_hidden: bool = False):
+                            with_hidden: bool = False, logit_rows: torch.Tensor | None = None):
         """forward_step as a generator: yields None after each decoder layer's kernels are launched, then the
         logits, or (logits, hidden) with_hidden (serving interleaves other work between a prefill's layers)."""
         self.prepare_rope(step)
@@ -178,7 +180,8 @@ class Qwen35ForCausalLM(nn.Module):
             x, residual = layer(x, residual, step, *self.layer_caches(i, pools))
             yield None
         h, _ = ops.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
-        logits = self.logits(h if all_logits else h[step.last_token_indices])
+        rows = logit_rows if logit_rows is not None else None if all_logits else step.last_token_indices
+        logits = self.logits(h if rows is None else h[rows])
         yield (logits, h) if with_hidden else logits
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -187,11 +190,12 @@ class Qwen35ForCausalLM(nn.Module):
         return gather_logits(logits, self.plan) if self.plan.sharded else logits
 
     @torch.no_grad()
-    def forward_mtp(self, step: StepInput, hidden: torch.Tensor, pools: CachePools, *, all_logits: bool = False):
+    def forward_mtp(self, step: StepInput, hidden: torch.Tensor, pools: CachePools, *, all_logits: bool = False,
+                    logit_rows: torch.Tensor | None = None):
         """The MTP head over a step whose token_ids are each row's next token (row t: token t+1 at position t) and
         hidden (N, hidden) the trunk's (or the previous draft's) normed hidden state of each row. Writes the head's
         KV into its pool layer (pools from new_cache(mtp=True) or a pool with one more attention layer).
-        Returns (logits (N or B, vocab) as forward_step's, the head's output hidden (N, hidden))."""
+        Returns (logits (N, B or R, vocab) as forward_step's, the head's output hidden (N, hidden))."""
         if self.mtp is None:
             raise ValueError("this model has no MTP head (its checkpoint has no mtp.* tensors)")
         j = len(self.config.full_attention_layers)
@@ -199,7 +203,8 @@ class Qwen35ForCausalLM(nn.Module):
             raise ValueError("the cache pools have no layer for the MTP head's KV (allocate them with mtp_layers)")
         self.prepare_rope(step)
         h = self.mtp(self.embed(step.token_ids), hidden, step, pools.k_pages[j], pools.v_pages[j])
-        return self.logits(h if all_logits else h[step.last_token_indices]), h
+        rows = logit_rows if logit_rows is not None else None if all_logits else step.last_token_indices
+        return self.logits(h if rows is None else h[rows]), h
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: SequenceCache, *, all_logits: bool = True) -> torch.Tensor:

@@ -245,6 +245,8 @@ def _ref_paged_attention(q, k_pages, v_pages, step, scale, gate):
 def _ref_gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
                         step, num_k_heads, eps):
     args = (qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states)
+    if step.position_slots is not None:
+        return _ref_gated_deltanet_per_position(*args, step, num_k_heads, eps)
     if step.snapshot_offsets is not None and any(step.snapshot_offsets):
         return gated_deltanet_in_two_passes(_ref_gated_deltanet, args, step, num_k_heads, eps)
     slots = step.state_slots
@@ -261,6 +263,33 @@ def _ref_gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state
                                         g, beta, initial_state=recurrent_states[slots], cu_seqlens=step.cu_seqlens)
     recurrent_states[slots] = final.to(recurrent_states.dtype)
     return R.gated_rms_norm(o, z, norm_w, eps)
+
+
+def _ref_gated_deltanet_per_position(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
+                                     step, num_k_heads, eps):
+    """A verify step (step.position_slots): each sequence's tokens through the recurrent form with the state after
+    every token, which goes to its position slot where one is given; the last token's to the sequence's slot."""
+    n, hv, dv = z.shape
+    dk = (qkv.shape[1] - hv * dv) // (2 * num_k_heads)
+    g, beta = R.gdn_gates(a, b, A_log, dt_bias)
+    out = torch.empty_like(z)
+    cu = step.cu_seqlens_host if step.cu_seqlens_host is not None else tuple(step.cu_seqlens.tolist())
+    targets = step.position_slots.tolist()
+    for i, slot in enumerate(step.state_slots.tolist()):
+        rows = slice(cu[i], cu[i + 1])
+        mixed, windows = R.causal_conv1d_windows(qkv[None, rows], conv_w, initial_state=conv_states[slot][None])
+        q, k, v = mixed[0].split([num_k_heads * dk, num_k_heads * dk, hv * dv], dim=-1)
+        t = q.shape[0]
+        o, states = R.recurrent_gated_delta_rule_states(
+            q.view(1, t, num_k_heads, dk), k.view(1, t, num_k_heads, dk), v.view(1, t, hv, dv), g[None, rows],
+            beta[None, rows], initial_state=recurrent_states[slot][None])
+        out[rows] = o[0]
+        for j, target in enumerate(targets[rows]):
+            dst = slot if j == t - 1 else target
+            if dst >= 0:
+                conv_states[dst] = windows[0, j].to(conv_states.dtype)
+                recurrent_states[dst] = states[0, j]
+    return R.gated_rms_norm(out, z, norm_w, eps)
 
 
 def _ref_linear(x, weight, out=None, gated=False):

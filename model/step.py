@@ -24,6 +24,9 @@ class StepInput:
     slot snapshot_slots[b] ((B,) int64), for the prefix cache: a snapshot inside a chunk costs no extra step
     embeddings: (N, hidden), the token embeddings when the step builder gathered them together with its other rows
     (a decode step's page-table rows and RoPE rows: kernels.gather_rows, one launch); None: the model embeds token_ids
+    position_slots: (N,) int64 or None: a speculative verify step's per-token GDN slots. Where position_slots[i] >= 0,
+    the GDN state (conv window and recurrent state) after token i is also written to that slot, so that a step that
+    keeps only the first tokens of a sequence can roll back to the state after its last kept one
     plans: what kernels lay out on the host once for all the step's layers, by kernel (kernels.gdn_prefill.step_plan)
     """
     token_ids: torch.Tensor
@@ -41,6 +44,7 @@ class StepInput:
     snapshot_offsets: tuple[int, ...] | None = None
     snapshot_slots: torch.Tensor | None = None
     embeddings: torch.Tensor | None = None
+    position_slots: torch.Tensor | None = None
     plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property

@@ -9,9 +9,16 @@ from serving.sequence import Sequence
 
 @dataclass
 class ScheduledChunk:
-    """seq computes its tokens [start, start + num_tokens) this step (start = seq.num_computed_tokens)."""
+    """seq computes its tokens [start, start + num_tokens) this step (start = seq.num_computed_tokens). A speculative
+    verify chunk's tokens are seq's last token and then `drafts`, which seq does not hold yet."""
     seq: Sequence
     num_tokens: int
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The chunk's tokens."""
+        return self.seq.token_slice(self.start, self.end - len(self.drafts)) + list(self.drafts)
 
     @property
     def start(self) -> int:
@@ -44,22 +51,32 @@ class StepLists:
     max_seqlen_q: int
     snapshot_offsets: list[int]  # per chunk: its tokens before a snapshot point (0: none), and the point's slot
     snapshot_slots: list[int]
+    position_slots: list[int] | None = None  # per token (StepInput.position_slots), in a speculative step
 
 
-def flatten_chunks(chunks: list[ScheduledChunk], page_size: int) -> StepLists:
+def flatten_chunks(chunks: list[ScheduledChunk], page_size: int, position_slots=None) -> StepLists:
+    """position_slots: (state slot) -> the sequence's slots for the states after its first tokens, in a
+    speculative step: a verify chunk's tokens but its last keep their states there."""
     tokens, positions, slot_mapping, cu_seqlens = [], [], [], [0]
     offsets, snap_slots = [], []
+    per_token = [] if position_slots is not None else None
     for c in chunks:
         pending = c.seq.pending_snapshot_slot
         offsets.append(c.seq.pending_snapshot_tokens - c.start if pending is not None else 0)
         snap_slots.append(pending if pending is not None else c.seq.state_slot)
-        tokens += c.seq.token_slice(c.start, c.end)
+        if per_token is not None:
+            kept = position_slots(c.seq.state_slot)[:len(c.drafts)] if c.drafts else []
+            per_token += kept + [-1] * (c.num_tokens - len(kept))
+        tokens += c.input_ids
         span = range(c.start, c.end)
         positions += span
         slot_mapping += [c.seq.kv_slot(p, page_size) for p in span]
         cu_seqlens.append(cu_seqlens[-1] + c.num_tokens)
+    if per_token is not None and max(per_token, default=-1) < 0:
+        per_token = None  # no drafts in the step: the GDN layers keep no per-token states
     return StepLists(tokens, positions, slot_mapping, cu_seqlens, [c.end for c in chunks],
-                     [c.seq.state_slot for c in chunks], max(c.num_tokens for c in chunks), offsets, snap_slots)
+                     [c.seq.state_slot for c in chunks], max(c.num_tokens for c in chunks), offsets, snap_slots,
+                     per_token)
 
 
 def step_from_lists(lists: StepLists, device, slot_page_table: torch.Tensor | None = None,
@@ -86,4 +103,5 @@ def step_from_lists(lists: StepLists, device, slot_page_table: torch.Tensor | No
         seqused_k=as_tensor(lists.seqused_k, torch.int32),
         page_table=page_table,
         slot_mapping=as_tensor(lists.slot_mapping, torch.int64),
-        state_slots=state_slots)
+        state_slots=state_slots,
+        position_slots=as_tensor(lists.position_slots, torch.int64) if lists.position_slots is not None else None)

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 GRAPH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MAX_SPECULATIVE_TOKENS = 4  # a verify step's K+1 <= 5 tokens a sequence: the paged decode attention's q_len range
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,10 @@ class EngineConfig:
     prefill_graph_tokens: eager steps of GEMV_MAX_ROWS + 1 up to this many tokens replay CUDA graphs of all but
     their attention cores (serving.prefill_graphs), captured at every row bucket up to it (kernels.row_buckets),
     when decode graphs are on and the model allows (not tensor parallel, not the reference MoE); None: every
-    prefill step (max_num_batched_tokens + max_num_seqs); 0: off."""
+    prefill step (max_num_batched_tokens + max_num_seqs); 0: off.
+    speculative_tokens: K in 0..4, the drafts of the model's MTP head that each decode step verifies (serving.
+    speculative); 0: off. Needs a model with its MTP head, at world size 1. Its steps run eagerly: no decode-ahead,
+    interleaved slices or graphs."""
     num_pages: int = 256
     page_size: int = 16
     max_num_seqs: int = 8
@@ -83,6 +87,7 @@ class EngineConfig:
     prefill_graph_tokens: int | None = None
     snapshot_interval: int = 4096
     kv_eviction: str = "mru"
+    speculative_tokens: int = 0
 
     def __post_init__(self):
         if min(self.num_pages, self.page_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:
@@ -106,6 +111,9 @@ class EngineConfig:
             raise ValueError(f"snapshot_interval must be >= 0, got {self.snapshot_interval}")
         if self.kv_eviction not in ("lru", "mru"):
             raise ValueError(f"kv_eviction must be 'lru' or 'mru', got {self.kv_eviction!r}")
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens must lie in [0, {MAX_SPECULATIVE_TOKENS}], got "
+                             f"{self.speculative_tokens}")
         if self.max_graph_batch is not None and self.max_graph_batch < 1:
             raise ValueError(f"max_graph_batch must be positive, got {self.max_graph_batch}")
 

@@ -22,6 +22,7 @@ from serving.prefill_graphs import PrefillGraphs, prefill_graphs_unsupported
 from serving.sampler import TokensInFlight, sample
 from serving.scheduler import Scheduler
 from serving.sequence import SamplingParams, Sequence, SequenceStatus
+from serving.speculative import Speculator, is_verify
 from serving.state_cache import StateSnapshotCache
 from serving.token_ring import GreedyTokens
 from serving.tp_link import leader_link
@@ -71,14 +72,21 @@ class LLMEngine:
         self.model = model
         weight = model.lm_head.weight
         self.device = weight.device
+        if cfg.speculative_tokens and not model.has_mtp:
+            raise ValueError("speculative_tokens needs the model's MTP head; this model has none (a checkpoint "
+                             "without mtp.* tensors)")
         cfg, self.sizing = self._size(model, cfg)
         self.cfg = cfg
-        num_slots = cfg.max_num_seqs + cfg.snapshot_slots + 1  # the last slot and the last page are padding's
+        k = cfg.speculative_tokens
+        mtp_layers = model.config.mtp_num_hidden_layers if k else 0
+        # slots: the running sequences', the snapshots', K position slots a running sequence (speculating), and the
+        # last one, which is padding's (as is the last page)
+        num_slots = cfg.max_num_seqs * (1 + k) + cfg.snapshot_slots + 1
         # tensor parallel: rank 0 sends each step to the workers (serving.tp_link), whose engines only hold the
         # pools and the runner; every rank's pools hold its own heads (model.cache_config). None at TP=1.
         self.link = leader_link(model)
         pools = CachePools.allocate(model.cache_config, cfg.num_pages + 1, cfg.page_size, num_slots, weight.dtype,
-                                    weight.device)
+                                    weight.device, mtp_layers)
         self.pools = pools if self.link is None else self.link.recording(pools)
         self.block_manager = KVBlockManager(cfg.num_pages, cfg.page_size, cfg.kv_eviction)
         self.state_cache = StateSnapshotCache(self.pools, cfg.max_num_seqs, cfg.snapshot_slots)
@@ -88,6 +96,8 @@ class LLMEngine:
             why_not = "not a CUDA device"
         elif not cfg.cuda_graphs:
             why_not = "cuda_graphs off (enforce eager)"
+        elif k:
+            why_not = "speculative steps run eagerly"
         else:
             why_not = graphs_unsupported(model)
         use_graphs = why_not is None
@@ -102,12 +112,20 @@ class LLMEngine:
                                   use_graphs=use_graphs, link=self.link, prefill_graphs=prefill_graphs,
                                   fed_decode=cfg.fed_decode, token_ring=cfg.token_ring)
         self.runner.capture()
+        self.speculator = None
+        if k:
+            self.speculator = Speculator(model, self.pools, self.runner, self.block_manager, num_drafts=k,
+                                         first_position_slot=cfg.max_num_seqs + cfg.snapshot_slots,
+                                         page_size=cfg.page_size, max_model_len=cfg.max_model_len)
         sizes = list(self.runner.graph_sizes)
         self.graphs = f"decode CUDA graphs at batch {sizes}" if use_graphs else f"eager decode ({why_not})"
         if prefill_graphs is not None:
             self.graphs += f"; prefill graphs up to {prefill_graphs.buckets[-1]} tokens"
-        self.pool_summary = (describe_pools(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, cfg.snapshot_slots)
+        self.pool_summary = (describe_pools(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, cfg.snapshot_slots,
+                                            k, mtp_layers)
                              + f"; max_model_len {cfg.max_model_len}; {self.graphs}")
+        if k:
+            self.pool_summary += f"; MTP speculative decoding, {k} drafts a step"
         log.info("engine: %s", self.pool_summary)
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
@@ -135,12 +153,14 @@ class LLMEngine:
         max_len = min(max_len, max_pos)
         sizing = None
         if by_memory:
+            k = cfg.speculative_tokens
             num_pages, snapshot_slots, sizing = pages_for_memory(
                 model, utilization=cfg.gpu_memory_utilization, page_size=cfg.page_size,
-                num_slots=cfg.max_num_seqs + 1, max_model_len=max_len,
+                num_slots=cfg.max_num_seqs * (1 + k) + 1, max_model_len=max_len,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                 state_cache_fraction=cfg.state_cache_fraction, state_cache_gb=cfg.state_cache_gb,
-                graph_rows=cfg.prefill_graph_rows() if cfg.cuda_graphs else 0)
+                graph_rows=cfg.prefill_graph_rows() if cfg.cuda_graphs and not k else 0,
+                mtp_layers=model.config.mtp_num_hidden_layers if k else 0)
             cfg = replace(cfg, num_pages=num_pages, snapshot_slots=snapshot_slots)
         return replace(cfg, max_model_len=min(max_len, cfg.num_pages * cfg.page_size)), sizing
 
@@ -180,6 +200,8 @@ class LLMEngine:
         the prefill's layer slices (its outputs then hold several tokens of a sequence, in order). With
         EngineConfig.decode_ahead, a decode step of every running sequence launches the next before its tokens
         are read, and the next call completes that one (`_step_ahead`)."""
+        if self.speculator is not None:
+            return self._step_speculative()
         try:
             return self._step_ahead() if self._ahead is not None else self._step()
         except BaseException:
@@ -208,6 +230,59 @@ class LLMEngine:
         self.last_step = StepPhases(1e3 * (t1 - t0), 1e3 * (t2 - t1), commit_ms, 1e3 * (t3 - t2) - commit_ms,
                                     prefill_tokens, len(decodes), decode_steps, wait_ms=self._wait_ms)
         return outputs + finished
+
+    def _step_speculative(self) -> list[StepOutput]:
+        """A step with MTP speculation (serving.speculative): the trunk over the chunks (verify chunks: a sequence's
+        last token and its drafts), acceptance, the MTP head's rows and the rollback, the commit of the kept tokens,
+        then the next drafts of the sequences still running."""
+        t0 = time.perf_counter()
+        self._wait_ms = 0.0
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            self.last_step = StepPhases()
+            return []
+        t1 = time.perf_counter()
+        spec = self.speculator
+        verified = spec.verify(chunks)
+        t2 = time.perf_counter()
+        emitted = [self._until_stop(c.seq, tokens) for c, tokens in zip(chunks, spec.accept(chunks, verified))]
+        kept = [len(e) if is_verify(c) else c.num_tokens for c, e in zip(chunks, emitted)]
+        heads = spec.advance(chunks, kept, emitted, verified)
+        t3 = time.perf_counter()
+        for c, tokens in zip(chunks, emitted):
+            c.seq.output_ids.extend(tokens)
+        self.scheduler.commit([ScheduledChunk(c.seq, n) for c, n in zip(chunks, kept)],
+                              {c.seq.id: spec.position_slots(c.seq.state_slot) for c in chunks if c.drafts})
+        t4 = time.perf_counter()
+        outputs = []
+        for c, tokens in zip(chunks, emitted):
+            for i, token in enumerate(tokens):
+                reason = self._stop_reason(c.seq, token) if i == len(tokens) - 1 else None
+                if reason is not None:
+                    self.scheduler.finish(c.seq, reason)
+                outputs.append(StepOutput(c.seq.id, token, reason is not None))
+        spec.draft([h for h in heads if h.seq.status is SequenceStatus.RUNNING])
+        t5 = time.perf_counter()
+        decodes = sum(is_verify(c) for c in chunks)
+        self.last_step = StepPhases(1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t4 - t3), 1e3 * (t3 - t2 + t5 - t4),
+                                    sum(c.num_tokens for c in chunks if not is_verify(c)), decodes, int(bool(decodes)))
+        return outputs
+
+    def _until_stop(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """tokens up to the first that ends seq (a stop or eos token, or max_tokens), which is kept."""
+        for i, token in enumerate(tokens):
+            if self._stop_reason(seq, token, len(seq.output_ids) + i + 1) is not None:
+                return tokens[:i + 1]
+        return tokens
+
+    def _stop_reason(self, seq: Sequence, token: int, num_outputs: int | None = None) -> str | None:
+        """Why seq ends with token as its num_outputs-th output token (default: its last one now), or None."""
+        p = seq.params
+        if token in p.stop_token_ids or (token in self.cfg.eos_token_ids and not p.ignore_eos):
+            return "stop"
+        if (len(seq.output_ids) if num_outputs is None else num_outputs) >= p.max_tokens:
+            return "length"
+        return None
 
     def _finish_step(self, chunks: list[ScheduledChunk], logits: torch.Tensor,
                      greedy: GreedyTokens | None) -> tuple[list[StepOutput], float]:
@@ -322,11 +397,9 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:
         seq.output_ids.append(token)
-        p = seq.params
-        if token in p.stop_token_ids or (token in self.cfg.eos_token_ids and not p.ignore_eos):
-            self.scheduler.finish(seq, "stop")
-        elif len(seq.output_ids) >= p.max_tokens:
-            self.scheduler.finish(seq, "length")
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
         return StepOutput(seq.id, token, seq.is_finished)
 
     def pop_output(self, seq_id: int) -> RequestOutput:

@@ -366,9 +366,10 @@ class ModelRunner:
 
 # ---- sizing the pools from memory -------------------------------------------------------------------------
 
-def kv_page_bytes(model: Qwen35ForCausalLM, page_size: int) -> int:
+def kv_page_bytes(model: Qwen35ForCausalLM, page_size: int, mtp_layers: int = 0) -> int:
     cfg, elt = model.cache_config, model.lm_head.weight.element_size()  # this rank's heads
-    return len(cfg.full_attention_layers) * 2 * page_size * cfg.num_key_value_heads * cfg.head_dim * elt
+    layers = len(cfg.full_attention_layers) + mtp_layers
+    return layers * 2 * page_size * cfg.num_key_value_heads * cfg.head_dim * elt
 
 
 def state_slot_bytes(model: Qwen35ForCausalLM) -> int:
@@ -417,13 +418,13 @@ def split_budget(budget: float, *, page_bytes: int, slot_bytes: int, state_cache
 
 def pages_for_memory(model: Qwen35ForCausalLM, *, utilization: float, page_size: int, num_slots: int,
                      max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
-                     state_cache_fraction: float = 0.0, state_cache_gb: float | None = None, graph_rows: int = 0
-                     ) -> tuple[int, int, dict]:
+                     state_cache_fraction: float = 0.0, state_cache_gb: float | None = None, graph_rows: int = 0,
+                     mtp_layers: int = 0) -> tuple[int, int, dict]:
     """KV pages and GDN snapshot slots that fit in `utilization` of the card next to the weights, the profiled peak
     step, num_slots GDN slots (the running sequences' and the padding's) and a reserve for the sampler, the decode
     graphs and the prefill graphs of up to graph_rows tokens (their private pool holds a step of that size: the
     peak's share); the snapshots take their share first (split_budget). Returns (num_pages, snapshot_slots, a
-    record of the sizing)."""
+    record of the sizing). mtp_layers: the MTP head's KV layers in each page (speculating)."""
     dev = model.lm_head.weight.device
     peak = profile_step_peak(model, page_size, max_model_len, max_num_batched_tokens)
     free, total = torch.cuda.mem_get_info(dev)
@@ -431,7 +432,8 @@ def pages_for_memory(model: Qwen35ForCausalLM, *, utilization: float, page_size:
     reserve += peak * min(graph_rows, max_num_batched_tokens) / max_num_batched_tokens
     slot_bytes = state_slot_bytes(model)
     budget = free - (1 - utilization) * total - peak - reserve - num_slots * slot_bytes
-    num_pages, snapshot_slots = split_budget(budget, page_bytes=kv_page_bytes(model, page_size), slot_bytes=slot_bytes,
+    num_pages, snapshot_slots = split_budget(budget, page_bytes=kv_page_bytes(model, page_size, mtp_layers),
+                                             slot_bytes=slot_bytes,
                                              state_cache_fraction=state_cache_fraction, state_cache_gb=state_cache_gb)
     # tensor parallel: every rank's pools have the same pages and slots (each rank fits the least of both)
     snapshot_slots = model.tp.min_over_ranks(snapshot_slots)
@@ -448,12 +450,15 @@ def pages_for_memory(model: Qwen35ForCausalLM, *, utilization: float, page_size:
 
 
 def describe_pools(model: Qwen35ForCausalLM, num_pages: int, page_size: int, running_slots: int,
-                   snapshot_slots: int) -> str:
-    """The pools, for the start-up log: the GDN slots as running_slots (max_num_seqs) and snapshot_slots, plus the
-    padding's one slot."""
+                   snapshot_slots: int, num_drafts: int = 0, mtp_layers: int = 0) -> str:
+    """The pools, for the start-up log: the GDN slots as running_slots (max_num_seqs), snapshot_slots and, speculating,
+    num_drafts position slots a running sequence, plus the padding's one slot."""
     slot = state_slot_bytes(model)
-    kv = num_pages * kv_page_bytes(model, page_size)
-    st = (running_slots + snapshot_slots + 1) * slot
-    return (f"KV pool {num_pages} pages x {page_size} = {num_pages * page_size} tokens ({kv / 2**30:.2f} GiB); "
-            f"GDN state running_slots {running_slots}, snapshot_slots {snapshot_slots} (+1 padding; "
+    kv = num_pages * kv_page_bytes(model, page_size, mtp_layers)
+    position = running_slots * num_drafts
+    st = (running_slots + snapshot_slots + position + 1) * slot
+    mtp = ", with the MTP head's layer" if mtp_layers else ""
+    positions = f", position_slots {position}" if num_drafts else ""
+    return (f"KV pool {num_pages} pages x {page_size} = {num_pages * page_size} tokens ({kv / 2**30:.2f} GiB{mtp}); "
+            f"GDN state running_slots {running_slots}, snapshot_slots {snapshot_slots}{positions} (+1 padding; "
             f"{st / 2**30:.2f} GiB, {slot / 2**20:.1f} MiB each)")

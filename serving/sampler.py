@@ -80,6 +80,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams | None], generators
     return torch.where(_to_device(draw_mask, torch.bool, dev), drawn, greedy)
 
 
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws from for one request: logits (R, V) -> (R, V) fp32 in vocabulary order, rows
+    summing to 1; a greedy request's is one-hot at the argmax (speculative sampling compares these)."""
+    if is_greedy(params):
+        return torch.nn.functional.one_hot(ops.argmax(logits), logits.shape[1]).float()
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_k == 0 and params.top_p >= 1.0:
+        return probs
+    r, dev = probs.shape[0], probs.device
+    ordered, order = probs.sort(dim=-1, descending=True)
+    kept = filter_probs(ordered, torch.full((r,), min(params.top_k, probs.shape[1]), device=dev),
+                        torch.full((r,), params.top_p, device=dev))
+    kept = torch.zeros_like(probs).scatter_(1, order, kept)
+    return kept / kept.sum(-1, keepdim=True)
+
+
 class TokensInFlight:
     """Sampled tokens on their way to the host: on CUDA, a non-blocking copy into pinned memory and an event, so
     that reading them waits for the sampling alone and not for the work launched after it; or, where the step's

@@ -64,7 +64,7 @@ class Scheduler:
     def _schedule_once(self) -> list[ScheduledChunk]:
         budget = self.cfg.max_num_batched_tokens
         chunks = self._schedule_decodes(budget)
-        budget -= len(chunks)
+        budget -= sum(c.num_tokens for c in chunks)
         wanted = self._pages_wanted_by_prefills(budget, chunks)
         running_first = wanted > self.block_manager.num_available_pages
         if running_first:
@@ -104,27 +104,37 @@ class Scheduler:
         return budget
 
     def _schedule_decodes(self, budget: int, preempt: bool = True) -> list[ScheduledChunk]:
-        """A decode of each running sequence at its last token, up to budget; a page for it preempts the newest
-        running sequences if needed, or without `preempt` the sequence waits for a later step."""
-        chunks = []
+        """A decode of each running sequence at its last token (and its drafts, speculating), up to budget; pages for
+        it preempt the newest running sequences if needed, or without `preempt` the sequence waits for a later step."""
+        chunks, used = [], 0
         for seq in list(self.running):
-            if budget == len(chunks):
+            if used >= budget:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue
-            if self._grow(seq) if preempt else self.block_manager.allocate(seq, seq.num_computed_tokens + 1):
-                chunks.append(ScheduledChunk(seq, 1))
+            drafts = self._drafts(seq, budget - used - 1)
+            n = 1 + len(drafts)
+            if self._grow(seq, n) if preempt else self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                chunks.append(ScheduledChunk(seq, n, drafts))
+                used += n
         return chunks
+
+    def _drafts(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        """The drafts seq's verify step takes: as many as the token budget's room, its max_tokens (a verify step
+        emits up to one token more than it verifies) and max_model_len allow."""
+        n = min(len(seq.draft_ids), room, seq.params.max_tokens - len(seq.output_ids) - 1,
+                self.cfg.max_model_len - seq.num_computed_tokens - 1)
+        return tuple(seq.draft_ids[:max(n, 0)])
 
     def schedule_decodes_between(self) -> list[ScheduledChunk]:
         """The decode-only steps between the slices of an in-flight prefill: no preemption, as the prefill's
         sequences must stay."""
         return self._schedule_decodes(self.cfg.max_num_batched_tokens, preempt=False)
 
-    def _grow(self, seq: Sequence) -> bool:
-        """One more page slot for seq's next token, preempting the newest running sequences if needed;
-        False when seq itself was preempted."""
-        while not self.block_manager.allocate(seq, seq.num_computed_tokens + 1):
+    def _grow(self, seq: Sequence, n: int = 1) -> bool:
+        """Page slots for seq's next n tokens, preempting the newest running sequences if needed; False when seq
+        itself was preempted."""
+        while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
             victim = self.running[-1]
             self.preempt(victim)
             if victim is seq:
@@ -241,30 +251,36 @@ class Scheduler:
 
     # ---- after the step ----------------------------------------------------------------------------------
 
-    def commit(self, chunks: list[ScheduledChunk]) -> None:
-        """The model computed the chunks: advance, publish full pages, snapshot at page boundaries."""
+    def commit(self, chunks: list[ScheduledChunk], position_slots: dict[int, list[int]] | None = None) -> None:
+        """The model computed the chunks: advance, publish full pages, snapshot at page boundaries. position_slots
+        (a speculative step): by sequence id, the slots that hold its state after each of the chunk's first tokens,
+        where a page boundary inside the chunk takes its snapshot from."""
+        ps = self.page_size
         for c in chunks:
-            seq = c.seq
-            seq.num_computed_tokens = c.end
+            seq, start = c.seq, c.start
+            seq.num_computed_tokens = c.end  # c.start and c.end move with it
             self.block_manager.publish_computed_pages(seq)
             if seq.pending_snapshot_slot is not None:  # the step wrote the state at the point inside the chunk
                 self._publish(seq, seq.pending_snapshot_slot, seq.pending_snapshot_tokens)
                 seq.pending_snapshot_slot = None
-            if seq.num_computed_tokens % self.page_size == 0:
-                self._snapshot(seq)
+            slots = position_slots.get(seq.id) if position_slots else None
+            if slots:
+                for boundary in range((start // ps + 1) * ps, seq.num_computed_tokens, ps):
+                    self._snapshot(seq, boundary, slots[boundary - start - 1])
+            if seq.num_computed_tokens % ps == 0:
+                self._snapshot(seq, seq.num_computed_tokens, seq.state_slot)
 
-    def _snapshot(self, seq: Sequence) -> None:
-        """At a page boundary n: a published snapshot inside the prompt, else seq's rolling one."""
-        n = seq.num_computed_tokens
+    def _snapshot(self, seq: Sequence, n: int, slot: int) -> None:
+        """At a page boundary n, whose state is in slot: a published snapshot inside the prompt, else seq's rolling
+        one."""
         key = self._key_at(seq, n)
         if n <= seq.num_prompt_tokens:
-            if key in self.block_manager.page_of_hash and self.state_cache.save(key, seq.state_slot, n,
-                                                                                 self._shared(seq, n)):
+            if key in self.block_manager.page_of_hash and self.state_cache.save(key, slot, n, self._shared(seq, n)):
                 self._advance(seq, key)
             return
-        slot = self.state_cache.save_private(seq.state_slot, seq.rolling_snapshot_slot)
-        if slot is not None:
-            seq.rolling_snapshot_slot, seq.rolling_snapshot_tokens = slot, n
+        saved = self.state_cache.save_private(slot, seq.rolling_snapshot_slot)
+        if saved is not None:
+            seq.rolling_snapshot_slot, seq.rolling_snapshot_tokens = saved, n
 
     def _publish(self, seq: Sequence, slot: int, tokens: int) -> None:
         """Publish seq's private snapshot after tokens where its page is cached; else no hit could reach it (the
@@ -298,6 +314,7 @@ class Scheduler:
             self.state_cache.release(seq.pending_snapshot_slot)
             seq.pending_snapshot_slot = None
         self.block_manager.free(seq, self._snapshot_pages(seq))
+        seq.draft_ids, seq.draft_probs = [], None  # drafts follow the state they were drafted from
         self.free_state_slots.append(seq.state_slot)
         seq.state_slot = None
         self.running.remove(seq)

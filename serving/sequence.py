@@ -79,6 +79,10 @@ class Sequence:
         self.cache_point = 0  # where a prefix shared with other requests ends (LLMEngine.add_request)
         self.snapshot_key: PageKey | None = None  # its deepest published snapshot, or the one it started from
         self.finish_reason: str | None = None
+        # speculative decoding: the MTP head's drafts of the tokens after the last one, and (sampled requests) the
+        # distributions they were drawn from, (len(draft_ids), vocab); the next verify step checks them
+        self.draft_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
         self._page_hashes: list[PageKey] = []
 
     @property

@@ -1,0 +1,272 @@
+"""Speculative decoding with the model's MTP head: K drafts a sequence, verified by the trunk K+1 tokens at a time.
+
+A decoding sequence brings its last token and up to K drafts (ScheduledChunk.drafts). One trunk step runs them, and
+every GDN layer also keeps the state after each draft-less token in the sequence's K position slots
+(StepInput.position_slots). Acceptance keeps L of the K+1 (reference.greedy_accept's rule; speculative_accept when
+sampling): the step emits the kept drafts and one token of the target's own. The sequence's GDN state then rolls
+back to the state after its L-th token (a slot copy, where L < K+1); its KV past them is never read, as the next
+verify step writes those positions before attending.
+
+The head runs in every step over the rows whose next token the step knows. Row p reads token p+1 and the trunk's
+hidden state of token p; for a chunk of tokens [start, end) the rows are start-1 .. end-2, plus row end-1 where
+the chunk emitted a token (a prompt's tail, a verify step): that row's prediction is draft 1, and K-1 more rows,
+each reading the head's own output and the draft before, give drafts 2..K. Row start-1 reads the hidden state that
+the slot keeps beside the GDN state (CachePools.hidden), so the head's KV covers every computed position but the
+last, in the trunk's pages, and a prefix hit of n tokens computes only row n-1 again (its snapshot's hidden state).
+"""
+from dataclasses import dataclass
+
+import torch
+
+import reference as R
+from model import ops
+from model.cache import CachePools
+from model.model import Qwen35ForCausalLM
+from model.step import StepInput
+from serving.batch import ScheduledChunk, flatten_chunks, step_from_lists
+from serving.block_manager import KVBlockManager
+from serving.sampler import is_greedy, sampling_probs
+from serving.sequence import Sequence
+
+
+@dataclass
+class Verified:
+    """A trunk step's results: logits at the rows each chunk reads (logit_spans[i]: chunk i's range of them), every
+    token's normed hidden state (N, H), and the step."""
+    step: StepInput
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    logit_spans: list[tuple[int, int]]
+
+
+@dataclass
+class Head:
+    """Where a sequence's drafting starts: its first draft's logits (1, V) and the head's output there (1, H)."""
+    seq: Sequence
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+def is_verify(c: ScheduledChunk) -> bool:
+    """Whether the chunk starts at its sequence's last token (a decode, with or without drafts)."""
+    return c.start == c.seq.num_tokens - 1
+
+
+def emits(c: ScheduledChunk) -> bool:
+    """Whether the chunk reaches its sequence's end, so the step emits tokens for it."""
+    return c.end - len(c.drafts) == c.seq.num_tokens
+
+
+class Speculator:
+    def __init__(self, model: Qwen35ForCausalLM, pools: CachePools, runner, block_manager: KVBlockManager, *,
+                 num_drafts: int, first_position_slot: int, page_size: int, max_model_len: int):
+        """runner: the engine's ModelRunner (its page-table rows by state slot); position slots: K a running slot,
+        from first_position_slot on."""
+        if not model.has_mtp:
+            raise ValueError("speculative decoding needs the model's MTP head; this model has none (a checkpoint "
+                             "without mtp.* tensors)")
+        if model.tp.world_size > 1:
+            raise ValueError("speculative decoding runs at tensor-parallel world size 1")
+        self.model, self.pools, self.runner, self.block_manager = model, pools, runner, block_manager
+        self.k, self.first_position_slot = num_drafts, first_position_slot
+        self.page_size, self.max_model_len = page_size, max_model_len
+        self.device = model.lm_head.weight.device
+        # a test and benchmark hook: (seq, drafts) -> the drafts to verify instead (forced acceptance)
+        self.replace_drafts = None
+        self.num_verified = self.num_accepted = 0  # drafts verified and kept, since the start
+
+    def position_slots(self, state_slot: int) -> list[int]:
+        """The K slots that hold a running sequence's GDN state after each of its verify step's first tokens."""
+        base = self.first_position_slot + state_slot * self.k
+        return list(range(base, base + self.k))
+
+    # ---- the trunk -------------------------------------------------------------------------------------------
+
+    def verify(self, chunks: list[ScheduledChunk]) -> Verified:
+        """One trunk step of the chunks: logits at every row of a verify chunk and at the last row of the others."""
+        self.runner.sync_page_tables([c.seq for c in chunks])
+        self.runner.num_eager_steps += 1
+        lists = flatten_chunks(chunks, self.page_size, self.position_slots)
+        step = step_from_lists(lists, self.device, slot_page_table=self.runner.table)
+        rows, spans = [], []
+        for c, lo, hi in zip(chunks, lists.cu_seqlens, lists.cu_seqlens[1:]):
+            first = lo if is_verify(c) else hi - 1
+            spans.append((len(rows), len(rows) + hi - first))
+            rows += range(first, hi)
+        logit_rows = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        logits, hidden = self.model.forward_step(step, self.pools, with_hidden=True, logit_rows=logit_rows)
+        return Verified(step, logits, hidden, spans)
+
+    def accept(self, chunks: list[ScheduledChunk], v: Verified) -> list[list[int]]:
+        """The tokens the step emits for each chunk: none for a prompt's middle, one sampled token for a prompt's
+        tail, the kept drafts and the target's next token for a verify chunk."""
+        greedy = ops.argmax(v.logits).tolist()  # the step's one sync
+        out = []
+        for c, (lo, hi) in zip(chunks, v.logit_spans):
+            if not emits(c):
+                out.append([])
+                continue
+            params, drafts = c.seq.params, list(c.drafts)
+            if is_greedy(params):
+                target = greedy[lo:hi]
+                kept = next((i for i, d in enumerate(drafts) if d != target[i]), len(drafts))
+                out.append(target[:kept + 1])
+                continue
+            p = sampling_probs(v.logits[lo:hi], params).cpu()  # the request's generator draws on the host
+            if not drafts:
+                out.append([int(torch.multinomial(p[-1], 1, generator=c.seq.generator))])
+                continue
+            q = c.seq.draft_probs[:len(drafts)].cpu()
+            n, tokens = R.speculative_accept(torch.tensor([drafts]), q[None], p[None], generator=c.seq.generator)
+            out.append(tokens[0, :int(n[0])].tolist())
+        for c, e in zip(chunks, out):
+            if c.drafts:
+                self.num_verified += len(c.drafts)
+                self.num_accepted += min(len(e), len(c.drafts) + 1) - 1
+        return out
+
+    # ---- after acceptance: the head's rows, the slots' hidden states, the rollback ---------------------------
+
+    def advance(self, chunks: list[ScheduledChunk], kept: list[int], emitted: list[list[int]],
+                v: Verified) -> list[Head]:
+        """Run the head over each chunk's rows (kept[i] of chunk i's tokens were kept; emitted[i] its tokens), store
+        each slot's hidden state, and roll verify chunks back to their kept tokens. Returns where each emitting
+        chunk's drafting starts."""
+        cu = v.step.cu_seqlens_host
+        heads = self._head_rows(chunks, kept, emitted, v.hidden, cu)
+        self._store_hidden(chunks, kept, v, cu)
+        for c, n in zip(chunks, kept):
+            if is_verify(c) and n < c.num_tokens:
+                self.pools.copy_slot(self.position_slots(c.seq.state_slot)[n - 1], c.seq.state_slot)
+        return heads
+
+    def _head_rows(self, chunks, kept, emitted, trunk_hidden, cu) -> list[Head]:
+        """The head's rows of the step (see the module's docstring), in one MTP step; returns the drafting starts of
+        the emitting chunks."""
+        tokens, positions, kv_slots, cu_rows, seqused, slots, owners = [], [], [], [0], [], [], []
+        trunk_rows, trunk_at, slot_at = [], [], []  # hidden inputs: trunk rows, and slots' kept hidden states
+        logit_rows, emitting = [], []
+        for i, c in enumerate(chunks):
+            start = c.start
+            known = c.input_ids[:kept[i]] + emitted[i][-1:]  # the tokens at positions start, start + 1, ...
+            first = start - 1 if start > 0 else 0
+            rows = range(first, start + len(known) - 1)
+            if not rows:
+                continue
+            for p in rows:
+                at = len(tokens)
+                tokens.append(known[p + 1 - start])
+                positions.append(p)
+                kv_slots.append(c.seq.kv_slot(p, self.page_size))
+                if p == start - 1:
+                    slot_at.append(at)
+                else:
+                    trunk_at.append(at)
+                    trunk_rows.append(cu[i] + p - start)
+            cu_rows.append(len(tokens))
+            seqused.append(rows[-1] + 1)
+            slots.append(c.seq.state_slot)
+            owners.append(c)
+            if emitted[i]:
+                logit_rows.append(len(tokens) - 1)
+                emitting.append(c.seq)
+        if not tokens:
+            return []
+        dev = self.device
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64).to(dev)
+        hidden = trunk_hidden.new_empty(len(tokens), trunk_hidden.shape[1])
+        if trunk_at:
+            hidden[as_tensor(trunk_at)] = trunk_hidden[as_tensor(trunk_rows)]
+        if slot_at:
+            chunk_slots = [c.seq.state_slot for c in owners if c.start > 0]
+            hidden[as_tensor(slot_at)] = self.pools.hidden[as_tensor(chunk_slots)]
+        state_slots = as_tensor(slots)
+        step = StepInput(token_ids=as_tensor(tokens), positions=as_tensor(positions),
+                         cu_seqlens=as_tensor(cu_rows).int(),
+                         max_seqlen_q=max(b - a for a, b in zip(cu_rows, cu_rows[1:])),
+                         cu_seqlens_host=tuple(cu_rows), max_seqlen_k=max(seqused), seqused_k=as_tensor(seqused).int(),
+                         page_table=self.runner.table.index_select(0, state_slots), slot_mapping=as_tensor(kv_slots),
+                         state_slots=state_slots)
+        rows = as_tensor(logit_rows)
+        logits, out = self.model.forward_mtp(step, hidden, self.pools, logit_rows=rows)
+        return [Head(seq, logits[j:j + 1], out[rows[j:j + 1]]) for j, seq in enumerate(emitting)]
+
+    def _store_hidden(self, chunks, kept, v: Verified, cu) -> None:
+        """Each slot's hidden state: the state slot's of its last kept token, a verify chunk's position slots' of
+        theirs (a rollback copies one over the state slot), an in-chunk snapshot's of the token before its point."""
+        rows, dst = [], []
+        offsets = v.step.snapshot_offsets or (0,) * len(chunks)
+        snapshot_slots = v.step.snapshot_slots.tolist() if v.step.snapshot_offsets else None
+        for i, c in enumerate(chunks):
+            rows.append(cu[i] + kept[i] - 1)
+            dst.append(c.seq.state_slot)
+            if c.drafts:
+                for j, slot in enumerate(self.position_slots(c.seq.state_slot)[:len(c.drafts)]):
+                    rows.append(cu[i] + j)
+                    dst.append(slot)
+            if offsets[i]:
+                rows.append(cu[i] + offsets[i] - 1)
+                dst.append(snapshot_slots[i])
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64).to(self.device)
+        self.pools.hidden[as_tensor(dst)] = v.hidden[as_tensor(rows)]
+
+    # ---- drafting --------------------------------------------------------------------------------------------
+
+    def draft(self, heads: list[Head]) -> None:
+        """Draft up to K tokens for each head's sequence (pages, max_tokens and max_model_len allowing): draft 1 from
+        the head's row, then one MTP row a draft on the head's own output. Sets seq.draft_ids (and draft_probs)."""
+        todo = []
+        for h in heads:
+            seq = h.seq
+            seq.draft_ids, seq.draft_probs = [], None
+            n = min(self.k, seq.params.max_tokens - len(seq.output_ids) - 1,
+                    self.max_model_len - seq.num_computed_tokens - 1)
+            while n > 0 and not self.block_manager.allocate(seq, seq.num_computed_tokens + 1 + n):
+                n -= 1  # pages for the next verify step's tokens (and the chain's KV before them)
+            if n > 0:
+                todo.append((h, n))
+        if not todo:
+            return
+        self.runner.sync_page_tables([h.seq for h, _ in todo])
+        logits, hidden = torch.cat([h.logits for h, _ in todo]), torch.cat([h.hidden for h, _ in todo])
+        self._choose_drafts([h.seq for h, _ in todo], logits)
+        for j in range(1, max(n for _, n in todo)):
+            keep = [i for i, (_, n) in enumerate(todo) if n > j]
+            if len(keep) < len(todo):
+                hidden = hidden[torch.tensor(keep, dtype=torch.int64).to(self.device)]
+                todo = [todo[i] for i in keep]
+            # row num_computed - 1 + j reads draft j and the head's output at the row before
+            logits, hidden = self._chain([h.seq for h, _ in todo], hidden)
+            self._choose_drafts([h.seq for h, _ in todo], logits)
+        if self.replace_drafts is not None:
+            for h in heads:
+                h.seq.draft_ids = list(self.replace_drafts(h.seq, list(h.seq.draft_ids)))
+
+    def _chain(self, seqs: list[Sequence], hidden: torch.Tensor):
+        # one row a sequence: its last draft at position num_computed - 1 + len(drafts) -> (logits (B, V), out (B, H))
+        positions = [s.num_computed_tokens - 1 + len(s.draft_ids) for s in seqs]
+        dev = self.device
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64).to(dev)
+        state_slots = as_tensor([s.state_slot for s in seqs])
+        b = len(seqs)
+        step = StepInput(token_ids=as_tensor([s.draft_ids[-1] for s in seqs]), positions=as_tensor(positions),
+                         cu_seqlens=torch.arange(b + 1, dtype=torch.int32).to(dev), max_seqlen_q=1,
+                         cu_seqlens_host=tuple(range(b + 1)), max_seqlen_k=max(positions) + 1,
+                         seqused_k=as_tensor([p + 1 for p in positions]).int(),
+                         page_table=self.runner.table.index_select(0, state_slots),
+                         slot_mapping=as_tensor([s.kv_slot(p, self.page_size) for s, p in zip(seqs, positions)]),
+                         state_slots=state_slots)
+        return self.model.forward_mtp(step, hidden, self.pools, all_logits=True)
+
+    @staticmethod
+    def _choose_drafts(seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Append each sequence's next draft: the argmax, or a draw from its sampling distribution (kept in
+        draft_probs for the verify step)."""
+        greedy = ops.argmax(logits).tolist()
+        for i, seq in enumerate(seqs):
+            if is_greedy(seq.params):
+                seq.draft_ids.append(greedy[i])
+                continue
+            q = sampling_probs(logits[i:i + 1], seq.params)
+            seq.draft_ids.append(int(torch.multinomial(q[0].cpu(), 1, generator=seq.generator)))
+            seq.draft_probs = q if seq.draft_probs is None else torch.cat([seq.draft_probs, q])
