@@ -11,8 +11,10 @@ the pool and slots are all free. CPU, fp32, the reference ops; the `tiny` preset
 random weights everywhere (its own init repeats one token, which would check little). This is the short CI form of
 tests/engine_fuzzer.py, whose long runs (thousands of examples, also checking logits and cached page contents) found
 a stale prefix hit (wrong tokens) and a livelock; tests/test_serving_scheduler.py keeps both cases, which this short
-form does not reach in 150 examples.
+form does not reach in 150 examples. A second test runs the same workloads with MTP speculation, its drafts forced
+to greedy's tokens up to a random length.
 """
+import random
 from collections import Counter
 
 import pytest
@@ -99,13 +101,36 @@ def check_pages_and_slots(engine: LLMEngine) -> None:
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(config=CONFIGS, ops=OPS)
 def test_random_workloads_decode_greedy_and_leak_nothing(model, config, ops):
+    run_workload(model, config, ops)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(config=CONFIGS, ops=OPS, drafts=st.integers(1, 4), seed=st.integers(0, 10**6))
+def test_random_workloads_with_speculation(model, config, ops, drafts, seed):
+    """The same with MTP speculation, K drafts a step: the drafts are forced to greedy's next tokens up to a random
+    length (then wrong), so that verify steps keep 1..K+1 tokens and roll back anywhere."""
+    rng = random.Random(seed)
+
+    def forced(seq, draft_ids):
+        truth = reference(model, seq.prompt_ids)[len(seq.output_ids):][:len(draft_ids)]
+        truth += [1] * (len(draft_ids) - len(truth))
+        n = rng.randint(0, len(draft_ids))
+        return truth[:n] + [(t + 1) % VOCAB for t in truth[n:]]
+
+    run_workload(model, config, ops, speculative_tokens=drafts, replace_drafts=forced)
+
+
+def run_workload(model, config, ops, speculative_tokens: int = 0, replace_drafts=None) -> None:
     page = config["page_size"]
     num_pages = -(-config["cap_tokens"] // page) + config["extra_pages"]
     engine = LLMEngine(model, EngineConfig(num_pages=num_pages, page_size=page, max_num_seqs=config["max_num_seqs"],
                                            snapshot_slots=config["snapshot_slots"],
                                            max_num_batched_tokens=config["budget"],
                                            fast_lane_tokens=config["fast_lane"], eos_token_ids=(),
-                                           interleave_slices=0, decode_ahead=False))
+                                           interleave_slices=0, decode_ahead=False,
+                                           speculative_tokens=speculative_tokens))
+    if replace_drafts is not None:
+        engine.speculator.replace_drafts = replace_drafts
     requests: dict[int, dict] = {}
     cap = num_pages * page
 
