@@ -268,13 +268,18 @@ def _ref_gated_deltanet(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_state
 def _ref_gated_deltanet_per_position(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states,
                                      step, num_k_heads, eps):
     """A verify step (step.position_slots): each sequence's tokens through the recurrent form with the state after
-    every token, which goes to its position slot where one is given; the last token's to the sequence's slot."""
+    every token, which goes to its position slot where one is given, and to its snapshot slot at its snapshot point
+    (a prefill chunk beside the verify chunks); the last token's to the sequence's slot."""
     n, hv, dv = z.shape
     dk = (qkv.shape[1] - hv * dv) // (2 * num_k_heads)
     g, beta = R.gdn_gates(a, b, A_log, dt_bias)
     out = torch.empty_like(z)
     cu = step.cu_seqlens_host if step.cu_seqlens_host is not None else tuple(step.cu_seqlens.tolist())
     targets = step.position_slots.tolist()
+    if step.snapshot_offsets is not None:  # the state after a chunk's first `offset` tokens: its snapshot slot
+        for i, (offset, snapshot) in enumerate(zip(step.snapshot_offsets, step.snapshot_slots.tolist())):
+            if offset:
+                targets[cu[i] + offset - 1] = snapshot
     for i, slot in enumerate(step.state_slots.tolist()):
         rows = slice(cu[i], cu[i + 1])
         mixed, windows = R.causal_conv1d_windows(qkv[None, rows], conv_w, initial_state=conv_states[slot][None])

@@ -1,0 +1,262 @@
+"""MTP speculative decoding in the engine (CPU, fp32, reference ops): greedy output equals plain greedy token for token
+for K = 1..4, alone and batched, with and without the prefix cache, under preemption, with drafts forced to be all
+kept, all rejected or kept to a random length; the verify step's per-token GDN states; the head's KV and hidden state
+across a prefix hit; and sampled output distributed as without speculation (chi-square, alpha = 0.001)."""
+import random
+
+import pytest
+import torch
+from hf_oracle import randomize_
+
+from model import ops
+from model.config import get_preset
+from model.generate import greedy
+from model.model import Qwen35ForCausalLM
+from model.step import StepInput
+from serving import speculative
+from serving.config import EngineConfig
+from serving.engine import LLMEngine
+from serving.sequence import SamplingParams
+
+VOCAB = 1024
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+def model(request):
+    m = Qwen35ForCausalLM.random(get_preset(request.param, vocab_size=VOCAB), seed=0)
+    randomize_(m, 0)  # varied outputs (the preset's init repeats one token)
+    return m.eval()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(length),), generator=gen).tolist()
+            for length in torch.randint(3, 40, (n,), generator=gen)]
+
+
+def plain_greedy(model, prompt: list[int], n: int) -> list[int]:
+    return greedy(model, torch.tensor([prompt]), n)[0].tolist()
+
+
+def engine(model, k: int, **cfg) -> LLMEngine:
+    fields = dict(num_pages=128, page_size=4, max_num_seqs=4, speculative_tokens=k)
+    return LLMEngine(model, EngineConfig(**{**fields, **cfg}))
+
+
+def forcing(model, mode: str, seed: int = 0):
+    """A replace_drafts hook: drafts set to greedy's next tokens ("all"), to wrong ones ("none"), or right up to a
+    random length ("random")."""
+    rng = random.Random(seed)
+
+    def replace(seq, drafts):
+        truth = plain_greedy(model, seq.prompt_ids, len(seq.output_ids) + len(drafts))[len(seq.output_ids):]
+        n = {"all": len(drafts), "none": 0}.get(mode, rng.randint(0, len(drafts)))
+        return truth[:n] + [(t + 1) % VOCAB for t in truth[n:]]
+    return replace
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", ["drafted", "all", "none", "random"])
+def test_speculative_greedy_equals_plain_greedy(model, k, mode):
+    batch = prompts(3, seed=k)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    spec = engine(model, k)
+    if mode != "drafted":
+        spec.speculator.replace_drafts = forcing(model, mode, seed=k)
+    outputs = spec.generate(batch, params)  # batched
+    alone = engine(model, k).generate(batch[:1], params)
+    for prompt, out in zip(batch, outputs):
+        assert out.output_ids == plain_greedy(model, prompt, 14), f"K={k}, {mode}"
+    assert alone[0].output_ids == outputs[0].output_ids
+    assert spec.speculator.num_verified > 0
+    if mode == "all":
+        assert spec.speculator.num_accepted == spec.speculator.num_verified
+    if mode == "none":
+        assert spec.speculator.num_accepted == 0
+
+
+def test_verify_steps_emit_several_tokens_a_step(model):
+    """All drafts kept: a sequence of 13 new tokens takes its prefill and ceil(12 / (K+1)) verify steps."""
+    spec = engine(model, 3)
+    spec.speculator.replace_drafts = forcing(model, "all")
+    spec.add_request(prompts(1)[0], SamplingParams(max_tokens=13, ignore_eos=True))
+    steps = 0
+    while spec.has_unfinished:
+        spec.step()
+        steps += 1
+    assert steps == 1 + 3
+
+
+def test_prefix_cache_hits_and_drafts_are_the_same_with_speculation(model):
+    """A returning turn hits as many cached tokens with speculation as without, decodes the same tokens, and its
+    first drafts (the head over row n-1 of the hit, its snapshot's hidden state and the head's cached KV) equal a
+    cold prefill's."""
+    first = prompts(1, seed=5)[0] + prompts(1, seed=6)[0]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    cached = {}
+    for k in (0, 3):
+        eng = engine(model, k, snapshot_slots=8)
+        out = eng.generate([first], params)[0]
+        turn = first + out.output_ids + prompts(1, seed=7)[0]
+        again = eng.generate([turn], params)[0]
+        assert again.output_ids == plain_greedy(model, turn, 8)
+        cached[k] = again.cached_tokens
+    assert cached[3] == cached[0] > 0
+    drafts = []
+    for warm in (False, True):
+        eng = engine(model, 3, snapshot_slots=8)
+        if warm:
+            eng.generate([first], params)
+        seq_id = eng.add_request(turn, params)
+        eng.step()  # the prefill (from the hit when warm) and the first drafts
+        drafts.append(list(eng.sequences[seq_id].draft_ids))
+    assert len(drafts[0]) == 3 and drafts[0] == drafts[1]
+
+
+def test_a_snapshot_inside_a_prefill_beside_verify_steps(model):
+    """A cold prompt prefills (its last page boundary snapshotted inside the chunk) in the same step as another
+    sequence's verify chunk; a later prompt that hits that snapshot still decodes greedy's tokens."""
+    short, long = prompts(1, seed=21)[0][:6], prompts(1, seed=22)[0] + prompts(1, seed=23)[0]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    eng = engine(model, 2, snapshot_slots=8, max_num_seqs=2)
+    eng.speculator.replace_drafts = forcing(model, "none")
+    first = eng.add_request(short, params)
+    eng.step()  # short's prefill: from now on it brings drafts
+    second = eng.add_request(long, params)
+    eng.step()  # short's verify chunk beside long's prefill chunk with a snapshot point
+    while eng.has_unfinished:
+        eng.step()
+    for seq_id, prompt in ((first, short), (second, long)):
+        assert eng.pop_output(seq_id).output_ids == plain_greedy(model, prompt, 10)
+    turn = long + [7, 8, 9]
+    out = eng.generate([turn], params)[0]
+    assert out.cached_tokens == len(long) // 4 * 4 and out.output_ids == plain_greedy(model, turn, 10)
+
+
+def test_speculation_under_preemption(model):
+    """A pool too small for every sequence at once: sequences are preempted and recomputed, and still decode
+    greedy's tokens."""
+    batch = prompts(4, seed=11)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    eng = engine(model, 2, num_pages=30, max_num_seqs=4, snapshot_slots=2)
+    eng.speculator.replace_drafts = forcing(model, "random", seed=3)
+    outputs = eng.generate(batch, params)
+    assert eng.scheduler.num_preemptions > 0
+    for prompt, out in zip(batch, outputs):
+        assert out.output_ids == plain_greedy(model, prompt, 16)
+    assert len(eng.scheduler.free_state_slots) == eng.cfg.max_num_seqs and not any(eng.block_manager.refcount)
+
+
+def test_stop_token_inside_a_verify_step_ends_there(model):
+    prompt = prompts(1, seed=2)[0]
+    truth = plain_greedy(model, prompt, 12)
+    stop = truth[5]
+    cut = truth.index(stop) + 1
+    eng = engine(model, 4)
+    eng.speculator.replace_drafts = forcing(model, "all")
+    out = eng.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=(stop,)))[0]
+    assert out.output_ids == truth[:cut] and out.finish_reason == "stop"
+
+
+def test_speculation_needs_the_mtp_head():
+    model = Qwen35ForCausalLM.random(get_preset("tiny", mtp_num_hidden_layers=0), seed=0)
+    with pytest.raises(ValueError, match="MTP head"):
+        LLMEngine(model, EngineConfig(num_pages=16, speculative_tokens=2))
+    with pytest.raises(ValueError, match="speculative_tokens must lie in"):
+        EngineConfig(speculative_tokens=5)
+
+
+def test_verify_step_keeps_the_state_after_every_token(model):
+    """The GDN layers of a verify step write the state after each token to its position slot: equal to plain
+    one-token steps' states."""
+    cfg = model.config
+    torch.manual_seed(0)
+    n, slots = 5, 8
+    qkv_w = cfg.conv_dim
+    layer = model.model.layers[0].linear_attn
+    x = torch.randn(n, cfg.hidden_size)
+    proj = layer.project_in(x)
+    conv0 = torch.randn(slots, qkv_w, cfg.linear_conv_kernel_dim - 1)
+    rec0 = torch.randn(slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim) * 0.1
+
+    def step(rows, position_slots=None):
+        m = len(rows)
+        return StepInput(token_ids=torch.zeros(m, dtype=torch.int64), positions=torch.arange(m),
+                         cu_seqlens=torch.tensor([0, m], dtype=torch.int32), max_seqlen_q=m, cu_seqlens_host=(0, m),
+                         seqused_k=torch.tensor([m], dtype=torch.int32),
+                         page_table=torch.zeros(1, 1, dtype=torch.int32), slot_mapping=torch.arange(m), state_slots=torch.tensor([0]), position_slots=position_slots)
+
+    conv, rec = conv0.clone(), rec0.clone()
+    out = layer.core(proj, step(range(n), torch.tensor([3, 4, 5, 6, -1])), conv, rec)
+    conv_ref, rec_ref = conv0.clone(), rec0.clone()
+    for i in range(n):
+        ref_out = layer.core(proj[i:i + 1], step([i]), conv_ref, rec_ref)
+        assert torch.allclose(out[i], ref_out[0], atol=1e-6)
+        where = 3 + i if i < n - 1 else 0
+        assert torch.allclose(rec[where], rec_ref[0], atol=1e-6) and torch.equal(conv[where], conv_ref[0])
+    assert ops.backend_table()["gated_deltanet"] == "reference"
+
+
+# ---- sampling -----------------------------------------------------------------------------------------------
+
+SMALL_VOCAB, DRAWS, ALPHA = 12, 2000, 1e-3
+
+
+def joint_of_tokens_2_and_3(model, prompt: list[int]) -> torch.Tensor:
+    """The exact distribution of (token 2, token 3) after prompt at temperature 1: (V, V), from the model's
+    probabilities over every token 1 and 2."""
+    v = SMALL_VOCAB
+    p1 = torch.softmax(model(torch.tensor([prompt]), model.new_cache(1, 64))[0, -1].double(), -1)  # (V,)
+    ids = torch.tensor([prompt + [a, b] for a in range(v) for b in range(v)])
+    logits = model(ids, model.new_cache(v * v, 64))[:, -2:].double()  # (V*V, 2, V)
+    p2 = torch.softmax(logits[::v, 0], -1)  # (V, V): token 2 given token 1
+    p3 = torch.softmax(logits[:, 1], -1).view(v, v, v)  # token 3 given tokens 1, 2
+    return torch.einsum("a,ab,abc->bc", p1, p2, p3)
+
+
+def chi_square_p(pairs: list[tuple[int, int]], expected: torch.Tensor) -> float:
+    """Pearson's chi-square p-value of the pairs against expected (V, V), cells of expected count < 5 pooled."""
+    counts = torch.zeros_like(expected)
+    for a, b in pairs:
+        counts[a, b] += 1
+    exp = expected.flatten() * len(pairs)
+    obs = counts.flatten()
+    small = exp < 5
+    if small.any():
+        exp = torch.cat([exp[~small], exp[small].sum()[None]])
+        obs = torch.cat([obs[~small], obs[small].sum()[None]])
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = torch.tensor((exp.numel() - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, stat / 2))
+
+
+def sampled_pairs(model, prompt, k: int, draws: int) -> tuple[list[tuple[int, int]], LLMEngine]:
+    eng = LLMEngine(model, EngineConfig(num_pages=1024, page_size=4, max_num_seqs=64, speculative_tokens=k))
+    # max_tokens 4: the verify step after token 1 checks two drafts; the same prompt each time, so that all but the
+    # first requests start from the prefix cache
+    outs = eng.generate([prompt] * draws, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
+    return [tuple(o.output_ids[1:3]) for o in outs], eng
+
+
+def keep_every_draft(drafts, q, p, generator=None):
+    """A wrong acceptance (the control): every draft kept, then a draw from the target."""
+    k = drafts.shape[1]
+    own = torch.multinomial(p[:, k], 1, generator=generator)
+    return torch.full((drafts.shape[0],), k + 1), torch.cat([drafts, own], 1)
+
+
+def test_sampled_tokens_2_and_3_keep_their_distribution(monkeypatch):
+    model = Qwen35ForCausalLM.random(get_preset("tiny", vocab_size=SMALL_VOCAB), seed=0)
+    randomize_(model, 4)
+    prompt = [3, 1, 4, 1, 5]
+    expected = joint_of_tokens_2_and_3(model, prompt)
+    plain, _ = sampled_pairs(model, prompt, 0, DRAWS)
+    drafted, eng = sampled_pairs(model, prompt, 2, DRAWS)
+    kept = eng.speculator.num_accepted / eng.speculator.num_verified
+    assert 0.05 < kept < 0.95, f"drafts kept {kept:.2f}: the test would not see both paths"
+    found = chi_square_p(plain, expected), chi_square_p(drafted, expected)
+    assert min(found) > ALPHA, found
+    # the test can fail: keeping every draft gives the drafter's distribution, which it rejects
+    monkeypatch.setattr(speculative.R, "speculative_accept", keep_every_draft)
+    wrong, _ = sampled_pairs(model, prompt, 2, DRAWS // 4)
+    assert chi_square_p(wrong, expected) < ALPHA
