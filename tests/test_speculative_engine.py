@@ -184,7 +184,8 @@ def test_verify_step_keeps_the_state_after_every_token(model):
         return StepInput(token_ids=torch.zeros(m, dtype=torch.int64), positions=torch.arange(m),
                          cu_seqlens=torch.tensor([0, m], dtype=torch.int32), max_seqlen_q=m, cu_seqlens_host=(0, m),
                          seqused_k=torch.tensor([m], dtype=torch.int32),
-                         page_table=torch.zeros(1, 1, dtype=torch.int32), slot_mapping=torch.arange(m), state_slots=torch.tensor([0]), position_slots=position_slots)
+                         page_table=torch.zeros(1, 1, dtype=torch.int32), slot_mapping=torch.arange(m),
+                         state_slots=torch.tensor([0]), position_slots=position_slots)
 
     conv, rec = conv0.clone(), rec0.clone()
     out = layer.core(proj, step(range(n), torch.tensor([3, 4, 5, 6, -1])), conv, rec)
