@@ -386,7 +386,7 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
                   decode_ahead=bool(args.decode_ahead), fed_decode=bool(args.fed_decode),
                   token_ring=bool(args.token_ring), kv_eviction=args.kv_eviction,
                   state_cache_fraction=args.state_cache_fraction,
-                  state_cache_gb=args.state_cache_gb)
+                  state_cache_gb=args.state_cache_gb, speculative_tokens=args.speculative_tokens)
     if args.kv_working_set is not None:  # a fixed pool on either device
         pages = int(args.kv_working_set * working_set_pages(traces, page))
         return LLMEngine(model, EngineConfig(num_pages=max(pages, args.concurrency * max_len // page), **common))
@@ -419,7 +419,8 @@ ENGINE_KNOBS = {"chunk": EngineConfig.max_num_batched_tokens, "fast_lane": 1024,
                 "interleave_slice_tokens": EngineConfig.interleave_slice_tokens,
                 "prefill_graphs": EngineConfig.prefill_graph_tokens,
                 "decode_ahead": int(EngineConfig.decode_ahead), "fed_decode": int(EngineConfig.fed_decode),
-                "token_ring": int(EngineConfig.token_ring), "kv_eviction": EngineConfig.kv_eviction}
+                "token_ring": int(EngineConfig.token_ring), "kv_eviction": EngineConfig.kv_eviction,
+                "speculative_tokens": EngineConfig.speculative_tokens}
 
 
 def run_key(args) -> str:
@@ -511,6 +512,7 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--kv-eviction", choices=("lru", "mru"), default=ENGINE_KNOBS["kv_eviction"],
                     help="which released chain's cached KV pages go first when the pool is full "
                          "(EngineConfig.kv_eviction)")
+    cli.add_speculative_args(ap)
     ap.add_argument("--seed", type=cli.non_negative_int, default=0, help="seed of the synthetic traces and of sampling")
     ap.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
                     help=f"replay once per value of an engine knob ({', '.join(ENGINE_KNOBS)}) or per variant of a "

@@ -4,7 +4,7 @@ a nonsensical value at parse time, before anything is loaded."""
 import argparse
 
 from model.load import check_model_spec
-from serving.config import EngineConfig
+from serving.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -94,6 +94,13 @@ def add_state_cache_args(ap: argparse.ArgumentParser, cpu_slots: int | None = No
     if cpu_slots is not None:
         ap.add_argument("--snapshot-slots", type=non_negative_int, default=cpu_slots,
                         help="GDN snapshot slots of the prefix cache on the CPU (a GPU sizes them from memory)")
+
+
+def add_speculative_args(ap: argparse.ArgumentParser) -> None:
+    """--speculative-tokens: EngineConfig.speculative_tokens."""
+    ap.add_argument("--speculative-tokens", type=int_at_least(0, MAX_SPECULATIVE_TOKENS), default=0, metavar="K",
+                    help="drafts of the model's MTP head that each decode step verifies, 0..4 (0: off; needs the "
+                         "checkpoint's mtp.* weights, which presets have at random)")
 
 
 def prog(module: str) -> str:

@@ -2,6 +2,7 @@
 one line on stderr with exit status 2, before any model (or device, or tokenizer) is touched; --help documents
 every flag with its default."""
 import pytest
+import torch
 
 from model.load import check_model_spec
 from profiles import bench_serving
@@ -67,7 +68,8 @@ def test_a_checkpoint_folder_passes_the_check(tmp_path):
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization"),
-    (["--port", "http"], "--port"),
+    (["--port", "http"], "--port"), (["--speculative-tokens", "5"], "--speculative-tokens"),
+    (["--speculative-tokens", "-1"], "--speculative-tokens"),
 ])
 def test_server_refuses_nonsensical_numbers_before_loading_anything(argv, flag, capsys, monkeypatch):
     no_loading(monkeypatch)
@@ -75,7 +77,8 @@ def test_server_refuses_nonsensical_numbers_before_loading_anything(argv, flag, 
 
 
 @pytest.mark.parametrize("argv, flag", [(["--max-new-tokens", "0"], "--max-new-tokens"),
-                                        (["--max-context", "-1"], "--max-context")])
+                                        (["--max-context", "-1"], "--max-context"),
+                                        (["--speculative-tokens", "9"], "--speculative-tokens")])
 def test_demo_refuses_nonsensical_numbers(argv, flag, capsys, monkeypatch):
     no_loading(monkeypatch)
     refused(capsys, demo.main, argv, f"argument {flag}", "python -m serving.demo: error:")
@@ -85,7 +88,8 @@ def test_demo_refuses_nonsensical_numbers(argv, flag, capsys, monkeypatch):
     (["--concurrency", "0"], "--concurrency"), (["--turns", "0"], "--turns"), (["--max-new", "0"], "--max-new"),
     (["--scale", "0"], "--scale"), (["--scale", "inf"], "--scale"), (["--page-size", "0"], "--page-size"),
     (["--chunk", "-1"], "--chunk"), (["--interleave", "-1"], "--interleave"),
-    (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization")])
+    (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization"),
+    (["--speculative-tokens", "5"], "--speculative-tokens")])
 def test_bench_refuses_nonsensical_numbers(argv, flag, capsys, monkeypatch):
     no_loading(monkeypatch)
     refused(capsys, bench_serving.main, argv, f"argument {flag}", "python -m profiles.bench_serving: error:")
@@ -96,6 +100,9 @@ def test_server_args_parse_and_the_api_key_comes_from_the_environment(monkeypatc
     args = server.parse_args(["--port", "65535", "--max-queued", "1", "--model", "tiny"])
     assert (args.port, args.max_queued, args.model, args.api_key) == (65535, 1, "tiny", "sekret")
     assert server.parse_args(["--api-key", "k"]).api_key == "k"
+    assert server.parse_args(["--speculative-tokens", "3"]).speculative_tokens == 3
+    assert server.engine_config(server.parse_args(["--speculative-tokens", "2"]), torch.device("cpu"),
+                                ()).speculative_tokens == 2
 
 
 def help_text(main, capsys, monkeypatch) -> str:

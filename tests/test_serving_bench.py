@@ -16,7 +16,7 @@ from tests.hf_oracle import small_config
 
 @pytest.fixture(scope="module")
 def model():
-    return Qwen35ForCausalLM.random(small_config(vocab_size=512), seed=0)
+    return Qwen35ForCausalLM.random(small_config(vocab_size=512, mtp_num_hidden_layers=1), seed=0)
 
 
 def test_synthetic_traces_have_the_documented_shape():
@@ -79,6 +79,15 @@ def test_bench_smoke_on_the_cpu(model, tmp_path, capsys):
     saved = json.loads((tmp_path / "serving.json").read_text())
     # a knob away from its default keys its own row (page size 8 here)
     assert "custom|short|c2|cpu|graphs|page_size8" in saved["runs"] and "command" in saved and "environment" in saved
+
+
+def test_bench_with_speculation_on_the_cpu(model, tmp_path, capsys):
+    """--speculative-tokens: the replay decodes through MTP verify steps and keys its own row."""
+    run = bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "2", "--max-new",
+                              "6", "--concurrency", "2", "--out-dir", str(tmp_path), "--no-progress",
+                              "--speculative-tokens", "2"], model=model)
+    assert run["overall"]["generated"] > 0 and "MTP speculative decoding, 2 drafts" in capsys.readouterr().out
+    assert "custom|short|c2|cpu|graphs|speculative_tokens2" in json.loads((tmp_path / "serving.json").read_text())["runs"]
 
 
 def test_step_verdict_names_the_longer_phase():
