@@ -246,8 +246,9 @@ def _heads_at_once(group: int, tile: int, programs: int) -> int:
 
 class GdnKey(NamedTuple):
     """What routes a GDN mixer call (kernels.registry): tokens a sequence (1: decode; longer ones in powers of two),
-    heads and head dims, dtype, device, whether a decode meets the CuTe kernel's layout (gdn_decode_cute), and
-    whether the step also writes the state after each token (a speculative verify step: StepInput.position_slots)."""
+    heads and head dims, dtype, device, whether a decode meets the CuTe kernel's layout (gdn_decode_cute), whether
+    the step also writes the state after each token (a speculative verify step: StepInput.position_slots), and
+    whether it has snapshot points inside its chunks."""
     q_len: int
     hk: int
     hv: int
@@ -257,6 +258,7 @@ class GdnKey(NamedTuple):
     device: DeviceInfo
     cute_layout: bool
     per_position: bool = False
+    snapshots: bool = False
 
 
 def decode_key(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, num_k_heads) -> GdnKey:

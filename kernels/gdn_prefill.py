@@ -574,7 +574,7 @@ def gdn_key(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent
         return decode_key(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, num_k_heads)
     _, hv, dk, dv = recurrent_states.shape
     return GdnKey(next_power_of_2(step.max_seqlen_q), num_k_heads, hv, dk, dv, qkv.dtype, device_info(qkv.device),
-                  False, step.position_slots is not None)
+                  False, step.position_slots is not None, step.snapshot_offsets is not None)
 
 
 registry.define("gated_deltanet", gdn_key)

@@ -10,6 +10,7 @@ from kernels import (  # noqa: F401  (imported for their registrations)
     gather_rows,
     gdn_decode,
     gdn_prefill,
+    gdn_verify,
     linear,
     moe,
     norms,

@@ -87,6 +87,7 @@ def test_out_proj_mlp_choices():
     (GdnKey(1, 16, 32, 128, 128, BF16, H200, False), "gdn_decode"),  # 9B: two value heads a key head
     (GdnKey(64, 16, 16, 128, 128, BF16, H200, False), "gdn_prefill_chunked"),
     (GdnKey(1, 16, 16, 128, 128, torch.float32, CPU, False), "reference"),
+    (GdnKey(4, 16, 16, 128, 128, BF16, H200, False, True), "gdn_verify"),  # a verify step of 3 drafts
 ])
 def test_gated_deltanet_choices(key, expected):
     assert registry.choose("gated_deltanet", key, "triton").name == expected
