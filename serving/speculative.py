@@ -238,9 +238,10 @@ class Speculator:
             # row num_computed - 1 + j reads draft j and the head's output at the row before
             logits, hidden = self._chain([h.seq for h, _ in todo], hidden)
             self._choose_drafts([h.seq for h, _ in todo], logits)
-        if self.replace_drafts is not None:
+        if self.replace_drafts is not None:  # as many as were drafted (each has its position slot)
             for h in heads:
-                h.seq.draft_ids = list(self.replace_drafts(h.seq, list(h.seq.draft_ids)))
+                drafted = len(h.seq.draft_ids)
+                h.seq.draft_ids = list(self.replace_drafts(h.seq, list(h.seq.draft_ids)))[:drafted]
 
     def _chain(self, seqs: list[Sequence], hidden: torch.Tensor):
         # one row a sequence: its last draft at position num_computed - 1 + len(drafts) -> (logits (B, V), out (B, H))

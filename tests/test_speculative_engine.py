@@ -261,3 +261,38 @@ def test_sampled_tokens_2_and_3_keep_their_distribution(monkeypatch):
     monkeypatch.setattr(speculative.R, "speculative_accept", keep_every_draft)
     wrong, _ = sampled_pairs(model, prompt, 2, DRAWS // 4)
     assert chi_square_p(wrong, expected) < ALPHA
+
+
+# ---- the GPU: bf16, the Triton kernels (the verify step's GDN kernel, the paged attention at q_len 2..5) ----------
+
+GPU_TIE = 0.25  # a top-2 logit gap below this in bf16 (|logits| ~10: 3 bits of mantissa apart) is a near-tie
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["drafted", "random"])
+def test_gpu_batch1_speculative_greedy_follows_plain_greedy(mode):
+    """Batch 1 on the GPU: speculative greedy output equals the plain engine's (decode graphs) until a position
+    where plain greedy's top-2 logits are within GPU_TIE of each other, if it diverges at all."""
+    model = Qwen35ForCausalLM.random(get_preset("tiny", vocab_size=VOCAB), device="cuda", dtype=torch.bfloat16,
+                                     seed=0)
+    randomize_(model, 0)
+    prompt = prompts(1, seed=31)[0] * 4
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    cfg = dict(num_pages=256, page_size=16, max_num_seqs=2, max_model_len=512)
+    with ops.use_backend("triton"):
+        plain = LLMEngine(model, EngineConfig(**cfg)).generate([prompt], params)[0].output_ids
+        spec = LLMEngine(model, EngineConfig(**cfg, speculative_tokens=3))
+        if mode == "random":  # greedy's next tokens up to a random length, then wrong ones
+            def forced(seq, drafts):
+                truth = (plain[len(seq.output_ids):] + [0] * len(drafts))[:len(drafts)]
+                n = random.Random(len(seq.output_ids)).randint(0, len(drafts))
+                return truth[:n] + [(t + 1) % VOCAB for t in truth[n:]]
+            spec.speculator.replace_drafts = forced
+        got = spec.generate([prompt], params)[0].output_ids
+        logits = model(torch.tensor([prompt + plain], device="cuda"),
+                       model.new_cache(1, 512, page_size=16))[0, len(prompt) - 1:-1].float()
+    assert spec.speculator.num_verified > 0
+    same = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), len(plain))
+    if same < len(plain):
+        top2 = logits[same].topk(2).values
+        assert top2[0] - top2[1] < GPU_TIE, f"diverged at token {same} with a top-2 gap of {top2[0] - top2[1]:.3f}"
