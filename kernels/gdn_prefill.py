@@ -235,7 +235,7 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, cu_ptr, first_chunk_ptr,
     bos = tl.load(cu_ptr + i)
     eos = tl.load(cu_ptr + i + 1)
     # a sequence without tokens (a device plan's padding) runs no piece, and its slot, not this step's, is masked
-    # off: masks, not an early return, which made the pass 14% slower at 1 x 32768, H16 (FINDINGS, GDN prefill)
+    # off: masks, not an early return, which made the pass 14% slower at 1 x 32768, H16 (FINDINGS, one layered house)
     live = bos < eos
     c = tl.load(first_chunk_ptr + i).to(tl.int64)  # int64: the h offsets pass 2^31 at long T
     slot = tl.load(slots_ptr + i).to(tl.int64)
