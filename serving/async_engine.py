@@ -251,13 +251,15 @@ class AsyncEngine:
     def _refresh_stats(self) -> None:
         engine = self.engine
         bm, scheduler = engine.block_manager, engine.scheduler
+        spec = engine.speculator
         self.stats = EngineStats(
             requests_waiting=len(scheduler.waiting) + len(self._parked),
             requests_running=len(scheduler.running),
             kv_blocks_total=bm.num_pages, kv_blocks_free=bm.num_available_pages, kv_blocks_cached=len(bm.evictable),
             state_slots_total=engine.cfg.max_num_seqs, state_slots_free=len(scheduler.free_state_slots),
             state_snapshot_slots_total=engine.cfg.snapshot_slots,
-            state_snapshots=len(engine.state_cache), preemptions=scheduler.num_preemptions)
+            state_snapshots=len(engine.state_cache), preemptions=scheduler.num_preemptions,
+            draft_tokens=spec.num_verified if spec else 0, accepted_draft_tokens=spec.num_accepted if spec else 0)
 
     # ---- fault isolation -----------------------------------------------------------------------------------
 

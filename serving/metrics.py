@@ -98,6 +98,8 @@ class EngineStats:
     state_slots_free: int = 0
     state_snapshots: int = 0  # published GDN snapshots of the prefix cache
     preemptions: int = 0
+    draft_tokens: int = 0  # MTP drafts verified (speculative decoding), since start
+    accepted_draft_tokens: int = 0  # of them, those the target kept
 
 
 class ServingMetrics:
@@ -148,4 +150,8 @@ class ServingMetrics:
         lines += gauge("state_slots_free", "GDN state slots not held by a request.", stats.state_slots_free)
         lines += gauge("state_snapshots", "GDN state snapshots held by the prefix cache.", stats.state_snapshots)
         lines += gauge("preemptions_total", "Requests preempted for recomputation.", stats.preemptions, "counter")
+        lines += gauge("spec_decode_draft_tokens_total", "MTP draft tokens verified (--speculative-tokens).",
+                       stats.draft_tokens, "counter")
+        lines += gauge("spec_decode_accepted_tokens_total", "MTP draft tokens the target kept.",
+                       stats.accepted_draft_tokens, "counter")
         return "\n".join(lines) + "\n"

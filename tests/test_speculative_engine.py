@@ -296,3 +296,10 @@ def test_gpu_batch1_speculative_greedy_follows_plain_greedy(mode):
     if same < len(plain):
         top2 = logits[same].topk(2).values
         assert top2[0] - top2[1] < GPU_TIE, f"diverged at token {same} with a top-2 gap of {top2[0] - top2[1]:.3f}"
+
+
+def test_metrics_count_drafts_and_kept_drafts():
+    from serving.metrics import EngineStats, ServingMetrics
+    text = ServingMetrics().render(EngineStats(draft_tokens=30, accepted_draft_tokens=12))
+    assert "fa4_spec_decode_draft_tokens_total 30" in text and "fa4_spec_decode_accepted_tokens_total 12" in text
+    assert "# TYPE fa4_spec_decode_accepted_tokens_total counter" in text
