@@ -243,11 +243,22 @@ class LLMEngine:
             return []
         t1 = time.perf_counter()
         spec = self.speculator
-        verified = spec.verify(chunks)
-        t2 = time.perf_counter()
-        emitted = [self._until_stop(c.seq, tokens) for c, tokens in zip(chunks, spec.accept(chunks, verified))]
-        kept = [len(e) if is_verify(c) else c.num_tokens for c, e in zip(chunks, emitted)]
-        heads = spec.advance(chunks, kept, emitted, verified)
+        device_drafts = None
+        if spec.on_device(chunks):  # greedy decodes: the whole step on the device, one read
+            targets, lengths, device_drafts = spec.greedy_step(chunks)
+            t2 = time.perf_counter()
+            emitted = [self._until_stop(c.seq, t[:n]) for c, t, n in zip(chunks, targets, lengths)]
+            kept = [len(e) for e in emitted]
+            for c, n, length in zip(chunks, kept, lengths):
+                if n < length:  # a stop token among the kept drafts: the state after it, not after L tokens
+                    spec.roll_back(c.seq, n)
+            heads = []
+        else:
+            verified = spec.verify(chunks)
+            t2 = time.perf_counter()
+            emitted = [self._until_stop(c.seq, tokens) for c, tokens in zip(chunks, spec.accept(chunks, verified))]
+            kept = [len(e) if is_verify(c) else c.num_tokens for c, e in zip(chunks, emitted)]
+            heads = spec.advance(chunks, kept, emitted, verified)
         t3 = time.perf_counter()
         for c, tokens in zip(chunks, emitted):
             c.seq.output_ids.extend(tokens)
@@ -261,6 +272,9 @@ class LLMEngine:
                 if reason is not None:
                     self.scheduler.finish(c.seq, reason)
                 outputs.append(StepOutput(c.seq.id, token, reason is not None))
+        if device_drafts is not None:
+            running = [(c.seq, d) for c, d in zip(chunks, device_drafts) if c.seq.status is SequenceStatus.RUNNING]
+            spec.set_drafts([seq for seq, _ in running], [d for _, d in running])
         spec.draft([h for h in heads if h.seq.status is SequenceStatus.RUNNING])
         t5 = time.perf_counter()
         decodes = sum(is_verify(c) for c in chunks)

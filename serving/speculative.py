@@ -74,6 +74,7 @@ class Speculator:
         # a test and benchmark hook: (seq, drafts) -> the drafts to verify instead (forced acceptance)
         self.replace_drafts = None
         self.num_verified = self.num_accepted = 0  # drafts verified and kept, since the start
+        self.num_device_steps = 0  # steps greedy_step ran
 
     def position_slots(self, state_slot: int) -> list[int]:
         """The K slots that hold a running sequence's GDN state after each of its verify step's first tokens."""
@@ -137,8 +138,12 @@ class Speculator:
         self._store_hidden(chunks, kept, v, cu)
         for c, n in zip(chunks, kept):
             if is_verify(c) and n < c.num_tokens:
-                self.pools.copy_slot(self.position_slots(c.seq.state_slot)[n - 1], c.seq.state_slot)
+                self.roll_back(c.seq, n)
         return heads
+
+    def roll_back(self, seq: Sequence, kept: int) -> None:
+        """seq's GDN state (and hidden state) back to the one after its verify step's first `kept` tokens."""
+        self.pools.copy_slot(self.position_slots(seq.state_slot)[kept - 1], seq.state_slot)
 
     def _head_rows(self, chunks, kept, emitted, trunk_hidden, cu) -> list[Head]:
         """The head's rows of the step (see the module's docstring), in one MTP step; returns the drafting starts of
@@ -209,6 +214,92 @@ class Speculator:
                 dst.append(snapshot_slots[i])
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64).to(self.device)
         self.pools.hidden[as_tensor(dst)] = v.hidden[as_tensor(rows)]
+
+    # ---- a greedy decode step on the device ------------------------------------------------------------------
+
+    def on_device(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether greedy_step runs the step: every chunk a greedy sequence's verify chunk of K drafts, with pages
+        for its head's rows up to 2K tokens on (taken here)."""
+        return all(is_verify(c) and len(c.drafts) == self.k and is_greedy(c.seq.params)
+                   and c.start + 2 * self.k <= self.max_model_len for c in chunks) and all(
+            self.block_manager.allocate(c.seq, c.start + 2 * self.k) for c in chunks)
+
+    def greedy_step(self, chunks: list[ScheduledChunk]) -> tuple[list[list[int]], list[int], list[list[int]]]:
+        """The verify step, acceptance, the head's rows, the rollback and the next drafts of greedy verify chunks,
+        all on the device with static shapes (no host value depends on what the step accepts), then one read.
+        Returns each chunk's target tokens (K+1), how many of them it keeps (L), and its next K drafts."""
+        self.runner.sync_page_tables([c.seq for c in chunks])
+        self.runner.num_eager_steps += 1
+        self.num_device_steps += 1
+        dev = self.device
+        rows = [[c.seq.token_slice(c.start, c.start + 1)[0], *c.drafts] for c in chunks]
+        values = torch.tensor([[c.start, c.seq.state_slot] + r for c, r in zip(chunks, rows)], dtype=torch.int64)
+        values = values.to(dev)
+        target, lengths, drafts = self.greedy_step_on(values[:, 2:], values[:, 0], values[:, 1])
+        out = torch.cat([target, lengths[:, None], drafts], 1).tolist()  # the step's one sync
+        k = self.k
+        for r in out:
+            self.num_verified += k
+            self.num_accepted += r[k + 1] - 1
+        return [r[:k + 1] for r in out], [r[k + 1] for r in out], [r[k + 2:] for r in out]
+
+    def greedy_step_on(self, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor):
+        """tokens (B, K+1): each sequence's last token and its drafts, at positions starts (B,) on; slots (B,): their
+        state slots (all int64 on the device). Returns (the target's argmax (B, K+1), L (B,), the next drafts
+        (B, K)). Static shapes and no host read: what a CUDA graph of the step would capture."""
+        k, ps, model, pools = self.k, self.page_size, self.model, self.pools
+        b, q, dev = tokens.shape[0], k + 1, tokens.device
+        table = self.runner.table.index_select(0, slots)  # (B, W) the sequences' pages
+
+        def kv_slots(positions):  # (B, n) -> the flat KV slots of those positions
+            return table.gather(1, positions // ps).long() * ps + positions % ps
+
+        def step_of(positions, token_ids, position_slots=None):  # B sequences of n tokens at positions (B, n)
+            n = positions.shape[1]
+            return StepInput(token_ids=token_ids.reshape(-1), positions=positions.reshape(-1),
+                             cu_seqlens=torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=dev),
+                             max_seqlen_q=n, cu_seqlens_host=tuple(range(0, (b + 1) * n, n)),
+                             seqused_k=(positions[:, -1] + 1).int(), page_table=table,
+                             slot_mapping=kv_slots(positions).reshape(-1), state_slots=slots,
+                             position_slots=position_slots)
+
+        pos_slots = self.first_position_slot + slots[:, None] * k + torch.arange(k, device=dev)  # (B, K)
+        positions = starts[:, None] + torch.arange(q, device=dev)  # (B, K+1)
+        per_token = torch.cat([pos_slots, torch.full_like(pos_slots[:, :1], -1)], 1)
+        logits, hidden = model.forward_step(step_of(positions, tokens, per_token.reshape(-1)), pools,
+                                            all_logits=True, with_hidden=True)
+        target = ops.argmax(logits).view(b, q)
+        lengths = (tokens[:, 1:] == target[:, :k]).long().cumprod(1).sum(1) + 1  # (B,) 1..K+1
+        # the head's rows start-1 .. start+K: tokens [last, target 0..K] (the kept drafts, the target's own token,
+        # then rows past it that the next step computes again), hidden [the slot's, the trunk's rows]
+        hidden = hidden.view(b, q, -1)
+        head_in = torch.cat([pools.hidden.index_select(0, slots)[:, None], hidden], 1).reshape(b * (q + 1), -1)
+        head_pos = starts[:, None] - 1 + torch.arange(q + 1, device=dev)
+        rows = torch.arange(b, device=dev) * (q + 1) + lengths  # row start-1+L: its prediction is draft 1
+        head_logits, head_out = model.forward_mtp(step_of(head_pos, torch.cat([tokens[:, :1], target], 1)), head_in,
+                                                  pools, logit_rows=rows)
+        # each slot's hidden state (position slots: their token's; the state slot: its last kept token's), then the
+        # rollback of every GDN layer's state to the position slot of token L-1 where a draft was rejected
+        kept = torch.arange(b, device=dev), lengths - 1
+        pools.hidden[pos_slots.reshape(-1)] = hidden[:, :k].reshape(b * k, -1)
+        pools.hidden[slots] = hidden[kept]
+        src = torch.where(lengths <= k, pos_slots.gather(1, (lengths - 1).clamp(max=k - 1)[:, None])[:, 0], slots)
+        pools.conv_states[:, slots] = pools.conv_states[:, src]
+        pools.recurrent_states[:, slots] = pools.recurrent_states[:, src]
+        drafts = [ops.argmax(head_logits)]
+        out = head_out[rows]
+        for j in range(1, k):  # draft j+1 from the row at start-1+L+j: draft j and the head's output before it
+            chain_pos = (starts - 1 + lengths + j)[:, None]
+            logits_j, out = model.forward_mtp(step_of(chain_pos, drafts[-1][:, None]), out, pools, all_logits=True)
+            drafts.append(ops.argmax(logits_j))
+        return target, lengths, torch.stack(drafts, 1)
+
+    def set_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> None:
+        """greedy_step's drafts for the sequences still running (through replace_drafts where set)."""
+        for seq, d in zip(seqs, drafts):
+            seq.draft_ids, seq.draft_probs = list(d), None
+            if self.replace_drafts is not None:
+                seq.draft_ids = list(self.replace_drafts(seq, list(d)))[:len(d)]
 
     # ---- drafting --------------------------------------------------------------------------------------------
 
