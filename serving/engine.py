@@ -79,9 +79,9 @@ class LLMEngine:
         self.cfg = cfg
         k = cfg.speculative_tokens
         mtp_layers = model.config.mtp_num_hidden_layers if k else 0
-        # slots: the running sequences', the snapshots', K position slots a running sequence (speculating), and the
-        # last one, which is padding's (as is the last page)
-        num_slots = cfg.max_num_seqs * (1 + k) + cfg.snapshot_slots + 1
+        # slots: the running sequences', the snapshots', K position slots a running sequence and K for the padding
+        # (speculating), and the last one, which is padding's (as is the last page)
+        num_slots = cfg.max_num_seqs * (1 + k) + cfg.snapshot_slots + k + 1
         # tensor parallel: rank 0 sends each step to the workers (serving.tp_link), whose engines only hold the
         # pools and the runner; every rank's pools hold its own heads (model.cache_config). None at TP=1.
         self.link = leader_link(model)
@@ -96,10 +96,11 @@ class LLMEngine:
             why_not = "not a CUDA device"
         elif not cfg.cuda_graphs:
             why_not = "cuda_graphs off (enforce eager)"
-        elif k:
-            why_not = "speculative steps run eagerly"
         else:
             why_not = graphs_unsupported(model)
+        spec_graphs = why_not is None
+        if k and why_not is None:  # the speculative steps' own graphs replace the decode graphs
+            why_not = "speculative decoding: greedy decode steps replay graphs of their own"
         use_graphs = why_not is None
         prefill_graphs = None
         prefill_rows = cfg.prefill_graph_rows()
@@ -116,7 +117,11 @@ class LLMEngine:
         if k:
             self.speculator = Speculator(model, self.pools, self.runner, self.block_manager, num_drafts=k,
                                          first_position_slot=cfg.max_num_seqs + cfg.snapshot_slots,
-                                         page_size=cfg.page_size, max_model_len=cfg.max_model_len)
+                                         page_size=cfg.page_size, max_model_len=cfg.max_model_len,
+                                         max_num_seqs=cfg.max_num_seqs,
+                                         graph_sizes=cfg.graph_batch_sizes() if spec_graphs or pad_decode else (),
+                                         use_graphs=spec_graphs)
+            self.speculator.capture()
         sizes = list(self.runner.graph_sizes)
         self.graphs = f"decode CUDA graphs at batch {sizes}" if use_graphs else f"eager decode ({why_not})"
         if prefill_graphs is not None:
@@ -125,7 +130,8 @@ class LLMEngine:
                                             k, mtp_layers)
                              + f"; max_model_len {cfg.max_model_len}; {self.graphs}")
         if k:
-            self.pool_summary += f"; MTP speculative decoding, {k} drafts a step"
+            graphs = f"graphs at batch {list(self.speculator.graphs)}" if self.speculator.graphs else "eager"
+            self.pool_summary += f"; MTP speculative decoding, {k} drafts a step (greedy decode steps: {graphs})"
         log.info("engine: %s", self.pool_summary)
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0
@@ -156,7 +162,7 @@ class LLMEngine:
             k = cfg.speculative_tokens
             num_pages, snapshot_slots, sizing = pages_for_memory(
                 model, utilization=cfg.gpu_memory_utilization, page_size=cfg.page_size,
-                num_slots=cfg.max_num_seqs * (1 + k) + 1, max_model_len=max_len,
+                num_slots=cfg.max_num_seqs * (1 + k) + k + 1, max_model_len=max_len,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                 state_cache_fraction=cfg.state_cache_fraction, state_cache_gb=cfg.state_cache_gb,
                 graph_rows=cfg.prefill_graph_rows() if cfg.cuda_graphs and not k else 0,

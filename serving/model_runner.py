@@ -452,10 +452,10 @@ def pages_for_memory(model: Qwen35ForCausalLM, *, utilization: float, page_size:
 def describe_pools(model: Qwen35ForCausalLM, num_pages: int, page_size: int, running_slots: int,
                    snapshot_slots: int, num_drafts: int = 0, mtp_layers: int = 0) -> str:
     """The pools, for the start-up log: the GDN slots as running_slots (max_num_seqs), snapshot_slots and, speculating,
-    num_drafts position slots a running sequence, plus the padding's one slot."""
+    num_drafts position slots a running sequence and the padding's, plus the padding's one slot."""
     slot = state_slot_bytes(model)
     kv = num_pages * kv_page_bytes(model, page_size, mtp_layers)
-    position = running_slots * num_drafts
+    position = (running_slots + 1) * num_drafts
     st = (running_slots + snapshot_slots + position + 1) * slot
     mtp = ", with the MTP head's layer" if mtp_layers else ""
     positions = f", position_slots {position}" if num_drafts else ""

@@ -59,9 +59,11 @@ def emits(c: ScheduledChunk) -> bool:
 
 class Speculator:
     def __init__(self, model: Qwen35ForCausalLM, pools: CachePools, runner, block_manager: KVBlockManager, *,
-                 num_drafts: int, first_position_slot: int, page_size: int, max_model_len: int):
-        """runner: the engine's ModelRunner (its page-table rows by state slot); position slots: K a running slot,
-        from first_position_slot on."""
+                 num_drafts: int, first_position_slot: int, page_size: int, max_model_len: int, max_num_seqs: int,
+                 graph_sizes: tuple[int, ...] = (), use_graphs: bool = False):
+        """runner: the engine's ModelRunner (its page-table rows by state slot, its padding slot and page); position
+        slots: K a running slot from first_position_slot on, then K for the padding slot. graph_sizes: the batch
+        ladder greedy steps are padded to (empty: none); use_graphs: capture them (CUDA)."""
         if not model.has_mtp:
             raise ValueError("speculative decoding needs the model's MTP head; this model has none (a checkpoint "
                              "without mtp.* tensors)")
@@ -75,6 +77,14 @@ class Speculator:
         self.replace_drafts = None
         self.num_verified = self.num_accepted = 0  # drafts verified and kept, since the start
         self.num_device_steps = 0  # steps greedy_step ran
+        self.padding_position_slots = list(range(first_position_slot + max_num_seqs * num_drafts,
+                                                 first_position_slot + (max_num_seqs + 1) * num_drafts))
+        self.graph_sizes = tuple(sorted(graph_sizes))
+        self.use_graphs = use_graphs and self.device.type == "cuda" and bool(graph_sizes)
+        self.graphs: dict[int, tuple] = {}  # batch -> (graph, its outputs)
+        top = max(self.graph_sizes, default=0)
+        # static inputs of greedy_step_on, one row a sequence: K+1 tokens, start, state slot, K position slots
+        self.inputs = torch.zeros(top, 2 * num_drafts + 3, dtype=torch.int64, device=self.device)
 
     def position_slots(self, state_slot: int) -> list[int]:
         """The K slots that hold a running sequence's GDN state after each of its verify step's first tokens."""
@@ -229,25 +239,40 @@ class Speculator:
         all on the device with static shapes (no host value depends on what the step accepts), then one read.
         Returns each chunk's target tokens (K+1), how many of them it keeps (L), and its next K drafts."""
         self.runner.sync_page_tables([c.seq for c in chunks])
-        self.runner.num_eager_steps += 1
         self.num_device_steps += 1
-        dev = self.device
-        rows = [[c.seq.token_slice(c.start, c.start + 1)[0], *c.drafts] for c in chunks]
-        values = torch.tensor([[c.start, c.seq.state_slot] + r for c, r in zip(chunks, rows)], dtype=torch.int64)
-        values = values.to(dev)
-        target, lengths, drafts = self.greedy_step_on(values[:, 2:], values[:, 0], values[:, 1])
-        out = torch.cat([target, lengths[:, None], drafts], 1).tolist()  # the step's one sync
-        k = self.k
+        k, n = self.k, len(chunks)
+        rows = [[c.seq.token_slice(c.start, c.start + 1)[0], *c.drafts, c.start, c.seq.state_slot,
+                 *self.position_slots(c.seq.state_slot)] for c in chunks]
+        bs = next((size for size in self.graph_sizes if size >= n), n)
+        rows += [self.padding_row] * (bs - n)
+        pinned = self.device.type == "cuda"
+        values = torch.tensor(rows, dtype=torch.int64, pin_memory=pinned).to(self.device, non_blocking=True)
+        graph = self.graphs.get(bs)
+        if graph is not None:
+            self.inputs[:bs].copy_(values)
+            graph[0].replay()
+            target, lengths, drafts = graph[1]
+        else:
+            self.runner.num_eager_steps += 1
+            target, lengths, drafts = self.greedy_step_on(values)
+        out = torch.cat([target, lengths[:, None], drafts], 1)[:n].tolist()  # the step's one sync
         for r in out:
             self.num_verified += k
             self.num_accepted += r[k + 1] - 1
         return [r[:k + 1] for r in out], [r[k + 1] for r in out], [r[k + 2:] for r in out]
 
-    def greedy_step_on(self, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor):
-        """tokens (B, K+1): each sequence's last token and its drafts, at positions starts (B,) on; slots (B,): their
-        state slots (all int64 on the device). Returns (the target's argmax (B, K+1), L (B,), the next drafts
-        (B, K)). Static shapes and no host read: what a CUDA graph of the step would capture."""
+    @property
+    def padding_row(self) -> list[int]:
+        """greedy_step_on's input row of a padding sequence: token 0 from position 1 of the padding slot (and page)."""
+        return [0] * (self.k + 1) + [1, self.runner.dummy_slot, *self.padding_position_slots]
+
+    def greedy_step_on(self, values: torch.Tensor):
+        """values (B, 2K+3) int64 on the device, a row a sequence: its last token and K drafts, the position of the
+        first, its state slot and its K position slots. Returns (the target's argmax (B, K+1), L (B,), the next
+        drafts (B, K)). Static shapes and no host read: what a CUDA graph of the step captures."""
         k, ps, model, pools = self.k, self.page_size, self.model, self.pools
+        tokens, starts, slots, pos_slots = values.split([k + 1, 1, 1, k], dim=1)
+        starts, slots = starts[:, 0], slots[:, 0]
         b, q, dev = tokens.shape[0], k + 1, tokens.device
         table = self.runner.table.index_select(0, slots)  # (B, W) the sequences' pages
 
@@ -263,7 +288,6 @@ class Speculator:
                              slot_mapping=kv_slots(positions).reshape(-1), state_slots=slots,
                              position_slots=position_slots)
 
-        pos_slots = self.first_position_slot + slots[:, None] * k + torch.arange(k, device=dev)  # (B, K)
         positions = starts[:, None] + torch.arange(q, device=dev)  # (B, K+1)
         per_token = torch.cat([pos_slots, torch.full_like(pos_slots[:, :1], -1)], 1)
         logits, hidden = model.forward_step(step_of(positions, tokens, per_token.reshape(-1)), pools,
@@ -293,6 +317,30 @@ class Speculator:
             logits_j, out = model.forward_mtp(step_of(chain_pos, drafts[-1][:, None]), out, pools, all_logits=True)
             drafts.append(ops.argmax(logits_j))
         return target, lengths, torch.stack(drafts, 1)
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture greedy_step_on at each batch of the ladder (largest first, one memory pool), each warmed up first
+        on padding rows (which touch only the padding slot, its position slots and the padding page)."""
+        if not self.use_graphs:
+            return
+        padding = torch.tensor(self.padding_row, device=self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bs in self.graph_sizes:
+                self.inputs[:bs].copy_(padding.expand(bs, -1))
+                self.greedy_step_on(self.inputs[:bs])
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        pool = None
+        for bs in sorted(self.graph_sizes, reverse=True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.greedy_step_on(self.inputs[:bs])
+            pool = graph.pool()
+            self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize(self.device)
 
     def set_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> None:
         """greedy_step's drafts for the sequences still running (through replace_drafts where set)."""

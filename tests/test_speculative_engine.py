@@ -75,6 +75,21 @@ def test_speculative_greedy_equals_plain_greedy(model, k, mode):
         assert spec.speculator.num_accepted == 0
 
 
+def test_padded_device_steps_equal_unpadded(model):
+    """Greedy decode steps padded to the graph ladder (3 sequences run at batch 4: one padding row on the padding
+    slot, its position slots and the padding page) decode greedy's tokens; what graphs replay on a GPU."""
+    batch = prompts(3, seed=41)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    eng = LLMEngine(model, EngineConfig(num_pages=128, page_size=4, max_num_seqs=4, speculative_tokens=3),
+                    pad_decode=True)
+    eng.speculator.replace_drafts = forcing(model, "random", seed=5)
+    assert eng.speculator.graph_sizes == (1, 2, 4) and not eng.speculator.graphs
+    outputs = eng.generate(batch, params)
+    for prompt, out in zip(batch, outputs):
+        assert out.output_ids == plain_greedy(model, prompt, 12)
+    assert eng.speculator.num_device_steps > 0
+
+
 def test_verify_steps_emit_several_tokens_a_step(model):
     """All drafts kept: a sequence of 13 new tokens takes its prefill and ceil(12 / (K+1)) verify steps."""
     spec = engine(model, 3)
@@ -291,7 +306,7 @@ def test_gpu_batch1_speculative_greedy_follows_plain_greedy(mode):
         got = spec.generate([prompt], params)[0].output_ids
         logits = model(torch.tensor([prompt + plain], device="cuda"),
                        model.new_cache(1, 512, page_size=16))[0, len(prompt) - 1:-1].float()
-    assert spec.speculator.num_verified > 0
+    assert spec.speculator.num_verified > 0 and spec.speculator.graphs  # greedy decode steps from CUDA graphs
     same = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), len(plain))
     if same < len(plain):
         top2 = logits[same].topk(2).values
