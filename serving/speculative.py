@@ -77,6 +77,7 @@ class Speculator:
         self.replace_drafts = None
         self.num_verified = self.num_accepted = 0  # drafts verified and kept, since the start
         self.num_device_steps = 0  # steps greedy_step ran
+        self.num_verify_steps = 0  # verify chunks with drafts, since the start
         self.padding_position_slots = list(range(first_position_slot + max_num_seqs * num_drafts,
                                                  first_position_slot + (max_num_seqs + 1) * num_drafts))
         self.graph_sizes = tuple(sorted(graph_sizes))
@@ -132,6 +133,7 @@ class Speculator:
             out.append(tokens[0, :int(n[0])].tolist())
         for c, e in zip(chunks, out):
             if c.drafts:
+                self.num_verify_steps += 1
                 self.num_verified += len(c.drafts)
                 self.num_accepted += min(len(e), len(c.drafts) + 1) - 1
         return out
@@ -257,6 +259,7 @@ class Speculator:
             target, lengths, drafts = self.greedy_step_on(values)
         out = torch.cat([target, lengths[:, None], drafts], 1)[:n].tolist()  # the step's one sync
         for r in out:
+            self.num_verify_steps += 1
             self.num_verified += k
             self.num_accepted += r[k + 1] - 1
         return [r[:k + 1] for r in out], [r[k + 1] for r in out], [r[k + 2:] for r in out]

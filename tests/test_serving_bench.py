@@ -91,6 +91,17 @@ def test_bench_with_speculation_on_the_cpu(model, tmp_path, capsys):
     assert "custom|short|c2|cpu|graphs|speculative_tokens2" in runs
 
 
+@pytest.mark.parametrize("forced", [3.0, 1.5])
+def test_bench_forced_acceptance_on_the_cpu(model, tmp_path, forced):
+    """--forced-acceptance L: drafts set to the recorded greedy tokens, kept to a mean length L; the outputs are
+    greedy's all the same."""
+    run = bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.08", "--turns", "2", "--max-new",
+                              "40", "--concurrency", "1", "--out-dir", str(tmp_path), "--no-progress",
+                              "--speculative-tokens", "2", "--forced-acceptance", str(forced)], model=model)
+    length = run["overall"]["acceptance_length"]  # a verify step near a request's end checks fewer drafts
+    assert forced - 0.5 < length <= forced + 0.25, length
+
+
 def test_step_verdict_names_the_longer_phase():
     assert bench_serving.step_verdict(30.0, 0.2).startswith("dispatch-bound")
     assert bench_serving.step_verdict(3.0, 12.0).startswith("GPU-bound")
