@@ -467,6 +467,8 @@ def run_key(args) -> str:
                     if getattr(args, name) != default)
     if args.sessions:
         knobs += f"|sessions{args.sessions}"
+    if args.forced_acceptance:
+        knobs += f"|forced_L{args.forced_acceptance:g}"
     if args.snapshot_slots is not None:
         knobs += f"|snapshot_slots{args.snapshot_slots}"
     if args.kv_working_set is not None:
