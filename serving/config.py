@@ -63,8 +63,8 @@ class EngineConfig:
     when decode graphs are on and the model allows (not tensor parallel, not the reference MoE); None: every
     prefill step (max_num_batched_tokens + max_num_seqs); 0: off.
     speculative_tokens: K in 0..4, the drafts of the model's MTP head that each decode step verifies (serving.
-    speculative); 0: off. Needs a model with its MTP head, at world size 1. Its steps run eagerly: no decode-ahead,
-    interleaved slices or graphs."""
+    speculative); 0: off. Needs a model with its MTP head, at world size 1. Greedy decode steps replay CUDA graphs
+    of their own; the other steps run eagerly, with no decode-ahead, interleaved slices or prefill graphs."""
     num_pages: int = 256
     page_size: int = 16
     max_num_seqs: int = 8

@@ -13,6 +13,13 @@ the chunk emitted a token (a prompt's tail, a verify step): that row's predictio
 each reading the head's own output and the draft before, give drafts 2..K. Row start-1 reads the hidden state that
 the slot keeps beside the GDN state (CachePools.hidden), so the head's KV covers every computed position but the
 last, in the trunk's pages, and a prefix hit of n tokens computes only row n-1 again (its snapshot's hidden state).
+
+Two paths. A step whose chunks are all greedy decodes with K drafts runs on the device (greedy_step): its shapes do
+not depend on what it accepts, because the head takes rows start-1 .. start+K with the target's own tokens as their
+next tokens (the kept drafts, the target's token, then rows past it that the next step computes again), and the
+rollback and the drafting start are gathers by L. Those steps are padded to the batch ladder and replayed from CUDA
+graphs, with one read of their tokens. Other steps (prompts, sampled requests, fewer drafts) take the host path:
+verify, accept, advance, draft.
 """
 from dataclasses import dataclass
 
