@@ -1,7 +1,8 @@
 #!/bin/bash
 # The layered house (issue 48) against cf00f67 on one GPU machine. ab_refs/trees.tar.xz holds both trees without
 # their tests/ and profiles/results/ (to fit the 64 MiB carry): base/ (`git archive cf00f67`) and new/ (the tree
-# under test). Run with RUN="C1 HOST BIG C16 KER" (any of them) and ALT (default "base new new base": the order of
+# under test). Run with RUN="C1 HOST BIG C16 KER" (any of them;
+# GDN: only the GDN prefill row of KER) and ALT (default "base new new base": the order of
 # the sides; two calls with ALT="base new" then ALT="new base" on one warm machine make one alternation), carrying
 # .gpu (../shared/gpu/make-bundle.sh) and ab_refs. T: GPU tests of this checkout (TESTARGS: paths, default tests/).
 [ -d /tmp/site/flash_attn ] || tar -xJf .gpu/site.tar.xz -C /tmp
@@ -46,7 +47,11 @@ for side in ${ALT:-base new new base}; do
   if part KER; then
     run_side $side "decode attention" 120 python3 -m profiles.bench_decode --only attention --quick --out $OUT/$side \
       | tail -4
+  fi
+  if part KER || part GDN; then
     run_side $side "gdn prefill" 120 python3 -m profiles.bench_prefill --only gdn --out $OUT/$side | tail -6
+  fi
+  if part KER; then
     run_side $side "cute prefill" 150 python3 -m profiles.bench_prefill --only cute --out $OUT/$side | tail -8
   fi
 done 2>&1 | tee -a $OUT/ab.log
