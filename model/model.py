@@ -184,18 +184,23 @@ class Qwen35ForCausalLM(nn.Module):
         logits = self.logits(h if rows is None else h[rows])
         yield (logits, h) if with_hidden else logits
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        # h: (n, hidden) normed -> (n, vocab)
+    def logits(self, h: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+        # h: (n, hidden) normed -> (n, vocab); vocab: only the first `vocab` token ids' (the lm_head's first rows)
+        if vocab is not None and vocab < self.config.vocab_size:
+            if self.plan.sharded:
+                raise ValueError("a reduced vocab runs at tensor-parallel world size 1")
+            return ops.linear(h, self.lm_head.weight[:vocab])
         logits = self.lm_head(h)
         return gather_logits(logits, self.plan) if self.plan.sharded else logits
 
     @torch.no_grad()
     def forward_mtp(self, step: StepInput, hidden: torch.Tensor, pools: CachePools, *, all_logits: bool = False,
-                    logit_rows: torch.Tensor | None = None):
+                    logit_rows: torch.Tensor | None = None, vocab: int | None = None):
         """The MTP head over a step whose token_ids are each row's next token (row t: token t+1 at position t) and
         hidden (N, hidden) the trunk's (or the previous draft's) normed hidden state of each row. Writes the head's
         KV into its pool layer (pools from new_cache(mtp=True) or a pool with one more attention layer).
-        Returns (logits (N, B or R, vocab) as forward_step's, the head's output hidden (N, hidden))."""
+        Returns (logits (N, B or R, vocab) as forward_step's, the head's output hidden (N, hidden)); with vocab,
+        the logits of the first `vocab` token ids only (a reduced draft vocabulary)."""
         if self.mtp is None:
             raise ValueError("this model has no MTP head (its checkpoint has no mtp.* tensors)")
         j = len(self.config.full_attention_layers)
@@ -204,7 +209,7 @@ class Qwen35ForCausalLM(nn.Module):
         self.prepare_rope(step)
         h = self.mtp(self.embed(step.token_ids), hidden, step, pools.k_pages[j], pools.v_pages[j])
         rows = logit_rows if logit_rows is not None else None if all_logits else step.last_token_indices
-        return self.logits(h if rows is None else h[rows]), h
+        return self.logits(h if rows is None else h[rows], vocab), h
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: SequenceCache, *, all_logits: bool = True) -> torch.Tensor:

@@ -388,7 +388,8 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
                   decode_ahead=bool(args.decode_ahead), fed_decode=bool(args.fed_decode),
                   token_ring=bool(args.token_ring), kv_eviction=args.kv_eviction,
                   state_cache_fraction=args.state_cache_fraction,
-                  state_cache_gb=args.state_cache_gb, speculative_tokens=args.speculative_tokens)
+                  state_cache_gb=args.state_cache_gb, speculative_tokens=args.speculative_tokens,
+                  draft_vocab_size=args.speculative_draft_vocab)
     if args.kv_working_set is not None:  # a fixed pool on either device
         pages = int(args.kv_working_set * working_set_pages(traces, page))
         return LLMEngine(model, EngineConfig(num_pages=max(pages, args.concurrency * max_len // page), **common))
@@ -402,8 +403,10 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
 
 def record_greedy(model, args, traces: list[Trace]) -> dict[tuple, list[int]]:
     """--forced-acceptance: each request's greedy tokens, by prompt, from a replay without speculation (speculative
-    greedy decodes the same tokens, so the replay with speculation sends the same prompts)."""
-    plain = argparse.Namespace(**{**vars(args), "speculative_tokens": 0})
+    greedy decodes the same tokens, so the replay with speculation sends the same prompts). Its pool holds the trace's
+    working set (unless --kv-working-set says otherwise), so the speculative engine is sized from what it leaves."""
+    plain = argparse.Namespace(**{**vars(args), "speculative_tokens": 0, "speculative_draft_vocab": 0,
+                                  "kv_working_set": 1.0 if args.kv_working_set is None else args.kv_working_set})
     engine = make_engine(model, plain, traces)
     recorded, pop = {}, engine.pop_output
 
@@ -414,6 +417,7 @@ def record_greedy(model, args, traces: list[Trace]) -> dict[tuple, list[int]]:
     engine.pop_output = pop_and_record
     replay(engine, traces, args.concurrency, progress=False, sessions=bool(args.sessions))
     del engine
+    gc.unfreeze()  # its warm-up froze its objects (LLMEngine.warm_up): its pools must go before the next engine's
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -457,7 +461,8 @@ ENGINE_KNOBS = {"chunk": EngineConfig.max_num_batched_tokens, "fast_lane": 1024,
                 "prefill_graphs": EngineConfig.prefill_graph_tokens,
                 "decode_ahead": int(EngineConfig.decode_ahead), "fed_decode": int(EngineConfig.fed_decode),
                 "token_ring": int(EngineConfig.token_ring), "kv_eviction": EngineConfig.kv_eviction,
-                "speculative_tokens": EngineConfig.speculative_tokens}
+                "speculative_tokens": EngineConfig.speculative_tokens,
+                "speculative_draft_vocab": EngineConfig.draft_vocab_size}
 
 
 def run_key(args) -> str:
@@ -572,6 +577,7 @@ def main(argv=None, model=None) -> dict:
     ap.add_argument("--per-request", action="store_true",
                     help="also print a row per request and keep them in serving.json")
     args = ap.parse_args(argv)
+    cli.check_speculative(ap, args)
     knob, values = parse_sweep(args.sweep)
     if args.sessions and args.num_traces and args.num_traces != args.sessions:
         raise SystemExit(f"--sessions {args.sessions} replays {args.sessions} traces: leave out --num-traces")

@@ -1,11 +1,14 @@
 """What MTP speculation's steps cost on the GPU, each replayed from a CUDA graph at batch 1 over a ctx-token context:
 a plain decode step, the verify step of K drafts (K+1 tokens, the GDN layers keeping every token's state), the MTP
-head over n rows (the rows after acceptance: n = L + 1) and one draft row (the chain), each with its full-vocabulary
-lm_head and argmax, and the rollback (a slot copy). From them, a projection of tokens a second at acceptance length L:
-    L / (verify(K) + head(L + 1 rows) + (K - 1) draft rows + rollback)   against   1 / decode
-labelled as a projection: the engine's speculative steps do not run in graphs yet. RANDOM weights (a preset).
+head over n rows (the rows after acceptance: n = L + 1) with the lm_head and argmax at its last row, as the engine
+runs it, and the rollback (a slot copy). The head is timed twice in one process: with the full vocabulary and with
+a draft vocabulary of the first --draft-vocab ids (EngineConfig.draft_vocab_size). From them, a projection of
+tokens a second at acceptance length L:
+    L / (verify(K) + head(L + 1 rows) + (K - 1) head(1 row) + rollback)   against   1 / decode
+labelled as a projection (the engine replays the whole step as one graph; `profiles.bench_serving
+--forced-acceptance` measures it end to end). RANDOM weights (a preset).
 
-    python -m profiles.bench_spec --model qwen3.5-2b --ctx 8192
+    python -m profiles.bench_spec --model qwen3.5-2b --ctx 8192 --draft-vocab 32768
 """
 import argparse
 
@@ -56,6 +59,8 @@ def main(argv=None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3.5-2b", help="a preset (random weights) or a checkpoint with mtp.*")
     ap.add_argument("--ctx", type=int, default=8192, help="cached tokens before the step")
+    ap.add_argument("--draft-vocab", type=int, default=32768, help="the reduced draft vocabulary timed beside the "
+                    "full one (the first N token ids)")
     ap.add_argument("--out", default=None, help="where spec.json goes (default profiles/results)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -77,36 +82,41 @@ def main(argv=None) -> dict:
                 return ops.argmax(model.forward_step(step, pools, all_logits=True))
         return run
 
-    def head(rows: int):
+    def head(rows: int, vocab: int | None):
         step = step_at(args.ctx, rows, pages, dev, False)
+        last = torch.tensor([rows - 1], device=dev)
         def run():
             with decode_step_rows():
-                logits, _ = model.forward_mtp(step, hidden[:rows], pools, all_logits=True)
+                logits, _ = model.forward_mtp(step, hidden[:rows], pools, logit_rows=last, vocab=vocab)
                 return ops.argmax(logits)
         return run
 
     decode = graph_us(trunk(1, False))
     rows = [progress(dict(what="plain decode step", tokens=1, us=decode))]
-    heads = {n: graph_us(head(n)) for n in range(1, k_max + 3)}
-    rows += [progress(dict(what="MTP head rows", tokens=n, us=t)) for n, t in heads.items()]
+    vocabs = {"full vocab": None, f"first {args.draft_vocab} ids": args.draft_vocab}
+    heads = {name: {n: graph_us(head(n, v)) for n in range(1, k_max + 3)} for name, v in vocabs.items()}
+    rows += [progress(dict(what=f"MTP head rows, {name}", tokens=n, us=t, vs_decode=t / decode))
+             for name, times in heads.items() for n, t in times.items()]
     rollback = graph_us(lambda: pools.copy_slot(1, 0))
     rows.append(progress(dict(what="rollback (slot copy)", tokens=0, us=rollback)))
     projections = []
     for k in range(1, k_max + 1):
         verify = graph_us(trunk(k + 1, True))
         rows.append(progress(dict(what=f"verify step, K={k}", tokens=k + 1, us=verify, vs_decode=verify / decode)))
-        for length in sorted({1.0, 2.0, 3.0, float(k + 1)} | ({PUBLISHED_L} if k == 3 else set())):
-            if length <= k + 1:
-                projections.append(project(k, length, verify, heads, rollback, decode))
+        for name, times in heads.items():
+            for length in sorted({1.0, 2.0, 3.0, float(k + 1)} | ({PUBLISHED_L} if k == 3 else set())):
+                if length <= k + 1:
+                    projections.append(dict(draft=name, **project(k, length, verify, times, rollback, decode)))
     print_table(rows, ["what", "tokens", "us", "vs_decode"])
-    print(f"\ndraft row: {heads[1]:.1f} us = {heads[1] / decode:.1%} of a plain decode step "
-          f"({model.config.vocab_size} x {model.config.hidden_size} lm_head in it)")
-    print("\nPROJECTION (graphs assumed; the engine's speculative steps are eager today):")
-    print_table(projections, ["K", "L", "step_us", "tok_s", "vs_plain"])
+    for name, times in heads.items():
+        print(f"draft row, {name}: {times[1]:.1f} us = {times[1] / decode:.1%} of a plain decode step")
+    print("\nPROJECTION (the pieces' graphs added up):")
+    print_table(projections, ["draft", "K", "L", "step_us", "tok_s", "vs_plain"])
     payload = dict(what="MTP speculation's step costs, batch 1, CUDA graphs; projected tok/s at acceptance length L "
                         "(a projection)", model=describe_model(args.model), ctx=args.ctx,
                    environment=environment(), steps=rows, projection=projections,
-                   plain_decode_tok_s=1e6 / decode, draft_row_vs_decode=heads[1] / decode)
+                   plain_decode_tok_s=1e6 / decode,
+                   draft_row_vs_decode={name: times[1] / decode for name, times in heads.items()})
     write_result("spec", payload, args.out)
     return payload
 

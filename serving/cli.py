@@ -97,10 +97,19 @@ def add_state_cache_args(ap: argparse.ArgumentParser, cpu_slots: int | None = No
 
 
 def add_speculative_args(ap: argparse.ArgumentParser) -> None:
-    """--speculative-tokens: EngineConfig.speculative_tokens."""
+    """--speculative-tokens, --speculative-draft-vocab: EngineConfig.speculative_tokens and draft_vocab_size."""
     ap.add_argument("--speculative-tokens", type=int_at_least(0, MAX_SPECULATIVE_TOKENS), default=0, metavar="K",
                     help="drafts of the model's MTP head that each decode step verifies, 0..4 (0: off; needs the "
                          "checkpoint's mtp.* weights, which presets have at random)")
+    ap.add_argument("--speculative-draft-vocab", type=int_at_least(0), default=0, metavar="N",
+                    help="with --speculative-tokens: draft among the first N token ids only (0: the full vocab); "
+                         "a cheaper draft head, exact output")
+
+
+def check_speculative(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A draft vocab without drafts is a mistake on the command line: say so there (argparse's exit 2)."""
+    if args.speculative_draft_vocab and not args.speculative_tokens:
+        ap.error("argument --speculative-draft-vocab: needs --speculative-tokens K >= 1")
 
 
 def prog(module: str) -> str:

@@ -64,7 +64,11 @@ class EngineConfig:
     prefill step (max_num_batched_tokens + max_num_seqs); 0: off.
     speculative_tokens: K in 0..4, the drafts of the model's MTP head that each decode step verifies (serving.
     speculative); 0: off. Needs a model with its MTP head, at world size 1. Greedy decode steps replay CUDA graphs
-    of their own; the other steps run eagerly, with no decode-ahead, interleaved slices or prefill graphs."""
+    of their own; the other steps run eagerly, with no decode-ahead, interleaved slices or prefill graphs.
+    draft_vocab_size: with speculative_tokens, the MTP head drafts among the first N token ids only, 0: all of them.
+    The full lm_head is most of a draft's bytes (2B: 248k x 2048, 1 GB); Qwen's byte-level BPE numbers tokens in
+    merge order, so the first ids are the common ones. Output stays exact (the target verifies every draft); only
+    acceptance can drop, at tokens past N."""
     num_pages: int = 256
     page_size: int = 16
     max_num_seqs: int = 8
@@ -88,6 +92,7 @@ class EngineConfig:
     snapshot_interval: int = 4096
     kv_eviction: str = "mru"
     speculative_tokens: int = 0
+    draft_vocab_size: int = 0
 
     def __post_init__(self):
         if min(self.num_pages, self.page_size, self.max_num_seqs, self.max_num_batched_tokens) < 1:
@@ -114,6 +119,9 @@ class EngineConfig:
         if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_tokens must lie in [0, {MAX_SPECULATIVE_TOKENS}], got "
                              f"{self.speculative_tokens}")
+        if self.draft_vocab_size < 0 or (self.draft_vocab_size and not self.speculative_tokens):
+            raise ValueError(f"draft_vocab_size must be >= 0, and is set only with speculative_tokens, got "
+                             f"{self.draft_vocab_size} with speculative_tokens {self.speculative_tokens}")
         if self.max_graph_batch is not None and self.max_graph_batch < 1:
             raise ValueError(f"max_graph_batch must be positive, got {self.max_graph_batch}")
 

@@ -81,12 +81,14 @@ def print_table(stats: list[TurnStats], out) -> None:
 
 def make_engine(model: Qwen35ForCausalLM, tokenizer, max_context: int, cuda_graphs: bool = True,
                 state_cache_fraction: float = EngineConfig.state_cache_fraction,
-                state_cache_gb: float | None = None, speculative_tokens: int = 0) -> LLMEngine:
+                state_cache_gb: float | None = None, speculative_tokens: int = 0,
+                draft_vocab_size: int = 0) -> LLMEngine:
     """An engine for one session: a pool of max_context tokens and 8 snapshot slots on the CPU; on the GPU both
     sized from free memory (the snapshots by state_cache_gb, else state_cache_fraction)."""
     common = dict(eos_token_ids=tokenizer.eos_token_ids, max_num_seqs=1, max_model_len=max_context,
                   cuda_graphs=cuda_graphs, snapshot_slots=8, state_cache_fraction=state_cache_fraction,
-                  state_cache_gb=state_cache_gb, speculative_tokens=speculative_tokens)
+                  state_cache_gb=state_cache_gb, speculative_tokens=speculative_tokens,
+                  draft_vocab_size=draft_vocab_size)
     if model.lm_head.weight.device.type == "cuda":
         return LLMEngine(model, EngineConfig.for_gpu_memory(0.5, **common))
     return LLMEngine(model, EngineConfig.for_token_budget(max_context, **common))
@@ -130,6 +132,7 @@ def main(argv=None) -> list[TurnStats]:
     cli.add_state_cache_args(ap)
     cli.add_speculative_args(ap)
     args = ap.parse_args(argv)
+    cli.check_speculative(ap, args)
     out = sys.stdout
     device = pick_device(args.device)
     ops.set_backend(args.ops if args.ops != "auto" else ("triton" if device.type == "cuda" else "reference"))
@@ -138,7 +141,7 @@ def main(argv=None) -> list[TurnStats]:
     tokenizer = load_tokenizer()
     engine = make_engine(model, tokenizer, args.max_context, cuda_graphs=not args.eager,
                          state_cache_fraction=args.state_cache_fraction, state_cache_gb=args.state_cache_gb,
-                         speculative_tokens=args.speculative_tokens)
+                         speculative_tokens=args.speculative_tokens, draft_vocab_size=args.speculative_draft_vocab)
     out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype} | ops: {ops.get_backend()}\n"
               f"engine: {engine.pool_summary}\n")
     _, stats = run_session(model, tokenizer, args.max_new_tokens, args.max_context, out, engine)

@@ -120,7 +120,7 @@ class LLMEngine:
                                          page_size=cfg.page_size, max_model_len=cfg.max_model_len,
                                          max_num_seqs=cfg.max_num_seqs,
                                          graph_sizes=cfg.graph_batch_sizes() if spec_graphs or pad_decode else (),
-                                         use_graphs=spec_graphs)
+                                         use_graphs=spec_graphs, draft_vocab=cfg.draft_vocab_size)
             self.speculator.capture()
         sizes = list(self.runner.graph_sizes)
         self.graphs = f"decode CUDA graphs at batch {sizes}" if use_graphs else f"eager decode ({why_not})"
@@ -131,7 +131,9 @@ class LLMEngine:
                              + f"; max_model_len {cfg.max_model_len}; {self.graphs}")
         if k:
             graphs = f"graphs at batch {list(self.speculator.graphs)}" if self.speculator.graphs else "eager"
-            self.pool_summary += f"; MTP speculative decoding, {k} drafts a step (greedy decode steps: {graphs})"
+            vocab = f"first {cfg.draft_vocab_size} token ids" if self.speculator.draft_vocab else "full vocab"
+            self.pool_summary += (f"; MTP speculative decoding, {k} drafts a step from the {vocab} (greedy decode "
+                                  f"steps: {graphs})")
         log.info("engine: %s", self.pool_summary)
         self.sequences: dict[int, Sequence] = {}
         self._next_id = 0

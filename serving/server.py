@@ -414,6 +414,7 @@ class ServerArgs:
     served_model_name: str | None = None
     tp: int = 1
     speculative_tokens: int = 0
+    speculative_draft_vocab: int = 0
 
 
 DESCRIPTION = """\
@@ -457,7 +458,9 @@ def parse_args(argv=None) -> ServerArgs:
     ap.add_argument("--tp", type=cli.positive_int, default=1,
                     help="tensor-parallel processes (GPUs): this one and N-1 workers")
     cli.add_speculative_args(ap)
-    args = vars(ap.parse_args(argv))
+    parsed = ap.parse_args(argv)
+    cli.check_speculative(ap, parsed)
+    args = vars(parsed)
     if args["api_key"] is None:  # read here, not as the default: --help must not print the key
         args["api_key"] = os.environ.get("FA4_API_KEY")
     return ServerArgs(**args)
@@ -468,7 +471,8 @@ def engine_config(args: ServerArgs, device: torch.device, eos_token_ids: tuple[i
     --snapshot-slots."""
     common = dict(max_num_seqs=args.max_num_seqs, eos_token_ids=eos_token_ids, max_model_len=args.max_model_len,
                   cuda_graphs=not args.eager, state_cache_fraction=args.state_cache_fraction,
-                  state_cache_gb=args.state_cache_gb, speculative_tokens=args.speculative_tokens)
+                  state_cache_gb=args.state_cache_gb, speculative_tokens=args.speculative_tokens,
+                  draft_vocab_size=args.speculative_draft_vocab)
     if device.type == "cuda":
         return EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common)
     return EngineConfig.for_token_budget(args.kv_tokens, snapshot_slots=args.snapshot_slots, **common)

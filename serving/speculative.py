@@ -67,15 +67,21 @@ def emits(c: ScheduledChunk) -> bool:
 class Speculator:
     def __init__(self, model: Qwen35ForCausalLM, pools: CachePools, runner, block_manager: KVBlockManager, *,
                  num_drafts: int, first_position_slot: int, page_size: int, max_model_len: int, max_num_seqs: int,
-                 graph_sizes: tuple[int, ...] = (), use_graphs: bool = False):
+                 graph_sizes: tuple[int, ...] = (), use_graphs: bool = False, draft_vocab: int = 0):
         """runner: the engine's ModelRunner (its page-table rows by state slot, its padding slot and page); position
         slots: K a running slot from first_position_slot on, then K for the padding slot. graph_sizes: the batch
-        ladder greedy steps are padded to (empty: none); use_graphs: capture them (CUDA)."""
+        ladder greedy steps are padded to (empty: none); use_graphs: capture them (CUDA). draft_vocab: drafts choose
+        among the first draft_vocab token ids (0: all of them); see EngineConfig.draft_vocab_size."""
         if not model.has_mtp:
             raise ValueError("speculative decoding needs the model's MTP head; this model has none (a checkpoint "
                              "without mtp.* tensors)")
         if model.tp.world_size > 1:
             raise ValueError("speculative decoding runs at tensor-parallel world size 1")
+        vocab = model.config.vocab_size
+        if not 0 <= draft_vocab <= vocab:
+            raise ValueError(f"draft_vocab_size must lie in [0, {vocab}] (the model's vocab), got {draft_vocab}")
+        # the draft head's logits: the first draft_vocab ids' (the lm_head's first rows, a view), or None: all ids'
+        self.draft_vocab = draft_vocab if 0 < draft_vocab < vocab else None
         self.model, self.pools, self.runner, self.block_manager = model, pools, runner, block_manager
         self.k, self.first_position_slot = num_drafts, first_position_slot
         self.page_size, self.max_model_len = page_size, max_model_len
@@ -212,7 +218,7 @@ class Speculator:
                          page_table=self.runner.table.index_select(0, state_slots), slot_mapping=as_tensor(kv_slots),
                          state_slots=state_slots)
         rows = as_tensor(logit_rows)
-        logits, out = self.model.forward_mtp(step, hidden, self.pools, logit_rows=rows)
+        logits, out = self.model.forward_mtp(step, hidden, self.pools, logit_rows=rows, vocab=self.draft_vocab)
         return [Head(seq, logits[j:j + 1], out[rows[j:j + 1]]) for j, seq in enumerate(emitting)]
 
     def _store_hidden(self, chunks, kept, v: Verified, cu) -> None:
@@ -311,7 +317,7 @@ class Speculator:
         head_pos = starts[:, None] - 1 + torch.arange(q + 1, device=dev)
         rows = torch.arange(b, device=dev) * (q + 1) + lengths  # row start-1+L: its prediction is draft 1
         head_logits, head_out = model.forward_mtp(step_of(head_pos, torch.cat([tokens[:, :1], target], 1)), head_in,
-                                                  pools, logit_rows=rows)
+                                                  pools, logit_rows=rows, vocab=self.draft_vocab)
         # each slot's hidden state (position slots: their token's; the state slot: its last kept token's), then the
         # rollback of every GDN layer's state to the position slot of token L-1 where a draft was rejected
         kept = torch.arange(b, device=dev), lengths - 1
@@ -324,7 +330,8 @@ class Speculator:
         out = head_out[rows]
         for j in range(1, k):  # draft j+1 from the row at start-1+L+j: draft j and the head's output before it
             chain_pos = (starts - 1 + lengths + j)[:, None]
-            logits_j, out = model.forward_mtp(step_of(chain_pos, drafts[-1][:, None]), out, pools, all_logits=True)
+            logits_j, out = model.forward_mtp(step_of(chain_pos, drafts[-1][:, None]), out, pools, all_logits=True,
+                                              vocab=self.draft_vocab)
             drafts.append(ops.argmax(logits_j))
         return target, lengths, torch.stack(drafts, 1)
 
@@ -406,17 +413,17 @@ class Speculator:
                          page_table=self.runner.table.index_select(0, state_slots),
                          slot_mapping=as_tensor([s.kv_slot(p, self.page_size) for s, p in zip(seqs, positions)]),
                          state_slots=state_slots)
-        return self.model.forward_mtp(step, hidden, self.pools, all_logits=True)
+        return self.model.forward_mtp(step, hidden, self.pools, all_logits=True, vocab=self.draft_vocab)
 
-    @staticmethod
-    def _choose_drafts(seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _choose_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Append each sequence's next draft: the argmax, or a draw from its sampling distribution (kept in
-        draft_probs for the verify step)."""
+        draft_probs for the verify step, over the whole vocab: zero past a reduced draft vocab)."""
         greedy = ops.argmax(logits).tolist()
         for i, seq in enumerate(seqs):
             if is_greedy(seq.params):
                 seq.draft_ids.append(greedy[i])
                 continue
             q = sampling_probs(logits[i:i + 1], seq.params)
+            q = torch.nn.functional.pad(q, (0, self.model.config.vocab_size - q.shape[1]))
             seq.draft_ids.append(int(torch.multinomial(q[0].cpu(), 1, generator=seq.generator)))
             seq.draft_probs = q if seq.draft_probs is None else torch.cat([seq.draft_probs, q])

@@ -70,6 +70,8 @@ def test_a_checkpoint_folder_passes_the_check(tmp_path):
     (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization"),
     (["--port", "http"], "--port"), (["--speculative-tokens", "5"], "--speculative-tokens"),
     (["--speculative-tokens", "-1"], "--speculative-tokens"),
+    (["--speculative-draft-vocab", "-1"], "--speculative-draft-vocab"),
+    (["--speculative-draft-vocab", "4096"], "--speculative-draft-vocab"),  # without --speculative-tokens
 ])
 def test_server_refuses_nonsensical_numbers_before_loading_anything(argv, flag, capsys, monkeypatch):
     no_loading(monkeypatch)
@@ -78,7 +80,8 @@ def test_server_refuses_nonsensical_numbers_before_loading_anything(argv, flag, 
 
 @pytest.mark.parametrize("argv, flag", [(["--max-new-tokens", "0"], "--max-new-tokens"),
                                         (["--max-context", "-1"], "--max-context"),
-                                        (["--speculative-tokens", "9"], "--speculative-tokens")])
+                                        (["--speculative-tokens", "9"], "--speculative-tokens"),
+                                        (["--speculative-draft-vocab", "64"], "--speculative-draft-vocab")])
 def test_demo_refuses_nonsensical_numbers(argv, flag, capsys, monkeypatch):
     no_loading(monkeypatch)
     refused(capsys, demo.main, argv, f"argument {flag}", "python -m serving.demo: error:")
@@ -89,7 +92,8 @@ def test_demo_refuses_nonsensical_numbers(argv, flag, capsys, monkeypatch):
     (["--scale", "0"], "--scale"), (["--scale", "inf"], "--scale"), (["--page-size", "0"], "--page-size"),
     (["--chunk", "-1"], "--chunk"), (["--interleave", "-1"], "--interleave"),
     (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization"),
-    (["--speculative-tokens", "5"], "--speculative-tokens")])
+    (["--speculative-tokens", "5"], "--speculative-tokens"),
+    (["--speculative-tokens", "2", "--speculative-draft-vocab", "x"], "--speculative-draft-vocab")])
 def test_bench_refuses_nonsensical_numbers(argv, flag, capsys, monkeypatch):
     no_loading(monkeypatch)
     refused(capsys, bench_serving.main, argv, f"argument {flag}", "python -m profiles.bench_serving: error:")
@@ -103,6 +107,8 @@ def test_server_args_parse_and_the_api_key_comes_from_the_environment(monkeypatc
     assert server.parse_args(["--speculative-tokens", "3"]).speculative_tokens == 3
     assert server.engine_config(server.parse_args(["--speculative-tokens", "2"]), torch.device("cpu"),
                                 ()).speculative_tokens == 2
+    spec = server.parse_args(["--speculative-tokens", "2", "--speculative-draft-vocab", "32768"])
+    assert server.engine_config(spec, torch.device("cpu"), ()).draft_vocab_size == 32768
 
 
 def help_text(main, capsys, monkeypatch) -> str:

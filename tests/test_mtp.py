@@ -62,6 +62,17 @@ def test_mtp_rows_depend_on_their_next_token():
     assert torch.equal(rows[0][:-1], rows[1][:-1]) and not torch.equal(rows[0][-1], rows[1][-1])
 
 
+@pytest.mark.parametrize("vocab", [1, 77, 999])
+def test_a_reduced_draft_vocab_gives_the_first_ids_logits(vocab):
+    """forward_mtp(vocab=n): the logits of token ids 0..n-1, as the full head gives them."""
+    model = Qwen35ForCausalLM.from_preset("tiny", seed=2)
+    tokens = torch.randint(0, 1000, (1, 6), generator=torch.Generator().manual_seed(vocab))
+    hidden = torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    full, part = [model.forward_mtp((c := model.new_cache(1, 16, mtp=True)).plan(tokens), hidden, c.pools,
+                                    all_logits=True, vocab=v)[0] for v in (None, vocab)]
+    assert part.shape == (6, vocab) and torch.allclose(part, full[:, :vocab], rtol=1e-5, atol=1e-5)
+
+
 def test_forward_mtp_needs_its_head_and_its_kv_layer():
     model = Qwen35ForCausalLM.from_preset("tiny")
     cache = model.new_cache(1, 16)  # no MTP layer in the pools

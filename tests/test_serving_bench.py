@@ -102,6 +102,22 @@ def test_bench_forced_acceptance_on_the_cpu(model, tmp_path, forced):
     assert forced - 0.5 < length <= forced + 0.25, length
 
 
+def test_forced_acceptance_records_on_a_fixed_pool(model, tmp_path, monkeypatch):
+    """The plain replay that records greedy's tokens runs on a pool of the trace's working set, not one sized from
+    free memory: the speculative engine after it is sized from what is left, which a second full pool would take."""
+    made = []
+    real = bench_serving.make_engine
+
+    def tracking(model, args, traces):
+        made.append((args.speculative_tokens, args.kv_working_set))
+        return real(model, args, traces)
+    monkeypatch.setattr(bench_serving, "make_engine", tracking)
+    bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.02", "--turns", "1", "--max-new", "4",
+                        "--concurrency", "1", "--out-dir", str(tmp_path), "--no-progress", "--speculative-tokens",
+                        "2", "--forced-acceptance", "2"], model=model)
+    assert made == [(0, 1.0), (2, None)]
+
+
 def test_step_verdict_names_the_longer_phase():
     assert bench_serving.step_verdict(30.0, 0.2).startswith("dispatch-bound")
     assert bench_serving.step_verdict(3.0, 12.0).startswith("GPU-bound")

@@ -75,6 +75,30 @@ def test_speculative_greedy_equals_plain_greedy(model, k, mode):
         assert spec.speculator.num_accepted == 0
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_reduced_draft_vocab_keeps_greedy_exact(model, k):
+    """Drafts from the first VOCAB // 8 token ids only: every draft lies there, and the output is plain greedy's
+    (greedy's tokens past them are never drafted, so fewer drafts are kept)."""
+    batch = prompts(3, seed=50 + k)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    spec = engine(model, k, draft_vocab_size=VOCAB // 8)
+    seen = []
+    spec.speculator.replace_drafts = lambda seq, drafts: seen.extend(drafts) or drafts
+    for prompt, out in zip(batch, spec.generate(batch, params)):
+        assert out.output_ids == plain_greedy(model, prompt, 14)
+    assert seen and max(seen) < VOCAB // 8 and spec.speculator.num_verified > 0
+
+
+def test_draft_vocab_size_is_checked():
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        EngineConfig(draft_vocab_size=64)  # without speculative_tokens
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        EngineConfig(speculative_tokens=2, draft_vocab_size=-1)
+    model = Qwen35ForCausalLM.random(get_preset("tiny", vocab_size=VOCAB), seed=0)
+    with pytest.raises(ValueError, match="draft_vocab_size must lie in"):
+        LLMEngine(model, EngineConfig(num_pages=16, speculative_tokens=2, draft_vocab_size=VOCAB + 1))
+
+
 def test_padded_device_steps_equal_unpadded(model):
     """Greedy decode steps padded to the graph ladder (3 sequences run at batch 4: one padding row on the padding
     slot, its position slots and the padding page) decode greedy's tokens; what graphs replay on a GPU."""
@@ -246,8 +270,9 @@ def chi_square_p(pairs: list[tuple[int, int]], expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(df, stat / 2))
 
 
-def sampled_pairs(model, prompt, k: int, draws: int) -> tuple[list[tuple[int, int]], LLMEngine]:
-    eng = LLMEngine(model, EngineConfig(num_pages=1024, page_size=4, max_num_seqs=64, speculative_tokens=k))
+def sampled_pairs(model, prompt, k: int, draws: int, draft_vocab: int = 0) -> tuple[list[tuple[int, int]], LLMEngine]:
+    eng = LLMEngine(model, EngineConfig(num_pages=1024, page_size=4, max_num_seqs=64, speculative_tokens=k,
+                                        draft_vocab_size=draft_vocab))
     # max_tokens 4: the verify step after token 1 checks two drafts; the same prompt each time, so that all but the
     # first requests start from the prefix cache
     outs = eng.generate([prompt] * draws, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
@@ -268,9 +293,12 @@ def test_sampled_tokens_2_and_3_keep_their_distribution(monkeypatch):
     expected = joint_of_tokens_2_and_3(model, prompt)
     plain, _ = sampled_pairs(model, prompt, 0, DRAWS)
     drafted, eng = sampled_pairs(model, prompt, 2, DRAWS)
-    kept = eng.speculator.num_accepted / eng.speculator.num_verified
-    assert 0.05 < kept < 0.95, f"drafts kept {kept:.2f}: the test would not see both paths"
-    found = chi_square_p(plain, expected), chi_square_p(drafted, expected)
+    # a draft vocab of half the ids: q is zero past it, so the residual there is all of p
+    reduced, eng_reduced = sampled_pairs(model, prompt, 2, DRAWS, draft_vocab=SMALL_VOCAB // 2)
+    for e in (eng, eng_reduced):
+        kept = e.speculator.num_accepted / e.speculator.num_verified
+        assert 0.05 < kept < 0.95, f"drafts kept {kept:.2f}: the test would not see both paths"
+    found = chi_square_p(plain, expected), chi_square_p(drafted, expected), chi_square_p(reduced, expected)
     assert min(found) > ALPHA, found
     # the test can fail: keeping every draft gives the drafter's distribution, which it rejects
     monkeypatch.setattr(speculative.R, "speculative_accept", keep_every_draft)
