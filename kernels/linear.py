@@ -501,7 +501,7 @@ def out_proj_mlp(o, residual, out_weight, norm_weight, eps, gate_up_weight, down
 # ---- the router's entries (kernels.registry): which kernel runs a projection -----------------------------------
 
 def _gemv_rows(key, tuning):
-    return None if key.rows <= GEMV_MAX_ROWS else f"{key.rows} rows > {GEMV_MAX_ROWS}"
+    return None if key.rows <= tuning.gemv_max_rows else f"{key.rows} rows > tuning.gemv_max_rows"
 
 
 def _tma_ring(key, tuning):
@@ -520,18 +520,18 @@ def _tma_gemv(key, tuning):
 
 
 def _skinny_rows(key, tuning):
-    if not GEMV_MAX_ROWS < key.rows <= DOT_MAX_ROWS or key.padded != key.rows:
-        return f"{key.rows} rows (padded {key.padded}) outside the skinny GEMM's unpadded {GEMV_MAX_ROWS + 1}-" \
-               f"{DOT_MAX_ROWS}"
+    if not tuning.gemv_max_rows < key.rows <= DOT_MAX_ROWS or key.padded != key.rows:
+        return f"{key.rows} rows (padded {key.padded}) outside the skinny GEMM's unpadded " \
+               f"{tuning.gemv_max_rows + 1}-{DOT_MAX_ROWS}"
     return None
 
 
 def _cublas_rows(key, tuning):
-    return None if key.rows > GEMV_MAX_ROWS else f"{key.rows} rows: the GEMV's"
+    return None if key.rows > GEMV_MAX_ROWS else f"{key.rows} rows: the GEMV's or the skinny GEMM's"
 
 
 def _norm_gemv(key, tuning):
-    if key.rows > GEMV_MAX_ROWS or key.k > tuning.fused_norm_max_k:
+    if key.rows > tuning.gemv_max_rows or key.k > tuning.fused_norm_max_k:
         return f"{key.rows} rows, K {key.k}: over the GEMV's rows or tuning.fused_norm_max_k"
     return None
 

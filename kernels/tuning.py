@@ -41,6 +41,9 @@ class KernelTuning:
     chain_pause_bytes: int = 80 * 2**10
     # programmatic dependent launch on sm_90 (kernels.pdl); off only for the no-PDL rows of a benchmark
     pdl: bool = True
+    # projections of 2 up to gemv_max_rows rows (at most kernels.row_buckets.GEMV_MAX_ROWS) run the Triton GEMV, more
+    # rows the skinny GEMM: a speculative verify step's 2-5 rows (profiles.bench_spec times both)
+    gemv_max_rows: int = 4
     # kernels.moe's grouped GEMMs where experts average at most moe_decode.block_m pairs (decode and verify steps),
     # and above it (prefill). Measured on the H200 (one 35B-A3B layer, profiles.bench_moe --tiles; FINDINGS, MoE):
     # decode's 32 columns and K steps of 128 take 1 row from 87.5 to 62 us (more programs stream the few experts);
@@ -53,3 +56,5 @@ class KernelTuning:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if isinstance(self.gemv_max_rows, bool) or self.gemv_max_rows not in (1, 2, 3, 4):
+            raise ValueError(f"gemv_max_rows must be 1..4 (the GEMV's rows), got {self.gemv_max_rows!r}")

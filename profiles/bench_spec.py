@@ -1,9 +1,10 @@
 """What MTP speculation's steps cost on the GPU, each replayed from a CUDA graph at batch 1 over a ctx-token context:
 a plain decode step, the verify step of K drafts (K+1 tokens, the GDN layers keeping every token's state), the MTP
 head over n rows (the rows after acceptance: n = L + 1) with the lm_head and argmax at its last row, as the engine
-runs it, and the rollback (a slot copy). The head is timed twice in one process: with the full vocabulary and with
-a draft vocabulary of the first --draft-vocab ids (EngineConfig.draft_vocab_size). From them, a projection of
-tokens a second at acceptance length L:
+runs it, and the rollback (a slot copy). Two A/Bs in one process: the head with the full vocabulary and with a
+draft vocabulary of the first --draft-vocab ids (EngineConfig.draft_vocab_size); the verify step with its 2-4 rows
+on the Triton GEMV and on the skinny GEMM (KernelTuning.gemv_max_rows 4 and 1). From the faster verify, a
+projection of tokens a second at acceptance length L:
     L / (verify(K) + head(L + 1 rows) + (K - 1) head(1 row) + rollback)   against   1 / decode
 labelled as a projection (the engine replays the whole step as one graph; `profiles.bench_serving
 --forced-acceptance` measures it end to end). RANDOM weights (a preset).
@@ -11,9 +12,11 @@ labelled as a projection (the engine replays the whole step as one graph; `profi
     python -m profiles.bench_spec --model qwen3.5-2b --ctx 8192 --draft-vocab 32768
 """
 import argparse
+import dataclasses
 
 import torch
 
+from kernels import registry
 from kernels.row_buckets import decode_step_rows
 from model import ops
 from model.cache import CachePools
@@ -100,9 +103,15 @@ def main(argv=None) -> dict:
     rollback = graph_us(lambda: pools.copy_slot(1, 0))
     rows.append(progress(dict(what="rollback (slot copy)", tokens=0, us=rollback)))
     projections = []
+    verify_rows = {"GEMV": registry.tuning(), "skinny GEMM": dataclasses.replace(registry.tuning(), gemv_max_rows=1)}
     for k in range(1, k_max + 1):
-        verify = graph_us(trunk(k + 1, True))
-        rows.append(progress(dict(what=f"verify step, K={k}", tokens=k + 1, us=verify, vs_decode=verify / decode)))
+        times = {}
+        for name, tuning in verify_rows.items():
+            with registry.use(tuning=tuning):
+                times[name] = graph_us(trunk(k + 1, True))
+            rows.append(progress(dict(what=f"verify step, K={k}, rows on the {name}", tokens=k + 1, us=times[name],
+                                      vs_decode=times[name] / decode)))
+        verify = min(times.values())
         for name, times in heads.items():
             for length in sorted({1.0, 2.0, 3.0, float(k + 1)} | ({PUBLISHED_L} if k == 3 else set())):
                 if length <= k + 1:

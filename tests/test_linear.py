@@ -169,10 +169,14 @@ def test_skinny_gemm_splits_as_its_plan_says(monkeypatch):
     assert [(grid, kwargs["SPLIT"]) for grid, kwargs in launches] == [((3, 4), 4), ((3, 1), 1)]
 
 
-@pytest.mark.parametrize("m,kernel", [(4, "gemv"), (5, "dot"), (16, "dot"), (17, "matmul")])
-def test_linear_routes_rows_to_the_kernel_for_them(m, kernel, monkeypatch):
-    # unpadded rows (the CPU, CUDA-graph capture): up to MAX_ROWS the GEMV, up to DOT_MAX_ROWS the skinny GEMM
-    # (gated: after silu_and_mul, as matmul)
+@pytest.mark.parametrize("m,kernel,gemv_max_rows", [(4, "gemv", 4), (5, "dot", 4), (16, "dot", 4),
+                                                   (17, "matmul", 4), (2, "dot", 1), (4, "dot", 3), (3, "gemv", 3)])
+def test_linear_routes_rows_to_the_kernel_for_them(m, kernel, gemv_max_rows, monkeypatch):
+    # unpadded rows (the CPU, CUDA-graph capture): up to tuning.gemv_max_rows the GEMV, up to DOT_MAX_ROWS the
+    # skinny GEMM (gated: after silu_and_mul, as matmul)
+    from kernels import registry
+    from kernels.tuning import KernelTuning
+    monkeypatch.setattr(registry, "_tuning", KernelTuning(gemv_max_rows=gemv_max_rows))
     calls = []
     for name in ("_gemv", "_rows_dot", "matmul_rows"):
         real = getattr(L, name)

@@ -155,6 +155,15 @@ def test_a_tuning_is_part_of_the_choice():
     assert registry.choose("linear", key, "triton", KernelTuning(tma_min_bytes=2 * MIB)).name == "tma_gemv"
     with pytest.raises(ValueError, match="tma_min_bytes"):
         KernelTuning(tma_min_bytes=-1)
+    # a verify step's rows on the skinny GEMM; one row stays on the GEMVs
+    verify = KernelTuning(gemv_max_rows=1)
+    assert [registry.choose("linear", linear_key(r), "triton", verify).name for r in (1, 2, 4, 5)] == \
+        ["tma_gemv", "skinny_gemm", "skinny_gemm", "skinny_gemm"]
+    assert registry.choose("add_rms_norm_linear", NormLinearKey(2, 6176, 1024, BF16, H200, False), "triton",
+                           verify).name == "norm_then_linear"
+    for bad in (0, 5, True):
+        with pytest.raises(ValueError, match="gemv_max_rows"):
+            KernelTuning(gemv_max_rows=bad)
 
 
 def test_the_debug_switch_checks_the_op_path(monkeypatch):
