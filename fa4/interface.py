@@ -10,7 +10,7 @@ import torch
 from fa4 import routes
 from fa4 import triton_forward as TF
 from kernels import registry
-from reference._checks import check_cu_seqlens, check_page_table, check_real, check_same_device, check_tensor
+from reference.checks import check_cu_seqlens, check_page_table, check_real, check_same_device, check_tensor
 
 BACKENDS = ("auto", "split_kv", "cute", "triton", "reference")
 INDEX_DTYPES = (torch.int32, torch.int64)

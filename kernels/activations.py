@@ -11,7 +11,7 @@ from kernels import pdl, registry
 from kernels.host_math import cdiv
 from kernels.norms import FLOATS, check_devices, output_for, rows_view
 from kernels.registry import Impl
-from reference._checks import check_tensor
+from reference.checks import check_tensor
 
 BLOCK = 1024
 

@@ -24,7 +24,7 @@ from kernels import pdl, registry, split_k, stamps
 from kernels.host_math import cdiv
 from kernels.norms import triton_runs_on
 from kernels.registry import Impl
-from reference._checks import check_tensor
+from reference.checks import check_tensor
 from reference.sampling import DecodeAdvance
 
 CHUNK = 2048  # logits a program reduces: 122 programs a row at Qwen3.5's vocabulary

@@ -20,7 +20,7 @@ from kernels import pdl, registry, stamps
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, check_devices
 from kernels.registry import Impl
-from reference._checks import check_no_self_overlap, check_real, check_tensor
+from reference.checks import check_no_self_overlap, check_real, check_tensor
 
 
 @triton.jit

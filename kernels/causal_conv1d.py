@@ -26,7 +26,7 @@ import triton.language as tl
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import check_devices
 from kernels.varlen import CHUNK, VarlenPlan, chunk_span, plan_for
-from reference._checks import check_tensor
+from reference.checks import check_tensor
 
 BLOCK_C = 128
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

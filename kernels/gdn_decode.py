@@ -47,7 +47,7 @@ from kernels.gdn_pointwise import L2NORM_EPS, gate_values, gated_norm
 from kernels.host_math import next_power_of_2
 from kernels.norms import triton_runs_on
 from kernels.registry import DeviceInfo, Impl, device_info, triton_unsupported
-from reference._checks import check_real, check_tensor
+from reference.checks import check_real, check_tensor
 
 STATE_PER_PROGRAM = 2 * 128 * 128  # fp32 state values one program holds (128 KiB): 8 warps x 128 a thread
 # fp32 state values a thread holds: 128 is 4 warps a 128 x 128 head; 64 tied and 32 lost at batch 1 (FINDINGS)

@@ -16,7 +16,7 @@ import triton.language as tl
 from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import check_devices
 from kernels.row_buckets import empty_rows
-from reference._checks import check_real, check_tensor
+from reference.checks import check_real, check_tensor
 
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch.nn.functional.softplus returns x above it
 L2NORM_EPS = tl.constexpr(1e-6)  # the q / k L2 norms' eps (reference.norms.l2norm's)

@@ -63,7 +63,7 @@ from kernels.norms import triton_runs_on
 from kernels.registry import Impl, all_of, device_info, triton_unsupported
 from kernels.row_buckets import empty_rows
 from kernels.varlen import CHUNK, VarlenPlan, chunk_span, host_ints, plan_for, plan_varlen
-from reference._checks import check_real, check_tensor
+from reference.checks import check_real, check_tensor
 
 SUB = tl.constexpr(16)  # the WY kernel's sub-block: the chunk's T = (I + A)^-1 by 16 x 16 blocks
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -29,7 +29,7 @@ from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import FLOATS, add_rms_norm, check_devices, output_for, rows_view
 from kernels.registry import DeviceInfo, Impl, all_of, device_info, triton_unsupported
 from kernels.row_buckets import DOT_MAX_ROWS, GEMV_MAX_ROWS, empty_rows, padded_operand, padded_rows
-from reference._checks import check_real, check_tensor, is_int
+from reference.checks import check_real, check_tensor, is_int
 
 MAX_ROWS = GEMV_MAX_ROWS
 # what the GEMV multiplies (its INPUT): x, silu(gate) * up of x = [gate | up], rms_norm(x [+ residual])

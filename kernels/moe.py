@@ -22,7 +22,7 @@ from kernels import registry
 from kernels.host_math import cdiv
 from kernels.registry import DeviceInfo, Impl, device_info, triton_unsupported
 from kernels.tuning import KernelTuning, MoeTiles
-from reference._checks import check_tensor
+from reference.checks import check_tensor
 from reference.moe import topk_route
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)

@@ -15,7 +15,7 @@ from kernels.host_math import cdiv, next_power_of_2
 from kernels.interpreter_compat import INTERPRET
 from kernels.registry import Impl
 from kernels.row_buckets import empty_rows
-from reference._checks import check_no_self_overlap, check_real, check_same_device, check_tensor
+from reference.checks import check_no_self_overlap, check_real, check_same_device, check_tensor
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -93,7 +93,7 @@ from kernels.host_math import cdiv, next_power_of_2
 from kernels.norms import triton_runs_on
 from kernels.registry import DeviceInfo, Impl, device_info, triton_unsupported
 from kernels.varlen import sequence_span
-from reference._checks import check_cu_seqlens, check_page_table, check_real, check_same_device, check_tensor, is_int
+from reference.checks import check_cu_seqlens, check_page_table, check_real, check_same_device, check_tensor, is_int
 
 MAX_Q_LEN = 2048  # query tokens per sequence the kernel takes (a whole prefill chunk of the engine's default budget)
 ALWAYS_Q_LEN = 512  # chunks up to this always run here; longer ones only where the split pays (`split_kv_pays`)

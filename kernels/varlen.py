@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from reference._checks import check_cu_seqlens, check_snapshots, check_tensor, snapshot_cuts
+from reference.checks import check_cu_seqlens, check_snapshots, check_tensor, snapshot_cuts
 
 CHUNK = 64  # tokens per piece of token_chunks
 

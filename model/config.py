@@ -3,7 +3,7 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from reference._checks import check_real, is_int, is_real
+from reference.checks import check_real, is_int, is_real
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 _LEGACY_LAYER_TYPES = {"attention": "full_attention", "conv": "linear_attention", "mamba": "linear_attention"}

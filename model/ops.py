@@ -19,7 +19,7 @@ from kernels import registry
 from kernels.registry import Impl
 from kernels.tuning import KernelTuning
 from model.step import StepInput
-from reference._checks import check_snapshots
+from reference.checks import check_snapshots
 
 
 def _load(name: str) -> None:

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from reference._checks import check_cu_seqlens, check_page_table, check_same_device, check_tensor
+from reference.checks import check_cu_seqlens, check_page_table, check_same_device, check_tensor
 
 
 def _attend_one(q, k, v, causal: bool, scale: float):

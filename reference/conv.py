@@ -5,7 +5,7 @@ The state of a sequence is its last K-1 inputs: (channels, K-1), oldest first, z
 import torch
 import torch.nn.functional as F
 
-from reference._checks import check_cu_seqlens, check_tensor
+from reference.checks import check_cu_seqlens, check_tensor
 
 
 def _conv_one(x, weight, state, activation):

@@ -10,7 +10,7 @@ initial_state / final_state: (batch or N, Hv, dk, dv) fp32. Outputs are in v's d
 """
 import torch
 
-from reference._checks import check_cu_seqlens, check_tensor
+from reference.checks import check_cu_seqlens, check_tensor
 from reference.norms import l2norm
 
 

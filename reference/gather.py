@@ -1,7 +1,7 @@
 """Row gathers: what a step builder reads from its tables (embeddings, page-table rows, RoPE rows) by index."""
 import torch
 
-from reference._checks import check_tensor
+from reference.checks import check_tensor
 
 
 def check_pairs(tables, indices) -> int:

@@ -1,4 +1,4 @@
-"""The input checks every kernel entry shares (reference/_checks.py), at the entries a review found unguarded.
+"""The input checks every kernel entry shares (reference/checks.py), at the entries a review found unguarded.
 
 Each case once ran to a silent wrong answer, memory corruption or a crash deep inside (found in review): index
 tensors read at ptr + i but given strided; outputs (and the residual a norm writes) whose elements share memory;
@@ -20,7 +20,7 @@ from kernels import gdn_prefill as GPF
 from kernels import linear as L
 from kernels import norms as N
 from kernels import paged_decode_attention as PD
-from reference._checks import check_no_self_overlap, check_real
+from reference.checks import check_no_self_overlap, check_real
 from tests.conftest import HAS_CUDA
 
 DEV = "cuda" if HAS_CUDA else "cpu"
