@@ -204,8 +204,10 @@ AB_KNOBS = {
     # the chained TMA GEMV's producer pause before each grid sync
     "tma_pause": {"80k": Variant(), "96k": Variant(KernelTuning(chain_pause_bytes=96 * 2**10)),
                   "off": Variant(KernelTuning(chain_pause_bytes=0))},
-    # a speculative verify step's 2-4 rows on the Triton GEMV (4) or the skinny GEMM (1)
-    "gemv_rows": {"4": Variant(), "1": Variant(KernelTuning(gemv_max_rows=1))},
+    # a speculative verify step's 2-5 rows: the Triton GEMV up to 4 (gemv), the skinny GEMM from 2 (skinny), the
+    # TMA-ring GEMV up to 5 (tma)
+    "verify_rows": {"gemv": Variant(), "skinny": Variant(KernelTuning(gemv_max_rows=1)),
+                    "tma": Variant(KernelTuning(tma_max_rows=5))},
     # the decode step's inputs written by the last step's argmax, no copy before a fed graph
     "fed_decode": {"off": Variant(engine=(("fed_decode", False),)), "on": Variant(engine=(("fed_decode", True),))},
     # a fed decode's argmax also stores its tokens in pinned host memory: no copy between two graphs

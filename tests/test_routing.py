@@ -164,6 +164,16 @@ def test_a_tuning_is_part_of_the_choice():
     for bad in (0, 5, True):
         with pytest.raises(ValueError, match="gemv_max_rows"):
             KernelTuning(gemv_max_rows=bad)
+    # up to tma_max_rows bf16 rows in the TMA-ring GEMV's layout take it (wide weights only, as one row does)
+    rows_tma = KernelTuning(tma_max_rows=5)
+    for rows, tma, expected in ((4, True, "tma_gemv"), (5, True, "tma_gemv"), (4, False, "gemv"),
+                                (6, True, "skinny_gemm")):
+        key = linear_key(rows)._replace(tma_layout=tma)
+        assert registry.choose("linear", key, "triton", rows_tma).name == expected, rows
+    assert registry.choose("linear", linear_key(4)._replace(tma_layout=True), "triton").name == "gemv"  # default
+    assert registry.choose("linear", linear_key(4, n=1024)._replace(tma_layout=True), "triton", rows_tma).name == "gemv"
+    with pytest.raises(ValueError, match="tma_max_rows"):
+        KernelTuning(tma_max_rows=6)
 
 
 def test_the_debug_switch_checks_the_op_path(monkeypatch):
