@@ -25,6 +25,7 @@ if [[ " $RUN " == *" E2E "* ]]; then
   for L in ${LS:-3 4}; do
     timeout 300 python3 -m profiles.bench_serving --model $M --trace short --no-progress --out-dir $OUT/e2e \
       --speculative-tokens 3 --forced-acceptance $L --speculative-draft-vocab 32768 \
-      --sweep verify_rows=${VR:-gemv,skinny,tma} 2>&1 | grep -E "^ +all |speculative|engine:|verify_rows" | tee -a $OUT/e2e.log
+      --sweep verify_rows=${VR:-gemv,skinny,tma} 2>&1 | grep -E "^ +all |speculative|engine:|verify_rows" \
+      | tee -a $OUT/e2e.log
   done
 fi
