@@ -47,9 +47,9 @@ RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 # decode step). tma_gemv_chain's boundary_bytes overrides it.
 BOUNDARY_BYTES = 80 * 1024
 MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB a row at most
-# rows of x one launch takes (a speculative verify step's K+1 <= 5 at batch 1): each consumer lane holds a row's x
-# chunk of every box and its partial sums (5 rows: 168 registers and 40 bytes of spill on sm_90a, 8 rows spilled
-# 2.9 KB); the ring gives up what the staged rows need
+# rows of x one launch takes (a speculative verify step's K+1 <= 5 at batch 1): each consumer lane holds every row's
+# partial sums and one box's x chunks (5 rows: 138-164 registers on sm_90a, no spill); the ring gives up what the
+# staged rows need
 MAX_ROWS = 5
 MIN_RING_BYTES = 64 * 1024  # the least ring a CTA keeps beside several staged rows (fewer rows fit otherwise)
 X_BARRIER = 1  # named barrier of the consumers after staging x
@@ -407,15 +407,25 @@ def _kernel_class():
             x_chunks = self.cfg.x_width // LANE_COLS  # a staged row's stride in sX, in LANE_COLS chunks
             acc.fill(0.0)
             for kt in cutlass.range(self.cfg.width(spec) // (boxes * BLOCK_K), unroll=1):
-                xs = [[cute.local_tile(sX, (LANE_COLS,), (r * x_chunks + (kt * boxes + b) * 32 + lane,)).load()
-                       .to(Float32) for b in range(boxes)] for r in range(rows)]
-                ring.consumer_wait(state)
-                for i in cutlass.range_constexpr(spec.block_n // consumers):
-                    row = warp + consumers * i
+                if cutlass.const_expr(rows == 1):  # x's chunks of every box loaded before the wait for the slot
+                    xs = [cute.local_tile(sX, (LANE_COLS,), ((kt * boxes + b) * 32 + lane,)).load().to(Float32)
+                          for b in range(boxes)]
+                    ring.consumer_wait(state)
+                    for i in cutlass.range_constexpr(spec.block_n // consumers):
+                        row = warp + consumers * i
+                        for b in cutlass.range_constexpr(boxes):
+                            ws = cute.local_tile(sW[row, None, b, state.index], (LANE_COLS,), (lane,)).load()
+                            acc[i, None].store(acc[i, None].load() + ws.to(Float32) * xs[b])
+                else:  # a box at a time: the rows' x chunks of one box live at once (5 rows of every box spilled)
+                    ring.consumer_wait(state)
                     for b in cutlass.range_constexpr(boxes):
-                        ws = cute.local_tile(sW[row, None, b, state.index], (LANE_COLS,), (lane,)).load().to(Float32)
-                        for r in cutlass.range_constexpr(rows):
-                            acc[i * rows + r, None].store(acc[i * rows + r, None].load() + ws * xs[r][b])
+                        xs = [cute.local_tile(sX, (LANE_COLS,), (r * x_chunks + (kt * boxes + b) * 32 + lane,))
+                              .load().to(Float32) for r in range(rows)]
+                        for i in cutlass.range_constexpr(spec.block_n // consumers):
+                            ws = cute.local_tile(sW[warp + consumers * i, None, b, state.index], (LANE_COLS,),
+                                                 (lane,)).load().to(Float32)
+                            for r in cutlass.range_constexpr(rows):
+                                acc[i * rows + r, None].store(acc[i * rows + r, None].load() + ws * xs[r])
                 ring.consumer_release(state)
                 state.advance()
             return state
