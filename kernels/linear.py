@@ -256,7 +256,7 @@ def _rows_dot(x2, weight, o2, plan):
 class LinearKey(NamedTuple):
     """What routes a projection (kernels.registry): rows, the rows cuBLAS would run (kernels.row_buckets: padded
     outside graph capture), the weight's (N, K), dtype, device, SwiGLU's gated input, and whether one bf16 row
-    meets the TMA-ring GEMV's layout (tma_gemv.available; up to its MAX_ROWS rows of a plain or gated input)."""
+    meets the TMA-ring GEMV's layout (tma_gemv.available)."""
     rows: int
     padded: int
     n: int
@@ -270,8 +270,8 @@ class LinearKey(NamedTuple):
 def linear_key(x, weight, out=None, gated: bool = False) -> LinearKey:
     # x: (..., K or 2K); weight: (N, K)
     m = math.prod(x.shape[:-1])
-    tma = (m <= tma_gemv.MAX_ROWS and x.dtype == torch.bfloat16 and x.is_cuda and (out is None or out.is_contiguous())
-           and tma_gemv.available(x.reshape(m, -1), weight, gated))
+    tma = (m == 1 and x.dtype == torch.bfloat16 and x.is_cuda and (out is None or out.is_contiguous())
+           and tma_gemv.available(x.view(1, -1), weight, gated))
     return LinearKey(m, padded_rows(m, x.device), weight.shape[0], weight.shape[1], x.dtype, device_info(x.device),
                      gated, tma)
 
@@ -504,10 +504,10 @@ def _gemv_rows(key, tuning):
     return None if key.rows <= tuning.gemv_max_rows else f"{key.rows} rows > tuning.gemv_max_rows"
 
 
-def _tma_ring(key, tuning, max_rows: int = 1):
-    # the TMA-ring GEMV, alone or with the norm staged in: bf16 rows in its layout, a weight worth the ring
-    if not (key.rows <= max_rows and key.tma_layout and key.device.sm90):
-        return f"not {max_rows} bf16 row(s) or fewer in the TMA-ring GEMV's layout on sm_90"
+def _tma_ring(key, tuning):
+    # the TMA-ring GEMV, alone or with the norm staged in: one bf16 row in its layout, a weight worth the ring
+    if not (key.rows == 1 and key.tma_layout and key.device.sm90):
+        return "not one bf16 row in the TMA-ring GEMV's layout on sm_90"
     if key.n * key.k * key.dtype.itemsize < tuning.tma_min_bytes:
         return f"the weight is under tuning.tma_min_bytes ({tuning.tma_min_bytes})"
     return None
@@ -516,7 +516,7 @@ def _tma_ring(key, tuning, max_rows: int = 1):
 def _tma_gemv(key, tuning):
     if key.gated and key.k < tuning.tma_gated_min_k:
         return f"a gated K under tuning.tma_gated_min_k ({tuning.tma_gated_min_k})"
-    return _tma_ring(key, tuning, tuning.tma_max_rows)
+    return _tma_ring(key, tuning)
 
 
 def _skinny_rows(key, tuning):
@@ -531,7 +531,8 @@ def _cublas_rows(key, tuning):
 
 
 def _norm_gemv(key, tuning):
-    if key.rows > tuning.gemv_max_rows or key.k > tuning.fused_norm_max_k:
+    # the norm inside the GEMV up to GEMV_MAX_ROWS (measured at 0.8B's K on its own; gemv_max_rows is the plain one's)
+    if key.rows > GEMV_MAX_ROWS or key.k > tuning.fused_norm_max_k:
         return f"{key.rows} rows, K {key.k}: over the GEMV's rows or tuning.fused_norm_max_k"
     return None
 

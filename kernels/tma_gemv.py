@@ -46,12 +46,7 @@ RING_BYTES = 128 * 1024  # weight tiles in flight a CTA
 # flight or landed, at each sync, and the sync waits on them (80 KiB ties 96, ahead of none at 2B and 0.8B; FINDINGS,
 # decode step). tma_gemv_chain's boundary_bytes overrides it.
 BOUNDARY_BYTES = 80 * 1024
-MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB a row at most
-# rows of x one launch takes (a speculative verify step's K+1 <= 5 at batch 1): each consumer lane holds every row's
-# partial sums and one box's x chunks (5 rows: 138-164 registers on sm_90a, no spill); the ring gives up what the
-# staged rows need
-MAX_ROWS = 5
-MIN_RING_BYTES = 64 * 1024  # the least ring a CTA keeps beside several staged rows (fewer rows fit otherwise)
+MAX_K = 16384  # x (or [gate | up]'s product) staged in shared memory: 32 KiB at most
 X_BARRIER = 1  # named barrier of the consumers after staging x
 STAMP_FIELDS = len(stamps.FIELDS)
 CTA_SHARED_BYTES = 227 * 1024  # the most one CTA may take on sm_90: the ring, x and the barriers
@@ -83,7 +78,6 @@ class TmaGemvConfig:
     slot_rows: int = SLOT_ROWS  # a ring slot: slot_rows x BLOCK_K weights, slot_rows / block_n boxes along K
     boundary_slots: int = 0  # see BOUNDARY_BYTES (0: no pause)
     stamps: bool = False  # %globaltimer stamps into a kernels.stamps slot (profiles.step_stamps)
-    rows: int = 1  # rows of x (plain or gated, no chain): each weight tile read once for all of them
 
     @property
     def slot_bytes(self) -> int:
@@ -113,10 +107,6 @@ class TmaGemvConfig:
                 raise ValueError(f"block_n must be 8 or 16, got {g.block_n}")
             if self.consumer_warps not in (1, 2, 4, 8) or self.consumer_warps > g.block_n:
                 raise ValueError(f"consumer_warps must be 1, 2, 4 or 8 and at most block_n, got {self.consumer_warps}")
-        if not 1 <= self.rows <= MAX_ROWS:
-            raise ValueError(f"rows must be 1 to {MAX_ROWS}, got {self.rows}")
-        if self.rows > 1 and (self.chain or self.norm):
-            raise ValueError("several rows take a plain or gated input, in one GEMV (no norm, no chain)")
         if sum(g.norm for g in self.inputs) > 1:
             raise ValueError("at most one GEMV of a chain takes a norm input (one norm weight and residual)")
         if self.slot_rows not in (16, 32):
@@ -127,9 +117,9 @@ class TmaGemvConfig:
             raise ValueError(f"stages must be 2 to 32, got {self.stages}")
         if not 0 <= self.boundary_slots <= self.stages:
             raise ValueError(f"boundary_slots must be 0 to stages ({self.stages}), got {self.boundary_slots}")
-        if self.stages * self.slot_bytes + 2 * self.rows * self.x_width + 1024 > CTA_SHARED_BYTES:
-            raise ValueError(f"the ring ({self.stages} x {self.slot_bytes} bytes) and x ({self.rows} x "
-                             f"{self.x_width}) take more than a CTA's {CTA_SHARED_BYTES} bytes of shared memory")
+        if self.stages * self.slot_bytes + 2 * self.x_width + 1024 > CTA_SHARED_BYTES:
+            raise ValueError(f"the ring ({self.stages} x {self.slot_bytes} bytes) and x ({self.x_width} wide) take "
+                             f"more than a CTA's {CTA_SHARED_BYTES} bytes of shared memory")
         return self
 
     @property
@@ -150,31 +140,21 @@ def block_rows(n: int, num_sms: int = 132) -> int:
 def choose_config(n: int, k: int, gated: bool = False, num_sms: int = 132, *, norm: bool = False, add: bool = False,
                   pdl: bool = True, ring_bytes: int = RING_BYTES, consumer_warps: int = 8,
                   ctas_per_sm: int = 1, chain: tuple[GemvInput, ...] = (),
-                  slot_rows: int = SLOT_ROWS, boundary_bytes: int = 0, rows: int = 1) -> TmaGemvConfig:
-    """The first GEMV's (N n) block_n by block_rows (the chained ones carry theirs); the ring holds ring_bytes, less
-    what more than one staged row of x needs of the CTA's shared memory. The defaults (a 128 KiB ring, 8 consumer
-    warps, one CTA an SM) were the fastest of a sweep over ring sizes, warps and CTAs an SM on most 2B / 9B
-    projections (FINDINGS, decode step; `profiles.bench_decode --sweep-tma`)."""
-    slot_bytes, block_n = slot_rows * BLOCK_K * 2, block_rows(n, num_sms)
-    tile_k = slot_rows // block_n * BLOCK_K  # a staged row's width is K in whole tiles
-    free = CTA_SHARED_BYTES - 1024 - 2 * rows * cdiv(k, tile_k) * tile_k
-    stages = min(32, min(ring_bytes, free) // slot_bytes)
+                  slot_rows: int = SLOT_ROWS, boundary_bytes: int = 0) -> TmaGemvConfig:
+    """The first GEMV's (N n) block_n by block_rows (the chained ones carry theirs); the ring holds ring_bytes. The
+    defaults (a 128 KiB ring, 8 consumer warps, one CTA an SM) were the fastest of a sweep over ring sizes, warps and
+    CTAs an SM on most 2B / 9B projections (FINDINGS, decode step; `profiles.bench_decode --sweep-tma`)."""
+    slot_bytes = slot_rows * BLOCK_K * 2
+    stages = min(32, ring_bytes // slot_bytes)
     pause = min(stages, boundary_bytes // slot_bytes) if chain else 0
-    return TmaGemvConfig(k, block_n, stages, gated, ctas_per_sm, consumer_warps, norm, add, pdl, chain, slot_rows,
-                         pause, rows=rows).validate()
-
-
-def rows_fit(rows: int, k: int) -> bool:
-    """Whether `rows` staged rows of width k leave the CTA a ring of MIN_RING_BYTES (one row always fits)."""
-    width = cdiv(k, 4 * BLOCK_K) * 4 * BLOCK_K  # the widest a staged row rounds to (8-row blocks, four boxes a slot)
-    return rows == 1 or (rows <= MAX_ROWS and 2 * rows * width + MIN_RING_BYTES + 1024 <= CTA_SHARED_BYTES)
+    return TmaGemvConfig(k, block_rows(n, num_sms), stages, gated, ctas_per_sm, consumer_warps, norm, add, pdl, chain,
+                         slot_rows, pause).validate()
 
 
 def available(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, *,
               norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> bool:
-    """Whether tma_gemv takes this call: bf16 on an sm_90+ GPU, one row (or up to MAX_ROWS contiguous rows of a
-    plain or gated input that rows_fit), a contiguous weight, K within MAX_K, 16-byte aligned rows (and norm weight
-    and residual), and nvidia-cutlass-dsl installed."""
+    """Whether tma_gemv takes this call: one bf16 row on an sm_90+ GPU, a contiguous weight, K within MAX_K,
+    16-byte aligned rows (and norm weight and residual), and nvidia-cutlass-dsl installed."""
     return chain_available(x, [weight], [GemvInput(weight.shape[1], gated, norm_weight is not None,
                                                    residual is not None)], norm_weight=norm_weight, residual=residual)
 
@@ -190,11 +170,7 @@ def chain_available(x: torch.Tensor, weights, inputs, *, norm_weight: torch.Tens
     if (len(weights) != len(inputs) or not weights or (norm_weight is not None) != bool(norm_k)
             or (residual is not None) != any(g.add for g in inputs)):
         return False
-    if x.dim() == 2 and x.shape[0] > 1 and not (len(weights) == 1 and not norm_k and x.is_contiguous()
-                                                 and rows_fit(x.shape[0], inputs[0].k)):
-        return False
-    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
-            and x.stride(-1) == 1
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
             and all(w.dtype == torch.bfloat16 and w.is_contiguous() and w.dim() == 2 and w.shape[0] > 0
                     and w.shape[1] == g.k and 0 < g.k <= MAX_K and g.k % LANE_COLS == 0
                     and width == g.k * (2 if g.gated else 1) for w, g, width in zip(weights, inputs, widths))
@@ -234,11 +210,10 @@ def _kernel_class():
                      norm_w_ptr: cute.Pointer | None, s_ptr: cute.Pointer | None, sync_ptr: cute.Pointer | None,
                      stamps_ptr: cute.Pointer | None, ns: tuple, num_ctas: Int32, eps: Float32,
                      stream: cuda.CUstream):
-            """x (rows, K) or [gate | up] (rows, 2K); GEMV g: weight w_ptrs[g] (ns[g], K_g) into y_ptrs[g] (rows,
-            ns[g]), on y_ptrs[g - 1] after the first; contiguous bf16; num_ctas: the SMs. The norm input (one row):
-            norm_w (K,); with add, residual (1, K) and s (1, K), where CTA 0 stores x + residual. sync: a chain's
-            grid barrier, one int64 that only grows, a multiple of num_ctas between launches (every chain launches
-            num_ctas CTAs).
+            """x (1, K) or [gate | up] (1, 2K); GEMV g: weight w_ptrs[g] (ns[g], K_g) into y_ptrs[g] (1, ns[g]), on
+            y_ptrs[g - 1] after the first; contiguous bf16; num_ctas: the SMs. The norm input: norm_w (K,); with
+            add, residual (1, K) and s (1, K), where CTA 0 stores x + residual. sync: a chain's grid barrier, one
+            int64 that only grows, a multiple of num_ctas between launches (every chain launches num_ctas CTAs).
             stamps (cfg.stamps): a kernels.stamps slot of int64."""
             cfg = self.cfg
             stages = cfg.stages
@@ -250,10 +225,10 @@ def _kernel_class():
                                                           (spec.block_n, BLOCK_K))
                 tmas.append(tma)
                 mWs.append(mW_tma)
-                mYs.append(cute.make_tensor(y_ptrs[g], cute.make_layout(cfg.rows * ns[g])))
+                mYs.append(cute.make_tensor(y_ptrs[g], cute.make_layout(ns[g])))
                 blocks.append((ns[g] + spec.block_n - 1) // spec.block_n)
             k0 = cfg.k
-            mX = cute.make_tensor(x_ptr, cute.make_layout(cfg.rows * (2 * k0 if cfg.gated else k0)))
+            mX = cute.make_tensor(x_ptr, cute.make_layout(2 * k0 if cfg.gated else k0))
             norm_k = max([g.k for g in cfg.inputs if g.norm], default=0)
             mRes = mNormW = mS = mSync = None
             if cutlass.const_expr(norm_k > 0):
@@ -271,7 +246,7 @@ def _kernel_class():
                 mbar: cute.struct.MemRange[cutlass.Int64, 2 * stages]
                 synced: cute.struct.MemRange[cutlass.Int64, 1]
                 sum_sq: cute.struct.MemRange[Float32, cfg.consumer_warps]
-                sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.rows * cfg.x_width], 128]
+                sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.x_width], 128]
                 sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.slot_rows * BLOCK_K * stages], 128]
 
             self.shared_storage = SharedStorage
@@ -279,13 +254,13 @@ def _kernel_class():
             if cutlass.const_expr(len(cfg.chain) == 0):
                 grid = cutlass.max(cutlass.min(num_ctas, blocks[0]), 1)
             self.kernel(tuple(tmas), tuple(mWs), mX, tuple(mYs), mRes, mNormW, mS, mSync, mStamps, eps,
-                        tuple(blocks), ns, grid).launch(grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1],
+                        tuple(blocks), grid).launch(grid=[grid, 1, 1], block=[32 * (cfg.consumer_warps + 1), 1, 1],
                                                     stream=stream, use_pdl=cfg.pdl)
 
         @cute.kernel
         def kernel(self, tmas: tuple, mWs: tuple, mX: cute.Tensor, mYs: tuple, mRes: cute.Tensor | None,
                    mNormW: cute.Tensor | None, mS: cute.Tensor | None, mSync: cute.Tensor | None,
-                   mStamps: cute.Tensor | None, eps: Float32, blocks: tuple, ns: tuple, grid: Int32):
+                   mStamps: cute.Tensor | None, eps: Float32, blocks: tuple, grid: Int32):
             cfg = self.cfg
             stages, consumers = cfg.stages, cfg.consumer_warps
             tidx, _, _ = cute.arch.thread_idx()
@@ -298,7 +273,7 @@ def _kernel_class():
 
             storage = SmemAllocator().allocate(self.shared_storage)
             ring = self.make_ring(storage)
-            sX = storage.sX.get_tensor(cute.make_layout(cfg.rows * cfg.x_width))
+            sX = storage.sX.get_tensor(cute.make_layout(cfg.x_width))
             # GEMV g's view of the ring: (block_n, BLOCK_K, boxes, stages), each box a dense block_n x BLOCK_K
             sWs = [storage.sW.get_tensor(cute.make_layout((g.block_n, BLOCK_K, cfg.boxes(g), stages),
                                                           stride=(BLOCK_K, 1, g.block_n * BLOCK_K,
@@ -356,18 +331,16 @@ def _kernel_class():
                     self.stage_x(cfg.inputs[g], mX if g == 0 else mYs[g - 1], mRes, mNormW, mS, eps, sX, sSumSq,
                                  tidx, warp, lane, bidx)
                     cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
-                    spec, mY, rows = cfg.inputs[g], mYs[g], cfg.rows
-                    # a weight row's partial sums a row of x: (weight rows a warp owns x rows of x, LANE_COLS)
-                    acc = cute.make_rmem_tensor((spec.block_n // consumers * rows, LANE_COLS), Float32)
+                    spec, mY = cfg.inputs[g], mYs[g]
+                    acc = cute.make_rmem_tensor((spec.block_n // consumers, LANE_COLS), Float32)
                     block = bidx
                     while block < blocks[g]:
                         state = self.block_product(spec, sX, sWs[g], ring, state, acc, warp, lane)
                         for i in cutlass.range_constexpr(spec.block_n // consumers):
-                            col = block * spec.block_n + warp + consumers * i
-                            for r in cutlass.range_constexpr(rows):
-                                total = self.row_total(acc, i * rows + r)
-                                if lane == 0 and col < ns[g]:
-                                    mY[r * ns[g] + col] = total.to(BFloat16)
+                            total = self.row_total(acc, i)
+                            row = block * spec.block_n + warp + consumers * i
+                            if lane == 0 and row < cute.size(mY):
+                                mY[row] = total.to(BFloat16)
                         block += grid
                 if cutlass.const_expr(cfg.stamps):  # the CTA's last stores issued: its end
                     cute.arch.barrier(barrier_id=X_BARRIER, number_of_threads=32 * consumers)
@@ -397,35 +370,22 @@ def _kernel_class():
         @cute.jit
         def block_product(self, spec: cutlass.Constexpr, sX: cute.Tensor, sW: cute.Tensor, ring, state,
                           acc: cute.Tensor, warp: Int32, lane: Int32):
-            """A consumer warp's rows of one column block times the staged rows of x, over the block's K tiles as
-            they arrive in the ring: acc (rows_per_warp * x rows, LANE_COLS) gets each pair's per-lane partial sums
-            (row_total finishes them); a weight chunk is loaded once for every row of x. Returns state advanced past
-            the block: a caller in a dynamic loop must assign it, as the DSL carries through a loop only what the
-            loop body assigns or calls a method of (passed along, the state restarted at slot 0 with every block, and
-            the kernel hung)."""
-            consumers, boxes, rows = self.cfg.consumer_warps, self.cfg.boxes(spec), self.cfg.rows
-            x_chunks = self.cfg.x_width // LANE_COLS  # a staged row's stride in sX, in LANE_COLS chunks
+            """A consumer warp's rows of one column block times the staged x, over the block's K tiles as they
+            arrive in the ring: acc (rows_per_warp, LANE_COLS) gets each row's per-lane partial sums (row_total
+            finishes them). Returns state advanced past the block: a caller in a dynamic loop must assign it, as
+            the DSL carries through a loop only what the loop body assigns or calls a method of (passed along, the
+            state restarted at slot 0 with every block, and the kernel hung)."""
+            consumers, boxes = self.cfg.consumer_warps, self.cfg.boxes(spec)
             acc.fill(0.0)
             for kt in cutlass.range(self.cfg.width(spec) // (boxes * BLOCK_K), unroll=1):
-                if cutlass.const_expr(rows == 1):  # x's chunks of every box loaded before the wait for the slot
-                    xs = [cute.local_tile(sX, (LANE_COLS,), ((kt * boxes + b) * 32 + lane,)).load().to(Float32)
-                          for b in range(boxes)]
-                    ring.consumer_wait(state)
-                    for i in cutlass.range_constexpr(spec.block_n // consumers):
-                        row = warp + consumers * i
-                        for b in cutlass.range_constexpr(boxes):
-                            ws = cute.local_tile(sW[row, None, b, state.index], (LANE_COLS,), (lane,)).load()
-                            acc[i, None].store(acc[i, None].load() + ws.to(Float32) * xs[b])
-                else:  # a box at a time: the rows' x chunks of one box live at once (5 rows of every box spilled)
-                    ring.consumer_wait(state)
+                xs = [cute.local_tile(sX, (LANE_COLS,), ((kt * boxes + b) * 32 + lane,)).load().to(Float32)
+                      for b in range(boxes)]
+                ring.consumer_wait(state)
+                for i in cutlass.range_constexpr(spec.block_n // consumers):
+                    row = warp + consumers * i
                     for b in cutlass.range_constexpr(boxes):
-                        xs = [cute.local_tile(sX, (LANE_COLS,), (r * x_chunks + (kt * boxes + b) * 32 + lane,))
-                              .load().to(Float32) for r in range(rows)]
-                        for i in cutlass.range_constexpr(spec.block_n // consumers):
-                            ws = cute.local_tile(sW[warp + consumers * i, None, b, state.index], (LANE_COLS,),
-                                                 (lane,)).load().to(Float32)
-                            for r in cutlass.range_constexpr(rows):
-                                acc[i * rows + r, None].store(acc[i * rows + r, None].load() + ws * xs[r])
+                        ws = cute.local_tile(sW[row, None, b, state.index], (LANE_COLS,), (lane,)).load()
+                        acc[i, None].store(acc[i, None].load() + ws.to(Float32) * xs[b])
                 ring.consumer_release(state)
                 state.advance()
             return state
@@ -458,24 +418,21 @@ def _kernel_class():
         def stage_x(self, spec: cutlass.Constexpr, mX: cute.Tensor, mRes: cute.Tensor | None,
                     mNormW: cute.Tensor | None, mS: cute.Tensor | None, eps: Float32, sX: cute.Tensor,
                     sSumSq: cute.Tensor, tidx: Int32, warp: Int32, lane: Int32, bidx: Int32):
-            """What the product takes into sX (a row of x at a time, cfg.x_width apart), 8 columns a thread a step,
-            zeros past K: x; silu(gate) * up; or rms_norm(s) with s = x (+ residual), each rounded to bf16 as the
-            unfused ops round (CTA 0 stores s; one row). Every step's loads are issued before the first store (one L2
-            round trip, not one a step)."""
-            width, threads, rows = self.cfg.width(spec), 32 * self.cfg.consumer_warps, self.cfg.rows
+            """What the product takes into sX, 8 columns a thread a step, zeros past K: x; silu(gate) * up; or
+            rms_norm(s) with s = x (+ residual), each rounded to bf16 as the unfused ops round (CTA 0 stores s).
+            Every step's loads are issued before the first store (one L2 round trip, not one a step)."""
+            width, threads = self.cfg.width(spec), 32 * self.cfg.consumer_warps
             steps = cdiv(width, threads * LANE_COLS)
-            in_chunks = (2 if spec.gated else 1) * spec.k // LANE_COLS  # a row of mX, in LANE_COLS chunks
             values, norm_ws = [], []
             sum_sq = Float32(0.0)
-            for j in cutlass.range_constexpr(rows * steps):
-                r, i = j // steps, j % steps
+            for i in cutlass.range_constexpr(steps):
                 c = (i * threads + tidx) * LANE_COLS
                 src = cutlass.min(c, spec.k - LANE_COLS) // LANE_COLS  # past K: any in-bounds chunk (zeros below)
-                v = cute.local_tile(mX, (LANE_COLS,), (r * in_chunks + src,)).load()
+                v = cute.local_tile(mX, (LANE_COLS,), (src,)).load()
                 if cutlass.const_expr(spec.gated):
                     gate = v.to(Float32)
-                    up = cute.local_tile(mX, (LANE_COLS,), (r * in_chunks + src + spec.k // LANE_COLS,)).load()
-                    v = (gate / (1.0 + cute.math.exp(-gate)) * up.to(Float32)).to(BFloat16)
+                    up = cute.local_tile(mX, (LANE_COLS,), (src + spec.k // LANE_COLS,)).load().to(Float32)
+                    v = (gate / (1.0 + cute.math.exp(-gate)) * up).to(BFloat16)
                 if cutlass.const_expr(spec.add):
                     res = cute.local_tile(mRes, (LANE_COLS,), (src,)).load()
                     v = (v.to(Float32) + res.to(Float32)).to(BFloat16)
@@ -495,14 +452,12 @@ def _kernel_class():
                 for w in cutlass.range_constexpr(self.cfg.consumer_warps):
                     total = total + sSumSq[w]
                 rstd = cute.math.rsqrt(total / spec.k + eps)
-            x_chunks = self.cfg.x_width // LANE_COLS
-            for j in cutlass.range_constexpr(rows * steps):
-                r, i = j // steps, j % steps
+            for i in cutlass.range_constexpr(steps):
                 c = (i * threads + tidx) * LANE_COLS
                 if c < width:
-                    dst = cute.local_tile(sX, (LANE_COLS,), (r * x_chunks + c // LANE_COLS,))
+                    dst = cute.local_tile(sX, (LANE_COLS,), (c // LANE_COLS,))
                     if c < spec.k:
-                        v = values[j]
+                        v = values[i]
                         if cutlass.const_expr(spec.add):
                             if bidx == 0:
                                 cute.local_tile(mS, (LANE_COLS,), (c // LANE_COLS,)).store(v)
@@ -556,10 +511,10 @@ def _sync_counter(device: torch.device, index: int) -> torch.Tensor:
 def tma_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, gated: bool = False,
              norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
              s_out: torch.Tensor | None = None, config: TmaGemvConfig | None = None) -> torch.Tensor:
-    """x: (rows, K) bf16 ((rows, 2K) = [gate | up] when gated; rows > 1: contiguous, a plain or gated input);
-    weight: (N, K) bf16 contiguous -> (rows, N) bf16, into out when given ((rows, N), contiguous). norm_weight
-    (K,): the product takes rms_norm(s, norm_weight, eps) with s = x, or x + residual (1, K) when given, which is
-    then stored into s_out (1, K). The caller checks `available` first (kernels.linear does)."""
+    """x: (1, K) bf16 ((1, 2K) = [gate | up] when gated); weight: (N, K) bf16 contiguous -> (1, N) bf16, into out
+    when given ((1, N), contiguous). norm_weight (K,): the product takes rms_norm(s, norm_weight, eps) with s = x,
+    or x + residual (1, K) when given, which is then stored into s_out (1, K). The caller checks `available` first
+    (kernels.linear does)."""
     spec = GemvInput(weight.shape[1], gated, norm_weight is not None, residual is not None)
     return tma_gemv_chain(x, [weight], [spec], out, norm_weight=norm_weight, eps=eps, residual=residual,
                           s_out=s_out, config=config)
@@ -583,12 +538,11 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
         width = spec.k * (2 if spec.gated else 1)
         if weight.shape[1] != spec.k or (g > 0 and weights[g - 1].shape[0] != width):
             raise ValueError(f"weights[{g}] {tuple(weight.shape)} does not chain: K {spec.k}, the input {width} wide")
-    n, rows = weights[-1].shape[0], x.shape[0]
+    n = weights[-1].shape[0]
     if out is None:
-        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (rows, n) or not out.is_contiguous() or out.dtype != x.dtype:
-        raise ValueError(f"out must be a contiguous ({rows}, {n}) {x.dtype} tensor, got {tuple(out.shape)} "
-                         f"{out.dtype}")
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (1, n) or not out.is_contiguous() or out.dtype != x.dtype:
+        raise ValueError(f"out must be a contiguous (1, {n}) {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
     if residual is not None and (s_out is None or s_out.shape != residual.shape or not s_out.is_contiguous()):
         raise ValueError(f"s_out must be a contiguous tensor of residual's shape {tuple(residual.shape)}")
     if residual is not None and norm_weight is None:
@@ -601,7 +555,7 @@ def tma_gemv_chain(x: torch.Tensor, weights, inputs, out: torch.Tensor | None = 
     chain = tuple(dataclasses.replace(g, block_n=block_rows(w.shape[0], sms)) for g, w in zip(chain, weights[1:]))
     cfg = config or choose_config(weights[0].shape[0], first.k, first.gated, _SMS[index], norm=first.norm,
                                   add=first.add, pdl=pdl.enabled(x.device), chain=chain,
-                                  boundary_bytes=boundary_bytes, rows=rows)
+                                  boundary_bytes=boundary_bytes)
     stamp, stamping = stamps.slot("tma_gemv_chain" if chain else "tma_gemv", x.device,
                                   bytes=sum(w.numel() * w.element_size() for w in weights))
     if stamping:  # a stamped compile of the same config (only inside stamps.record: off the hot path)

@@ -41,12 +41,11 @@ class KernelTuning:
     chain_pause_bytes: int = 80 * 2**10
     # programmatic dependent launch on sm_90 (kernels.pdl); off only for the no-PDL rows of a benchmark
     pdl: bool = True
-    # projections of 2 up to gemv_max_rows rows (at most kernels.row_buckets.GEMV_MAX_ROWS) run the Triton GEMV, more
-    # rows the skinny GEMM: a speculative verify step's 2-5 rows (profiles.bench_spec times both)
-    gemv_max_rows: int = 4
-    # projections of 2 up to tma_max_rows bf16 rows (at most kernels.tma_gemv.MAX_ROWS) take the TMA-ring GEMV,
-    # every weight tile read once for all rows; 1: one row only (the A/B against gemv_max_rows is in bench_spec)
-    tma_max_rows: int = 1
+    # projections of up to gemv_max_rows rows (at most kernels.row_buckets.GEMV_MAX_ROWS) run the Triton GEMV, more
+    # rows the skinny GEMM. 2B's verify step in its graph on the H100 (profiles.bench_spec), GEMV against skinny GEMM:
+    # 2 rows 2363 / 2012 us, 3 rows 3239 / 2114, 4 rows 3351 / 2221 (a decode step: 1514); the GEMV's per-row
+    # accumulators cost it more than its weight read at several rows (FINDINGS, MTP speculative decoding)
+    gemv_max_rows: int = 1
     # kernels.moe's grouped GEMMs where experts average at most moe_decode.block_m pairs (decode and verify steps),
     # and above it (prefill). Measured on the H200 (one 35B-A3B layer, profiles.bench_moe --tiles; FINDINGS, MoE):
     # decode's 32 columns and K steps of 128 take 1 row from 87.5 to 62 us (more programs stream the few experts);
@@ -61,5 +60,3 @@ class KernelTuning:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if isinstance(self.gemv_max_rows, bool) or self.gemv_max_rows not in (1, 2, 3, 4):
             raise ValueError(f"gemv_max_rows must be 1..4 (the GEMV's rows), got {self.gemv_max_rows!r}")
-        if isinstance(self.tma_max_rows, bool) or self.tma_max_rows not in (1, 2, 3, 4, 5):
-            raise ValueError(f"tma_max_rows must be 1..5 (the TMA-ring GEMV's rows), got {self.tma_max_rows!r}")

@@ -2,9 +2,8 @@
 a plain decode step, the verify step of K drafts (K+1 tokens, the GDN layers keeping every token's state), the MTP
 head over n rows (the rows after acceptance: n = L + 1) with the lm_head and argmax at its last row, as the engine
 runs it, and the rollback (a slot copy). Two A/Bs in one process: the head with the full vocabulary and with a
-draft vocabulary of the first --draft-vocab ids (EngineConfig.draft_vocab_size); the verify step with its 2-5 rows
-on the Triton GEMV, the skinny GEMM and the TMA-ring GEMV (KernelTuning.gemv_max_rows 4 or 1, tma_max_rows 5).
-From the fastest verify, a
+draft vocabulary of the first --draft-vocab ids (EngineConfig.draft_vocab_size); the verify step with its 2-4 rows
+on the skinny GEMM (the default) and on the Triton GEMV (KernelTuning.gemv_max_rows 1 and 4). From the faster, a
 projection of tokens a second at acceptance length L:
     L / (verify(K) + head(L + 1 rows) + (K - 1) head(1 row) + rollback)   against   1 / decode
 labelled as a projection (the engine replays the whole step as one graph; `profiles.bench_serving
@@ -65,7 +64,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--ctx", type=int, default=8192, help="cached tokens before the step")
     ap.add_argument("--draft-vocab", type=int, default=32768, help="the reduced draft vocabulary timed beside the "
                     "full one (the first N token ids)")
-    ap.add_argument("--verify", default="GEMV,skinny GEMM,TMA GEMV", help="the verify step's row kernels timed, "
+    ap.add_argument("--verify", default="skinny GEMM,GEMV", help="the verify step's row kernels timed, "
                     "comma-separated")
     ap.add_argument("--out", default=None, help="where spec.json goes (default profiles/results)")
     args = ap.parse_args(argv)
@@ -106,8 +105,7 @@ def main(argv=None) -> dict:
     rollback = graph_us(lambda: pools.copy_slot(1, 0))
     rows.append(progress(dict(what="rollback (slot copy)", tokens=0, us=rollback)))
     projections = []
-    verify_rows = {"GEMV": registry.tuning(), "skinny GEMM": dataclasses.replace(registry.tuning(), gemv_max_rows=1),
-                   "TMA GEMV": dataclasses.replace(registry.tuning(), tma_max_rows=5)}
+    verify_rows = {"skinny GEMM": registry.tuning(), "GEMV": dataclasses.replace(registry.tuning(), gemv_max_rows=4)}
     verify_rows = {name: verify_rows[name] for name in args.verify.split(",")}
     for k in range(1, k_max + 1):
         times = {}

@@ -204,10 +204,8 @@ AB_KNOBS = {
     # the chained TMA GEMV's producer pause before each grid sync
     "tma_pause": {"80k": Variant(), "96k": Variant(KernelTuning(chain_pause_bytes=96 * 2**10)),
                   "off": Variant(KernelTuning(chain_pause_bytes=0))},
-    # a speculative verify step's 2-5 rows: the Triton GEMV up to 4 (gemv), the skinny GEMM from 2 (skinny), the
-    # TMA-ring GEMV up to 5 (tma)
-    "verify_rows": {"gemv": Variant(), "skinny": Variant(KernelTuning(gemv_max_rows=1)),
-                    "tma": Variant(KernelTuning(tma_max_rows=5))},
+    # projections of 2-4 rows (a speculative verify step's, batch 2-4 decode) on the skinny GEMM or the Triton GEMV
+    "verify_rows": {"skinny": Variant(), "gemv": Variant(KernelTuning(gemv_max_rows=4))},
     # the decode step's inputs written by the last step's argmax, no copy before a fed graph
     "fed_decode": {"off": Variant(engine=(("fed_decode", False),)), "on": Variant(engine=(("fed_decode", True),))},
     # a fed decode's argmax also stores its tokens in pinned host memory: no copy between two graphs

@@ -1,9 +1,10 @@
 """The decode GEMV (kernels/linear.py) against reference.linear, silu_and_mul_linear and add_rms_norm_linear (the
 three inputs it multiplies), errors measured against fp32 (fp64 for fp32).
 
-Interpreter tests run fp32/fp16 at odd sizes (rows 1-4 on the GEMV, 5-16 on the skinny GEMM, K and N not multiples
-of any tile); `gpu` tests run bf16 at Qwen3.5's decode shapes, with programmatic dependent launch on and off,
-inside a CUDA graph, and the hand-off to torch's matmul above DOT_MAX_ROWS rows and for padded (eager) rows."""
+Interpreter tests run fp32/fp16 at odd sizes (one row on the GEMV, 2-16 on the skinny GEMM, and 2-4 on the GEMV too
+under KernelTuning(gemv_max_rows=4); K and N not multiples of any tile); `gpu` tests run bf16 at Qwen3.5's decode
+shapes, with programmatic dependent launch on and off, inside a CUDA graph, and the hand-off to torch's matmul
+above DOT_MAX_ROWS rows and for padded (eager) rows."""
 import math
 
 import pytest
@@ -47,17 +48,21 @@ def _gated_pair(m, n, k, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 65, 33), (2, 300, 1000), (3, 7, 2049), (4, 129, 64), (5, 1, 1),
                                    (6, 65, 33), (9, 129, 1025), (16, 40, 300), (17, 7, 70)])
-def test_linear_matches_reference(m, n, k, dtype):
-    _check(*_pair(m, n, k, dtype), f"linear {m}x{k} @ {n}x{k} {dtype}")
+@pytest.mark.parametrize("gemv_rows", [1, 4])
+def test_linear_matches_reference(m, n, k, dtype, gemv_rows):
+    with registry.use(tuning=KernelTuning(gemv_max_rows=gemv_rows)):
+        _check(*_pair(m, n, k, dtype), f"linear {m}x{k} @ {n}x{k} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,n,k", [(1, 1, 1), (2, 65, 33), (3, 40, 1025), (4, 7, 300), (6, 9, 50), (13, 33, 257),
                                    (17, 9, 50)])
-def test_silu_and_mul_linear_matches_reference(m, n, k, dtype):
-    # one GEMV (or skinny GEMM, 5-16 rows) reading [gate | up] (SwiGLU's down projection); 17 rows take the
+@pytest.mark.parametrize("gemv_rows", [1, 4])
+def test_silu_and_mul_linear_matches_reference(m, n, k, dtype, gemv_rows):
+    # one GEMV (or skinny GEMM, 2-16 rows) reading [gate | up] (SwiGLU's down projection); 17 rows take the
     # silu_and_mul + matmul path
-    _check(*_gated_pair(m, n, k, dtype), f"gated {m}x{k} @ {n}x{k} {dtype}", gated=True)
+    with registry.use(tuning=KernelTuning(gemv_max_rows=gemv_rows)):
+        _check(*_gated_pair(m, n, k, dtype), f"gated {m}x{k} @ {n}x{k} {dtype}", gated=True)
 
 
 def _normed_inputs(m, k, dtype, seed, with_residual=True):

@@ -55,7 +55,8 @@ def linear_key(rows, n=12288, k=2048, padded=None, gated=False, tma=True):
     (linear_key(1, n=1024), "gemv"),  # 4 MB: under tma_min_bytes
     (linear_key(1, n=2048, k=6144, gated=True), "gemv"),  # 2B's down projection: K under tma_gated_min_k
     (linear_key(1, n=4096, k=12288, gated=True), "tma_gemv"),  # 9B's
-    (linear_key(4), "gemv"),
+    (linear_key(2), "skinny_gemm"),  # 2-4 rows: the skinny GEMM (a verify step's; tuning.gemv_max_rows)
+    (linear_key(4), "skinny_gemm"),
     (linear_key(5), "skinny_gemm"),  # in a decode graph: unpadded
     (linear_key(5, padded=64), "cublas"),  # an eager prefill: rows padded for cuBLAS
     (linear_key(16), "skinny_gemm"),
@@ -155,25 +156,17 @@ def test_a_tuning_is_part_of_the_choice():
     assert registry.choose("linear", key, "triton", KernelTuning(tma_min_bytes=2 * MIB)).name == "tma_gemv"
     with pytest.raises(ValueError, match="tma_min_bytes"):
         KernelTuning(tma_min_bytes=-1)
-    # a verify step's rows on the skinny GEMM; one row stays on the GEMVs
-    verify = KernelTuning(gemv_max_rows=1)
-    assert [registry.choose("linear", linear_key(r), "triton", verify).name for r in (1, 2, 4, 5)] == \
-        ["tma_gemv", "skinny_gemm", "skinny_gemm", "skinny_gemm"]
-    assert registry.choose("add_rms_norm_linear", NormLinearKey(2, 6176, 1024, BF16, H200, False), "triton",
-                           verify).name == "norm_then_linear"
+    # gemv_max_rows 4 takes 2-4 rows back to the GEMV; one row stays on the GEMVs either way; the norm inside the
+    # GEMV keeps its own rule (up to GEMV_MAX_ROWS rows at a small K)
+    gemv4 = KernelTuning(gemv_max_rows=4)
+    assert [registry.choose("linear", linear_key(r), "triton", gemv4).name for r in (1, 2, 4, 5)] == \
+        ["tma_gemv", "gemv", "gemv", "skinny_gemm"]
+    for tuning in (gemv4, KernelTuning()):
+        assert registry.choose("add_rms_norm_linear", NormLinearKey(2, 6176, 1024, BF16, H200, False), "triton",
+                               tuning).name == "norm_gemv"
     for bad in (0, 5, True):
         with pytest.raises(ValueError, match="gemv_max_rows"):
             KernelTuning(gemv_max_rows=bad)
-    # up to tma_max_rows bf16 rows in the TMA-ring GEMV's layout take it (wide weights only, as one row does)
-    rows_tma = KernelTuning(tma_max_rows=5)
-    for rows, tma, expected in ((4, True, "tma_gemv"), (5, True, "tma_gemv"), (4, False, "gemv"),
-                                (6, True, "skinny_gemm")):
-        key = linear_key(rows)._replace(tma_layout=tma)
-        assert registry.choose("linear", key, "triton", rows_tma).name == expected, rows
-    assert registry.choose("linear", linear_key(4)._replace(tma_layout=True), "triton").name == "gemv"  # default
-    assert registry.choose("linear", linear_key(4, n=1024)._replace(tma_layout=True), "triton", rows_tma).name == "gemv"
-    with pytest.raises(ValueError, match="tma_max_rows"):
-        KernelTuning(tma_max_rows=6)
 
 
 def test_the_debug_switch_checks_the_op_path(monkeypatch):

@@ -137,7 +137,7 @@ def test_knob_variants_are_configs_and_combine():
     from kernels.tuning import KernelTuning
     from profiles.host_time import AB_KNOBS, UNBOUNDED_K, Variant, knob_variants
     assert set(AB_KNOBS) == {"prenorm", "tma_min", "tma_pause", "verify_rows", "fed_decode", "token_ring"}
-    assert knob_variants("verify_rows")["skinny"].tuning == KernelTuning(gemv_max_rows=1)
+    assert knob_variants("verify_rows")["gemv"].tuning == KernelTuning(gemv_max_rows=4)
     assert knob_variants("prenorm")["rule"] == Variant() and knob_variants("tma_min")["8m"] == Variant()
     pairs = knob_variants("prenorm+tma_min")
     assert list(pairs) == [f"{a}/{b}" for a in ("fused", "rule", "unfused") for b in ("16m", "8m", "4m")]

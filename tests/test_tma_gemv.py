@@ -68,22 +68,6 @@ def test_chain_config_errors_name_the_field(chain, fields, match):
         T.TmaGemvConfig(**{**dict(k=64, block_n=16, stages=16, consumer_warps=8, chain=chain), **fields}).validate()
 
 
-def test_rows_config_rules():
-    # several rows: plain or gated only, one GEMV, the ring smaller by what the staged rows take
-    with pytest.raises(ValueError, match="rows must be 1 to"):
-        T.TmaGemvConfig(64, 16, 8, rows=T.MAX_ROWS + 1).validate()
-    with pytest.raises(ValueError, match="no norm, no chain"):
-        T.TmaGemvConfig(64, 16, 8, norm=True, rows=2).validate()
-    with pytest.raises(ValueError, match="no norm, no chain"):
-        T.TmaGemvConfig(64, 16, 8, chain=(T.GemvInput(64),), rows=2).validate()
-    assert T.choose_config(2048, 2048, rows=4).stages == T.choose_config(2048, 2048).stages  # 16 KiB of x: room
-    big = T.choose_config(4096, 12288, True, rows=5)  # 9B's down projection: 120 KiB of staged rows
-    assert big.stages * big.slot_bytes + 2 * 5 * big.x_width + 1024 <= T.CTA_SHARED_BYTES
-    assert big.stages * big.slot_bytes >= T.MIN_RING_BYTES
-    assert T.rows_fit(5, T.MAX_K) and T.choose_config(64, T.MAX_K, rows=5).stages == 4  # the least ring
-    assert not T.rows_fit(T.MAX_ROWS + 1, 64)
-
-
 def test_chain_config_keeps_the_ring_and_the_inputs():
     chain = (T.GemvInput(2048, norm=True, add=True), T.GemvInput(6144, gated=True))
     cfg = T.choose_config(2048, 2048, chain=chain)
@@ -99,10 +83,7 @@ def test_available_only_for_one_bf16_row_on_a_gpu():
     assert not T.available(torch.randn(1, 256, dtype=torch.bfloat16), w)  # CPU tensors
     if HAS_CUDA:
         wc = w.cuda()
-        assert not T.available(torch.randn(6, 256, dtype=torch.bfloat16, device="cuda"), wc)  # over MAX_ROWS
-        assert not T.available(torch.randn(2, 512, dtype=torch.bfloat16, device="cuda")[:, :256], wc)  # strided
-        norm_w = torch.randn(256, dtype=torch.bfloat16, device="cuda")
-        assert not T.available(torch.randn(2, 256, dtype=torch.bfloat16, device="cuda"), wc, norm_weight=norm_w)
+        assert not T.available(torch.randn(2, 256, dtype=torch.bfloat16, device="cuda"), wc)  # two rows
         assert not T.available(torch.randn(1, 256, device="cuda"), wc.float())  # fp32
         assert not T.available(torch.randn(1, 256, dtype=torch.bfloat16, device="cuda"), wc[:, :128])  # strided
         assert not T.available(torch.randn(1, 256, dtype=torch.bfloat16, device="cuda"), wc, gated=True)  # not 2K
@@ -249,38 +230,6 @@ for n, k, gated, norm, add, pdl in json.loads(sys.argv[1]):
                                          "ex2": "ex2.approx", "rsqrt": "rsqrt", "global_v4": "ld.global.v4",
                                          "store_v4": "st.global.v4"})}), flush=True)
 """
-
-
-SM90_ROWS_COMPILE = """
-import json, sys
-from kernels.tma_gemv import choose_config, compile_config
-from tests.sm90_compile import cuda_ptxas, parity_resets_in_loops, ptx_counts, ptxas_sm90a
-for n, k, gated, rows in json.loads(sys.argv[1]):
-    cfg = choose_config(n, k, gated, rows=rows)
-    ptx = compile_config(cfg, keep_ptx=True).__ptx__
-    info = ptxas_sm90a(ptx, cuda_ptxas())
-    print(json.dumps({"rows": rows, "gated": gated, "block_n": cfg.block_n, "regs": info["regs"],
-                      "spill": info["spill"] or 0, "resets": parity_resets_in_loops(ptx),
-                      **ptx_counts(ptx, {"tma": "cp.async.bulk.tensor", "shared_v4": "ld.shared.v4",
-                                         "global_v4": "ld.global.v4"})}), flush=True)
-"""
-
-
-@needs_dsl
-def test_rows_compile_for_sm90(monkeypatch):
-    # several rows of x: a weight chunk loaded from shared memory once for all rows (a 16-byte load per row a warp
-    # owns and box, plus each row's x chunk a box), one TMA copy a box, and what a thread holds within 168 registers,
-    # nothing spilled
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    cases = [(12288, 2048, False, 2), (12288, 2048, False, 4), (2048, 6144, True, 5), (4096, 12288, True, 5)]
-    out = compiled_script_output(SM90_ROWS_COMPILE, json.dumps(cases), timeout=600)
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert len(rows) == len(cases), out
-    for row in rows:
-        boxes = T.SLOT_ROWS // row["block_n"]
-        assert row["resets"] == 0 and row["tma"] == boxes, row
-        assert row["shared_v4"] == (row["block_n"] // 8 + row["rows"]) * boxes, row
-        assert row["regs"] <= 168 and row["spill"] == 0, row
 
 
 @needs_dsl
@@ -440,48 +389,6 @@ def test_replays_in_a_cuda_graph_and_through_linear(monkeypatch):
     L.linear(*_pair(1024, 2048))  # 4 MB: the Triton GEMV
     L.silu_and_mul_linear(*_pair(2048, 6144, gated=True))  # 25 MB, but K 6144: the Triton GEMV
     assert len(calls) == 3
-
-
-@pytest.mark.gpu
-@gpu_sm90
-@needs_dsl
-@pytest.mark.parametrize("rows", [2, 3, 4, 5])
-@pytest.mark.parametrize("n, k, gated", [(65, 264, False), (2053, 2048, False), (12288, 2048, False),
-                                         (2048, 6144, True), (4096, 12288, True), (1000, 1000, True)])
-def test_rows_match_fp32_and_each_row_alone(rows, n, k, gated):
-    # several rows in one launch: each row against fp32, and bit for bit the one-row launch of that row (the same
-    # products in the same order)
-    g = torch.Generator(device="cuda").manual_seed(rows * n + k)
-    x = torch.randn(rows, 2 * k if gated else k, device="cuda", generator=g).to(BF16)
-    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(BF16)
-    assert T.available(x, w, gated)
-    out = T.tma_gemv(x, w, gated=gated)
-    assert out.shape == (rows, n)
-    assert_rel(out.float(), _reference(x, w, gated), TOL, f"{rows} rows n{n} k{k} gated={gated}")
-    for r in range(rows):
-        assert torch.equal(out[r:r + 1], T.tma_gemv(x[r:r + 1].clone(), w, gated=gated)), f"row {r}"
-
-
-@pytest.mark.gpu
-@gpu_sm90
-@needs_dsl
-def test_rows_route_by_the_tuning_and_replay_in_a_graph(monkeypatch):
-    calls = _recorded(monkeypatch, "tma_gemv", lambda a, kw: a[0].shape[0])
-    g = torch.Generator(device="cuda").manual_seed(7)
-    x = torch.randn(4, 2048, device="cuda", generator=g).to(BF16)
-    w = (torch.randn(12288, 2048, device="cuda", generator=g) / 2048 ** 0.5).to(BF16)
-    L.linear(x, w)
-    assert calls == []  # the default tuning: 4 rows on the Triton GEMV
-    out = torch.empty(4, 12288, dtype=BF16, device="cuda")
-    with registry.use(tuning=KernelTuning(tma_max_rows=5)):
-        L.linear(x, w, out=out)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            L.linear(x, w, out=out)
-    x.copy_(torch.randn(4, 2048, device="cuda", generator=g).to(BF16))
-    graph.replay()
-    assert_rel(out.float(), _reference(x, w, False), TOL, "4 rows from a graph")
-    assert calls == [4, 4]
 
 
 def _layer_tail(hidden, width, inter, seed=0):
