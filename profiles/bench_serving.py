@@ -29,10 +29,8 @@ summary). Decode kernel knobs sweep the same way by variant name (`--sweep tma_m
 one configuration's c16 figure moves by about 7% from run to run, within one process too, so compare variants this
 way rather than across processes.
 """
-import argparse
 import gc
 import json
-import random
 import sys
 import time
 from array import array
@@ -401,44 +399,6 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
     return LLMEngine(model, EngineConfig.for_token_budget((args.concurrency + 1) * max_len, **common))
 
 
-def record_greedy(model, args, traces: list[Trace]) -> dict[tuple, list[int]]:
-    """--forced-acceptance: each request's greedy tokens, by prompt, from a replay without speculation (speculative
-    greedy decodes the same tokens, so the replay with speculation sends the same prompts). Its pool holds the trace's
-    working set (unless --kv-working-set says otherwise), so the speculative engine is sized from what it leaves."""
-    plain = argparse.Namespace(**{**vars(args), "speculative_tokens": 0, "speculative_draft_vocab": 0,
-                                  "kv_working_set": 1.0 if args.kv_working_set is None else args.kv_working_set})
-    engine = make_engine(model, plain, traces)
-    recorded, pop = {}, engine.pop_output
-
-    def pop_and_record(seq_id):
-        out = pop(seq_id)
-        recorded[tuple(out.prompt_ids)] = out.output_ids
-        return out
-    engine.pop_output = pop_and_record
-    replay(engine, traces, args.concurrency, progress=False, sessions=bool(args.sessions))
-    del engine
-    gc.unfreeze()  # its warm-up froze its objects (LLMEngine.warm_up): its pools must go before the next engine's
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return recorded
-
-
-def forced_drafts(recorded: dict[tuple, list[int]], mean_length: float, vocab: int, seed: int):
-    """A replace_drafts hook (serving.speculative) for a mean acceptance length: a verify step keeps the first n
-    drafts, n = floor(L - 1) or the next integer at random so that n averages L - 1, set to greedy's tokens; the
-    drafts after them are wrong. The draft compute itself ran in full (a benchmark, not a product mode)."""
-    rng = random.Random(seed)
-    keep = mean_length - 1
-
-    def replace(seq, drafts: list[int]) -> list[int]:
-        truth = recorded.get(tuple(seq.prompt_ids), [])[len(seq.output_ids):][:len(drafts)]
-        truth += [0] * (len(drafts) - len(truth))
-        n = int(keep) + (rng.random() < keep - int(keep))
-        return truth[:n] + [(t + 1) % vocab for t in truth[n:]]
-    return replace
-
-
 def warm_up(engine: LLMEngine, traces: list[Trace]) -> None:
     """Compile the kernels of every step shape the replay meets (LLMEngine.warm_up) and cache the shared system
     prefix: a first turn of the prefix plus a few tokens, then a returning turn as long as trace 0's second turn
@@ -558,9 +518,9 @@ def main(argv=None, model=None) -> dict:
                          "(EngineConfig.kv_eviction)")
     cli.add_speculative_args(ap)
     ap.add_argument("--forced-acceptance", type=cli.positive_float, default=None, metavar="L",
-                    help="with --speculative-tokens K: first replay without speculation to record greedy's tokens, "
-                         "then replay with the drafts replaced by them so that a verify step keeps L tokens on "
-                         "average (1..K+1); the draft compute runs in full (a benchmark of the machinery)")
+                    help="with --speculative-tokens K: each greedy verify step keeps L tokens on average (1..K+1) "
+                         "whatever the target says (Speculator.force_lengths): the machinery at that acceptance "
+                         "length on random weights; the tokens are not the model's (a benchmark mode)")
     ap.add_argument("--seed", type=cli.non_negative_int, default=0, help="seed of the synthetic traces and of sampling")
     ap.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
                     help=f"replay once per value of an engine knob ({', '.join(ENGINE_KNOBS)}) or per variant of a "
@@ -687,7 +647,6 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
     traces = build_traces(args, model.config.vocab_size)
     if args.write_trace:
         write_jsonl(traces, args.write_trace)
-    recorded = record_greedy(model, args, traces) if args.forced_acceptance else None
     engine = make_engine(model, args, traces)
     out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype} | ops: {ops.get_backend()}\n"
               f"host: {host_cpu()}\n"
@@ -697,8 +656,8 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
               + (" as interleaved sessions" if args.sessions else "") + "\n")
     warm_up(engine, traces)
     spec = engine.speculator
-    if recorded is not None:
-        spec.replace_drafts = forced_drafts(recorded, args.forced_acceptance, model.config.vocab_size, args.seed)
+    if args.forced_acceptance:
+        spec.force_lengths(args.forced_acceptance, args.seed)
     spec_before = (spec.num_verify_steps, spec.num_accepted) if spec else None
     runner = engine.runner
     steps_before = (runner.num_graph_steps, runner.num_eager_decode_steps, runner.num_eager_steps,
@@ -712,8 +671,8 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
         overall["acceptance_length"] = 1 + (spec.num_accepted - spec_before[1]) / max(verify_steps, 1)
         overall["forced_acceptance"] = args.forced_acceptance
         out.write(f"speculative decoding: {verify_steps} verify steps, mean acceptance length "
-                  f"{overall['acceptance_length']:.2f}" + (" (FORCED: drafts set to recorded greedy tokens)"
-                                                          if args.forced_acceptance else "") + "\n")
+                  f"{overall['acceptance_length']:.2f}" + (" (FORCED: greedy steps keep L tokens, whatever the "
+                                                          "target says)" if args.forced_acceptance else "") + "\n")
     if args.sessions:
         overall.update(offline_optimum(requests, engine.cfg.num_pages, engine.cfg.page_size))
     kinds = step_breakdown(steps, wall)

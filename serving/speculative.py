@@ -21,6 +21,7 @@ rollback and the drafting start are gathers by L. Those steps are padded to the 
 graphs, with one read of their tokens. Other steps (prompts, sampled requests, fewer drafts) take the host path:
 verify, accept, advance, draft.
 """
+import random
 from dataclasses import dataclass
 
 import torch
@@ -86,8 +87,10 @@ class Speculator:
         self.k, self.first_position_slot = num_drafts, first_position_slot
         self.page_size, self.max_model_len = page_size, max_model_len
         self.device = model.lm_head.weight.device
-        # a test and benchmark hook: (seq, drafts) -> the drafts to verify instead (forced acceptance)
+        # a test hook: (seq, drafts) -> the drafts to verify instead
         self.replace_drafts = None
+        # a benchmark mode (force_lengths): the random.Random that draws greedy steps' acceptance lengths, their mean
+        self.forced: tuple[random.Random, float] | None = None
         self.num_verified = self.num_accepted = 0  # drafts verified and kept, since the start
         self.num_device_steps = 0  # steps greedy_step ran
         self.num_verify_steps = 0  # verify chunks with drafts, since the start
@@ -97,8 +100,9 @@ class Speculator:
         self.use_graphs = use_graphs and self.device.type == "cuda" and bool(graph_sizes)
         self.graphs: dict[int, tuple] = {}  # batch -> (graph, its outputs)
         top = max(self.graph_sizes, default=0)
-        # static inputs of greedy_step_on, one row a sequence: K+1 tokens, start, state slot, K position slots
-        self.inputs = torch.zeros(top, 2 * num_drafts + 3, dtype=torch.int64, device=self.device)
+        # static inputs of greedy_step_on, one row a sequence: K+1 tokens, start, state slot, K position slots, and the
+        # forced acceptance length (force_lengths)
+        self.inputs = torch.zeros(top, 2 * num_drafts + 4, dtype=torch.int64, device=self.device)
 
     def position_slots(self, state_slot: int) -> list[int]:
         """The K slots that hold a running sequence's GDN state after each of its verify step's first tokens."""
@@ -257,7 +261,7 @@ class Speculator:
         self.num_device_steps += 1
         k, n = self.k, len(chunks)
         rows = [[c.seq.token_slice(c.start, c.start + 1)[0], *c.drafts, c.start, c.seq.state_slot,
-                 *self.position_slots(c.seq.state_slot)] for c in chunks]
+                 *self.position_slots(c.seq.state_slot), self._forced_length()] for c in chunks]
         bs = next((size for size in self.graph_sizes if size >= n), n)
         rows += [self.padding_row] * (bs - n)
         pinned = self.device.type == "cuda"
@@ -280,14 +284,33 @@ class Speculator:
     @property
     def padding_row(self) -> list[int]:
         """greedy_step_on's input row of a padding sequence: token 0 from position 1 of the padding slot (and page)."""
-        return [0] * (self.k + 1) + [1, self.runner.dummy_slot, *self.padding_position_slots]
+        return [0] * (self.k + 1) + [1, self.runner.dummy_slot, *self.padding_position_slots, 1]
+
+    def force_lengths(self, mean_length: float, seed: int = 0) -> None:
+        """A benchmark mode: each greedy step keeps a drawn number of tokens, floor(mean_length) or the next integer
+        (mean mean_length, 1..K+1), whatever the target says, so that the machinery runs as at that acceptance
+        length with random weights; the tokens it emits are not the model's greedy output. Greedy steps are captured
+        again (the choice is inside their graphs)."""
+        if not 1 <= mean_length <= self.k + 1:
+            raise ValueError(f"mean_length must lie in [1, K + 1 = {self.k + 1}], got {mean_length}")
+        self.forced = (random.Random(seed), mean_length)
+        if self.graphs:
+            self.graphs.clear()
+            self.capture()
+
+    def _forced_length(self) -> int:
+        if self.forced is None:
+            return 0
+        rng, mean = self.forced
+        return int(mean) + (rng.random() < mean - int(mean))
 
     def greedy_step_on(self, values: torch.Tensor):
-        """values (B, 2K+3) int64 on the device, a row a sequence: its last token and K drafts, the position of the
-        first, its state slot and its K position slots. Returns (the target's argmax (B, K+1), L (B,), the next
-        drafts (B, K)). Static shapes and no host read: what a CUDA graph of the step captures."""
+        """values (B, 2K+4) int64 on the device, a row a sequence: its last token and K drafts, the position of the
+        first, its state slot, its K position slots and a forced acceptance length (force_lengths; else unread).
+        Returns (the target's argmax (B, K+1), L (B,), the next drafts (B, K)). Static shapes and no host read: what
+        a CUDA graph of the step captures."""
         k, ps, model, pools = self.k, self.page_size, self.model, self.pools
-        tokens, starts, slots, pos_slots = values.split([k + 1, 1, 1, k], dim=1)
+        tokens, starts, slots, pos_slots, forced = values.split([k + 1, 1, 1, k, 1], dim=1)
         starts, slots = starts[:, 0], slots[:, 0]
         b, q, dev = tokens.shape[0], k + 1, tokens.device
         table = self.runner.table.index_select(0, slots)  # (B, W) the sequences' pages
@@ -310,6 +333,8 @@ class Speculator:
                                             all_logits=True, with_hidden=True)
         target = ops.argmax(logits).view(b, q)
         lengths = (tokens[:, 1:] == target[:, :k]).long().cumprod(1).sum(1) + 1  # (B,) 1..K+1
+        if self.forced is not None:
+            lengths = forced[:, 0].clamp(1, k + 1)
         # the head's rows start-1 .. start+K: tokens [last, target 0..K] (the kept drafts, the target's own token,
         # then rows past it that the next step computes again), hidden [the slot's, the trunk's rows]
         hidden = hidden.view(b, q, -1)

@@ -93,29 +93,14 @@ def test_bench_with_speculation_on_the_cpu(model, tmp_path, capsys):
 
 @pytest.mark.parametrize("forced", [3.0, 1.5])
 def test_bench_forced_acceptance_on_the_cpu(model, tmp_path, forced):
-    """--forced-acceptance L: drafts set to the recorded greedy tokens, kept to a mean length L; the outputs are
-    greedy's all the same."""
+    """--forced-acceptance L: greedy verify steps keep L tokens on average whatever the target says (the first
+    verify after each prefill drafts on the host, where it is not forced)."""
     run = bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.08", "--turns", "2", "--max-new",
                               "40", "--concurrency", "1", "--out-dir", str(tmp_path), "--no-progress",
                               "--speculative-tokens", "2", "--forced-acceptance", str(forced)], model=model)
-    length = run["overall"]["acceptance_length"]  # a verify step near a request's end checks fewer drafts
+    length = run["overall"]["acceptance_length"]  # a verify step near a request's end keeps fewer
     assert forced - 0.5 < length <= forced + 0.25, length
-
-
-def test_forced_acceptance_records_on_a_fixed_pool(model, tmp_path, monkeypatch):
-    """The plain replay that records greedy's tokens runs on a pool of the trace's working set, not one sized from
-    free memory: the speculative engine after it is sized from what is left, which a second full pool would take."""
-    made = []
-    real = bench_serving.make_engine
-
-    def tracking(model, args, traces):
-        made.append((args.speculative_tokens, args.kv_working_set))
-        return real(model, args, traces)
-    monkeypatch.setattr(bench_serving, "make_engine", tracking)
-    bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.02", "--turns", "1", "--max-new", "4",
-                        "--concurrency", "1", "--out-dir", str(tmp_path), "--no-progress", "--speculative-tokens",
-                        "2", "--forced-acceptance", "2"], model=model)
-    assert made == [(0, 1.0), (2, None)]
+    assert run["overall"]["forced_acceptance"] == forced and run["overall"]["generated"] > 0
 
 
 def test_step_verdict_names_the_longer_phase():

@@ -99,6 +99,27 @@ def test_draft_vocab_size_is_checked():
         LLMEngine(model, EngineConfig(num_pages=16, speculative_tokens=2, draft_vocab_size=VOCAB + 1))
 
 
+def test_forced_lengths_keep_that_many_tokens_a_step(model):
+    """force_lengths (a benchmark mode): every greedy step keeps the drawn length (here always K+1 or 2), whatever
+    the target says; the requests still end at max_tokens, and nothing leaks."""
+    for mean, expected in ((4.0, 4), (2.0, 2)):
+        eng = engine(model, 3)
+        eng.speculator.force_lengths(mean, seed=1)
+        eng.add_request(prompts(1, seed=60)[0], SamplingParams(max_tokens=21, ignore_eos=True))
+        emitted = []
+        while eng.has_unfinished:
+            before = eng.speculator.num_device_steps
+            outs = eng.step()
+            if eng.speculator.num_device_steps > before:
+                emitted.append(len(outs))
+        assert emitted and all(n == expected for n in emitted[:-1]) and emitted[-1] <= expected, emitted
+        out = eng.pop_output(0)
+        assert len(out.output_ids) == 21
+        assert not any(eng.block_manager.refcount) and len(eng.scheduler.free_state_slots) == eng.cfg.max_num_seqs
+    with pytest.raises(ValueError, match="mean_length"):
+        eng.speculator.force_lengths(5.0)
+
+
 def test_padded_device_steps_equal_unpadded(model):
     """Greedy decode steps padded to the graph ladder (3 sequences run at batch 4: one padding row on the padding
     slot, its position slots and the padding page) decode greedy's tokens; what graphs replay on a GPU."""
