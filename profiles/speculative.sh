@@ -1,9 +1,9 @@
 #!/bin/bash
 # MTP speculative decoding on one GPU machine (carry .gpu: ../shared/gpu/make-bundle.sh). RUN="T STEPS E2E" (any):
-# T the GPU tests of the verify kernel, the speculative engine and the TMA GEMV's rows; STEPS profiles.bench_spec for
+# T the GPU tests of the verify kernel, the speculative engine and the TMA GEMV; STEPS profiles.bench_spec for
 # 0.8B, 2B and 9B (the verify step's row kernels and a 32k draft vocab beside the full one); E2E the short agent trace
 # at batch 1, plain and with K = 3 drafts from a 32k draft vocab forced to mean acceptance lengths L (LS, default
-# "3 4"), each over the verify_rows variants (VR, default gemv,skinny,tma) in one process (MODEL, default
+# "3 4"), each over the verify_rows variants (VR, default skinny,gemv) in one process (MODEL, default
 # qwen3.5-2b). Prints the host's CPU model.
 [ -d /tmp/site/flash_attn ] || tar -xJf .gpu/site.tar.xz -C /tmp
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
@@ -25,7 +25,7 @@ if [[ " $RUN " == *" E2E "* ]]; then
   for L in ${LS:-3 4}; do
     timeout 300 python3 -m profiles.bench_serving --model $M --trace short --no-progress --out-dir $OUT/e2e \
       --speculative-tokens 3 --forced-acceptance $L --speculative-draft-vocab 32768 \
-      --sweep verify_rows=${VR:-gemv,skinny,tma} 2>&1 | grep -E "^ +all |speculative|engine:|verify_rows" \
+      --sweep verify_rows=${VR:-skinny,gemv} 2>&1 | grep -E "^ +all |speculative|engine:|verify_rows" \
       | tee -a $OUT/e2e.log
   done
 fi
