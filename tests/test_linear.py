@@ -179,16 +179,14 @@ def test_skinny_gemm_splits_as_its_plan_says(monkeypatch):
 def test_linear_routes_rows_to_the_kernel_for_them(m, kernel, gemv_max_rows, monkeypatch):
     # unpadded rows (the CPU, CUDA-graph capture): up to tuning.gemv_max_rows the GEMV, up to DOT_MAX_ROWS the
     # skinny GEMM (gated: after silu_and_mul, as matmul)
-    from kernels import registry
-    from kernels.tuning import KernelTuning
-    monkeypatch.setattr(registry, "_tuning", KernelTuning(gemv_max_rows=gemv_max_rows))
     calls = []
     for name in ("_gemv", "_rows_dot", "matmul_rows"):
         real = getattr(L, name)
         monkeypatch.setattr(L, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     for gated in (False, True):
         x, w = _gated_pair(m, 24, 40, torch.float32) if gated else _pair(m, 24, 40, torch.float32)
-        _check(x, w, f"{m} rows", gated=gated)
+        with registry.use(tuning=KernelTuning(gemv_max_rows=gemv_max_rows)):
+            _check(x, w, f"{m} rows", gated=gated)
     assert calls == 2 * [{"gemv": "_gemv", "dot": "_rows_dot", "matmul": "matmul_rows"}[kernel]]
 
 
