@@ -176,51 +176,48 @@ class Speculator:
 
     def _head_rows(self, chunks, kept, emitted, trunk_hidden, cu) -> list[Head]:
         """The head's rows of the step (see the module's docstring), in one MTP step; returns the drafting starts of
-        the emitting chunks."""
-        tokens, positions, kv_slots, cu_rows, seqused, slots, owners = [], [], [], [0], [], [], []
-        trunk_rows, trunk_at, slot_at = [], [], []  # hidden inputs: trunk rows, and slots' kept hidden states
+        the emitting chunks. Rows are built a chunk at a time (list slices and ranges, KV slots on the device), not a
+        token at a time: a prompt's every token is a row."""
+        tokens, positions, seq_of, cu_rows, seqused, slots = [], [], [], [0], [], []
+        trunk_rows, trunk_at, slot_at, slot_src = [], [], [], []  # hidden inputs: trunk rows, slots' hidden states
         logit_rows, emitting = [], []
         for i, c in enumerate(chunks):
             start = c.start
             known = c.input_ids[:kept[i]] + emitted[i][-1:]  # the tokens at positions start, start + 1, ...
-            first = start - 1 if start > 0 else 0
-            rows = range(first, start + len(known) - 1)
-            if not rows:
+            first, end = (start - 1 if start > 0 else 0), start + len(known) - 1  # rows first .. end - 1
+            if end <= first:
                 continue
-            for p in rows:
-                at = len(tokens)
-                tokens.append(known[p + 1 - start])
-                positions.append(p)
-                kv_slots.append(c.seq.kv_slot(p, self.page_size))
-                if p == start - 1:
-                    slot_at.append(at)
-                else:
-                    trunk_at.append(at)
-                    trunk_rows.append(cu[i] + p - start)
+            at = len(tokens)
+            tokens += known[first + 1 - start:]  # row p reads token p + 1
+            positions.extend(range(first, end))
+            seq_of += [len(slots)] * (end - first)
+            if start > 0:  # row start - 1: the slot's hidden state of its last token
+                slot_at.append(at)
+                slot_src.append(c.seq.state_slot)
+            trunk_at.extend(range(at + start - first, at + end - first))
+            trunk_rows.extend(range(cu[i], cu[i] + end - start))
             cu_rows.append(len(tokens))
-            seqused.append(rows[-1] + 1)
+            seqused.append(end)
             slots.append(c.seq.state_slot)
-            owners.append(c)
             if emitted[i]:
                 logit_rows.append(len(tokens) - 1)
                 emitting.append(c.seq)
         if not tokens:
             return []
-        dev = self.device
+        dev, ps = self.device, self.page_size
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64).to(dev)
         hidden = trunk_hidden.new_empty(len(tokens), trunk_hidden.shape[1])
         if trunk_at:
             hidden[as_tensor(trunk_at)] = trunk_hidden[as_tensor(trunk_rows)]
         if slot_at:
-            chunk_slots = [c.seq.state_slot for c in owners if c.start > 0]
-            hidden[as_tensor(slot_at)] = self.pools.hidden[as_tensor(chunk_slots)]
-        state_slots = as_tensor(slots)
-        step = StepInput(token_ids=as_tensor(tokens), positions=as_tensor(positions),
-                         cu_seqlens=as_tensor(cu_rows).int(),
+            hidden[as_tensor(slot_at)] = self.pools.hidden[as_tensor(slot_src)]
+        state_slots, pos = as_tensor(slots), as_tensor(positions)
+        table = self.runner.table.index_select(0, state_slots)  # (B, W) the sequences' pages
+        kv_slots = table[as_tensor(seq_of), pos // ps].long() * ps + pos % ps
+        step = StepInput(token_ids=as_tensor(tokens), positions=pos, cu_seqlens=as_tensor(cu_rows).int(),
                          max_seqlen_q=max(b - a for a, b in zip(cu_rows, cu_rows[1:])),
                          cu_seqlens_host=tuple(cu_rows), max_seqlen_k=max(seqused), seqused_k=as_tensor(seqused).int(),
-                         page_table=self.runner.table.index_select(0, state_slots), slot_mapping=as_tensor(kv_slots),
-                         state_slots=state_slots)
+                         page_table=table, slot_mapping=kv_slots, state_slots=state_slots)
         rows = as_tensor(logit_rows)
         logits, out = self.model.forward_mtp(step, hidden, self.pools, logit_rows=rows, vocab=self.draft_vocab)
         return [Head(seq, logits[j:j + 1], out[rows[j:j + 1]]) for j, seq in enumerate(emitting)]
