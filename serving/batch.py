@@ -70,7 +70,7 @@ def flatten_chunks(chunks: list[ScheduledChunk], page_size: int, position_slots=
         tokens += c.input_ids
         span = range(c.start, c.end)
         positions += span
-        slot_mapping += [c.seq.kv_slot(p, page_size) for p in span]
+        slot_mapping += c.seq.kv_slots(c.start, c.end, page_size)
         cu_seqlens.append(cu_seqlens[-1] + c.num_tokens)
     if per_token is not None and max(per_token, default=-1) < 0:
         per_token = None  # no drafts in the step: the GDN layers keep no per-token states

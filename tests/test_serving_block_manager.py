@@ -201,3 +201,14 @@ def test_random_traffic_leaves_every_page_free_or_cached(requests):
     assert sorted(list(bm.free_pages) + list(bm.evictable)) == list(range(bm.num_pages))
     assert set(bm.evictable) == {p for p, h in enumerate(bm.hash_of_page) if h is not None}
     assert all(bm.hash_of_page[p] == h for h, p in bm.page_of_hash.items())
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), page_size=st.sampled_from([1, 4, 16, 128]), num_pages=st.integers(1, 40))
+def test_kv_slots_of_a_span_are_the_slots_of_its_tokens(data, page_size, num_pages):
+    # Sequence.kv_slots (a page at a time) against kv_slot of each position, on scattered pages
+    s = new_seq([1])
+    s.pages = data.draw(st.permutations(range(3 * num_pages)))[:num_pages]
+    start = data.draw(st.integers(0, num_pages * page_size))
+    end = data.draw(st.integers(start, num_pages * page_size))
+    assert s.kv_slots(start, end, page_size) == [s.kv_slot(p, page_size) for p in range(start, end)]
