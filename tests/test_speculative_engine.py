@@ -120,6 +120,19 @@ def test_forced_lengths_keep_that_many_tokens_a_step(model):
         eng.speculator.force_lengths(5.0)
 
 
+def test_forced_lengths_at_a_padded_batch(model):
+    """force_lengths with three sequences padded to batch 4: each keeps 40 tokens in steps of 3 (the last shorter),
+    and every slot and page comes back."""
+    eng = LLMEngine(model, EngineConfig(num_pages=128, page_size=4, max_num_seqs=4, speculative_tokens=3),
+                    pad_decode=True)
+    eng.speculator.force_lengths(3.0)
+    outs = eng.generate(prompts(3, seed=71), SamplingParams(max_tokens=40, ignore_eos=True))
+    spec = eng.speculator
+    assert all(len(o.output_ids) == 40 for o in outs) and spec.num_device_steps > 0
+    assert 2.5 < 1 + spec.num_accepted / spec.num_verify_steps <= 3.0
+    assert not any(eng.block_manager.refcount) and len(eng.scheduler.free_state_slots) == eng.cfg.max_num_seqs
+
+
 def test_padded_device_steps_equal_unpadded(model):
     """Greedy decode steps padded to the graph ladder (3 sequences run at batch 4: one padding row on the padding
     slot, its position slots and the padding page) decode greedy's tokens; what graphs replay on a GPU."""
@@ -360,6 +373,22 @@ def test_gpu_batch1_speculative_greedy_follows_plain_greedy(mode):
     if same < len(plain):
         top2 = logits[same].topk(2).values
         assert top2[0] - top2[1] < GPU_TIE, f"diverged at token {same} with a top-2 gap of {top2[0] - top2[1]:.3f}"
+
+
+@pytest.mark.gpu
+def test_gpu_forced_lengths_replay_from_graphs():
+    """force_lengths on the GPU: the greedy steps are captured again with the forced length inside, and replayed;
+    three sequences at batch 4 (one padding row) keep 3 tokens a step on average."""
+    model = Qwen35ForCausalLM.random(get_preset("tiny", vocab_size=VOCAB), device="cuda", dtype=torch.bfloat16,
+                                     seed=0)
+    cfg = EngineConfig(num_pages=256, page_size=16, max_num_seqs=4, max_model_len=512, speculative_tokens=3)
+    with ops.use_backend("triton"):
+        eng = LLMEngine(model, cfg)
+        eng.speculator.force_lengths(3.0, seed=2)
+        outs = eng.generate(prompts(3, seed=70), SamplingParams(max_tokens=40, ignore_eos=True))
+    spec = eng.speculator
+    assert spec.graphs and spec.num_device_steps > 0 and all(len(o.output_ids) == 40 for o in outs)
+    assert 2.5 < 1 + spec.num_accepted / spec.num_verify_steps <= 3.0
 
 
 def test_metrics_count_drafts_and_kept_drafts():
