@@ -386,8 +386,7 @@ def make_engine(model, args, traces: list[Trace]) -> LLMEngine:
                   decode_ahead=bool(args.decode_ahead), fed_decode=bool(args.fed_decode),
                   token_ring=bool(args.token_ring), kv_eviction=args.kv_eviction,
                   state_cache_fraction=args.state_cache_fraction,
-                  state_cache_gb=args.state_cache_gb, speculative_tokens=args.speculative_tokens,
-                  draft_vocab_size=args.speculative_draft_vocab)
+                  state_cache_gb=args.state_cache_gb, **cli.speculative_fields(args))
     if args.kv_working_set is not None:  # a fixed pool on either device
         pages = int(args.kv_working_set * working_set_pages(traces, page))
         return LLMEngine(model, EngineConfig(num_pages=max(pages, args.concurrency * max_len // page), **common))

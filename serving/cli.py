@@ -106,6 +106,11 @@ def add_speculative_args(ap: argparse.ArgumentParser) -> None:
                          "a cheaper draft head, exact output")
 
 
+def speculative_fields(args) -> dict:
+    """The EngineConfig fields of add_speculative_args' flags (args: their parsed namespace or ServerArgs)."""
+    return dict(speculative_tokens=args.speculative_tokens, draft_vocab_size=args.speculative_draft_vocab)
+
+
 def check_speculative(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A draft vocab without drafts is a mistake on the command line: say so there (argparse's exit 2)."""
     if args.speculative_draft_vocab and not args.speculative_tokens:

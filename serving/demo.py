@@ -141,7 +141,7 @@ def main(argv=None) -> list[TurnStats]:
     tokenizer = load_tokenizer()
     engine = make_engine(model, tokenizer, args.max_context, cuda_graphs=not args.eager,
                          state_cache_fraction=args.state_cache_fraction, state_cache_gb=args.state_cache_gb,
-                         speculative_tokens=args.speculative_tokens, draft_vocab_size=args.speculative_draft_vocab)
+                         **cli.speculative_fields(args))
     out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype} | ops: {ops.get_backend()}\n"
               f"engine: {engine.pool_summary}\n")
     _, stats = run_session(model, tokenizer, args.max_new_tokens, args.max_context, out, engine)

@@ -471,8 +471,7 @@ def engine_config(args: ServerArgs, device: torch.device, eos_token_ids: tuple[i
     --snapshot-slots."""
     common = dict(max_num_seqs=args.max_num_seqs, eos_token_ids=eos_token_ids, max_model_len=args.max_model_len,
                   cuda_graphs=not args.eager, state_cache_fraction=args.state_cache_fraction,
-                  state_cache_gb=args.state_cache_gb, speculative_tokens=args.speculative_tokens,
-                  draft_vocab_size=args.speculative_draft_vocab)
+                  state_cache_gb=args.state_cache_gb, **cli.speculative_fields(args))
     if device.type == "cuda":
         return EngineConfig.for_gpu_memory(args.gpu_memory_utilization, **common)
     return EngineConfig.for_token_budget(args.kv_tokens, snapshot_slots=args.snapshot_slots, **common)
