@@ -391,14 +391,16 @@ def _chunk_kernel(
     q_ptr, k_ptr, v_ptr, pt_ptr, seqused_ptr, cu_q_ptr, gate_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
     stride_qn, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ptb,
     stride_gn, stride_gh, stride_on, stride_oh,
-    qk_scale, num_splits, capacity, seqlen_q, m_blocks,
+    qk_scale, num_splits, capacity, seqlen_q, m_blocks, splits_ptr,
     VARLEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, HAS_GATE: tl.constexpr,
     RESCALE_THRESHOLD: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-    Q_MIN: tl.constexpr, Q_MAX: tl.constexpr,
+    Q_MIN: tl.constexpr, Q_MAX: tl.constexpr, SPLITS_ON_DEVICE: tl.constexpr,
 ):
     # grid (B * m_blocks, KV, S); seqlen_q: every sequence's q_len when not VARLEN; only sequences with
-    # Q_MIN <= q_len <= Q_MAX (0: no bound) are done here (a mixed step runs its decode rows in small tiles)
+    # Q_MIN <= q_len <= Q_MAX (0: no bound) are done here (a mixed step runs its decode rows in small tiles).
+    # SPLITS_ON_DEVICE: the keys go to the first splits_ptr[0] of the S splits (a captured grid of S splits whose
+    # step asks for fewer); the others see no key and store lse = -inf for the combine
     pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
     pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
     b = tl.program_id(0) // m_blocks
@@ -423,15 +425,16 @@ def _chunk_kernel(
         hi = tl.minimum(tl.maximum(seqlen - q_len + tl.minimum((m0 + BLOCK_M - 1) // GROUP, q_len - 1) + 1, 0),
                         seqlen)
         full = tl.minimum(tl.maximum(seqlen - q_len + m0 // GROUP + 1, 0), hi)
-        chunk = tl.cdiv(tl.cdiv(hi, num_splits), BLOCK_N) * BLOCK_N
+        used_splits = tl.load(splits_ptr) if SPLITS_ON_DEVICE else num_splits
+        chunk = tl.cdiv(tl.cdiv(hi, used_splits), BLOCK_N) * BLOCK_N
         kv_start = split * chunk
         kv_end = tl.minimum(kv_start + chunk, hi)
         kv_mid = tl.minimum(tl.maximum(full // BLOCK_N * BLOCK_N, kv_start), kv_end)  # unmasked [start, mid)
 
         d = tl.arange(0, HEAD_DIM)
         token = q_start + qi
-        q = tl.load(q_ptr + (token * stride_qn + head * stride_qh)[:, None] + d[None, :], mask=row_ok[:, None],
-                    other=0.0)  # (M, D)
+        q = tl.load(q_ptr + (token * stride_qn + head * stride_qh)[:, None] + d[None, :],
+                    mask=row_ok[:, None] & (kv_start < kv_end), other=0.0)  # (M, D); none for an empty split
         k_base = k_ptr + kvh * stride_kh
         v_base = v_ptr + kvh * stride_vh
         pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
@@ -596,7 +599,7 @@ def _check_workspace(workspace, rows: int, head_dim: int, device):
 def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softmax_scale=None, cu_seqlens_q=None,
                            max_seqlen_q=None, gate=None, num_splits=None, max_seqlen_k=None, out=None,
                            workspace=None, block_m=None, rescale_threshold=RESCALE_THRESHOLD, split_decode_rows=True,
-                           check_metadata=True):
+                           check_metadata=True, kv_splits=None):
     """Causal attention of 1..512 new queries per sequence over its paged KV cache (decode steps, speculative
     verification, agent-turn chunks; mixed in one varlen batch).
 
@@ -612,7 +615,10 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     splits and combine). check_metadata: read cu_seqlens_q, seqused_k and the page table on the host (one sync) to
     refuse a cu_seqlens_q that does not rise from 0 to q's tokens, a max_seqlen_q below its longest sequence, and
     pages outside the pool; skipped inside a CUDA graph capture. Callers that build these themselves (the model's
-    op, fa4.flash_attention, which checks them first) pass False. Returns out.
+    op, fa4.flash_attention, which checks them first) pass False. kv_splits: a (1,) int32 tensor on q's device, or
+    None: the keys go to its first kv_splits[0] of num_splits splits (1 <= kv_splits[0] <= num_splits, which an int
+    num_splits must give; the chunk variant only), so that a CUDA graph captured at num_splits serves steps that
+    ask for fewer. Returns out.
     """
     _check_tensors(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, gate, out)
     batch, q_len = _check_shapes(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, gate, out)
@@ -626,14 +632,31 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         1.0 / math.sqrt(q.shape[-1])
     if batch == 0:  # no sequences
         return torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
-    if check_metadata and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if kv_splits is not None:
+        tile = plan(q_len, q.shape[-2] // k_pages.shape[2], k_pages.shape[3], q.element_size(), block_m)
+        _check_kv_splits(kv_splits, num_splits, tile, q.device, check_metadata and not capturing)
+    if check_metadata and not capturing:
         _check_metadata(q, k_pages, page_table, seqused_k, cu_seqlens_q, q_len)
     return launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batch, q_len, gate, num_splits,
-                   max_seqlen_k, out, workspace, block_m, rescale_threshold, split_decode_rows)
+                   max_seqlen_k, out, workspace, block_m, rescale_threshold, split_decode_rows, kv_splits)
+
+
+def _check_kv_splits(kv_splits, num_splits, tile: Plan, device, read: bool) -> None:
+    # read: the value too (a host sync)
+    check_tensor("kv_splits", kv_splits, ndim=1, dtype=torch.int32, device=device)
+    if kv_splits.shape[0] != 1:
+        raise ValueError(f"kv_splits must hold one value, got shape {tuple(kv_splits.shape)}")
+    if not is_int(num_splits):
+        raise ValueError(f"kv_splits needs an int num_splits (the captured split count), got {num_splits!r}")
+    if not tile.chunk:
+        raise ValueError("kv_splits is for the chunk variant (q_len * group above the decode variant's rows)")
+    if read and not 1 <= int(kv_splits[0]) <= num_splits:
+        raise ValueError(f"kv_splits[0] must be in 1..num_splits ({num_splits}), got {int(kv_splits[0])}")
 
 
 def launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batch, q_len, gate, num_splits,
-            max_seqlen_k, out, workspace, block_m, rescale_threshold, split_decode_rows):
+            max_seqlen_k, out, workspace, block_m, rescale_threshold, split_decode_rows, kv_splits=None):
     """paged_decode_attention on checked arguments (the engine's own, or fa4.flash_attention's after its checks):
     the plan and the launches, nothing checked again."""
     _, page_size, kv_heads, head_dim = k_pages.shape
@@ -665,6 +688,7 @@ def launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batc
             q3.stride(0), q3.stride(1), *k_pages.stride()[:3], *v_pages.stride()[:3], page_table.stride(0),
             g3.stride(0), g3.stride(1), out3.stride(0), out3.stride(1),
             scale * LOG2E, num_splits, capacity)
+    on_device = dict(SPLITS_ON_DEVICE=kv_splits is not None)
     common = dict(VARLEN=cu_seqlens_q is not None, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
                   BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, DIRECT=num_splits == 1, HAS_GATE=gate is not None,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=tile.num_warps,
@@ -678,12 +702,13 @@ def launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batc
             split_decode_rows and cu_seqlens_q is not None and batch > 1 and block_m is None) else None
         if short is not None:  # a mixed step: its decode rows (q_len <= short q_max) in small tiles first
             _chunk_kernel[(batch, kv_heads, num_splits)](
-                *args, q_len, 1, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=0, Q_MAX=short[0],
-                **{**common, "BLOCK_M": short[1].block_m, "num_warps": short[1].num_warps,
+                *args, q_len, 1, kv_splits, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=0, Q_MAX=short[0],
+                **{**common, **on_device, "BLOCK_M": short[1].block_m, "num_warps": short[1].num_warps,
                    "num_stages": short[1].num_stages})
             q_min = short[0] + 1
         _chunk_kernel[(batch * tile.m_blocks, kv_heads, num_splits)](
-            *args, q_len, tile.m_blocks, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=q_min, Q_MAX=0, **common)
+            *args, q_len, tile.m_blocks, kv_splits, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=q_min, Q_MAX=0,
+            **common, **on_device)
     else:
         stamp, stamping = stamps.slot("attention_split", q.device)
         _split_kernel[(batch, kv_heads, num_splits)](*args, stamp, Q_LEN=q_len, STAMPS=stamping,
@@ -819,7 +844,26 @@ def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
     """model.ops' paged_attention on this kernel (the router sends it decode steps, mixed steps and agent turns):
     the step's host bound max_seqlen_k; the engine built the step, so nothing is checked again."""
     return launch(q, k_pages, v_pages, step.page_table, step.seqused_k, scale, step.cu_seqlens, step.num_seqs,
-                   step.max_seqlen_q, gate, None, step.max_seqlen_k, None, None, None, RESCALE_THRESHOLD, True)
+                   step.max_seqlen_q, gate, None if step.kv_splits is None else captured_splits(
+                       step.num_seqs, step.max_seqlen_q, q.shape[-2], k_pages, step.page_table.shape[1], q.device),
+                   step.max_seqlen_k, None, None, None, RESCALE_THRESHOLD, True, step.kv_splits)
+
+
+def step_splits(num_seqs: int, q_len: int, heads: int, k_pages, seqlen_k: int, device) -> int:
+    """The KV splits launch() chooses for a chunk-variant call (num_seqs sequences of up to q_len tokens over up
+    to seqlen_k keys, k_pages: (pages, page_size, KV, D))."""
+    kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
+    tile = plan(q_len, heads // kv_heads, head_dim, k_pages.element_size())
+    return choose_num_splits(num_seqs, kv_heads, seqlen_k, _num_sms(device), m_blocks=tile.m_blocks,
+                             programs_per_sm=tile.programs_per_sm, block_n=tile.block_n)
+
+
+def captured_splits(num_seqs: int, q_len: int, heads: int, k_pages, max_pages: int, device) -> int:
+    """The splits of a captured grid (kv_splits on the device) that serves every key bound up to the page table's
+    capacity: the most step_splits asks for at any power-of-two bound (and the capacity)."""
+    capacity = max_pages * k_pages.shape[1]
+    bounds = [1 << i for i in range(capacity.bit_length()) if 1 << i < capacity] + [capacity]
+    return max(step_splits(num_seqs, q_len, heads, k_pages, b, device) for b in bounds)
 
 
 # ---- the router's entry (kernels.registry): this kernel for decode, mixed steps and agent turns -----------------
@@ -848,8 +892,11 @@ def _checked_op(q, k_pages, v_pages, step, scale, gate):
     # the op through the public checks, the step's metadata read on the host
     return paged_decode_attention(q, k_pages, v_pages, step.page_table, step.seqused_k, softmax_scale=scale,
                                   cu_seqlens_q=step.cu_seqlens, max_seqlen_q=step.max_seqlen_q, gate=gate,
-                                  max_seqlen_k=step.max_seqlen_k)
+                                  max_seqlen_k=step.max_seqlen_k, kv_splits=step.kv_splits,
+                                  num_splits=None if step.kv_splits is None else captured_splits(
+                                      step.num_seqs, step.max_seqlen_q, q.shape[-2], k_pages,
+                                      step.page_table.shape[1], q.device))
 
 
 registry.register("paged_attention", Impl("split_kv", "triton", paged_attention_op, _split_kv, _split_kv_cost,
-                                          _checked_op))
+                                          _checked_op, captures=True))

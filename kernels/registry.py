@@ -78,13 +78,15 @@ def all_of(*predicates):
 class Impl:
     """One implementation of an op. run takes the op's arguments and launches without checking them (the engine
     built them); checked, where given, is the same call through the public kernel's argument checks (CHECK_OPS).
-    supports and cost take its key and the tuning."""
+    supports and cost take its key and the tuning. captures: it launches from device metadata alone, so a CUDA
+    graph captured at a key replays it for every step of that key (paged attention: given the step's kv_splits)."""
     name: str
     backend: str
     run: Callable
     supports: Callable[[tuple, KernelTuning], str | None] = _always
     cost: Callable[[tuple, KernelTuning], float] | float = 0.0
     checked: Callable | None = None
+    captures: bool = False
 
     def cost_of(self, key, tuning: KernelTuning) -> float:
         return self.cost(key, tuning) if callable(self.cost) else self.cost
@@ -167,6 +169,12 @@ def named(op: str, name: str, key) -> Impl:
                 raise ValueError(f"{name!r} cannot run this {op} call: {reason}")
             return impl
     raise ValueError(f"{op!r} has no implementation {name!r}; registered: {[i.name for i in _OPS[op].impls]}")
+
+
+def chosen(op: str, *args) -> Impl:
+    """The implementation that run(op, *args) runs."""
+    entry = _OPS[op]
+    return choose(op, entry.key(*args) if entry.key is not None else ())
 
 
 def run(op: str, *args):

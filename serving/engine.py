@@ -105,7 +105,8 @@ class LLMEngine:
         prefill_graphs = None
         prefill_rows = cfg.prefill_graph_rows()
         if use_graphs and prefill_rows >= MATMUL_ROW_BUCKET and prefill_graphs_unsupported(model) is None:
-            prefill_graphs = PrefillGraphs(model, prefill_rows, cfg.max_num_seqs,
+            max_pages = -(-cfg.max_model_len // cfg.page_size)
+            prefill_graphs = PrefillGraphs(model, prefill_rows, cfg.max_num_seqs, max_pages,
                                            cfg.slice_cuts(0, model.config.num_hidden_layers))
         self.runner = ModelRunner(model, self.pools, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
                                   max_num_seqs=cfg.max_num_seqs, dummy_page=cfg.num_pages, dummy_slot=num_slots - 1,

@@ -1,35 +1,44 @@
-"""CUDA graphs for prefill steps: everything but the attention cores is replayed.
+"""CUDA graphs for prefill steps: the row-wise stretches and the mixer cores, planned on the device.
 
 A returning agent turn (a few hundred new tokens over a long cached context) is one eager step of ~330 launches,
-and on the H200 its host side (~30 ms for 2B) is two to three times its GPU time: the step is launch-bound. Most
-of those launches depend only on the step's token count: the row-wise ops (projections, norms, the MLP), and the
-Gated DeltaNet cores once their batch layout is planned on the device (kernels.varlen.DeviceBatch: the step's
-cu_seqlens, slots and snapshot points are copied into static buffers, and a kernel inside the graph lays out the
-piece tables that the host would have built). The attention cores read the step's page table and context
-lengths, which size their grids, so they run eagerly between the replays.
+and on the H200 its host side (~30 ms for 2B) is two to three times its GPU time: the step is launch-bound. The
+graphs replay all of it: the row-wise ops (projections, norms, the MLP), the Gated DeltaNet cores once their batch
+layout is planned on the device (kernels.varlen.DeviceBatch: the step's cu_seqlens, slots and snapshot points are
+copied into static buffers, and a kernel inside the graph lays out the piece tables that the host would have
+built), and the attention cores where the router's choice for the graph's key can be captured (Impl.captures:
+the split-KV kernel, whose grid holds the most KV splits any context may ask for; each step copies its page
+table, key counts and KV slots into static buffers and its split count into `kv_splits`).
+
+Graphs are keyed by (rows, seqs): the row bucket, and the sequences the attention grid covers (1, or max_seqs for
+steps of several sequences, whose programs past the real ones exit). A returning turn is one sequence, and its
+graph has no programs to spare.
 
 Stretch i (0 <= i <= L, for L layers) ends where layer i's mixer core begins:
-    stretch 0:      embed(tokens) -> layer 0's mixer_in
+    stretch 0:      RoPE of the positions, embed(tokens) -> layer 0's mixer_in
     stretch i:      layer i-1's mixer_out (its out projection and MLP) -> layer i's mixer_in
     stretch L:      layer L-1's mixer_out -> the final norm
-A segment is a run of stretches joined by the cores captured with them (the GDN cores); each segment is one
-graph, and an eager attention core follows a segment that ends at one. A segment also ends after a GDN core where
-a mixed step's prefill slice ends (`cuts`, EngineConfig.slice_cuts), so that its decode step waits for no more
-prefill work than the slice's. For Qwen3.5's pattern (three GDN layers, then an attention layer) without cuts a
-step is L/4 + 1 replays and L/4 eager cores, then lm_head on the sequences' last rows (eager: B rows).
-The graphs read and write static buffers: the tokens, the residual stream (updated in place by the fused add +
-norm), each mixer kind's projected input and core output, and the final norm's output. Captured
-for every row bucket up to `max_tokens` (kernels.row_buckets): an eager step of N rows runs its projections on
-exactly its bucket's rows, so a replayed step computes the very same products as the eager one. Rows past N hold
-what an earlier step left there; every op on them is row-wise (the cores' piece tables end at the step's last
-token), so they never reach a real row. Steps of at most GEMV_MAX_ROWS tokens (the GEMV's) and above max_tokens
-run eagerly.
+A segment is a run of stretches joined by the cores captured with them; each segment is one graph, and an eager
+core follows a segment that ends at one (an attention core the router sends to a forward, or the reference GDN).
+A segment also ends after a captured core where a mixed step's prefill slice ends (`cuts`,
+EngineConfig.slice_cuts), so that its decode step waits for no more prefill work than the slice's. With every core
+captured and no cuts a step is one replay, then lm_head on the sequences' last rows (eager: B rows).
+The graphs read and write static buffers: the tokens and positions, the residual stream (updated in place by the
+fused add + norm), each mixer kind's projected input and core output, and the final norm's output. Captured for
+every row bucket up to `max_tokens` (kernels.row_buckets): an eager step of N rows runs its projections on exactly
+its bucket's rows, so a replayed step computes the very same products as the eager one. Rows past N hold what an
+earlier step left there (their KV slots are -1: never written); every op on them is row-wise (the cores' piece
+tables and cu_seqlens end at the step's last token), so they never reach a real row. Steps of at most
+GEMV_MAX_ROWS tokens (the GEMV's) and above max_tokens run eagerly.
 
 Not under tensor parallelism (the stretches hold the all-reduces) or the reference MoE (its routing syncs with the
-host); the reference GDN's cores run eagerly.
+host); the reference ops' cores run eagerly.
 """
+from dataclasses import replace
+
 import torch
 
+import reference as R
+from kernels import registry
 from kernels.row_buckets import GEMV_MAX_ROWS, MATMUL_ROW_BUCKET, row_bucket, row_buckets_up_to
 from model import ops
 from model.cache import CachePools
@@ -47,44 +56,81 @@ def prefill_graphs_unsupported(model: Qwen35ForCausalLM) -> str | None:
 
 
 class PrefillGraphs:
-    """The prefill graphs of a model for steps of up to max_tokens tokens and max_seqs sequences."""
+    """The prefill graphs of a model for steps of up to max_tokens tokens and max_seqs sequences over page tables
+    of max_pages pages."""
 
-    def __init__(self, model: Qwen35ForCausalLM, max_tokens: int, max_seqs: int, cuts: frozenset[int] = frozenset()):
+    def __init__(self, model: Qwen35ForCausalLM, max_tokens: int, max_seqs: int, max_pages: int,
+                 cuts: frozenset[int] = frozenset()):
         if max_tokens < MATMUL_ROW_BUCKET:
             raise ValueError(f"max_tokens must be at least {MATMUL_ROW_BUCKET}, got {max_tokens}")
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be at least 1, got {max_seqs}")
-        self.model = model
+        if max_pages < 1:
+            raise ValueError(f"max_pages must be at least 1, got {max_pages}")
+        self.model, self.config = model, model.config
         self.layers = model.model.layers
         self.buckets = row_buckets_up_to(max_tokens)
+        self.max_seqs, self.max_pages, self.cuts = max_seqs, max_pages, cuts
         weight = model.lm_head.weight
-        rows, hidden = self.buckets[-1], model.config.hidden_size
-        zeros = lambda width, dtype=weight.dtype: torch.zeros(rows, width, dtype=dtype, device=weight.device)
-        self.tokens = zeros(1, torch.int64)[:, 0]
+        rows, hidden, dev = self.buckets[-1], self.config.hidden_size, weight.device
+        zeros = lambda width, dtype=weight.dtype: torch.zeros(rows, width, dtype=dtype, device=dev)
+        self.tokens, self.positions = zeros(1, torch.int64)[:, 0], zeros(1, torch.int64)[:, 0]
         self.residual, self.final = zeros(hidden), zeros(hidden)
         kinds = {layer.layer_type: layer.mixer.widths for layer in self.layers}
         self.projected = {kind: zeros(w_in) for kind, (w_in, _) in kinds.items()}  # mixer_in's output, per kind
         self.mixed = {kind: zeros(w_out) for kind, (_, w_out) in kinds.items()}  # the core's output, per kind
-        # the GDN cores join the graphs where their op is the Triton one (the reference plans on the host)
-        gdn_in_graphs = ops.backend_table()["gated_deltanet"] == "triton"
-        captured = [gdn_in_graphs and layer.layer_type == "linear_attention" for layer in self.layers]
-        self.segments = _segments(captured, cuts)
+        # attention's static inputs: RoPE, KV slots (-1: not written), page tables, key counts, the split count
+        self.cos, self.sin = zeros(self.config.rotary_dim // 2, torch.float32), zeros(self.config.rotary_dim // 2,
+                                                                                      torch.float32)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        self.page_table = torch.zeros(max_seqs, max_pages, dtype=torch.int32, device=dev)
+        self.seqused_k = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
+        self.kv_splits = torch.ones(1, dtype=torch.int32, device=dev)
+        self.variants = (1, max_seqs) if max_seqs > 1 else (1,)  # the sequences a graph's attention grid covers
         self.batch = None
-        if any(captured):  # Triton's kernels: imported only where they run (a CPU install has no Triton)
-            from kernels.varlen import DeviceBatch
-            self.batch = DeviceBatch(max_seqs, rows, weight.device)
-        self.max_seqs = max_seqs
-        self.graphs: dict[int, list] = {}  # rows -> its segments' CUDA graphs, in order
+        self.segments: dict[tuple[int, int], list] = {}  # (rows, seqs) -> its segments, set by capture
+        self.splits: dict[tuple[int, int], int] = {}  # (rows, seqs) -> its attention grid's KV splits
+        self.graphs: dict[tuple[int, int], list] = {}  # (rows, seqs) -> its segments' CUDA graphs, in order
         self.pools: CachePools | None = None
 
     def covers(self, step: StepInput) -> bool:
         return (bool(self.graphs) and GEMV_MAX_ROWS < step.num_tokens <= self.buckets[-1]
-                and step.num_seqs <= self.max_seqs and (self.batch is None or step.cu_seqlens_host is not None))
+                and step.num_seqs <= self.max_seqs and step.page_table.shape[1] <= self.max_pages
+                and (self.batch is None or step.cu_seqlens_host is not None))
+
+    def _captured(self, rows: int, seqs: int) -> list[bool]:
+        """Which layers' cores the (rows, seqs) graphs hold: the GDN cores on the Triton op (the reference plans on
+        the host), the attention cores where the router's choice for the captured step captures."""
+        gdn = ops.backend_table()["gated_deltanet"] == "triton"
+        step, d = self._device_steps(rows, seqs)["full_attention"], self.config.head_dim
+        q = self.residual.new_empty(1, self.config.num_attention_heads, d).expand(rows, -1, -1)  # (rows, H, D)
+        k_pages, v_pages = self.pools.k_pages[0], self.pools.v_pages[0]
+        attention = registry.chosen("paged_attention", q, k_pages, v_pages, step, d ** -0.5, q).captures
+        return [attention if layer.layer_type == "full_attention" else gdn for layer in self.layers]
+
+    def _device_steps(self, rows: int, seqs: int) -> dict[str, StepInput]:
+        """The steps the captured cores of a (rows, seqs) graph see, by layer type: the GDN cores the device batch
+        and its plan (all max_seqs sequences), the attention cores the static buffers and the batch's first seqs."""
+        from kernels.gdn_prefill import hold_plan
+        b = self.batch
+        gdn = StepInput(token_ids=self.tokens[:rows], positions=self.positions[:rows], cu_seqlens=b.cu_seqlens,
+                        max_seqlen_q=rows, seqused_k=self.seqused_k, page_table=self.page_table,
+                        slot_mapping=self.slot_mapping[:rows], state_slots=b.state_slots,
+                        snapshot_slots=b.snapshot_slots)
+        hold_plan(gdn, b.plan(rows))
+        attention = replace(gdn, cu_seqlens=b.cu_seqlens[:seqs + 1], seqused_k=self.seqused_k[:seqs],
+                            page_table=self.page_table[:seqs], cos=self.cos[:rows], sin=self.sin[:rows],
+                            kv_splits=self.kv_splits, plans={})
+        return {"linear_attention": gdn, "full_attention": attention}
 
     def _stretch(self, i: int, rows: int) -> None:
         """Row-wise stretch i over the first `rows` rows of the static buffers."""
         residual = self.residual[:rows]
         if i == 0:
+            if self.splits:  # captured attention cores read the static RoPE
+                cos, sin = R.rope_cos_sin(self.positions[:rows], self.config.rotary_dim, self.config.rope_theta)
+                self.cos[:rows].copy_(cos)
+                self.sin[:rows].copy_(sin)
             residual.copy_(self.model.embed(self.tokens[:rows]))
             x, res = residual, None  # layer 0 norms the embedding, which is the residual
         else:
@@ -103,80 +149,109 @@ class PrefillGraphs:
 
     def _core(self, i: int, rows: int, step: StepInput, pools: CachePools) -> None:
         """Layer i's mixer core over the first `rows` rows of the static buffers (step: the real step, or the
-        captured step over the device batch)."""
+        captured step over the static buffers)."""
         kind = self.layers[i].layer_type
         o = self.layers[i].mixer.core(self.projected[kind][:rows], step, *self.model.layer_caches(i, pools))
         self.mixed[kind][:rows].copy_(o)
 
-    def _device_step(self, rows: int) -> StepInput:
-        """The step the captured GDN cores of a `rows`-token graph see: the device batch's tensors and its plan."""
-        from kernels.gdn_prefill import hold_plan
-        b, dev = self.batch, self.tokens.device
-        unused = torch.zeros(1, dtype=torch.int32, device=dev)  # what GDN cores never read (pages, positions)
-        step = StepInput(token_ids=self.tokens[:rows], positions=self.tokens[:rows], cu_seqlens=b.cu_seqlens,
-                         max_seqlen_q=rows, seqused_k=unused, page_table=unused.view(1, 1), slot_mapping=unused,
-                         state_slots=b.state_slots, snapshot_slots=b.snapshot_slots)
-        hold_plan(step, b.plan(rows))
-        return step
-
-    def _segment(self, k: int, rows: int) -> None:
-        """Segment k at `rows` rows: its stretches and the GDN cores between them (and after the last one, where
+    def _segment(self, key: tuple[int, int], k: int) -> None:
+        """Segment k of the key's graphs: its stretches and the cores between them (and after the last one, where
         the segment ends at a slice cut)."""
-        first, last, core_last = self.segments[k]
-        step = self._device_step(rows) if last > first or core_last else None
+        rows, seqs = key
+        first, last, core_last = self.segments[key][k]
+        steps = self._device_steps(rows, seqs) if last > first or core_last else None
         if k == 0 and self.batch is not None:
             self.batch.build(rows)
         for i in range(first, last + 1):
             self._stretch(i, rows)
             if i < last or core_last:
-                self._core(i, rows, step, self.pools)
+                self._core(i, rows, steps[self.layers[i].layer_type], self.pools)
+
+    def _plan(self, pools: CachePools) -> None:
+        """Each key's segments and attention splits (what the router takes at the captured steps)."""
+        self.pools = pools
+        keys = [(rows, seqs) for rows in reversed(self.buckets) for seqs in self.variants]
+        captured = {}
+        if ops.get_backend() == "triton":  # Triton's kernels: imported only where they run (no Triton on a CPU)
+            from kernels.varlen import DeviceBatch
+            self.batch = DeviceBatch(self.max_seqs, self.buckets[-1], self.tokens.device)
+            captured = {key: self._captured(*key) for key in keys}
+        if not any(any(c) for c in captured.values()):
+            self.batch, captured = None, {key: [False] * len(self.layers) for key in keys}
+        self.segments = {key: _segments(captured[key], self.cuts) for key in keys}
+        attention = [i for i, layer in enumerate(self.layers) if layer.layer_type == "full_attention"]
+        keys = [key for key in keys if attention and captured[key][attention[0]]]
+        if keys:
+            from kernels.paged_decode_attention import captured_splits
+            heads, k_pages = self.config.num_attention_heads, pools.k_pages[0]
+            self.splits = {(rows, seqs): captured_splits(seqs, rows, heads, k_pages, self.max_pages, k_pages.device)
+                           for rows, seqs in keys}
 
     @torch.no_grad()
     def capture(self, pools: CachePools, eager: bool = False) -> None:
-        """Capture every segment at every bucket (largest first, one memory pool, so the device plans' workspaces
+        """Capture every segment of every key (largest rows first, one memory pool, so the device plans' workspaces
         are sized once), after running each eagerly on a side stream so that Triton compiles and cuBLAS picks its
         kernels outside the capture (the device batch is empty then: its cores compute nothing). eager: record the
         segments to run eagerly instead (any device; the CPU tests of the segments and their buffers)."""
-        self.pools = pools
-        order = tuple(reversed(self.buckets))
+        self._plan(pools)
+        keys = list(self.segments)
         if eager:
-            self.graphs = {rows: [_EagerSegment(self, k, rows) for k in range(len(self.segments))] for rows in order}
+            self.graphs = {key: [_EagerSegment(self, key, k) for k in range(len(self.segments[key]))] for key in keys}
             return
         dev = self.tokens.device
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            for rows in order:
-                for k in range(len(self.segments)):
-                    self._segment(k, rows)
+            for key in keys:
+                for k in range(len(self.segments[key])):
+                    self._segment(key, k)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
         pool = None
-        for rows in order:
+        for key in keys:
             graphs = []
-            for k in range(len(self.segments)):
+            for k in range(len(self.segments[key])):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self._segment(k, rows)
+                    self._segment(key, k)
                 pool = graph.pool()
                 graphs.append(graph)
-            self.graphs[rows] = graphs
+            self.graphs[key] = graphs
         torch.cuda.synchronize(dev)
+
+    def _fill(self, step: StepInput, key: tuple[int, int]) -> None:
+        """Copy the step's batch into the static buffers the key's captured cores read."""
+        n, b = step.num_tokens, step.num_seqs
+        self.tokens[:n].copy_(step.token_ids)
+        if self.batch is None:
+            return
+        self.batch.fill(step.cu_seqlens_host, step.state_slots, step.snapshot_offsets, step.snapshot_slots)
+        if key not in self.splits:
+            return
+        self.positions[:n].copy_(step.positions)
+        self.slot_mapping[n:key[0]].fill_(-1)
+        self.slot_mapping[:n].copy_(step.slot_mapping)
+        self.page_table[:b, :step.page_table.shape[1]].copy_(step.page_table)
+        self.seqused_k[:b].copy_(step.seqused_k)
+        from kernels.paged_decode_attention import step_splits
+        k_pages = self.pools.k_pages[0]
+        wanted = step_splits(b, step.max_seqlen_q, self.config.num_attention_heads, k_pages,
+                             step.max_seqlen_k or self.max_pages * k_pages.shape[1], k_pages.device)
+        self.kv_splits.fill_(min(wanted, self.splits[key]))
 
     def forward_step_layers(self, step: StepInput, pools: CachePools):
         """model.forward_step_layers (not all_logits) with the segments replayed: None after each layer's core,
         then the logits of each sequence's last token (B, vocab)."""
         n = step.num_tokens
-        rows = row_bucket(n)
-        graphs = self.graphs[rows]
-        self.model.prepare_rope(step)
-        self.tokens[:n].copy_(step.token_ids)
-        if self.batch is not None:
-            self.batch.fill(step.cu_seqlens_host, step.state_slots, step.snapshot_offsets, step.snapshot_slots)
-        for graph, (first, last, core_last) in zip(graphs, self.segments):
+        key = (row_bucket(n), 1 if step.num_seqs == 1 else self.max_seqs)
+        segments, layers = self.segments[key], len(self.layers)
+        if any(last < layers and not core_last for _, last, core_last in segments):  # eager cores read its RoPE
+            self.model.prepare_rope(step)
+        self._fill(step, key)
+        for graph, (first, last, core_last) in zip(self.graphs[key], segments):
             graph.replay()
             yield from (None for _ in range(first, last + core_last))
-            if last < len(self.layers) and not core_last:
+            if last < layers and not core_last:
                 self._core(last, n, step, pools)
                 yield None
         yield self.model.lm_head(self.final[:n][step.last_token_indices])
@@ -200,8 +275,8 @@ def _segments(captured: list[bool], cuts: frozenset[int]) -> list[tuple[int, int
 class _EagerSegment:
     """A segment that `replay` runs eagerly (PrefillGraphs.capture(eager=True))."""
 
-    def __init__(self, graphs: PrefillGraphs, k: int, rows: int):
-        self.graphs, self.k, self.rows = graphs, k, rows
+    def __init__(self, graphs: PrefillGraphs, key: tuple[int, int], k: int):
+        self.graphs, self.key, self.k = graphs, key, k
 
     def replay(self) -> None:
-        self.graphs._segment(self.k, self.rows)
+        self.graphs._segment(self.key, self.k)

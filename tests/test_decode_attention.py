@@ -109,6 +109,30 @@ def test_varlen_with_given_buffers():
     assert_close(out, ref, dtype, f"varlen q_lens {q_lens} lens {lens}")
 
 
+def test_splits_on_the_device_equal_that_many_splits():
+    """A grid of 6 splits told on the device to use k of them (a captured prefill step's attention) equals k
+    splits on the host, and the reference: the splits past k see no key, so their NaN workspace rows are never
+    read; k = 1 goes through the workspace as well."""
+    dtype, d, h, kv, page = torch.float32, 64, 4, 2, 16
+    lens, q_lens = [70, 300], [20, 11]
+    k_pages, v_pages, table, seqused = make_cache(lens, kv, d, page, dtype, seed=17)
+    cu = _ints([0, 20, 31])
+    q = randn(sum(q_lens), h, d, dtype=dtype, seed=18)
+    gate = randn(*q.shape, dtype=dtype, seed=19)
+    ref = reference(q, k_pages, v_pages, table, seqused, gate, cu_seqlens_q=cu)
+    args = dict(cu_seqlens_q=cu, max_seqlen_q=max(q_lens), gate=gate)
+    for k in (1, 3, 6):
+        ws = alloc_workspace(q.shape[0], h, 6, d, DEV)
+        ws.o.fill_(float("nan"))
+        on_device = paged_decode_attention(q, k_pages, v_pages, table, seqused, num_splits=6, kv_splits=_ints([k]),
+                                           workspace=ws, **args)
+        lse = ws.lse.view(q.shape[0], h, 6)
+        assert torch.isfinite(lse[..., 0]).all() and (lse[..., k:] == float("-inf")).all(), f"kv_splits {k}"
+        on_host = paged_decode_attention(q, k_pages, v_pages, table, seqused, num_splits=k, **args)
+        assert rel_err(on_device, on_host) <= 1e-6, f"kv_splits {k}: {rel_err(on_device, on_host):.2e}"
+        assert_close(on_device, ref, dtype, f"kv_splits {k} of 6")
+
+
 def test_gate_fused_equals_unfused():
     dtype, d, h, kv, page = torch.float16, 64, 4, 2, 16
     k_pages, v_pages, table, seqused = make_cache([70], kv, d, page, dtype, seed=8)
@@ -284,7 +308,17 @@ BAD = [  # (regex the message must match, the arguments to override given the go
     ("rescale_threshold", lambda g: dict(rescale_threshold=-1.0)),
     ("workspace must be a DecodeWorkspace", lambda g: dict(num_splits=2, workspace=(g["q"], g["q"]))),
     ("workspace too small", lambda g: dict(num_splits=2, workspace=alloc_workspace(1, 4, 2, 64, DEV))),
+    ("kv_splits must have dtype", lambda g: dict(kv_splits=_ints([1]).long(), num_splits=2)),
+    ("kv_splits must hold one value", lambda g: dict(kv_splits=_ints([1, 1]), num_splits=2)),
+    ("kv_splits needs an int num_splits", lambda g: dict(kv_splits=_ints([1]))),
+    ("kv_splits is for the chunk variant", lambda g: dict(kv_splits=_ints([1]), num_splits=2)),
+    (r"kv_splits\[0\] must be in 1..num_splits \(2\), got 3",
+     lambda g: dict(q=randn(2, 9, 4, 64, dtype=torch.float16, seed=16), kv_splits=_ints([3]), num_splits=2)),
 ]
+
+
+def _ints(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEV)
 
 
 @pytest.mark.parametrize("message,override", BAD, ids=[f"{i}-{m.split()[0]}" for i, (m, _) in enumerate(BAD)])

@@ -14,6 +14,7 @@ import torch
 from conftest import rel_err
 from test_serving_graphs import GPU_CFG, GPU_ENGINE, prompts_of, record_sampled_logits
 
+from kernels.row_buckets import GEMV_MAX_ROWS
 from model import ops
 from model.config import Qwen35Config
 from model.model import Qwen35ForCausalLM
@@ -29,8 +30,11 @@ SMALL = Qwen35Config(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_at
 
 def poison_padding(graphs: PrefillGraphs) -> None:
     """NaN in every float row of the static buffers (the next step overwrites its own rows, the rest stay NaN)."""
-    for t in (graphs.residual, graphs.final, *graphs.projected.values(), *graphs.mixed.values()):
+    for t in (graphs.residual, graphs.final, graphs.cos, graphs.sin, *graphs.projected.values(),
+              *graphs.mixed.values()):
         t.fill_(float("nan"))
+    graphs.page_table.fill_(10**6)  # pages far outside the pool, and key counts past them
+    graphs.seqused_k.fill_(10**6)
 
 
 def serve(engine: LLMEngine, before_step=None):
@@ -60,9 +64,10 @@ def test_stretches_give_the_plain_engine_cpu():
     plain = LLMEngine(model, cfg)
     out_p, log_p = serve(plain)
     engine = LLMEngine(model, cfg)
-    graphs = engine.runner.prefill_graphs = PrefillGraphs(model, 128, cfg.max_num_seqs)
+    graphs = engine.runner.prefill_graphs = PrefillGraphs(model, 128, cfg.max_num_seqs, engine.runner.width)
     graphs.capture(engine.pools, eager=True)
-    assert graphs.buckets == (64, 128) and len(graphs.graphs[64]) == SMALL.num_hidden_layers + 1
+    assert graphs.buckets == (64, 128) and set(graphs.graphs) == {(64, 1), (64, 4), (128, 1), (128, 4)}
+    assert len(graphs.graphs[64, 1]) == SMALL.num_hidden_layers + 1 and not graphs.splits
     out_g, log_g = serve(engine, before_step=lambda: poison_padding(graphs))
     assert out_g == out_p
     for seq, (a, b) in enumerate(zip(log_g, log_p)):
@@ -82,13 +87,18 @@ def recording(replay, offsets: list):
     return run
 
 
-def test_segments_with_device_planned_gdn_cores_give_the_plain_step_cpu():
-    # the triton ops (the interpreter; one step, each costs ~15 s here): the GDN cores inside the segments, planned
-    # on the device from the static batch (kernels.varlen.DeviceBatch), for a step of two prompts, one of which
-    # snapshots its GDN state at a cache point inside the step; the batch held a larger step's slots before
-    model = Qwen35ForCausalLM.random(SMALL, seed=2)
-    cfg = EngineConfig(num_pages=128, page_size=16, max_num_seqs=4, snapshot_slots=8, max_num_batched_tokens=256)
+def test_segments_with_device_planned_cores_give_the_plain_step_cpu():
+    # the triton ops (the interpreter; one step, each costs ~15 s here): every core inside the segments, the GDN
+    # ones planned on the device from the static batch (kernels.varlen.DeviceBatch), the attention core (head dim
+    # 64, which the split-KV kernel takes) over the static page tables with its split count on the device, for a
+    # step of two prompts, one of which snapshots its GDN state at a cache point inside the step; the batch held a
+    # larger step's slots before
+    model = Qwen35ForCausalLM.random(replace(SMALL, head_dim=64), seed=2)
+    # a short max_model_len: the attention grid's splits (and the interpreter's programs) are sized by it
+    cfg = EngineConfig(num_pages=128, page_size=16, max_num_seqs=2, snapshot_slots=8, max_num_batched_tokens=256,
+                       max_model_len=256)
     prompts = prompts_of((90, 27), SMALL.vocab_size, seed=5)
+    returning = prompts_of((12,), SMALL.vocab_size, seed=6)[0]
     results = []
     with ops.use_backend("triton"):
         for graphs_on in (False, True):
@@ -96,24 +106,32 @@ def test_segments_with_device_planned_gdn_cores_give_the_plain_step_cpu():
             logits = record_sampled_logits(engine)
             if graphs_on:
                 # a slice cut after layer 0: its GDN core ends the first segment
-                graphs = engine.runner.prefill_graphs = PrefillGraphs(model, 128, cfg.max_num_seqs, frozenset({1}))
+                graphs = engine.runner.prefill_graphs = PrefillGraphs(model, 128, cfg.max_num_seqs, engine.runner.width,
+                                                                      frozenset({1}))
                 graphs.capture(engine.pools, eager=True)
+                # every core captured (layer 3's attention too); the cut ends the first segment
                 assert SMALL.full_attention_layers == [3]
-                assert graphs.segments == [(0, 0, True), (1, 3, False), (4, 4, False)]
-                assert len(graphs.graphs[128]) == 3
+                assert graphs.segments[128, 2] == graphs.segments[64, 1] == [(0, 0, True), (1, 4, False)]
+                assert len(graphs.graphs[128, 1]) == 2 and set(graphs.splits) == set(graphs.graphs)
                 poison_padding(graphs)
-                graphs.batch.fill((0, 1, 2, 3, 4), torch.arange(1, 5), None, None)  # stale slots past the step
+                graphs.batch.fill((0, 1, 2), torch.arange(1, 3), None, None)  # stale slots past the step
                 graphs.forward_step_layers = recording(graphs.forward_step_layers, offsets := [])
             ids = [engine.add_request(prompts[0], SamplingParams(max_tokens=1), cache_point=48),
                    engine.add_request(prompts[1], SamplingParams(max_tokens=1))]
             while engine.has_unfinished:
                 engine.step()
+            # a returning turn over the first prompt: one sequence (the (rows, 1) graphs) over cached pages
+            ids.append(engine.add_request(prompts[0] + returning, SamplingParams(max_tokens=1)))
+            while engine.has_unfinished:
+                engine.step()
+            assert engine.pop_output(ids[-1]).cached_tokens >= 48
             pools = engine.pools
             results.append(([logits[i][0] for i in ids], [t.clone() for t in (*pools.conv_states,
                                                                               *pools.recurrent_states)]))
-    # a step of both prompts with a snapshot inside it (the cache point's), then the rest of the first prompt
-    (cu, snapshots), *_ = offsets
+    # a step of both prompts with a snapshot inside it (the cache point's), then the returning turn alone
+    (cu, snapshots), *_, (cu_back, _) = offsets
     assert len(cu) == 3 and snapshots is not None and snapshots[0] == 48, offsets
+    assert len(cu_back) == 2 and cu_back[1] > GEMV_MAX_ROWS, offsets
     assert engine.runner.num_graph_prefill_steps == len(offsets)
     (log_e, states_e), (log_g, states_g) = results
     for x, y in zip(log_g, log_e):
@@ -145,9 +163,11 @@ def test_prefill_graphs_are_refused_where_they_cannot_run():
     model = Qwen35ForCausalLM.random(SMALL, seed=0)
     assert prefill_graphs_unsupported(model) is None
     with pytest.raises(ValueError, match="max_tokens"):
-        PrefillGraphs(model, 32, 4)
+        PrefillGraphs(model, 32, 4, 8)
     with pytest.raises(ValueError, match="max_seqs"):
-        PrefillGraphs(model, 64, 0)
+        PrefillGraphs(model, 64, 0, 8)
+    with pytest.raises(ValueError, match="max_pages"):
+        PrefillGraphs(model, 64, 4, 0)
     with pytest.raises(ValueError, match="prefill_graph_tokens"):
         EngineConfig(prefill_graph_tokens=-1)
     engine = LLMEngine(model, EngineConfig(num_pages=32, max_num_seqs=2))  # the CPU: no graphs of any kind
