@@ -1,7 +1,7 @@
 #!/bin/bash
-# The layered house (issue 48) against cf00f67 on one GPU machine. ab_refs/trees.tar.xz holds both trees without
-# their tests/ and profiles/results/ (to fit the 64 MiB carry): base/ (`git archive cf00f67`) and new/ (the tree
-# under test). Run with RUN="C1 HOST BIG C16 KER" (any of them;
+# Two trees on one GPU machine (the layered house, issue 48, against cf00f67 first). ab_refs/trees.tar.xz holds
+# both trees without their tests/ and profiles/results/ (to fit the 64 MiB carry): base/ (`git archive REF`) and
+# new/ (the tree under test). BASE_BENCH: the base's trace bench module (serving.bench before 026688e). Run with RUN="C1 HOST BIG C16 KER" (any of them;
 # GDN: only the GDN prefill row of KER) and ALT (default "base new new base": the order of
 # the sides; two calls with ALT="base new" then ALT="new base" on one warm machine make one alternation), carrying
 # .gpu (../shared/gpu/make-bundle.sh) and ab_refs. T: GPU tests of this checkout (TESTARGS: paths, default tests/).
@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 SITE=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packag
 HERE=$PWD; NEW=/tmp/ab/new; BASE=/tmp/ab/base
 nvidia-smi --query-gpu=name --format=csv,noheader; lscpu | grep "Model name"
 side_dir() { [ $1 = base ] && echo $BASE || echo $NEW; }
-bench() { [ $1 = base ] && echo serving.bench || echo profiles.bench_serving; }
+bench() { [ $1 = base ] && echo ${BASE_BENCH:-serving.bench} || echo profiles.bench_serving; }
 if [[ " $RUN " == *" T "* ]]; then
   cd $HERE; export PYTHONPATH=$HERE:$SITE
   timeout ${TT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTARGS:-tests/} 2>&1 | tail -30 | tee $OUT/gpu_tests.log
