@@ -646,10 +646,12 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
     traces = build_traces(args, model.config.vocab_size)
     if args.write_trace:
         write_jsonl(traces, args.write_trace)
+    built = time.perf_counter()
     engine = make_engine(model, args, traces)
+    built = time.perf_counter() - built
     out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype} | ops: {ops.get_backend()}\n"
               f"host: {host_cpu()}\n"
-              f"engine: {engine.pool_summary}\n"
+              f"engine: {engine.pool_summary} (built and captured in {built:.1f} s)\n"
               f"traces: {len(traces)} x {args.trace} ({sum(len(t.turns) for t in traces)} turns, up to "
               f"{max(t.total_tokens() for t in traces)} tokens each) at concurrency {args.concurrency}"
               + (" as interleaved sessions" if args.sessions else "") + "\n")

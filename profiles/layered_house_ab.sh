@@ -42,7 +42,7 @@ for side in ${ALT:-base new new base}; do
     replay $side qwen3.5-2b long 1 150 "^ +all |^ +user|triton compiles|WARNING"
   fi
   if part C16; then
-    replay $side qwen3.5-2b short 16 150 "^ +all |^ +(kind|mixed|decode ahead) |triton compiles|WARNING"
+    replay $side qwen3.5-2b short 16 150 "^ +all |^ +(kind|mixed|decode ahead) |captured in|triton compiles|WARNING"
   fi
   if part KER; then
     run_side $side "decode attention" 120 python3 -m profiles.bench_decode --only attention --quick --out $OUT/$side \
