@@ -104,7 +104,8 @@ class LLMEngine:
         use_graphs = why_not is None
         prefill_graphs = None
         prefill_rows = cfg.prefill_graph_rows()
-        if use_graphs and prefill_rows >= MATMUL_ROW_BUCKET and prefill_graphs_unsupported(model) is None:
+        # speculation's trunk steps without drafts (prefills, returning turns) replay them too
+        if spec_graphs and prefill_rows >= MATMUL_ROW_BUCKET and prefill_graphs_unsupported(model) is None:
             max_pages = -(-cfg.max_model_len // cfg.page_size)
             prefill_graphs = PrefillGraphs(model, prefill_rows, cfg.max_num_seqs, max_pages,
                                            cfg.slice_cuts(0, model.config.num_hidden_layers))
@@ -168,7 +169,7 @@ class LLMEngine:
                 num_slots=cfg.max_num_seqs * (1 + k) + k + 1, max_model_len=max_len,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                 state_cache_fraction=cfg.state_cache_fraction, state_cache_gb=cfg.state_cache_gb,
-                graph_rows=cfg.prefill_graph_rows() if cfg.cuda_graphs and not k else 0,
+                graph_rows=cfg.prefill_graph_rows() if cfg.cuda_graphs else 0,
                 mtp_layers=model.config.mtp_num_hidden_layers if k else 0)
             cfg = replace(cfg, num_pages=num_pages, snapshot_slots=snapshot_slots)
         return replace(cfg, max_model_len=min(max_len, cfg.num_pages * cfg.page_size)), sizing

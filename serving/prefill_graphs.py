@@ -96,6 +96,7 @@ class PrefillGraphs:
     def covers(self, step: StepInput) -> bool:
         return (bool(self.graphs) and GEMV_MAX_ROWS < step.num_tokens <= self.buckets[-1]
                 and step.num_seqs <= self.max_seqs and step.page_table.shape[1] <= self.max_pages
+                and step.position_slots is None  # a verify step keeps per-token GDN states: eager
                 and (self.batch is None or step.cu_seqlens_host is not None))
 
     def _captured(self, rows: int, seqs: int) -> list[bool]:
@@ -239,9 +240,11 @@ class PrefillGraphs:
                              step.max_seqlen_k or self.max_pages * k_pages.shape[1], k_pages.device)
         self.kv_splits.fill_(min(wanted, self.splits[key]))
 
-    def forward_step_layers(self, step: StepInput, pools: CachePools):
+    def forward_step_layers(self, step: StepInput, pools: CachePools, *, with_hidden: bool = False,
+                            logit_rows: torch.Tensor | None = None):
         """model.forward_step_layers (not all_logits) with the segments replayed: None after each layer's core,
-        then the logits of each sequence's last token (B, vocab)."""
+        then the logits of each sequence's last token (B, vocab), or of logit_rows (R,); with_hidden: (logits, every
+        token's hidden state after the final norm (N, hidden), a copy: the buffer is the next step's)."""
         n = step.num_tokens
         key = (row_bucket(n), 1 if step.num_seqs == 1 else self.max_seqs)
         segments, layers = self.segments[key], len(self.layers)
@@ -254,7 +257,9 @@ class PrefillGraphs:
             if last < layers and not core_last:
                 self._core(last, n, step, pools)
                 yield None
-        yield self.model.lm_head(self.final[:n][step.last_token_indices])
+        h = self.final[:n]
+        logits = self.model.logits(h[logit_rows if logit_rows is not None else step.last_token_indices])
+        yield (logits, h.clone()) if with_hidden else logits
 
 
 def _segments(captured: list[bool], cuts: frozenset[int]) -> list[tuple[int, int, bool]]:

@@ -16,6 +16,7 @@ from model.step import StepInput
 from serving import speculative
 from serving.config import EngineConfig
 from serving.engine import LLMEngine
+from serving.prefill_graphs import PrefillGraphs
 from serving.sequence import SamplingParams
 
 VOCAB = 1024
@@ -184,6 +185,31 @@ def test_prefix_cache_hits_and_drafts_are_the_same_with_speculation(model):
         eng.step()  # the prefill (from the hit when warm) and the first drafts
         drafts.append(list(eng.sequences[seq_id].draft_ids))
     assert len(drafts[0]) == 3 and drafts[0] == drafts[1]
+
+
+def test_steps_without_drafts_replay_the_prefill_graphs(model):
+    """With speculation, a trunk step without drafts (a prompt, a returning turn) goes through the prefill graphs'
+    segments (run eagerly here) and hands the head their hidden states: the same tokens, and the same first drafts
+    after the returning turn, as the eager trunk."""
+    first = prompts(1, seed=5)[0] + prompts(1, seed=6)[0]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    runs = []
+    for graphs_on in (False, True):
+        eng = engine(model, 3, snapshot_slots=8)
+        if graphs_on:
+            graphs = eng.runner.prefill_graphs = PrefillGraphs(model, 128, 4, eng.runner.width)
+            graphs.capture(eng.pools, eager=True)
+        out = eng.generate([first], params)[0]
+        turn = first + out.output_ids + prompts(1, seed=7)[0]
+        seq_id = eng.add_request(turn, params)
+        eng.step()  # the returning turn's prefill and its first drafts
+        drafts = list(eng.sequences[seq_id].draft_ids)
+        while eng.has_unfinished:
+            eng.step()
+        runs.append((out.output_ids, eng.pop_output(seq_id).output_ids, drafts, eng.runner.num_graph_prefill_steps))
+    (*eager, none), (*replayed, steps) = runs
+    assert replayed == eager and len(eager[2]) == 3 and none == 0 and steps == 2
+    assert eager[1] == plain_greedy(model, turn, 8)
 
 
 def test_a_snapshot_inside_a_prefill_beside_verify_steps(model):
