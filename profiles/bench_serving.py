@@ -502,7 +502,7 @@ def main(argv=None, model=None) -> dict:
                     "ceil(T / TOKENS) slices, one a layer at most (EngineConfig.interleave_slice_tokens; 0: off)")
     ap.add_argument("--prefill-graphs", type=cli.non_negative_int, default=ENGINE_KNOBS["prefill_graphs"],
                     metavar="TOKENS",
-                    help="prefill steps up to TOKENS replay CUDA graphs of all but their attention cores "
+                    help="prefill steps up to TOKENS replay CUDA graphs (serving.prefill_graphs) "
                          "(EngineConfig.prefill_graph_tokens; default: every step; 0: off)")
     ap.add_argument("--decode-ahead", type=int, choices=(0, 1), default=ENGINE_KNOBS["decode_ahead"],
                     help="launch each decode step before reading the last one's tokens (EngineConfig.decode_ahead)")

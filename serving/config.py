@@ -58,13 +58,14 @@ class EngineConfig:
     tail: "mru", the chain released last (agent sessions return in about the order they left, so it is needed last:
     0.90 of the eligible prefix tokens hit against LRU's 0.66, with 75% of the working set; FINDINGS, prefix cache
     under many sessions), or "lru", the chain released first (when the latest sessions come back first).
-    prefill_graph_tokens: eager steps of GEMV_MAX_ROWS + 1 up to this many tokens replay CUDA graphs of all but
-    their attention cores (serving.prefill_graphs), captured at every row bucket up to it (kernels.row_buckets),
-    when decode graphs are on and the model allows (not tensor parallel, not the reference MoE); None: every
-    prefill step (max_num_batched_tokens + max_num_seqs); 0: off.
+    prefill_graph_tokens: eager steps of GEMV_MAX_ROWS + 1 up to this many tokens replay CUDA graphs
+    (serving.prefill_graphs: every op but the attention cores the router sends to a forward), captured at every
+    row bucket up to it (kernels.row_buckets), when CUDA graphs are on and the model allows (not tensor parallel,
+    not the reference MoE); None: every prefill step (max_num_batched_tokens + max_num_seqs); 0: off.
     speculative_tokens: K in 0..4, the drafts of the model's MTP head that each decode step verifies (serving.
     speculative); 0: off. Needs a model with its MTP head, at world size 1. Greedy decode steps replay CUDA graphs
-    of their own; the other steps run eagerly, with no decode-ahead, interleaved slices or prefill graphs.
+    of their own, steps without drafts the prefill graphs; the others run eagerly, with no decode-ahead or
+    interleaved slices.
     draft_vocab_size: with speculative_tokens, the MTP head drafts among the first N token ids only, 0: all of them.
     The full lm_head is most of a draft's bytes (2B: 248k x 2048, 1 GB); Qwen's byte-level BPE numbers tokens in
     merge order, so the first ids are the common ones. Output stays exact (the target verifies every draft); only

@@ -27,8 +27,8 @@ Two paths.
 - Mixed steps with graphs: the decode rows replay their graph and the other chunks run eagerly; rows come back
   in that order (execute returns the chunks in row order).
 - Prefill graphs (serving.prefill_graphs): an eager step of 5..EngineConfig.prefill_graph_tokens tokens replays
-  CUDA graphs of everything but its attention cores (projections, norms, MLPs, the GDN cores planned on the device)
-  and runs only the attention cores eagerly.
+  CUDA graphs of its layers (projections, norms, MLPs, the GDN and split-KV attention cores planned on the device);
+  only attention cores that the router sends to a forward run eagerly between them.
 
 Graphs need the decode ops free of host syncs: the "triton" ops backend (kernels/paged_decode_attention.py,
 kernels/gdn_decode.py, norms, attention_prep) is; the reference ops and MoE routing (its .tolist()) are not, so
