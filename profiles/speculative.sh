@@ -1,7 +1,8 @@
 #!/bin/bash
 # MTP speculative decoding on one GPU machine (carry .gpu: ../shared/gpu/make-bundle.sh). RUN="T STEPS E2E" (any):
 # T the GPU tests of the verify kernel, the speculative engine and the TMA GEMV; STEPS profiles.bench_spec for
-# 0.8B, 2B and 9B (the verify step's row kernels and a 32k draft vocab beside the full one); E2E the short agent trace
+# MODELS (default 0.8B, 2B and 9B: the verify step's variants and a 32k draft vocab beside the full one); E2E the
+# short agent trace
 # at batch 1, plain and with K = 3 drafts from a 32k draft vocab forced to mean acceptance lengths L (LS, default
 # "3 4"), each over the verify_rows variants (VR, default skinny,gemv) in one process (MODEL, default
 # qwen3.5-2b). Prints the host's CPU model.
@@ -13,7 +14,7 @@ if [[ " $RUN " == *" T "* ]]; then
     tests/test_speculative_engine.py tests/test_tma_gemv.py 2>&1 | tail -15 | tee $OUT/spec_tests.log
 fi
 if [[ " $RUN " == *" STEPS "* ]]; then
-  for m in qwen3.5-0.8b qwen3.5-2b qwen3.5-9b; do
+  for m in ${MODELS:-qwen3.5-0.8b qwen3.5-2b qwen3.5-9b}; do
     timeout 200 python3 -m profiles.bench_spec --model $m --ctx 8192 --draft-vocab 32768 --out $OUT/$m 2>&1 \
       | grep -v "^{" | tee -a $OUT/steps.log
   done
