@@ -114,17 +114,16 @@ def _gdn_verify_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
 
 
 def launch_verify(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots,
-                  cu_seqlens, position_slots, max_q_len: int, eps: float, out, warps: int = 0):
+                  cu_seqlens, position_slots, max_q_len: int, eps: float, out):
     """The verify step on arguments the engine built: qkv (N, C), z (N, Hv, dv), b, a (N, Hv); state_slots (B,);
-    cu_seqlens (B+1,) int32; position_slots (N,) int64 (-1: none); max_q_len <= MAX_Q_LEN; warps: a program's
-    (0: from the state tile). Returns out (N, Hv, dv)."""
+    cu_seqlens (B+1,) int32; position_slots (N,) int64 (-1: none); max_q_len <= MAX_Q_LEN. Returns out (N, Hv, dv)."""
     _, hv, dv = z.shape
     dk, kw = recurrent_states.shape[2], conv_w.shape[1]
     hk = (qkv.shape[1] - hv * dv) // (2 * dk)
     bsz = state_slots.shape[0]
     bk, bv = next_power_of_2(dk), next_power_of_2(dv)
     g = _heads_at_once(hv // hk, bk * bv, hk * bsz)
-    num_warps = warps or max(MIN_WARPS, min(MAX_WARPS, g * bk * bv // STATE_PER_THREAD // 32))
+    num_warps = max(MIN_WARPS, min(MAX_WARPS, g * bk * bv // STATE_PER_THREAD // 32))
     _gdn_verify_kernel[(hk, bsz)](
         qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_states, recurrent_states, state_slots, cu_seqlens,
         position_slots, out, qkv.stride(0), z.stride(0), b.stride(0), a.stride(0), dk ** -0.5, eps,
@@ -140,7 +139,7 @@ def gated_deltanet_verify_op(qkv, z, b, a, conv_w, A_log, dt_bias, norm_w, conv_
     out = torch.empty_like(z, memory_format=torch.contiguous_format)
     weights = (t.contiguous() for t in (conv_w, A_log, dt_bias, norm_w))  # no-ops: weights
     return launch_verify(qkv, z, b, a, *weights, conv_states, recurrent_states, step.state_slots, step.cu_seqlens,
-                         step.position_slots, step.max_seqlen_q, eps, out, registry.tuning().gdn_verify_warps)
+                         step.position_slots, step.max_seqlen_q, eps, out)
 
 
 def _verify_only(key, tuning):

@@ -46,9 +46,6 @@ class KernelTuning:
     # 2 rows 2363 / 2012 us, 3 rows 3239 / 2114, 4 rows 3351 / 2221 (a decode step: 1514); the GEMV's per-row
     # accumulators cost it more than its weight read at several rows (FINDINGS, MTP speculative decoding)
     gemv_max_rows: int = 1
-    # warps of kernels.gdn_verify's programs; 0: from the state tile (kernels.gdn_decode's rule, 4 at 2B's heads).
-    # At 4 warps its sm_90a build holds 255 registers and spills 32 bytes, at 8 warps 224 and none (FINDINGS)
-    gdn_verify_warps: int = 0
     # kernels.moe's grouped GEMMs where experts average at most moe_decode.block_m pairs (decode and verify steps),
     # and above it (prefill). Measured on the H200 (one 35B-A3B layer, profiles.bench_moe --tiles; FINDINGS, MoE):
     # decode's 32 columns and K steps of 128 take 1 row from 87.5 to 62 us (more programs stream the few experts);
@@ -61,8 +58,5 @@ class KernelTuning:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if isinstance(self.gdn_verify_warps, bool) or self.gdn_verify_warps not in (0, 1, 2, 4, 8, 16):
-            raise ValueError(f"gdn_verify_warps must be 0 (from the tile) or a power of two up to 16, got "
-                             f"{self.gdn_verify_warps!r}")
         if isinstance(self.gemv_max_rows, bool) or self.gemv_max_rows not in (1, 2, 3, 4):
             raise ValueError(f"gemv_max_rows must be 1..4 (the GEMV's rows), got {self.gemv_max_rows!r}")

@@ -57,11 +57,6 @@ def graph_us(fn) -> float:
     return bench_us(fn, graph=True)
 
 
-# the verify step's variants: KernelTuning fields over the active tuning (the default: the skinny GEMM's rows and the
-# GDN verify kernel's warps from its tile)
-VERIFY_VARIANTS = {"skinny GEMM": {}, "GEMV": {"gemv_max_rows": 4}, "8-warp GDN verify": {"gdn_verify_warps": 8}}
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m profiles.bench_spec", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,13 +64,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--ctx", type=int, default=8192, help="cached tokens before the step")
     ap.add_argument("--draft-vocab", type=int, default=32768, help="the reduced draft vocabulary timed beside the "
                     "full one (the first N token ids)")
-    ap.add_argument("--verify", default="skinny GEMM,8-warp GDN verify", help="the verify step's variants timed, "
-                    "comma-separated, of: " + ", ".join(VERIFY_VARIANTS))
+    ap.add_argument("--verify", default="skinny GEMM,GEMV", help="the verify step's row kernels timed, "
+                    "comma-separated")
     ap.add_argument("--out", default=None, help="where spec.json goes (default profiles/results)")
     args = ap.parse_args(argv)
-    unknown = set(args.verify.split(",")) - set(VERIFY_VARIANTS)
-    if unknown:
-        ap.error(f"--verify: unknown variants {sorted(unknown)}; known: {', '.join(VERIFY_VARIANTS)}")
     dev = torch.device("cuda")
     ops.set_backend("triton")
     model = load_model(args.model, dev)
@@ -113,14 +105,14 @@ def main(argv=None) -> dict:
     rollback = graph_us(lambda: pools.copy_slot(1, 0))
     rows.append(progress(dict(what="rollback (slot copy)", tokens=0, us=rollback)))
     projections = []
-    verify_rows = {name: dataclasses.replace(registry.tuning(), **VERIFY_VARIANTS[name])
-                   for name in args.verify.split(",")}
+    verify_rows = {"skinny GEMM": registry.tuning(), "GEMV": dataclasses.replace(registry.tuning(), gemv_max_rows=4)}
+    verify_rows = {name: verify_rows[name] for name in args.verify.split(",")}
     for k in range(1, k_max + 1):
         times = {}
         for name, tuning in verify_rows.items():
             with registry.use(tuning=tuning):
                 times[name] = graph_us(trunk(k + 1, True))
-            rows.append(progress(dict(what=f"verify step, K={k}, {name}", tokens=k + 1, us=times[name],
+            rows.append(progress(dict(what=f"verify step, K={k}, rows on the {name}", tokens=k + 1, us=times[name],
                                       vs_decode=times[name] / decode)))
         verify = min(times.values())
         for name, times in heads.items():

@@ -10,7 +10,6 @@ from kernels import registry
 from kernels.gdn_decode import GdnKey
 from kernels.gdn_verify import MAX_Q_LEN, launch_verify
 from kernels.registry import H200
-from kernels.tuning import KernelTuning
 from model import ops
 from model.ops import _ref_gated_deltanet
 from model.step import StepInput
@@ -71,18 +70,14 @@ def test_the_op_path_routes_verify_steps_here(monkeypatch):
     interpreter on the CPU), and the chunked prefill never takes it."""
     calls = []
     import kernels.gdn_verify as V
-    monkeypatch.setattr(V, "launch_verify", lambda *args: calls.append(args[-1]) or args[-2])  # warps; out
+    monkeypatch.setattr(V, "launch_verify", lambda *args: calls.append(len(args)) or args[-1])
     gen = torch.Generator().manual_seed(0)
     conv_w, a_log, dt_bias, norm_w, conv0, rec0 = make_layer(gen, 2, 4, 16, 16, torch.float32, 6)
     qkv, z, b, a = make_token(gen, 4, 2, 4, 16, 16, torch.float32)
     step = verify_step([2, 2], torch.tensor([0, 1], device=DEVICE), torch.tensor([2, -1, 3, -1], device=DEVICE))
     with ops.use_backend("triton"):
         ops.gated_deltanet(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv0, rec0, step, 2, EPS)
-        with registry.use(tuning=KernelTuning(gdn_verify_warps=8)):  # the warps are the tuning's
-            ops.gated_deltanet(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv0, rec0, step, 2, EPS)
-    assert calls == [0, 8]
-    with pytest.raises(ValueError, match="gdn_verify_warps"):
-        KernelTuning(gdn_verify_warps=3)
+    assert calls
 
 
 @pytest.mark.parametrize("key, expected", [
