@@ -9,9 +9,9 @@ built), and the attention cores where the router's choice for the graph's key ca
 the split-KV kernel, whose grid holds the most KV splits any context may ask for; each step copies its page
 table, key counts and KV slots into static buffers and its split count into `kv_splits`).
 
-Graphs are keyed by (rows, seqs): the row bucket, and the sequences the attention grid covers (1, or max_seqs for
-steps of several sequences, whose programs past the real ones exit). A returning turn is one sequence, and its
-graph has no programs to spare.
+Graphs are keyed by (rows, seqs): the row bucket, and 1 or max_seqs sequences. Only the one-sequence graphs hold
+the attention cores (a returning turn, a lone prompt: one replay); steps of several sequences run them eagerly
+between segments.
 
 Stretch i (0 <= i <= L, for L layers) ends where layer i's mixer core begins:
     stretch 0:      RoPE of the positions, embed(tokens) -> layer 0's mixer_in
@@ -101,12 +101,15 @@ class PrefillGraphs:
 
     def _captured(self, rows: int, seqs: int) -> list[bool]:
         """Which layers' cores the (rows, seqs) graphs hold: the GDN cores on the Triton op (the reference plans on
-        the host), the attention cores where the router's choice for the captured step captures."""
+        the host); the attention cores of one-sequence graphs where the router's choice for the captured step
+        captures (steps of several sequences keep them eager: FINDINGS, serving, 2026-12-07)."""
         gdn = ops.backend_table()["gated_deltanet"] == "triton"
-        step, d = self._device_steps(rows, seqs)["full_attention"], self.config.head_dim
-        q = self.residual.new_empty(1, self.config.num_attention_heads, d).expand(rows, -1, -1)  # (rows, H, D)
-        k_pages, v_pages = self.pools.k_pages[0], self.pools.v_pages[0]
-        attention = registry.chosen("paged_attention", q, k_pages, v_pages, step, d ** -0.5, q).captures
+        attention = seqs == 1
+        if attention:
+            step, d = self._device_steps(rows, seqs)["full_attention"], self.config.head_dim
+            q = self.residual.new_empty(1, self.config.num_attention_heads, d).expand(rows, -1, -1)  # (rows, H, D)
+            k_pages, v_pages = self.pools.k_pages[0], self.pools.v_pages[0]
+            attention = registry.chosen("paged_attention", q, k_pages, v_pages, step, d ** -0.5, q).captures
         return [attention if layer.layer_type == "full_attention" else gdn for layer in self.layers]
 
     def _device_steps(self, rows: int, seqs: int) -> dict[str, StepInput]:
