@@ -843,10 +843,10 @@ def split_kv_pays(batch: int, max_q_len: int, group: int, kv_heads: int, head_di
 def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
     """model.ops' paged_attention on this kernel (the router sends it decode steps, mixed steps and agent turns):
     the step's host bound max_seqlen_k; the engine built the step, so nothing is checked again."""
+    grid_splits, used_splits = step.kv_splits or (None, None)  # a captured step's: (host int, (1,) int32)
     return launch(q, k_pages, v_pages, step.page_table, step.seqused_k, scale, step.cu_seqlens, step.num_seqs,
-                   step.max_seqlen_q, gate, None if step.kv_splits is None else captured_splits(
-                       step.num_seqs, step.max_seqlen_q, q.shape[-2], k_pages, step.page_table.shape[1], q.device),
-                   step.max_seqlen_k, None, None, None, RESCALE_THRESHOLD, True, step.kv_splits)
+                   step.max_seqlen_q, gate, grid_splits, step.max_seqlen_k, None, None, None, RESCALE_THRESHOLD, True,
+                   used_splits)
 
 
 def step_splits(num_seqs: int, q_len: int, heads: int, k_pages, seqlen_k: int, device) -> int:
@@ -858,12 +858,18 @@ def step_splits(num_seqs: int, q_len: int, heads: int, k_pages, seqlen_k: int, d
                              programs_per_sm=tile.programs_per_sm, block_n=tile.block_n)
 
 
-def captured_splits(num_seqs: int, q_len: int, heads: int, k_pages, max_pages: int, device) -> int:
-    """The splits of a captured grid (kv_splits on the device) that serves every key bound up to the page table's
-    capacity: the most step_splits asks for at any power-of-two bound (and the capacity)."""
+def captured_splits(num_seqs: int, q_lens: range, heads: int, k_pages, max_pages: int, device) -> int:
+    """The splits of a captured grid (its step's count on the device, kv_splits) that serves steps of num_seqs
+    sequences of up to q_len tokens for every q_len in q_lens, over page tables of max_pages pages: the most that
+    launch() chooses for any of them at a power-of-two key bound (or the capacity). choose_num_splits is not
+    monotone in the bound: between them it can ask for more (a step then uses the grid's; the same sums in other
+    splits), and the grid of its largest ask would be mostly empty programs."""
+    kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
     capacity = max_pages * k_pages.shape[1]
     bounds = [1 << i for i in range(capacity.bit_length()) if 1 << i < capacity] + [capacity]
-    return max(step_splits(num_seqs, q_len, heads, k_pages, b, device) for b in bounds)
+    tiles = {plan(q, heads // kv_heads, head_dim, k_pages.element_size()) for q in q_lens}
+    return max(choose_num_splits(num_seqs, kv_heads, b, _num_sms(device), m_blocks=t.m_blocks,
+                                 programs_per_sm=t.programs_per_sm, block_n=t.block_n) for t in tiles for b in bounds)
 
 
 # ---- the router's entry (kernels.registry): this kernel for decode, mixed steps and agent turns -----------------
@@ -890,12 +896,10 @@ def _split_kv_cost(key, tuning) -> float:
 registry.define("paged_attention", paged_key)
 def _checked_op(q, k_pages, v_pages, step, scale, gate):
     # the op through the public checks, the step's metadata read on the host
+    grid_splits, used_splits = step.kv_splits or (None, None)
     return paged_decode_attention(q, k_pages, v_pages, step.page_table, step.seqused_k, softmax_scale=scale,
                                   cu_seqlens_q=step.cu_seqlens, max_seqlen_q=step.max_seqlen_q, gate=gate,
-                                  max_seqlen_k=step.max_seqlen_k, kv_splits=step.kv_splits,
-                                  num_splits=None if step.kv_splits is None else captured_splits(
-                                      step.num_seqs, step.max_seqlen_q, q.shape[-2], k_pages,
-                                      step.page_table.shape[1], q.device))
+                                  max_seqlen_k=step.max_seqlen_k, num_splits=grid_splits, kv_splits=used_splits)
 
 
 registry.register("paged_attention", Impl("split_kv", "triton", paged_attention_op, _split_kv, _split_kv_cost,

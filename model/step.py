@@ -27,8 +27,9 @@ class StepInput:
     position_slots: (N,) int64 or None: a speculative verify step's per-token GDN slots. Where position_slots[i] >= 0,
     the GDN state (conv window and recurrent state) after token i is also written to that slot, so that a step that
     keeps only the first tokens of a sequence can roll back to the state after its last kept one
-    kv_splits: (1,) int32 or None: a captured step's KV split count on the device (serving.prefill_graphs fills it
-    each step); its attention's grid holds the most splits any step of the capture may ask for
+    kv_splits: (grid splits, (1,) int32) or None: a captured step's KV splits: its attention grid's (a host int,
+    the most any step the graph serves asks for) and the count its step uses, on the device (serving.prefill_graphs
+    fills it each step)
     plans: what kernels lay out on the host once for all the step's layers, by kernel (kernels.gdn_prefill.step_plan)
     """
     token_ids: torch.Tensor
@@ -47,7 +48,7 @@ class StepInput:
     snapshot_slots: torch.Tensor | None = None
     embeddings: torch.Tensor | None = None
     position_slots: torch.Tensor | None = None
-    kv_splits: torch.Tensor | None = None
+    kv_splits: tuple[int, torch.Tensor] | None = None
     plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property

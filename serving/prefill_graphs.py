@@ -124,7 +124,7 @@ class PrefillGraphs:
         hold_plan(gdn, b.plan(rows))
         attention = replace(gdn, cu_seqlens=b.cu_seqlens[:seqs + 1], seqused_k=self.seqused_k[:seqs],
                             page_table=self.page_table[:seqs], cos=self.cos[:rows], sin=self.sin[:rows],
-                            kv_splits=self.kv_splits, plans={})
+                            kv_splits=(self.splits.get((rows, seqs), 1), self.kv_splits), plans={})
         return {"linear_attention": gdn, "full_attention": attention}
 
     def _stretch(self, i: int, rows: int) -> None:
@@ -188,8 +188,9 @@ class PrefillGraphs:
         if keys:
             from kernels.paged_decode_attention import captured_splits
             heads, k_pages = self.config.num_attention_heads, pools.k_pages[0]
-            self.splits = {(rows, seqs): captured_splits(seqs, rows, heads, k_pages, self.max_pages, k_pages.device)
-                           for rows, seqs in keys}
+            lows = dict(zip(self.buckets, (GEMV_MAX_ROWS, *self.buckets)))  # each bucket's steps: (low, rows] tokens
+            self.splits = {(rows, seqs): captured_splits(seqs, range(lows[rows] + 1, rows + 1), heads, k_pages,
+                                                         self.max_pages, k_pages.device) for rows, seqs in keys}
 
     @torch.no_grad()
     def capture(self, pools: CachePools, eager: bool = False) -> None:
@@ -241,7 +242,7 @@ class PrefillGraphs:
         k_pages = self.pools.k_pages[0]
         wanted = step_splits(b, step.max_seqlen_q, self.config.num_attention_heads, k_pages,
                              step.max_seqlen_k or self.max_pages * k_pages.shape[1], k_pages.device)
-        self.kv_splits.fill_(min(wanted, self.splits[key]))
+        self.kv_splits.fill_(min(wanted, self.splits[key]))  # at most the grid's (captured_splits)
 
     def forward_step_layers(self, step: StepInput, pools: CachePools, *, with_hidden: bool = False,
                             logit_rows: torch.Tensor | None = None):

@@ -15,9 +15,11 @@ from kernels.paged_decode_attention import (
     MAX_SPLITS,
     DecodeWorkspace,
     alloc_workspace,
+    captured_splits,
     choose_num_splits,
     paged_attention_op,
     paged_decode_attention,
+    step_splits,
 )
 from model.ops import _ref_paged_attention
 from model.step import StepInput
@@ -131,6 +133,17 @@ def test_splits_on_the_device_equal_that_many_splits():
         on_host = paged_decode_attention(q, k_pages, v_pages, table, seqused, num_splits=k, **args)
         assert torch.equal(on_device, on_host), f"kv_splits {k}: {rel_err(on_device, on_host):.2e}"
         assert_close(on_device, ref, dtype, f"kv_splits {k} of 6")
+
+
+def test_a_captured_grid_holds_the_splits_of_every_step_it_serves():
+    # a prefill graph of 128 rows serves steps of 65..128 tokens (fewer M-blocks: more splits) over 1034 pages
+    k_pages = torch.empty(1, 16, 2, 256, dtype=torch.bfloat16).expand(1034, -1, -1, -1)
+    grid = captured_splits(1, range(65, 129), 8, k_pages, 1034, k_pages.device)
+    asks = {step_splits(1, q, 8, k_pages, keys, k_pages.device) for q in range(65, 129)
+            for keys in (*(2 ** i for i in range(15)), 1034 * 16)}  # power-of-two bounds and the capacity
+    assert max(asks) == grid and len(asks) > 1
+    top = captured_splits(1, range(128, 129), 8, k_pages, 1034, k_pages.device)
+    assert top < grid  # the bucket's top alone asks fewer
 
 
 def test_gate_fused_equals_unfused():
