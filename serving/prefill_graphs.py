@@ -6,8 +6,9 @@ graphs replay all of it: the row-wise ops (projections, norms, the MLP), the Gat
 layout is planned on the device (kernels.varlen.DeviceBatch: the step's cu_seqlens, slots and snapshot points are
 copied into static buffers, and a kernel inside the graph lays out the piece tables that the host would have
 built), and the attention cores where the router's choice for the graph's key can be captured (Impl.captures:
-the split-KV kernel, whose grid holds the most KV splits any context may ask for; each step copies its page
-table, key counts and KV slots into static buffers and its split count into `kv_splits`).
+the split-KV kernel, whose grid holds the most KV splits its bucket's steps ask for, kernels.paged_decode_attention.
+captured_splits; each step copies its page table, key counts and KV slots into static buffers and the split count
+the eager call would use into `kv_splits`).
 
 Graphs are keyed by (rows, seqs): the row bucket, and 1 or max_seqs sequences. Only the one-sequence graphs hold
 the attention cores (a returning turn, a lone prompt: one replay); steps of several sequences run them eagerly
@@ -86,7 +87,7 @@ class PrefillGraphs:
         self.page_table = torch.zeros(max_seqs, max_pages, dtype=torch.int32, device=dev)
         self.seqused_k = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
         self.kv_splits = torch.ones(1, dtype=torch.int32, device=dev)
-        self.variants = (1, max_seqs) if max_seqs > 1 else (1,)  # the sequences a graph's attention grid covers
+        self.variants = (1, max_seqs) if max_seqs > 1 else (1,)  # one sequence, or up to max_seqs
         self.batch = None
         self.segments: dict[tuple[int, int], list] = {}  # (rows, seqs) -> its segments, set by capture
         self.splits: dict[tuple[int, int], int] = {}  # (rows, seqs) -> its attention grid's KV splits
