@@ -863,11 +863,13 @@ def captured_splits(num_seqs: int, q_lens: range, heads: int, k_pages, max_pages
     sequences of up to q_len tokens for every q_len in q_lens, over page tables of max_pages pages: the most that
     launch() chooses for any of them at a power-of-two key bound (or the capacity). choose_num_splits is not
     monotone in the bound: between them it can ask for more (a step then uses the grid's; the same sums in other
-    splits), and the grid of its largest ask would be mostly empty programs."""
+    splits), and the grid of its largest ask would be mostly empty programs. Steps of the decode variant's sizes
+    (its own kernel eagerly) do not size the grid."""
     kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
     capacity = max_pages * k_pages.shape[1]
     bounds = [1 << i for i in range(capacity.bit_length()) if 1 << i < capacity] + [capacity]
     tiles = {plan(q, heads // kv_heads, head_dim, k_pages.element_size()) for q in q_lens}
+    tiles = {t for t in tiles if t.chunk} or tiles
     return max(choose_num_splits(num_seqs, kv_heads, b, _num_sms(device), m_blocks=t.m_blocks,
                                  programs_per_sm=t.programs_per_sm, block_n=t.block_n) for t in tiles for b in bounds)
 

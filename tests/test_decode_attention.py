@@ -144,6 +144,10 @@ def test_a_captured_grid_holds_the_splits_of_every_step_it_serves():
     assert max(asks) == grid and len(asks) > 1
     top = captured_splits(1, range(128, 129), 8, k_pages, 1034, k_pages.device)
     assert top < grid  # the bucket's top alone asks fewer
+    # the first bucket's steps of up to 8 tokens run the decode variant eagerly: they do not size the grid
+    chunk_asks = {step_splits(1, q, 8, k_pages, keys, k_pages.device) for q in range(9, 65)
+                  for keys in (*(2 ** i for i in range(15)), 1034 * 16)}
+    assert captured_splits(1, range(5, 65), 8, k_pages, 1034, k_pages.device) == max(chunk_asks)
 
 
 def test_gate_fused_equals_unfused():
