@@ -1,6 +1,7 @@
 #!/bin/bash
-# Issue 49 on one GPU machine (carry .gpu: ../shared/gpu/make-bundle.sh): the prefill graphs' GPU tests,
-# then 2B at 16 users with the prefill graphs off (0) and on (every step), alternated in one process, the mixed
+# Issue 49 on one GPU machine (carry .gpu: ../shared/gpu/make-bundle.sh): T the prefill graphs' GPU tests (the whole
+# log in $OUT/gpu_tests.log, its errors printed); C16:
+# 2B at 16 users with the prefill graphs off (0) and on (every step), alternated in one process, the mixed
 # steps' host_busy_ms beside their wall, and the returning 514-token step's host time; SESSIONS: section 1's rows (64
 # sessions over 8 users: A with the KV pool for all and 2 snapshot slots a session, B with 75% of the working set).
 # Prints the host's CPU model.
@@ -8,8 +9,9 @@
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 nvidia-smi --query-gpu=name --format=csv,noheader; lscpu | grep "Model name"; nproc
 if [[ " $RUN " == *" T "* ]]; then
-  timeout ${TT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTARGS:-tests/test_prefill_graphs.py \
-    tests/test_gdn_prefill.py tests/test_causal_conv1d.py} 2>&1 | tail -15 | tee $OUT/gpu_tests.log
+  timeout ${TT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short ${TESTARGS:-tests/test_prefill_graphs.py \
+    tests/test_decode_attention.py tests/test_serving_graphs.py tests/test_gdn_prefill.py} > $OUT/gpu_tests.log 2>&1
+  grep -v CUDAGraph.cpp $OUT/gpu_tests.log | grep -E "^E |^FAILED|passed|failed" | head -30
 fi
 if [[ " $RUN " == *" C16 "* ]]; then
   timeout 300 python3 -m profiles.bench_serving --model qwen3.5-2b --trace short --concurrency 16 --no-progress \
