@@ -171,6 +171,12 @@ def choose_num_splits(batch: int, kv_heads: int, max_seqlen_k: int, num_sms: int
     return next(s for s, eff in enumerate(effs, 1) if eff >= 0.95 * max(effs))
 
 
+def tile_splits(tile: Plan, batch: int, kv_heads: int, max_seqlen_k: int, num_sms: int) -> int:
+    """choose_num_splits for a call launched with this plan's tile."""
+    return choose_num_splits(batch, kv_heads, max_seqlen_k, num_sms, m_blocks=tile.m_blocks,
+                             programs_per_sm=tile.programs_per_sm, block_n=tile.block_n)
+
+
 def _config(block_m: int, head_dim: int, elt_size: int) -> tuple[int, int]:
     """(num_warps, num_stages) of a split program for an M x D query tile and elt_size-byte K/V (the decode plan
     takes its warps and DECODE_STAGES; small chunk tiles take both)."""
@@ -665,9 +671,7 @@ def launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batc
     capacity = page_table.shape[1] * page_size
     tile = plan(q_len, group, head_dim, q.element_size(), block_m)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_seqlen_k or capacity, _num_sms(q.device),
-                                       m_blocks=tile.m_blocks, programs_per_sm=tile.programs_per_sm,
-                                       block_n=tile.block_n)
+        num_splits = tile_splits(tile, batch, kv_heads, max_seqlen_k or capacity, _num_sms(q.device))
     elif not is_int(num_splits) or not 1 <= num_splits <= 256:
         raise ValueError(f"num_splits must be an int in 1..256, got {num_splits!r}")
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype) if out is None else out
@@ -836,8 +840,7 @@ def split_kv_pays(batch: int, max_q_len: int, group: int, kv_heads: int, head_di
     tile = plan(max_q_len, group, head_dim, elt_size)
     if batch * tile.m_blocks * kv_heads >= forward_fill * num_sms:  # the forward fills the SMs enough
         return False
-    return choose_num_splits(batch, kv_heads, max_seqlen_k, num_sms, m_blocks=tile.m_blocks,
-                             programs_per_sm=tile.programs_per_sm, block_n=tile.block_n) > 1
+    return tile_splits(tile, batch, kv_heads, max_seqlen_k, num_sms) > 1
 
 
 def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
@@ -854,8 +857,7 @@ def step_splits(num_seqs: int, q_len: int, heads: int, k_pages, seqlen_k: int, d
     to seqlen_k keys, k_pages: (pages, page_size, KV, D))."""
     kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
     tile = plan(q_len, heads // kv_heads, head_dim, k_pages.element_size())
-    return choose_num_splits(num_seqs, kv_heads, seqlen_k, _num_sms(device), m_blocks=tile.m_blocks,
-                             programs_per_sm=tile.programs_per_sm, block_n=tile.block_n)
+    return tile_splits(tile, num_seqs, kv_heads, seqlen_k, _num_sms(device))
 
 
 def captured_splits(num_seqs: int, q_lens: range, heads: int, k_pages, max_pages: int, device) -> int:
@@ -870,8 +872,7 @@ def captured_splits(num_seqs: int, q_lens: range, heads: int, k_pages, max_pages
     bounds = [1 << i for i in range(capacity.bit_length()) if 1 << i < capacity] + [capacity]
     tiles = {plan(q, heads // kv_heads, head_dim, k_pages.element_size()) for q in q_lens}
     tiles = {t for t in tiles if t.chunk} or tiles
-    return max(choose_num_splits(num_seqs, kv_heads, b, _num_sms(device), m_blocks=t.m_blocks,
-                                 programs_per_sm=t.programs_per_sm, block_n=t.block_n) for t in tiles for b in bounds)
+    return max(tile_splits(t, num_seqs, kv_heads, b, _num_sms(device)) for t in tiles for b in bounds)
 
 
 # ---- the router's entry (kernels.registry): this kernel for decode, mixed steps and agent turns -----------------

@@ -156,7 +156,7 @@ class ModelRunner:
         return flatten_chunks(chunks, self.page_size)
 
     def eager_lists(self, lists: StepLists) -> torch.Tensor:
-        *_, logits = self._step_layers(self._eager_step(lists))
+        *_, logits = self.step_layers(self._eager_step(lists))
         return logits
 
     def eager_layers(self, chunks: list[ScheduledChunk]):
@@ -164,18 +164,19 @@ class ModelRunner:
         one row per chunk. World size 1 only (workers replay whole steps)."""
         if self.link is not None:
             raise ValueError("a prefill in slices is not broadcast to tensor-parallel workers")
-        return self._step_layers(self._eager_step(self._eager_inputs(chunks)))
+        return self.step_layers(self._eager_step(self._eager_inputs(chunks)))
 
     def _eager_step(self, lists: StepLists) -> StepInput:
         self.num_eager_steps += 1
         return step_from_lists(lists, self.device, slot_page_table=self.table)
 
-    def _step_layers(self, step: StepInput):
-        """The step's layers from the prefill graphs when they cover its token count, else eagerly."""
+    def step_layers(self, step: StepInput, **outputs):
+        """The step's layers from the prefill graphs when they cover it, else eagerly (forward_step_layers;
+        outputs: its with_hidden and logit_rows)."""
         if self.prefill_graphs is not None and self.prefill_graphs.covers(step):
             self.num_graph_prefill_steps += 1
-            return self.prefill_graphs.forward_step_layers(step, self.pools)
-        return self.model.forward_step_layers(step, self.pools)
+            return self.prefill_graphs.forward_step_layers(step, self.pools, **outputs)
+        return self.model.forward_step_layers(step, self.pools, **outputs)
 
     # ---- decode steps ------------------------------------------------------------------------------------
 

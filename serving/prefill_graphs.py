@@ -245,6 +245,7 @@ class PrefillGraphs:
                              step.max_seqlen_k or self.max_pages * k_pages.shape[1], k_pages.device)
         self.kv_splits.fill_(min(wanted, self.splits[key]))  # at most the grid's (captured_splits)
 
+    @torch.no_grad()
     def forward_step_layers(self, step: StepInput, pools: CachePools, *, with_hidden: bool = False,
                             logit_rows: torch.Tensor | None = None):
         """model.forward_step_layers (not all_logits) with the segments replayed: None after each layer's core,

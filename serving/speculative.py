@@ -123,13 +123,8 @@ class Speculator:
             spans.append((len(rows), len(rows) + hi - first))
             rows += range(first, hi)
         logit_rows = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        graphs = self.runner.prefill_graphs
-        if graphs is not None and graphs.covers(step):  # a step without drafts: the prefill graphs replay it
-            self.runner.num_graph_prefill_steps += 1
-            *_, (logits, hidden) = graphs.forward_step_layers(step, self.pools, with_hidden=True,
-                                                              logit_rows=logit_rows)
-        else:
-            logits, hidden = self.model.forward_step(step, self.pools, with_hidden=True, logit_rows=logit_rows)
+        # a step without drafts replays the prefill graphs (covers refuses per-token GDN states)
+        *_, (logits, hidden) = self.runner.step_layers(step, with_hidden=True, logit_rows=logit_rows)
         return Verified(step, logits, hidden, spans)
 
     def accept(self, chunks: list[ScheduledChunk], v: Verified) -> list[list[int]]:
