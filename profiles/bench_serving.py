@@ -53,6 +53,7 @@ from profiles.common import (
     print_table,
     write_result,
 )
+from profiles.shared_cpu import shared_cpu
 from profiles.traces import Trace, load_jsonl, synthetic, write_jsonl
 from serving import cli
 from serving.config import EngineConfig
@@ -422,6 +423,7 @@ ENGINE_KNOBS = {"chunk": EngineConfig.max_num_batched_tokens, "fast_lane": 1024,
                 "token_ring": int(EngineConfig.token_ring), "kv_eviction": EngineConfig.kv_eviction,
                 "speculative_tokens": EngineConfig.speculative_tokens,
                 "speculative_draft_vocab": EngineConfig.draft_vocab_size}
+BENCH_KNOBS = {"host_hogs": 0}  # the replay's conditions, not the engine's (profiles.shared_cpu)
 
 
 def run_key(args) -> str:
@@ -431,6 +433,8 @@ def run_key(args) -> str:
                     if getattr(args, name) != default)
     if args.sessions:
         knobs += f"|sessions{args.sessions}"
+    if args.host_hogs:
+        knobs += f"|host_hogs{args.host_hogs}"
     if args.forced_acceptance:
         knobs += f"|forced_L{args.forced_acceptance:g}"
     if args.snapshot_slots is not None:
@@ -520,10 +524,13 @@ def main(argv=None, model=None) -> dict:
                     help="with --speculative-tokens K: each greedy verify step keeps L tokens on average (1..K+1) "
                          "whatever the target says (Speculator.force_lengths): the machinery at that acceptance "
                          "length on random weights; the tokens are not the model's (a benchmark mode)")
+    ap.add_argument("--host-hogs", type=cli.non_negative_int, default=BENCH_KNOBS["host_hogs"], metavar="N",
+                    help="during the replay, pin this process to one CPU shared with N busy processes: a host-bound "
+                         "machine emulated on this one (profiles.shared_cpu)")
     ap.add_argument("--seed", type=cli.non_negative_int, default=0, help="seed of the synthetic traces and of sampling")
     ap.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
-                    help=f"replay once per value of an engine knob ({', '.join(ENGINE_KNOBS)}) or per variant of a "
-                         "decode kernel knob (profiles.host_time's AB_KNOBS, e.g. tma_min=16m,8m), "
+                    help=f"replay once per value of an engine knob ({', '.join(ENGINE_KNOBS)}), of host_hogs, or "
+                         "per variant of a decode kernel knob (profiles.host_time's AB_KNOBS, e.g. tma_min=16m,8m), "
                          "one model load, and print the variants side by side")
     ap.add_argument("--repeat", type=int, default=1, help="replay every variant this many times, alternating "
                                                           "the variants (run-to-run spread on the GPU: ~7%%)")
@@ -573,10 +580,10 @@ def parse_sweep(spec: str | None) -> tuple[str | None, list]:
     listed = [v.strip() for v in listed.split(",") if v.strip()]
     if not listed:
         raise SystemExit(f"--sweep {spec!r}: give values, as in {name}=4,12")
-    if name not in ENGINE_KNOBS:
+    if name not in ENGINE_KNOBS and name not in BENCH_KNOBS:
         from profiles.host_time import AB_KNOBS, knob_variants
         if any(part not in AB_KNOBS for part in name.split("+")):  # A+B: pairs of variants, as in host_time --ab
-            raise SystemExit(f"--sweep: unknown knob {name!r}; one of {', '.join(ENGINE_KNOBS)} (engine) or "
+            raise SystemExit(f"--sweep: unknown knob {name!r}; one of {', '.join(ENGINE_KNOBS)} (engine), host_hogs or "
                              f"{', '.join(sorted(AB_KNOBS))} (kernels, joined by + for pairs)")
         variants = knob_variants(name)
         unknown = [v for v in listed if v not in variants]
@@ -588,9 +595,12 @@ def parse_sweep(spec: str | None) -> tuple[str | None, list]:
             raise SystemExit(f"--sweep {spec!r}: kv_eviction is lru or mru")
         return name, listed
     try:
-        return name, [int(v) for v in listed]
+        values = [int(v) for v in listed]
     except ValueError:
         raise SystemExit(f"--sweep {spec!r}: values must be integers") from None
+    if name in BENCH_KNOBS and min(values) < 0:
+        raise SystemExit(f"--sweep {spec!r}: {name} takes values >= 0")
+    return name, values
 
 
 def run_variants(args, model, what: str, device: torch.device, out, knob: str | None, values: list) -> dict:
@@ -598,7 +608,7 @@ def run_variants(args, model, what: str, device: torch.device, out, knob: str | 
     the machine hits every variant alike; print and save the variants' figures side by side. A kernel knob's
     variant is set before its replay's engine captures its graphs, and the knob restored after."""
     kernel_variants = {}
-    if knob is not None and knob not in ENGINE_KNOBS:
+    if knob is not None and knob not in ENGINE_KNOBS and knob not in BENCH_KNOBS:
         from profiles.host_time import knob_variants
         kernel_variants = knob_variants(knob)
     rows = _replay_variants(args, model, what, device, out, knob, values, kernel_variants)
@@ -663,7 +673,7 @@ def run_once(args, model, what: str, device: torch.device, out) -> dict:
     runner = engine.runner
     steps_before = (runner.num_graph_steps, runner.num_eager_decode_steps, runner.num_eager_steps,
                     runner.num_graph_prefill_steps, engine.num_ahead_steps, runner.num_fed_steps)
-    with TritonCompileLog() as compiles:
+    with TritonCompileLog() as compiles, shared_cpu(args.host_hogs):
         requests, users, wall, steps = replay(engine, traces, args.concurrency, progress=not args.no_progress,
                                               sessions=bool(args.sessions))
     rows, overall = summarize(requests, users, wall)

@@ -277,11 +277,65 @@ def test_bench_sweeps_a_kernel_knob_and_restores_it(model, tmp_path, monkeypatch
     assert [r["variant"] for r in summary["runs"]] == ["tma_min=16m", "tma_min=4m"]
 
 
+def test_shared_cpu_pins_the_threads_with_the_hogs_and_restores_them():
+    """Inside shared_cpu(2): this process's threads on one CPU, two more processes busy on it; after: the CPU sets
+    as they were and the hogs gone."""
+    import os
+    import threading
+
+    from profiles.shared_cpu import shared_cpu
+    before = os.sched_getaffinity(0)
+    with shared_cpu(2):
+        cpu = os.sched_getaffinity(0)
+        started = []
+        thread = threading.Thread(target=lambda: started.append(os.sched_getaffinity(0)))
+        thread.start()
+        thread.join()
+        hogs = [int(p) for p in os.listdir("/proc") if p.isdigit() and _child_of(int(p), os.getpid())]
+        assert len(cpu) == 1 and started == [cpu] and len(hogs) == 2
+        assert all(os.sched_getaffinity(pid) == cpu for pid in hogs)
+    assert os.sched_getaffinity(0) == before
+    assert all(not os.path.exists(f"/proc/{pid}") or _zombie(pid) for pid in hogs)
+    with pytest.raises(ValueError, match="hogs"), shared_cpu(-1):
+        pass
+
+
+def _child_of(pid: int, parent: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1]) == parent
+    except OSError:
+        return False
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_bench_sweeps_host_hogs(model, tmp_path, monkeypatch):
+    """--sweep host_hogs=0,1: the replay of each variant under that many hogs (profiles.shared_cpu), keyed apart."""
+    seen = []
+    real = bench_serving.shared_cpu
+
+    def spy(hogs):
+        seen.append(hogs)
+        return real(hogs)
+    monkeypatch.setattr(bench_serving, "shared_cpu", spy)
+    summary = bench_serving.main(["--device", "cpu", "--trace", "short", "--scale", "0.01", "--turns", "2",
+                                  "--max-new", "2", "--concurrency", "2", "--page-size", "8", "--out-dir",
+                                  str(tmp_path), "--no-progress", "--sweep", "host_hogs=0,1"], model=model)
+    assert seen == [0, 1] and [r["variant"] for r in summary["runs"]] == ["host_hogs=0", "host_hogs=1"]
+    saved = json.loads((tmp_path / "serving.json").read_text())["runs"]
+    assert "custom|short|c2|cpu|graphs|page_size8|host_hogs1" in saved
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--sweep", "slices=4"], "unknown knob"), (["--sweep", "interleave=a,b"], "integers"),
     (["--sweep", "interleave="], "give values"), (["--repeat", "0"], "--repeat"),
     (["--sweep", "tma_min=soon"], "no variant 'soon'"),
-    (["--sweep", "prenorm+tma_min=fused/2m"], "no variant 'fused/2m'")])
+    (["--sweep", "prenorm+tma_min=fused/2m"], "no variant 'fused/2m'"),
+    (["--sweep", "host_hogs=0,-1"], "host_hogs takes values >= 0")])
 def test_bench_refuses_a_bad_sweep(model, argv, message):
     with pytest.raises(SystemExit, match=message):
         bench_serving.main(["--device", "cpu", *argv], model=model)
