@@ -247,15 +247,19 @@ def _expert_gemms(x, wg, wu, down_w, h, y, *, pairs, block_expert, weights, gate
         **plan)
 
 
-def grouped_experts(x, weights, sorted_pairs, block_expert, tiles: MoeTiles, gate_up_w, down_w, shared=None):
+def grouped_experts(x, weights, sorted_pairs, block_expert, tiles: MoeTiles, gate_up_w, down_w, shared=None, *,
+                    every_pair_here: bool = False):
     """sum_k weights[:, k] * expert(x) over the pairs sorted into expert blocks of tiles.block_m (align_blocks,
     route_and_align), plus sigmoid(x . shared_gate_w) * the shared expert(x) when shared is given, in fp32: (n, H).
     x: (n, H); weights: (n, top_k) fp32; gate_up_w: (E_local, 2I, H); down_w: (E_local, H, I); shared: as
-    fused_moe's."""
+    fused_moe's. every_pair_here: all experts are local, so the down kernels write every slot of the per-pair
+    outputs (else the pairs routed to another rank's experts read 0)."""
     n, hidden = x.shape
     top_k = weights.shape[1]
     inter = gate_up_w.shape[1] // 2
-    y = torch.zeros(n, top_k + 1, hidden, dtype=torch.float32, device=x.device)  # pairs not ours stay 0
+    # y: (n, top_k [+ 1 for the shared expert], H); zeroing it is a write as large as the down kernels' own
+    y = (torch.empty if every_pair_here else torch.zeros)(n, top_k + (shared is not None), hidden,
+                                                          dtype=torch.float32, device=x.device)
     h = torch.empty(n * top_k, inter, dtype=x.dtype, device=x.device)
     _expert_gemms(x, gate_up_w, gate_up_w[:, inter:], down_w, h, y, pairs=sorted_pairs, block_expert=block_expert,
                   weights=weights.reshape(-1), gate=x, num_pairs=n * top_k, top_k=top_k, slot=0, tiles=tiles,
@@ -280,7 +284,8 @@ def fused_moe_op(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=Non
     else:
         weights, ids = topk_route(x, router_w, top_k)
         sorted_pairs, block_expert = align_blocks(ids, num_local, start, tiles.block_m)
-    return grouped_experts(x, weights, sorted_pairs, block_expert, tiles, gate_up_w, down_w, shared).to(x.dtype)
+    return grouped_experts(x, weights, sorted_pairs, block_expert, tiles, gate_up_w, down_w, shared,
+                           every_pair_here=num_local == router_w.shape[0]).to(x.dtype)
 
 
 def fused_moe(x, router_w, gate_up_w, down_w, top_k: int, shared=None, expert_start: int | None = None):

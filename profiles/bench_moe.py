@@ -10,8 +10,9 @@ and transformers 5.17's block (Qwen3_5MoeSparseMoeBlock with the same weights) w
   57.7 MB;
 - prefill: FLOPs = 2 x rows x (top-k x 3 x H x I + 3 x H x I_shared + E x H), against cuBLAS's bf16 8192^3
   TFLOP/s.
-`--tiles 64x64x64w4s3,128x64x64w8s3` also times ours under each of these MoE tiles (block x columns x K step, warps,
-stages: kernels.tuning.MoeTiles) as both the decode and the prefill tiles, one KernelTuning each, in this process.
+`--parts 1,8192` breaks one call down by GPU kernel. `--tiles 64x64x64w4s3,128x64x64w8s3` also times ours under
+each of these MoE tiles (block x columns x K step, warps, stages: kernels.tuning.MoeTiles) as both the decode and
+the prefill tiles, one KernelTuning each, in this process.
 Results go to profiles/results/moe.json.
 """
 import argparse
@@ -113,6 +114,23 @@ def bench_rows(rows: int, weights, read_tb_s: float, gemm_tflops: float) -> dict
     return row
 
 
+def parts_us(rows: int, weights, iters: int = 10) -> list[dict]:
+    """One eager call of ours at `rows` rows by GPU kernel (torch.profiler): us per call and share, largest first."""
+    router, gate_up, down, shared = weights
+    x = (torch.randn(rows, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
+    fused_moe_op(x, router, gate_up, down, TOP_K, shared)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fused_moe_op(x, router, gate_up, down, TOP_K, shared)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in kernels)
+    rows_out = [dict(rows=rows, kernel=e.key[:48], calls=e.count / iters, us=e.device_time_total / iters,
+                     share=e.device_time_total / total) for e in kernels]
+    return sorted(rows_out, key=lambda r: -r["us"])
+
+
 def parse_tiles(spec: str) -> MoeTiles:
     """'128x64x64w8s3' -> MoeTiles(128, 64, 64, 8, 3)."""
     m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)", spec.strip())
@@ -137,6 +155,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(RESULTS), help="folder for moe.json")
     ap.add_argument("--rows", default="1,4,16,64,1024,8192", help="row counts, comma-separated")
+    ap.add_argument("--parts", default="", help="row counts to break down by GPU kernel (torch.profiler), "
+                                                "comma-separated")
     ap.add_argument("--tiles", default="", help="MoE tiles to time ours under, comma-separated (64x64x64w4s3)")
     args = ap.parse_args(argv)
     try:
@@ -159,11 +179,14 @@ def main(argv=None) -> dict:
                               f"s{tiles.stages}", us=us, default_us=r["ours_us"], default_over=r["ours_us"] / us))
     if sweep:
         print_table(sweep, ["rows", "tiles", "us", "default_us", "default_over"])
+    parts = [p for r in args.parts.split(",") if r.strip() for p in parts_us(int(r), weights)]
+    if parts:
+        print_table(parts, ["rows", "kernel", "calls", "us", "share"])
     result = dict(what="one Qwen3.5-35B-A3B MoE layer (random bf16 weights): ours, reference.moe and transformers' "
                        "block", shapes=dict(hidden=HIDDEN, experts=EXPERTS, top_k=TOP_K, inter=INTER, shared=SHARED),
                   environment=environment(), ceilings=ceilings, cublas_bf16_8192_TFLOPs=gemm, rows=rows,
                   default_tiles={k: str(getattr(registry.tuning(), f"moe_{k}")) for k in ("decode", "prefill")},
-                  tiles_sweep=sweep)
+                  tiles_sweep=sweep, parts=parts)
     path = write_result("moe", result, args.out)
     print(f"wrote {path}")
     return result
