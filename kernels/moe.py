@@ -247,10 +247,22 @@ def _expert_gemms(x, wg, wu, down_w, h, y, *, pairs, block_expert, weights, gate
         **plan)
 
 
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, slots, hidden, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr):
+    # out[tok, cols] = sum over the slots of y[tok, slot, cols] (fp32), cast to out's dtype
+    tok = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    s = tl.arange(0, SLOTS)
+    ok = (s < slots)[:, None] & (cols < hidden)[None, :]
+    part = tl.load(y_ptr + (tok * slots + s)[:, None] * hidden + cols[None, :], mask=ok, other=0.0)  # (S, BLOCK_H)
+    tl.store(out_ptr + tok * hidden + cols, tl.sum(part, 0).to(out_ptr.dtype.element_ty), mask=cols < hidden)
+
+
 def grouped_experts(x, weights, sorted_pairs, block_expert, tiles: MoeTiles, gate_up_w, down_w, shared=None, *,
                     every_pair_here: bool = False):
     """sum_k weights[:, k] * expert(x) over the pairs sorted into expert blocks of tiles.block_m (align_blocks,
-    route_and_align), plus sigmoid(x . shared_gate_w) * the shared expert(x) when shared is given, in fp32: (n, H).
+    route_and_align), plus sigmoid(x . shared_gate_w) * the shared expert(x) when shared is given, summed in fp32:
+    (n, H) in x's dtype.
     x: (n, H); weights: (n, top_k) fp32; gate_up_w: (E_local, 2I, H); down_w: (E_local, H, I); shared: as
     fused_moe's. every_pair_here: all experts are local, so the down kernels write every slot of the per-pair
     outputs (else the pairs routed to another rank's experts read 0)."""
@@ -269,7 +281,12 @@ def grouped_experts(x, weights, sorted_pairs, block_expert, tiles: MoeTiles, gat
         h_shared = torch.empty(n, gate_w.shape[0], dtype=x.dtype, device=x.device)
         _expert_gemms(x, gate_w, up_w, shared_down, h_shared, y, pairs=x, block_expert=x, weights=x,
                       gate=shared_gate, num_pairs=n, top_k=1, slot=top_k, tiles=tiles, dense=True)
-    return y.sum(1)
+    out = torch.empty_like(x)
+    if n and hidden:
+        block_h = min(1024, triton.next_power_of_2(hidden))
+        _sum_slots_kernel[(n, cdiv(hidden, block_h))](y, out, y.shape[1], hidden,
+                                                     SLOTS=triton.next_power_of_2(y.shape[1]), BLOCK_H=block_h)
+    return out
 
 
 def fused_moe_op(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=None):
@@ -285,7 +302,7 @@ def fused_moe_op(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=Non
         weights, ids = topk_route(x, router_w, top_k)
         sorted_pairs, block_expert = align_blocks(ids, num_local, start, tiles.block_m)
     return grouped_experts(x, weights, sorted_pairs, block_expert, tiles, gate_up_w, down_w, shared,
-                           every_pair_here=num_local == router_w.shape[0]).to(x.dtype)
+                           every_pair_here=num_local == router_w.shape[0])
 
 
 def fused_moe(x, router_w, gate_up_w, down_w, top_k: int, shared=None, expert_start: int | None = None):

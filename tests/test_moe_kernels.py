@@ -211,11 +211,15 @@ for tiles in (KernelTuning().moe_decode, KernelTuning().moe_prefill):
             triton.compile(ASTSource(fn, sig, const, {}), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": tiles.warps, "num_stages": tiles.stages})
             print(fn.__name__, dense)
+sig = dict(y_ptr="*fp32", out_ptr="*bf16", slots="i32", hidden="i32", SLOTS="constexpr", BLOCK_H="constexpr")
+triton.compile(ASTSource(M._sum_slots_kernel, sig, dict(SLOTS=16, BLOCK_H=1024), {}), target=GPUTarget("cuda", 90, 32),
+               options={"num_warps": 4})
+print("_sum_slots_kernel", "-")
 """
 
 
 def test_grouped_kernels_compile_for_sm90():
     # the interpreter skips Triton's compiler: compile both modes at the default tiles for sm_90a (a GPU run once
-    # refused the dense mode's early return, which the interpreter had run)
+    # refused the dense mode's early return, which the interpreter had run), and the slots' sum
     lines = compiled_script_output(MOE_SM90).split()
-    assert len(lines) == 2 * 2 * 2 * 2
+    assert len(lines) == 2 * (2 * 2 * 2 + 1)
