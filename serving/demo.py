@@ -79,18 +79,21 @@ def print_table(stats: list[TurnStats], out) -> None:
     out.write(f"mean decode: {total_gen / total_dec:.1f} tok/s over {total_gen} tokens\n" if total_dec else "")
 
 
+GPU_MEMORY_UTILIZATION = 0.95  # one process on the card: 35B-A3B's 65 GiB of weights leave an H100 80GB little else
+
+
 def make_engine(model: Qwen35ForCausalLM, tokenizer, max_context: int, cuda_graphs: bool = True,
                 state_cache_fraction: float = EngineConfig.state_cache_fraction,
                 state_cache_gb: float | None = None, speculative_tokens: int = 0,
-                draft_vocab_size: int = 0) -> LLMEngine:
+                draft_vocab_size: int = 0, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION) -> LLMEngine:
     """An engine for one session: a pool of max_context tokens and 8 snapshot slots on the CPU; on the GPU both
-    sized from free memory (the snapshots by state_cache_gb, else state_cache_fraction)."""
+    sized from gpu_memory_utilization of the card (the snapshots by state_cache_gb, else state_cache_fraction)."""
     common = dict(eos_token_ids=tokenizer.eos_token_ids, max_num_seqs=1, max_model_len=max_context,
                   cuda_graphs=cuda_graphs, snapshot_slots=8, state_cache_fraction=state_cache_fraction,
                   state_cache_gb=state_cache_gb, speculative_tokens=speculative_tokens,
                   draft_vocab_size=draft_vocab_size)
     if model.lm_head.weight.device.type == "cuda":
-        return LLMEngine(model, EngineConfig.for_gpu_memory(0.5, **common))
+        return LLMEngine(model, EngineConfig.for_gpu_memory(gpu_memory_utilization, **common))
     return LLMEngine(model, EngineConfig.for_token_budget(max_context, **common))
 
 
@@ -129,6 +132,8 @@ def main(argv=None) -> list[TurnStats]:
     ap.add_argument("--ops", default="auto", choices=["auto", "reference", "triton"],
                     help="kernel backend of model.ops; auto: triton on the GPU, reference on the CPU")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--gpu-memory-utilization", type=cli.fraction, default=GPU_MEMORY_UTILIZATION,
+                    help="fraction of the card for weights, activations and the KV pool (CUDA), in (0, 1]")
     cli.add_state_cache_args(ap)
     cli.add_speculative_args(ap)
     args = ap.parse_args(argv)
@@ -141,7 +146,7 @@ def main(argv=None) -> list[TurnStats]:
     tokenizer = load_tokenizer()
     engine = make_engine(model, tokenizer, args.max_context, cuda_graphs=not args.eager,
                          state_cache_fraction=args.state_cache_fraction, state_cache_gb=args.state_cache_gb,
-                         **cli.speculative_fields(args))
+                         gpu_memory_utilization=args.gpu_memory_utilization, **cli.speculative_fields(args))
     out.write(f"model: {what} | device: {device} | dtype: {model.lm_head.weight.dtype} | ops: {ops.get_backend()}\n"
               f"engine: {engine.pool_summary}\n")
     _, stats = run_session(model, tokenizer, args.max_new_tokens, args.max_context, out, engine)

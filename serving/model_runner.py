@@ -443,8 +443,8 @@ def pages_for_memory(model: Qwen35ForCausalLM, *, utilization: float, page_size:
         raise ValueError(f"after the weights, a {peak / 2**30:.2f} GiB activation peak and "
                          f"{snapshot_slots * slot_bytes / 2**30:.2f} GiB of GDN snapshots ({snapshot_slots} slots), "
                          f"{utilization:.0%} of the card leaves {max(num_pages, 0)} KV pages, fewer than one "
-                         f"{max_model_len}-token sequence needs; lower max_model_len, max_num_batched_tokens or the "
-                         f"state cache (state_cache_fraction, state_cache_gb)")
+                         f"{max_model_len}-token sequence needs; raise gpu_memory_utilization, or lower max_model_len, "
+                         f"max_num_batched_tokens or the state cache (state_cache_fraction, state_cache_gb)")
     return num_pages, snapshot_slots, dict(free_GiB=free / 2**30, total_GiB=total / 2**30, peak_GiB=peak / 2**30,
                                            reserve_GiB=reserve / 2**30,
                                            snapshot_GiB=snapshot_slots * slot_bytes / 2**30)
