@@ -1,8 +1,7 @@
 """Fused MoE for Qwen3.5-MoE in Triton: routing on the device, the token-expert pairs sorted into blocks of one
 expert each, one grouped GEMM for gate_up with SwiGLU fused, one for down scaled by the routing weight, and the
-top-k sum; the shared expert runs in the same two launches (its blocks after the routed ones: its tokens in order,
-its sigmoid gate in the down kernel). Up to ROUTE_ALIGN_MAX_PAIRS pairs (decode and verify steps) one program
-routes and aligns.
+top-k sum; the shared expert runs in the same two kernels (a dense mode: its tokens in order, its sigmoid gate in
+the down kernel). Up to ROUTE_ALIGN_MAX_PAIRS pairs (decode and verify steps) one program routes and aligns.
 
 A block is block_m pairs of one expert (an expert's pairs padded to whole blocks), so each program reads its
 expert's weight tile once for all the tokens that chose it. The pairs are sorted on the device, and the grids are
@@ -147,84 +146,70 @@ def route_and_align(x, router_w, top_k: int, num_local: int, expert_start: int, 
 
 
 @triton.jit
-def _block_rows(pairs_ptr, block_expert_ptr, num_pairs, top_k, routed_blocks, num_tokens, BLOCK_M: tl.constexpr):
-    # this program's block: (shared, its expert, its BLOCK_M pairs, which are real, their tokens). Programs past
-    # routed_blocks run the shared expert, whose "pairs" are the tokens in order (expert 0, no tables).
-    shared = tl.program_id(0) >= routed_blocks
-    if shared:  # one return at the end: Triton's compiler refuses a return inside a branch
-        rows = (tl.program_id(0) - routed_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _block_rows(pairs_ptr, block_expert_ptr, num_pairs, top_k, BLOCK_M: tl.constexpr, DENSE: tl.constexpr):
+    # this program's block: (its expert, its BLOCK_M pairs, which are real, their tokens); DENSE: the shared expert,
+    # whose "pairs" are the tokens in order (expert 0, no tables)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if DENSE:  # one return at the end: Triton's compiler refuses a return inside a branch
         e = tl.full([], 0, tl.int32)
         pair = rows
-        real = rows < num_tokens
-        tok = rows.to(tl.int64)
+        real = rows < num_pairs
     else:
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         e = tl.load(block_expert_ptr + tl.program_id(0))
         pair = tl.load(pairs_ptr + rows)
         real = (pair < num_pairs) & (e >= 0)
-        tok = (pair // top_k).to(tl.int64)
-    return shared, e, pair, real, tok
+    return e, pair, real, (pair // top_k).to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["inter", "inter_s", "w_row_stride", "sw_row_stride", "h_stride", "sh_stride"])
-def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sg_ptr, su_ptr, sh_ptr, pairs_ptr, block_expert_ptr, num_pairs,
-                    top_k, routed_blocks, num_tokens, hidden, inter, inter_s, x_stride, w_expert_stride, w_row_stride,
-                    sw_row_stride, h_stride, sh_stride,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+@triton.jit
+def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, pairs_ptr, block_expert_ptr, h_ptr, num_pairs, top_k, hidden, inter,
+                    x_stride, w_expert_stride, w_row_stride, h_stride,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    DENSE: tl.constexpr):
     # block b of one expert e, columns [n0, n0 + BLOCK_N) of I: h[pair] = silu(x[tok] @ gate_e^T) * (x[tok] @ up_e^T)
-    # (the shared expert's blocks: its own weights and h)
-    shared, e, pair, real, tok = _block_rows(pairs_ptr, block_expert_ptr, num_pairs, top_k, routed_blocks,
-                                             num_tokens, BLOCK_M)
+    e, pair, real, tok = _block_rows(pairs_ptr, block_expert_ptr, num_pairs, top_k, BLOCK_M, DENSE)
     if e < 0:
         return
-    if shared:
-        wg, wu, h, width, w_rows, h_rows = sg_ptr, su_ptr, sh_ptr, inter_s, sw_row_stride, sh_stride
-    else:
-        offset = e.to(tl.int64) * w_expert_stride
-        wg, wu, h, width, w_rows, h_rows = wg_ptr + offset, wu_ptr + offset, h_ptr, inter, w_row_stride, h_stride
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < width
+    col_ok = cols < inter
+    offset = e.to(tl.int64) * w_expert_stride
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
         xa = tl.load(x_ptr + tok[:, None] * x_stride + ks[None, :], mask=real[:, None] & k_ok[None, :], other=0.0)
-        w_at = cols[None, :] * w_rows + ks[:, None]
+        w_at = offset + cols[None, :] * w_row_stride + ks[:, None]
         w_mask = k_ok[:, None] & col_ok[None, :]
-        gate += tl.dot(xa, tl.load(wg + w_at, mask=w_mask, other=0.0), input_precision=DOT_PRECISION)
-        up += tl.dot(xa, tl.load(wu + w_at, mask=w_mask, other=0.0), input_precision=DOT_PRECISION)
+        gate += tl.dot(xa, tl.load(wg_ptr + w_at, mask=w_mask, other=0.0), input_precision=DOT_PRECISION)
+        up += tl.dot(xa, tl.load(wu_ptr + w_at, mask=w_mask, other=0.0), input_precision=DOT_PRECISION)
     y = gate * tl.sigmoid(gate) * up
-    tl.store(h + pair.to(tl.int64)[:, None] * h_rows + cols[None, :], y.to(h_ptr.dtype.element_ty),
+    tl.store(h_ptr + pair.to(tl.int64)[:, None] * h_stride + cols[None, :], y.to(h_ptr.dtype.element_ty),
              mask=real[:, None] & col_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["inter", "inter_s", "w_row_stride", "sw_row_stride", "h_stride", "sh_stride"])
-def _down_kernel(h_ptr, w_ptr, sh_ptr, sw_ptr, pairs_ptr, block_expert_ptr, weight_ptr, x_ptr, gate_ptr, y_ptr,
-                 num_pairs, top_k, routed_blocks, num_tokens, hidden, inter, inter_s, h_stride, sh_stride,
-                 w_expert_stride, w_row_stride, sw_row_stride, x_stride, y_slots,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, weight_ptr, x_ptr, gate_ptr, y_ptr, num_pairs, top_k,
+                 hidden, inter, h_stride, w_expert_stride, w_row_stride, x_stride, y_slots, slot,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 DENSE: tl.constexpr):
     # block b of one expert e, columns [n0, n0 + BLOCK_N) of H: y[tok, its slot] = scale * (h[pair] @ down_e^T);
-    # the scale is the routing weight, or for the shared expert (slot top_k) sigmoid(x[tok] . gate)
-    shared, e, pair, real, tok = _block_rows(pairs_ptr, block_expert_ptr, num_pairs, top_k, routed_blocks,
-                                             num_tokens, BLOCK_M)
+    # the scale is the routing weight, or for the shared expert (DENSE) sigmoid(x[tok] . gate)
+    e, pair, real, tok = _block_rows(pairs_ptr, block_expert_ptr, num_pairs, top_k, BLOCK_M, DENSE)
     if e < 0:
         return
     pair = pair.to(tl.int64)
-    if shared:
-        h, w, width, h_rows, w_rows = sh_ptr, sw_ptr, inter_s, sh_stride, sw_row_stride
-    else:
-        h, w, width, h_rows, w_rows = h_ptr, w_ptr + e.to(tl.int64) * w_expert_stride, inter, h_stride, w_row_stride
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
+    w = w_ptr + e.to(tl.int64) * w_expert_stride
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, width, BLOCK_K):
+    for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < width
-        ha = tl.load(h + pair[:, None] * h_rows + ks[None, :], mask=real[:, None] & k_ok[None, :], other=0.0)
-        wd = tl.load(w + cols[None, :] * w_rows + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        k_ok = ks < inter
+        ha = tl.load(h_ptr + pair[:, None] * h_stride + ks[None, :], mask=real[:, None] & k_ok[None, :], other=0.0)
+        wd = tl.load(w + cols[None, :] * w_row_stride + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc += tl.dot(ha, wd, input_precision=DOT_PRECISION)
-    if shared:
+    if DENSE:
         logit = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -233,38 +218,33 @@ def _down_kernel(h_ptr, w_ptr, sh_ptr, sw_ptr, pairs_ptr, block_expert_ptr, weig
                          other=0.0).to(tl.float32)
             logit += tl.sum(xa * tl.load(gate_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :], 1)
         scale = tl.sigmoid(logit)
-        row = tok * y_slots + top_k
+        row = tok * y_slots + slot
     else:
         scale = tl.load(weight_ptr + pair, mask=real, other=0.0)
         row = tok * y_slots + pair % top_k
     tl.store(y_ptr + row[:, None] * hidden + cols[None, :], acc * scale[:, None], mask=real[:, None] & col_ok[None, :])
 
 
-def _expert_gemms(x, gate_up_w, down_w, h, y, shared, h_shared, *, pairs, block_expert, weights, top_k,
-                  tiles: MoeTiles):
-    # the routed experts' blocks (slots 0..top_k-1 of y (n, top_k [+ 1], H)) and, after them, the shared expert's
-    # (slot top_k): one launch of each grouped GEMM
-    n, hidden = x.shape
-    inter = down_w.shape[-1]
-    gate_w, up_w, shared_down, shared_gate = shared or (x, x, x, x)  # without one: never read (no blocks)
-    inter_s = shared_down.shape[-1] if shared else 0
-    routed = block_expert.numel()
-    blocks = routed + (cdiv(n, tiles.block_m) if shared else 0)
-    if not (blocks and hidden and max(inter, inter_s)):
+def _expert_gemms(x, wg, wu, down_w, h, y, *, pairs, block_expert, weights, gate, num_pairs, top_k, slot,
+                  tiles: MoeTiles, dense):
+    # one SwiGLU expert stack's two grouped GEMMs into y (n, top_k + 1, H): the routed experts (slots 0..top_k-1)
+    # or, dense, the shared expert (slot top_k)
+    hidden, inter = x.shape[1], down_w.shape[-1]
+    blocks = cdiv(num_pairs, tiles.block_m) if dense else block_expert.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    expert_stride = 0 if dense else wg.stride(0)
+    if not (blocks and inter and hidden):
         return
-    h_shared = h if h_shared is None else h_shared
-    plan = dict(BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages,
-                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    plan = dict(BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, DOT_PRECISION=precision, DENSE=dense,
+                num_warps=tiles.warps, num_stages=tiles.stages)
     block_n = lambda width: min(tiles.block_n, triton.next_power_of_2(max(width, 16)))
-    width = max(inter, inter_s)
-    _gate_up_kernel[(blocks, cdiv(width, block_n(width)))](
-        x, gate_up_w, gate_up_w[:, inter:], h, gate_w, up_w, h_shared, pairs, block_expert, n * top_k, top_k, routed,
-        n, hidden, inter, inter_s, x.stride(0), gate_up_w.stride(0), gate_up_w.stride(1), gate_w.stride(0),
-        h.stride(0), h_shared.stride(0), BLOCK_N=block_n(width), **plan)
+    _gate_up_kernel[(blocks, cdiv(inter, block_n(inter)))](
+        x, wg, wu, pairs, block_expert, h, num_pairs, top_k, hidden, inter, x.stride(0), expert_stride,
+        wg.stride(-2), h.stride(0), BLOCK_N=block_n(inter), **plan)
     _down_kernel[(blocks, cdiv(hidden, block_n(hidden)))](
-        h, down_w, h_shared, shared_down, pairs, block_expert, weights, x, shared_gate, y, n * top_k, top_k, routed,
-        n, hidden, inter, inter_s, h.stride(0), h_shared.stride(0), down_w.stride(0), down_w.stride(1),
-        shared_down.stride(0), x.stride(0), y.shape[1], BLOCK_N=block_n(hidden), **plan)
+        h, down_w, pairs, block_expert, weights, x, gate, y, num_pairs, top_k, hidden, inter, h.stride(0),
+        0 if dense else down_w.stride(0), down_w.stride(-2), x.stride(0), y.shape[1], slot, BLOCK_N=block_n(hidden),
+        **plan)
 
 
 @triton.jit
@@ -293,9 +273,14 @@ def grouped_experts(x, weights, sorted_pairs, block_expert, tiles: MoeTiles, gat
     y = (torch.empty if every_pair_here else torch.zeros)(n, top_k + (shared is not None), hidden,
                                                           dtype=torch.float32, device=x.device)
     h = torch.empty(n * top_k, inter, dtype=x.dtype, device=x.device)
-    h_shared = torch.empty(n, shared[2].shape[-1], dtype=x.dtype, device=x.device) if shared is not None else None
-    _expert_gemms(x, gate_up_w, down_w, h, y, shared, h_shared, pairs=sorted_pairs, block_expert=block_expert,
-                  weights=weights.reshape(-1), top_k=top_k, tiles=tiles)
+    _expert_gemms(x, gate_up_w, gate_up_w[:, inter:], down_w, h, y, pairs=sorted_pairs, block_expert=block_expert,
+                  weights=weights.reshape(-1), gate=x, num_pairs=n * top_k, top_k=top_k, slot=0, tiles=tiles,
+                  dense=False)
+    if shared is not None:
+        gate_w, up_w, shared_down, shared_gate = shared
+        h_shared = torch.empty(n, gate_w.shape[0], dtype=x.dtype, device=x.device)
+        _expert_gemms(x, gate_w, up_w, shared_down, h_shared, y, pairs=x, block_expert=x, weights=x,
+                      gate=shared_gate, num_pairs=n, top_k=1, slot=top_k, tiles=tiles, dense=True)
     out = torch.empty_like(x)
     if n and hidden:
         block_h = min(1024, triton.next_power_of_2(hidden))

@@ -197,16 +197,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from kernels import moe as M
 from kernels.tuning import KernelTuning
+io = ("x_ptr", "wg_ptr", "wu_ptr", "h_ptr", "w_ptr", "gate_ptr")
 for tiles in (KernelTuning().moe_decode, KernelTuning().moe_prefill):
     for fn in (M._gate_up_kernel, M._down_kernel):
-        const = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION="tf32")
-        ints = ("pairs_ptr", "block_expert_ptr")
-        fp32 = ("weight_ptr", "y_ptr")
-        sig = {n: "constexpr" if n in const else "*i32" if n in ints else "*fp32" if n in fp32
-               else "*bf16" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
-        triton.compile(ASTSource(fn, sig, const, {}), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": tiles.warps, "num_stages": tiles.stages})
-        print(fn.__name__, tiles.block_m)
+        for dense in (False, True):
+            const = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION="tf32",
+                         DENSE=dense)
+            # the dense mode gets x for its tables and weights, as _expert_gemms passes them
+            x_typed = io + (("pairs_ptr", "block_expert_ptr", "weight_ptr") if dense else ())
+            fp32 = ("weight_ptr", "y_ptr")
+            sig = {n: "constexpr" if n in const else "*bf16" if n in x_typed else "*fp32" if n in fp32
+                   else "*i32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+            triton.compile(ASTSource(fn, sig, const, {}), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": tiles.warps, "num_stages": tiles.stages})
+            print(fn.__name__, dense)
 sig = dict(y_ptr="*fp32", out_ptr="*bf16", slots="i32", hidden="i32", SLOTS="constexpr", BLOCK_H="constexpr")
 triton.compile(ASTSource(M._sum_slots_kernel, sig, dict(SLOTS=16, BLOCK_H=1024), {}), target=GPUTarget("cuda", 90, 32),
                options={"num_warps": 4})
@@ -215,8 +219,7 @@ print("_sum_slots_kernel", "-")
 
 
 def test_grouped_kernels_compile_for_sm90():
-    # the interpreter skips Triton's compiler: compile the grouped kernels (routed and shared blocks) at the default
-    # tiles for sm_90a (a GPU run once refused an early return in a branch, which the interpreter had run), and the
-    # slots' sum
+    # the interpreter skips Triton's compiler: compile both modes at the default tiles for sm_90a (a GPU run once
+    # refused the dense mode's early return, which the interpreter had run), and the slots' sum
     lines = compiled_script_output(MOE_SM90).split()
-    assert len(lines) == 2 * (2 * 2 + 1)
+    assert len(lines) == 2 * (2 * 2 * 2 + 1)
