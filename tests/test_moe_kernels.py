@@ -205,13 +205,13 @@ for tiles in (KernelTuning().moe_decode, KernelTuning().moe_prefill):
                          DENSE=dense)
             # the dense mode gets x for its tables and weights, as _expert_gemms passes them
             x_typed = io + (("pairs_ptr", "block_expert_ptr", "weight_ptr") if dense else ())
-            fp32 = ("weight_ptr",)
+            fp32 = ("weight_ptr", "y_ptr")
             sig = {n: "constexpr" if n in const else "*bf16" if n in x_typed else "*fp32" if n in fp32
                    else "*i32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
             triton.compile(ASTSource(fn, sig, const, {}), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": tiles.warps, "num_stages": tiles.stages})
             print(fn.__name__, dense)
-sig = dict(y_ptr="*bf16", out_ptr="*bf16", slots="i32", hidden="i32", SLOTS="constexpr", BLOCK_H="constexpr")
+sig = dict(y_ptr="*fp32", out_ptr="*bf16", slots="i32", hidden="i32", SLOTS="constexpr", BLOCK_H="constexpr")
 triton.compile(ASTSource(M._sum_slots_kernel, sig, dict(SLOTS=16, BLOCK_H=1024), {}), target=GPUTarget("cuda", 90, 32),
                options={"num_warps": 4})
 print("_sum_slots_kernel", "-")
