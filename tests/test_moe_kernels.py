@@ -86,6 +86,21 @@ def test_an_expert_parallel_slice_adds_only_its_experts(start, local):
           expert_start=start, what=f"experts [{start}, {start + local})")
 
 
+@pytest.mark.parametrize("shared_inter", [None, 24])
+def test_every_slot_is_written_where_every_expert_is_local(monkeypatch, shared_inter):
+    # the per-pair buffer is not zeroed when every expert is here: poison the memory it gets (NaN) and the sum must
+    # still be the reference's, so each slot the sum reads was written
+    empty = torch.empty
+
+    def poisoned(*shape, **kw):
+        t = empty(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(moe.torch, "empty", poisoned)
+    router, gate_up, down, shared = weights(8, 64, 32, seed=11, shared_inter=shared_inter)
+    x = tokens(13, 64, seed=12)
+    check(x, router, gate_up, down, 3, shared, what="poisoned per-pair buffer")
+
+
 def test_blocks_grow_where_experts_have_many_pairs():
     tuning = KernelTuning()
     assert tiles_for(8, 256, tuning) is tuning.moe_decode and tiles_for(8192 * 8, 256, tuning) is tuning.moe_prefill
