@@ -77,6 +77,28 @@ def _chunked_one(q, k, v, g, beta, state, chunk_size):
     return torch.cat(outs) if outs else v.new_zeros(v.shape), state
 
 
+def _segmented_one(q, k, v, g, beta, state, chunk_size, segment_size):
+    """Context parallelism, the form in which one long sequence is split over independent programs. The recurrence
+    is affine in the state, so a segment of segment_size tokens maps its start state S0 to M S0 + E:
+        E (dk, dv): the segment's end state from a zero start;
+        M (dk, dk): its transition, the same chunked recurrence applied to the identity with no values (v = 0), i.e.
+                    the product over its chunks of (exp(G_last) I - kd^T w).
+    Every segment's (M, E) is independent of the others (pass 1), a short scan S_{j+1} = M_j S_j + E_j gives each
+    segment's true start, and pass 2 runs each segment from its start for the outputs."""
+    h, dk = k.shape[1], k.shape[2]
+    eye = torch.eye(dk, dtype=q.dtype, device=q.device).expand(h, dk, dk)
+    bounds = [(s, min(s + segment_size, q.shape[0])) for s in range(0, q.shape[0], segment_size)]
+    starts = [state]
+    for lo, hi in bounds:  # pass 1 (every segment at once, in a kernel), then the scan
+        qs, ks, vs, gs, bs = (t[lo:hi] for t in (q, k, v, g, beta))
+        _, end = _chunked_one(qs, ks, vs, gs, bs, torch.zeros_like(state), chunk_size)
+        _, transition = _chunked_one(qs, ks, torch.zeros_like(ks), gs, bs, eye, chunk_size)
+        starts.append(transition @ starts[-1] + end)
+    outs = [_chunked_one(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], s0, chunk_size)[0]
+            for (lo, hi), s0 in zip(bounds, starts)]  # pass 2
+    return torch.cat(outs) if outs else v.new_zeros(v.shape), starts[-1]
+
+
 def _check(q, k, v, g, beta, initial_state, cu_seqlens):
     nd = 3 if cu_seqlens is not None else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -138,11 +160,18 @@ def recurrent_gated_delta_rule_states(q, k, v, g, beta, *, initial_state=None, s
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, scale=None, cu_seqlens=None,
-                           use_qk_l2norm: bool = True, chunk_size: int = 64):
-    """The chunked (WY) form, chunk_size tokens at a time. Same arguments and results as the recurrent form."""
+                           use_qk_l2norm: bool = True, chunk_size: int = 64, segment_size: int | None = None):
+    """The chunked (WY) form, chunk_size tokens at a time. Same arguments and results as the recurrent form.
+    segment_size (a multiple of chunk_size): each sequence split into segments of that many tokens, stitched by their
+    transitions (context parallelism: `_segmented_one`)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    step = lambda *a: _chunked_one(*a, chunk_size)
+    if segment_size is not None and (segment_size < chunk_size or segment_size % chunk_size):
+        raise ValueError(f"segment_size must be a positive multiple of chunk_size ({chunk_size}), got {segment_size}")
+    if segment_size is None:
+        step = lambda *a: _chunked_one(*a, chunk_size)
+    else:
+        step = lambda *a: _segmented_one(*a, chunk_size, segment_size)
     return _run(step, q, k, v, g, beta, initial_state, scale, cu_seqlens, use_qk_l2norm)
 
 

@@ -97,6 +97,32 @@ def test_state_carry_split_equals_one_call(seed, t, data, chunk, hkv):
     assert_rel(s2, s_full, F64_TOL, f"final state, split at {split} of {t}")
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lens=st.lists(st.integers(0, 150), min_size=1, max_size=3),
+       chunk=st.sampled_from([4, 16, 64]), segments=st.integers(1, 5), hkv=heads, dk=dims, dv=dims,
+       with_state=st.booleans())
+def test_segments_stitched_by_their_transitions_equal_the_recurrence(seed, lens, chunk, segments, hkv, dk, dv,
+                                                                     with_state):
+    """Context parallelism's oracle: sequences cut into segments of a multiple of the chunk (a last segment shorter,
+    segments longer than a sequence), each run from zero and stitched by its transition matrix, equal the recurrence,
+    over varlen batches with start states."""
+    cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    q, k, v, g, beta, s0 = make_inputs(seed, (int(cu[-1]),), *hkv, dk, dv, torch.float64,
+                                       len(lens) if with_state else None)
+    o_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, chunk_size=chunk,
+                                  segment_size=segments * chunk)
+    assert_rel(o, o_r, F64_TOL, f"segmented output, lens={lens}, segments of {segments * chunk}")
+    assert_rel(s, s_r, F64_TOL, f"segmented final state, lens={lens}, segments of {segments * chunk}")
+
+
+@pytest.mark.parametrize("segment_size", [0, 32, 96])
+def test_segment_size_must_be_a_multiple_of_the_chunk(segment_size):
+    q, k, v, g, beta, _ = make_inputs(0, (1, 8), 1, 1, 4, 4)
+    with pytest.raises(ValueError, match="segment_size"):
+        chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64, segment_size=segment_size)
+
+
 def test_single_token_closed_form():
     """From state S0, one token gives S = a S0 + k (beta (v - a S0^T k))^T and o = S^T q / sqrt(dk) with unit q, k."""
     dk, dv, h = 5, 3, 2
