@@ -225,6 +225,13 @@ def _down_kernel(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, weight_ptr, x_ptr, g
     tl.store(y_ptr + row[:, None] * hidden + cols[None, :], acc * scale[:, None], mask=real[:, None] & col_ok[None, :])
 
 
+def _launch(tiles: MoeTiles, width: int, precision: str, dense: bool) -> dict:
+    # a grouped kernel's launch constants for `width` output columns
+    return dict(BLOCK_M=tiles.block_m, BLOCK_N=min(tiles.block_n, triton.next_power_of_2(max(width, 16))),
+                BLOCK_K=tiles.block_k, DOT_PRECISION=precision, DENSE=dense, num_warps=tiles.warps,
+                num_stages=tiles.stages)
+
+
 def _expert_gemms(x, wg, wu, down_w, h, y, *, pairs, block_expert, weights, gate, num_pairs, top_k, slot,
                   tiles: MoeTiles, dense):
     # one SwiGLU expert stack's two grouped GEMMs into y (n, top_k + 1, H): the routed experts (slots 0..top_k-1)
@@ -235,16 +242,13 @@ def _expert_gemms(x, wg, wu, down_w, h, y, *, pairs, block_expert, weights, gate
     expert_stride = 0 if dense else wg.stride(0)
     if not (blocks and inter and hidden):
         return
-    plan = dict(BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, DOT_PRECISION=precision, DENSE=dense,
-                num_warps=tiles.warps, num_stages=tiles.stages)
-    block_n = lambda width: min(tiles.block_n, triton.next_power_of_2(max(width, 16)))
-    _gate_up_kernel[(blocks, cdiv(inter, block_n(inter)))](
+    up, down = _launch(tiles, inter, precision, dense), _launch(tiles.down_tiles, hidden, precision, dense)
+    _gate_up_kernel[(blocks, cdiv(inter, up["BLOCK_N"]))](
         x, wg, wu, pairs, block_expert, h, num_pairs, top_k, hidden, inter, x.stride(0), expert_stride,
-        wg.stride(-2), h.stride(0), BLOCK_N=block_n(inter), **plan)
-    _down_kernel[(blocks, cdiv(hidden, block_n(hidden)))](
+        wg.stride(-2), h.stride(0), **up)
+    _down_kernel[(blocks, cdiv(hidden, down["BLOCK_N"]))](
         h, down_w, pairs, block_expert, weights, x, gate, y, num_pairs, top_k, hidden, inter, h.stride(0),
-        0 if dense else down_w.stride(0), down_w.stride(-2), x.stride(0), y.shape[1], slot, BLOCK_N=block_n(hidden),
-        **plan)
+        0 if dense else down_w.stride(0), down_w.stride(-2), x.stride(0), y.shape[1], slot, **down)
 
 
 @triton.jit

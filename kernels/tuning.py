@@ -9,12 +9,15 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class MoeTiles:
     """A launch plan of kernels.moe's grouped GEMMs: pairs a block (block_m, also the routing's alignment), output
-    columns a program (block_n, at most the width's power of two), the K step, warps and software-pipeline stages."""
+    columns a program (block_n, at most the width's power of two), the K step, warps and software-pipeline stages.
+    down: the down kernel's own plan (its K is the expert's intermediate size, short where gate_up's is the hidden
+    size), with the same block_m; None: this one."""
     block_m: int
     block_n: int
     block_k: int = 64
     warps: int = 4
     stages: int = 3
+    down: "MoeTiles | None" = None
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -23,6 +26,15 @@ class MoeTiles:
                 raise ValueError(f"{name} must be a power of two >= 16 (tl.dot's least), got {value!r}")
         if self.warps not in (1, 2, 4, 8, 16) or not isinstance(self.stages, int) or self.stages < 1:
             raise ValueError(f"warps must be a power of two up to 16 and stages >= 1, got {self.warps}, {self.stages}")
+        if self.down is not None and (not isinstance(self.down, MoeTiles) or self.down.down is not None
+                                      or self.down.block_m != self.block_m):
+            raise ValueError(f"down must be MoeTiles of the same block_m ({self.block_m}: the pairs' blocks are "
+                             f"shared) and no down of its own, got {self.down!r}")
+
+    @property
+    def down_tiles(self) -> "MoeTiles":
+        """The down kernel's plan."""
+        return self.down or self
 
 
 @dataclass(frozen=True)

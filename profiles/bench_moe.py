@@ -11,8 +11,8 @@ and transformers 5.17's block (Qwen3_5MoeSparseMoeBlock with the same weights) w
 - prefill: FLOPs = 2 x rows x (top-k x 3 x H x I + 3 x H x I_shared + E x H), against cuBLAS's bf16 8192^3
   TFLOP/s.
 `--parts 1,8192` breaks one call down by GPU kernel. `--tiles 64x64x64w4s3,128x64x64w8s3` also times ours under
-each of these MoE tiles (block x columns x K step, warps, stages: kernels.tuning.MoeTiles) as both the decode and
-the prefill tiles, one KernelTuning each, in this process.
+each of these MoE tiles (block x columns x K step, warps, stages: kernels.tuning.MoeTiles; after a slash, the down
+kernel's own) as both the decode and the prefill tiles, one KernelTuning each, in this process.
 Results go to profiles/results/moe.json.
 """
 import argparse
@@ -131,15 +131,27 @@ def parts_us(rows: int, weights, iters: int = 10) -> list[dict]:
     return sorted(rows_out, key=lambda r: -r["us"])
 
 
+TILES = r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)"
+
+
 def parse_tiles(spec: str) -> MoeTiles:
-    """'128x64x64w8s3' -> MoeTiles(128, 64, 64, 8, 3)."""
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)", spec.strip())
+    """'128x64x64w8s3' -> MoeTiles(128, 64, 64, 8, 3); 'A/B': A for gate_up, B for the down kernel (same block)."""
+    m = re.fullmatch(TILES + f"(?:/{TILES})?", spec.strip())
     if m is None:
-        raise argparse.ArgumentTypeError(f"tiles {spec!r}: write BLOCKxCOLUMNSxK, warps, stages as in 64x64x64w4s3")
+        raise argparse.ArgumentTypeError(f"tiles {spec!r}: write BLOCKxCOLUMNSxK, warps, stages as in 64x64x64w4s3, "
+                                         f"and /the down kernel's as in 16x32x128w4s4/16x64x128w4s3")
+    values = [int(v) if v is not None else None for v in m.groups()]
     try:
-        return MoeTiles(*map(int, m.groups()))
+        down = MoeTiles(*values[5:]) if values[5] is not None else None
+        return MoeTiles(*values[:5], down=down)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def tiles_name(tiles: MoeTiles) -> str:
+    """parse_tiles' spelling of tiles."""
+    one = lambda t: f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}"  # noqa: E731
+    return one(tiles) + (f"/{one(tiles.down)}" if tiles.down else "")
 
 
 def bench_tiles(rows: int, weights, tiles: MoeTiles) -> float:
@@ -157,7 +169,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", default="1,4,16,64,1024,8192", help="row counts, comma-separated")
     ap.add_argument("--parts", default="", help="row counts to break down by GPU kernel (torch.profiler), "
                                                 "comma-separated")
-    ap.add_argument("--tiles", default="", help="MoE tiles to time ours under, comma-separated (64x64x64w4s3)")
+    ap.add_argument("--tiles", default="", help="MoE tiles to time ours under, comma-separated (64x64x64w4s3; "
+                                                "16x32x128w4s4/16x64x128w4s3 gives the down kernel its own)")
     args = ap.parse_args(argv)
     try:
         variants = [parse_tiles(t) for t in args.tiles.split(",") if t.strip()]
@@ -175,8 +188,8 @@ def main(argv=None) -> dict:
     for r in rows:
         for tiles in variants:
             us = bench_tiles(r["rows"], weights, tiles)
-            sweep.append(dict(rows=r["rows"], tiles=f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k}w{tiles.warps}"
-                              f"s{tiles.stages}", us=us, default_us=r["ours_us"], default_over=r["ours_us"] / us))
+            sweep.append(dict(rows=r["rows"], tiles=tiles_name(tiles), us=us, default_us=r["ours_us"],
+                              default_over=r["ours_us"] / us))
     if sweep:
         print_table(sweep, ["rows", "tiles", "us", "default_us", "default_over"])
     parts = [p for r in args.parts.split(",") if r.strip() for p in parts_us(int(r), weights)]

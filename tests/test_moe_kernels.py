@@ -107,7 +107,8 @@ def test_blocks_grow_where_experts_have_many_pairs():
     assert tiles_for(16 * 256, 256, tuning) is tuning.moe_decode  # 16 pairs an expert still fill a decode block
 
 
-@pytest.mark.parametrize("tiles", [MoeTiles(32, 16, 32, 2, 2), MoeTiles(128, 128, 16, 8, 4)])
+@pytest.mark.parametrize("tiles", [MoeTiles(32, 16, 32, 2, 2), MoeTiles(128, 128, 16, 8, 4),
+                                   MoeTiles(16, 16, 32, 4, 2, down=MoeTiles(16, 64, 16, 2, 3))])
 def test_other_tiles_give_the_reference(tiles):
     # a tuning's tiles (an A/B of profiles.bench_moe --tiles): other block, column and K sizes give the same sum
     router, gate_up, down, shared = weights(16, 96, 40, seed=8, shared_inter=24)
@@ -116,10 +117,17 @@ def test_other_tiles_give_the_reference(tiles):
             check(tokens(n, 96, seed=n), router, gate_up, down, 4, shared, what=f"{tiles} n={n}")
 
 
-@pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_n=48), dict(block_k=0), dict(warps=3), dict(stages=0)])
+@pytest.mark.parametrize("bad", [dict(block_m=8), dict(block_n=48), dict(block_k=0), dict(warps=3), dict(stages=0),
+                                 dict(down=MoeTiles(32, 64)), dict(down=MoeTiles(16, 64, down=MoeTiles(16, 32)))])
 def test_tiles_refuse_what_tl_dot_cannot_run(bad):
+    # and a down plan must share the pairs' blocks and have no down of its own
     with pytest.raises(ValueError, match=next(iter(bad))):
         MoeTiles(**{**dict(block_m=16, block_n=64), **bad})
+
+
+def test_down_tiles_default_to_the_gate_up_tiles():
+    tiles = MoeTiles(16, 32, 128, 4, 4)
+    assert tiles.down_tiles is tiles and MoeTiles(16, 32, down=MoeTiles(16, 64)).down_tiles == MoeTiles(16, 64)
 
 
 def assert_aligned(pairs, block_expert, flat, num_pairs: int, local: int, block_m: int):
@@ -199,9 +207,12 @@ def test_replays_in_a_cuda_graph_with_new_tokens():
 
 
 def test_bench_moe_reads_tiles():
-    from profiles.bench_moe import parse_tiles
+    from profiles.bench_moe import parse_tiles, tiles_name
     assert parse_tiles(" 128x64x32w8s4") == MoeTiles(128, 64, 32, 8, 4)
-    for bad in ("128x64x32w8", "12x64x64w4s3"):
+    both = parse_tiles("16x32x128w4s4/16x64x128w4s3")
+    assert both == MoeTiles(16, 32, 128, 4, 4, down=MoeTiles(16, 64, 128, 4, 3))
+    assert tiles_name(both) == "16x32x128w4s4/16x64x128w4s3"
+    for bad in ("128x64x32w8", "12x64x64w4s3", "16x32x128w4s4/32x64x128w4s3", "16x32x128w4s4/"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_tiles(bad)
 
