@@ -1,5 +1,7 @@
 """A host-bound machine on a fast one: this process's threads pinned to one CPU that `hogs` busy processes share,
-so the host gets about 1 / (hogs + 1) of a core while the GPU is unchanged (bench_serving --host-hogs)."""
+so the host gets about 1 / (hogs + 1) of a core while the GPU is unchanged (bench_serving --host-hogs). It also
+waits for the scheduler to hand the CPU back after each wait for the GPU, which a slow but idle host does not: it
+overstates a slow host (profiles/FINDINGS.md, serving)."""
 import contextlib
 import os
 import subprocess
