@@ -1,7 +1,8 @@
 """Fused MoE for Qwen3.5-MoE in Triton: routing on the device, the token-expert pairs sorted into blocks of one
 expert each, one grouped GEMM for gate_up with SwiGLU fused, one for down scaled by the routing weight, and the
 top-k sum; the shared expert runs in the same two kernels (a dense mode: its tokens in order, its sigmoid gate in
-the down kernel). Up to ROUTE_ALIGN_MAX_PAIRS pairs (decode and verify steps) one program routes and aligns.
+the down kernel). Up to ROUTE_ALIGN_MAX_PAIRS pairs (decode and verify steps) one program routes and aligns; above,
+three launches do (prefill chunks).
 
 A block is block_m pairs of one expert (an expert's pairs padded to whole blocks), so each program reads its
 expert's weight tile once for all the tokens that chose it. The pairs are sorted on the device, and the grids are
@@ -23,7 +24,6 @@ from kernels.host_math import cdiv
 from kernels.registry import DeviceInfo, Impl, device_info, triton_unsupported
 from kernels.tuning import KernelTuning, MoeTiles
 from reference.checks import check_tensor
-from reference.moe import topk_route
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -36,112 +36,159 @@ def tiles_for(num_pairs: int, num_local: int, tuning: KernelTuning) -> MoeTiles:
     return tuning.moe_prefill if num_pairs > decode.block_m * num_local else decode
 
 
-def align_blocks(ids, num_local: int, expert_start: int, block_m: int):
-    """Sort the pairs by local expert into blocks of block_m (an expert's pairs padded to whole blocks).
-    ids: (n, top_k) router expert ids. Returns sorted_pairs (blocks * block_m,) int32 (a pair index = token * top_k
-    + slot, or n * top_k as padding) and block_expert (blocks,) int32 (the block's local expert, -1 past the real
-    blocks). Pairs outside [expert_start, expert_start + num_local) are dropped."""
-    pairs = ids.numel()
-    dev = ids.device
-    local = ids.reshape(-1) - expert_start
-    key = torch.where((local >= 0) & (local < num_local), local, num_local)  # num_local: not ours
-    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts[:num_local] + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = torch.argsort(key, stable=True)  # pairs by expert, ours first
-    sorted_key = key[order]
-    first = counts.cumsum(0) - counts  # where each expert's pairs start in `order`
-    rank = torch.arange(pairs, device=dev) - first[sorted_key]
-    starts = torch.cat([ends.new_zeros(1), ends])[:-1]
-    capacity = block_capacity(pairs, num_local, block_m)
-    dest = torch.where(sorted_key < num_local, starts[sorted_key.clamp(max=num_local - 1)] + rank, capacity)
-    sorted_pairs = torch.full((capacity + 1,), pairs, dtype=torch.int32, device=dev)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    block_start = torch.arange(0, capacity, block_m, device=dev)
-    block_expert = torch.searchsorted(ends, block_start, right=True)
-    block_expert = torch.where(block_expert < num_local, block_expert, -1).to(torch.int32)
-    return sorted_pairs[:capacity], block_expert
-
-
 def block_capacity(pairs: int, num_local: int, block_m: int) -> int:
     """Slots for the sorted pairs at most: every pair in a block of its own expert (a static bound: no sync)."""
     return cdiv(pairs + min(pairs, num_local) * (block_m - 1), block_m) * block_m
 
 
 ROUTE_ALIGN_MAX_PAIRS = 1024  # up to this many pairs (decode steps, verify rows) one program routes and aligns
+ROUTE_TOKENS = 16  # tokens routed at once (a (16, E) tile of logits)
 
 
 @triton.jit
-def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, starts_ptr, pairs_ptr, block_expert_ptr,
-                        n, num_experts, expert_start, num_local, capacity, logits_stride,
-                        TOP_K: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                        CHUNK: tl.constexpr):
-    # one program: each token's softmax, top-k (the lowest index among ties) and renormalised weights, then the
-    # pairs sorted into blocks of their local expert (ranks from atomic counters: a unique slot each)
+def _route_tokens(logits_ptr, weights_ptr, ids_ptr, t0, n, num_experts, logits_stride, TOP_K: tl.constexpr,
+                  K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    # tokens [t0, t0 + BLOCK_T) at once: the softmax over the experts, the top-k (the lowest index among ties) and
+    # the weights renormalised. Returns their ids (T, K_PAD) and which are real.
+    t = t0 + tl.arange(0, BLOCK_T)
     e_idx = tl.arange(0, E_PAD)
+    k_idx = tl.arange(0, K_PAD)
     e_ok = e_idx < num_experts
-    tl.store(counts_ptr + e_idx, tl.zeros((E_PAD,), tl.int32), mask=e_idx < num_local)
-    for t in range(n):
-        row = tl.load(logits_ptr + t * logits_stride + e_idx, mask=e_ok, other=float("-inf")).to(tl.float32)
-        prob = tl.exp(row - tl.max(row, 0))
-        prob = tl.where(e_ok, prob / tl.sum(prob, 0), -1.0)
-        total = 0.0
-        for j in tl.static_range(TOP_K):
-            best = tl.max(prob, 0)
-            pick = tl.min(tl.where(prob == best, e_idx, E_PAD), 0)
-            tl.store(weights_ptr + t * TOP_K + j, best)
-            tl.store(ids_ptr + t * TOP_K + j, pick)
-            total += best
-            prob = tl.where(e_idx == pick, -1.0, prob)
-        for j in tl.static_range(TOP_K):
-            w = tl.load(weights_ptr + t * TOP_K + j)
-            tl.store(weights_ptr + t * TOP_K + j, w / total)
-    tl.debug_barrier()
-    p_idx = tl.arange(0, P_PAD)
-    num_pairs = n * TOP_K
-    local = tl.load(ids_ptr + p_idx, mask=p_idx < num_pairs, other=-1) - expert_start
-    mine = (p_idx < num_pairs) & (local >= 0) & (local < num_local)
-    rank = tl.atomic_add(counts_ptr + local, 1, mask=mine)
-    for off in range(0, capacity, CHUNK):  # every slot padding first
+    row = tl.load(logits_ptr + t[:, None] * logits_stride + e_idx[None, :], mask=(t < n)[:, None] & e_ok[None, :],
+                  other=0.0).to(tl.float32)
+    row = tl.where(e_ok[None, :], row, float("-inf"))  # (T, E)
+    prob = tl.exp(row - tl.max(row, 1)[:, None])
+    prob = tl.where(e_ok[None, :], prob / tl.sum(prob, 1)[:, None], -1.0)
+    vals = tl.zeros((BLOCK_T, K_PAD), tl.float32)
+    ids = tl.zeros((BLOCK_T, K_PAD), tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(prob, 1)  # (T,)
+        pick = tl.min(tl.where(prob == best[:, None], e_idx[None, :], E_PAD), 1)
+        vals = tl.where(k_idx[None, :] == j, best[:, None], vals)
+        ids = tl.where(k_idx[None, :] == j, pick[:, None], ids)
+        prob = tl.where(e_idx[None, :] == pick[:, None], -1.0, prob)
+    real = (t < n)[:, None] & (k_idx < TOP_K)[None, :]
+    at = t[:, None] * TOP_K + k_idx[None, :]
+    tl.store(weights_ptr + at, vals / tl.sum(vals, 1)[:, None], mask=real)
+    tl.store(ids_ptr + at, ids, mask=real)
+    return ids, real
+
+
+@triton.jit
+def _align(counts_ptr, starts_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_local, capacity, E_PAD: tl.constexpr,
+           BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    # from the experts' pair counts: every slot padding, each local expert's first slot (its pairs padded to whole
+    # blocks) and each block's expert (how many experts end at or before it; -1 past the real blocks)
+    e_idx = tl.arange(0, E_PAD)
+    for off in range(0, capacity, CHUNK):
         slots = off + tl.arange(0, CHUNK)
         tl.store(pairs_ptr + slots, tl.zeros((CHUNK,), tl.int32) + num_pairs, mask=slots < capacity)
-    tl.debug_barrier()
     counts = tl.load(counts_ptr + e_idx, mask=e_idx < num_local, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     tl.store(starts_ptr + e_idx, ends - padded, mask=e_idx < num_local)
-    tl.debug_barrier()
-    start = tl.load(starts_ptr + local, mask=mine, other=0)
-    tl.store(pairs_ptr + start + rank, p_idx, mask=mine)
     ends = tl.where(e_idx < num_local, ends, 2147483647)
-    for off in range(0, capacity // BLOCK_M, CHUNK):  # a block's expert: how many experts end at or before it
+    for off in range(0, capacity // BLOCK_M, CHUNK):
         blocks = off + tl.arange(0, CHUNK)
         before = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)
         tl.store(block_expert_ptr + blocks, tl.where(before < num_local, before, -1),
                  mask=blocks < capacity // BLOCK_M)
 
 
+@triton.jit
+def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, starts_ptr, pairs_ptr, block_expert_ptr,
+                        n, num_experts, expert_start, num_local, capacity, logits_stride,
+                        TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr):
+    # one program: every token's routing, then the pairs sorted into blocks of their local expert (ranks from
+    # atomic counters: a unique slot each)
+    e_idx = tl.arange(0, E_PAD)
+    tl.store(counts_ptr + e_idx, tl.zeros((E_PAD,), tl.int32), mask=e_idx < num_local)
+    for t0 in range(0, n, BLOCK_T):
+        _route_tokens(logits_ptr, weights_ptr, ids_ptr, t0, n, num_experts, logits_stride, TOP_K, K_PAD, E_PAD,
+                      BLOCK_T)
+    tl.debug_barrier()
+    p_idx = tl.arange(0, P_PAD)
+    num_pairs = n * TOP_K
+    local = tl.load(ids_ptr + p_idx, mask=p_idx < num_pairs, other=-1) - expert_start
+    mine = (p_idx < num_pairs) & (local >= 0) & (local < num_local)
+    rank = tl.atomic_add(counts_ptr + local, 1, mask=mine)
+    tl.debug_barrier()
+    _align(counts_ptr, starts_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_local, capacity, E_PAD, BLOCK_M,
+           CHUNK)
+    tl.debug_barrier()
+    start = tl.load(starts_ptr + local, mask=mine, other=0)
+    tl.store(pairs_ptr + start + rank, p_idx, mask=mine)
+
+
+@triton.jit
+def _route_rank_kernel(logits_ptr, weights_ptr, ids_ptr, rank_ptr, counts_ptr, n, num_experts, expert_start,
+                       num_local, logits_stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                       BLOCK_T: tl.constexpr):
+    # BLOCK_T tokens a program: their routing, then their pairs' ranks within their local expert (atomic counters
+    # shared by every program, zeroed before)
+    t0 = tl.program_id(0) * BLOCK_T
+    ids, real = _route_tokens(logits_ptr, weights_ptr, ids_ptr, t0, n, num_experts, logits_stride, TOP_K, K_PAD,
+                              E_PAD, BLOCK_T)
+    local = ids - expert_start
+    mine = real & (local >= 0) & (local < num_local)
+    at = (t0 + tl.arange(0, BLOCK_T))[:, None] * TOP_K + tl.arange(0, K_PAD)[None, :]
+    tl.store(rank_ptr + at, tl.atomic_add(counts_ptr + local, 1, mask=mine), mask=mine)
+
+
+@triton.jit
+def _align_kernel(counts_ptr, starts_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_local, capacity,
+                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    _align(counts_ptr, starts_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_local, capacity, E_PAD, BLOCK_M,
+           CHUNK)
+
+
+@triton.jit
+def _scatter_pairs_kernel(ids_ptr, rank_ptr, starts_ptr, pairs_ptr, num_pairs, expert_start, num_local,
+                          BLOCK: tl.constexpr):
+    # each pair of a local expert into its slot: the expert's first slot plus its rank
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    local = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1) - expert_start
+    mine = (p < num_pairs) & (local >= 0) & (local < num_local)
+    start = tl.load(starts_ptr + local, mask=mine, other=0)
+    tl.store(pairs_ptr + start + tl.load(rank_ptr + p, mask=mine, other=0), p, mask=mine)
+
+
 def route_and_align(x, router_w, top_k: int, num_local: int, expert_start: int, block_m: int):
-    """reference.moe.topk_route and align_blocks in one launch after the router's projection, for up to
-    ROUTE_ALIGN_MAX_PAIRS pairs (decode sizes, where the dozen launches of the two apart cost more than the experts'
-    weights take to read).
-    Returns (weights (n, top_k) fp32, sorted_pairs, block_expert); within an expert's blocks the pairs' order is
-    the atomics' (each pair's result is its own row: the output does not depend on it)."""
+    """reference.moe.topk_route and the pairs sorted into blocks of block_m pairs of one local expert (an expert's
+    pairs padded to whole blocks), after the router's projection: one launch up to ROUTE_ALIGN_MAX_PAIRS pairs
+    (decode sizes), else three (the routing and ranks over token blocks, the expert table, the scatter).
+    Returns (weights (n, top_k) fp32, sorted_pairs (capacity,) int32: a pair index token * top_k + slot, or
+    n * top_k as padding, block_expert (capacity / block_m,) int32: the block's local expert, -1 past the real
+    blocks). Pairs outside [expert_start, expert_start + num_local) are dropped. Within an expert's blocks the pairs'
+    order is the atomics' (each pair's result is its own row: the output does not depend on it)."""
     n, num_experts = x.shape[0], router_w.shape[0]
     pairs = n * top_k
     logits = F.linear(x, router_w)
-    weights = torch.empty(n, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(max(pairs, 1), dtype=torch.int32, device=x.device)
-    counts = torch.empty(max(num_local, 1), dtype=torch.int32, device=x.device)
-    starts = torch.empty_like(counts)
+    dev = x.device
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=dev)
+    ids = torch.empty(max(pairs, 1), dtype=torch.int32, device=dev)
+    starts = torch.empty(max(num_local, 1), dtype=torch.int32, device=dev)
     capacity = block_capacity(pairs, num_local, block_m)
-    sorted_pairs = torch.empty(max(capacity, 1), dtype=torch.int32, device=x.device)
-    block_expert = torch.empty(max(capacity // block_m, 1), dtype=torch.int32, device=x.device)
-    if n:
+    sorted_pairs = torch.empty(max(capacity, 1), dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max(capacity // block_m, 1), dtype=torch.int32, device=dev)
+    e_pad, k_pad = triton.next_power_of_2(num_experts), triton.next_power_of_2(top_k)
+    if n and pairs <= ROUTE_ALIGN_MAX_PAIRS:
+        counts = torch.empty_like(starts)  # zeroed in the kernel
         _route_align_kernel[(1,)](logits, weights, ids, counts, starts, sorted_pairs, block_expert, n, num_experts,
-                                  expert_start, num_local, capacity, logits.stride(0), TOP_K=top_k,
-                                  E_PAD=triton.next_power_of_2(num_experts), P_PAD=triton.next_power_of_2(pairs),
-                                  BLOCK_M=block_m, CHUNK=64, num_warps=4)
+                                  expert_start, num_local, capacity, logits.stride(0), TOP_K=top_k, K_PAD=k_pad,
+                                  E_PAD=e_pad, P_PAD=triton.next_power_of_2(pairs), BLOCK_M=block_m,
+                                  BLOCK_T=ROUTE_TOKENS, CHUNK=64, num_warps=4)
+    elif n:
+        counts = torch.zeros_like(starts)
+        rank = torch.empty_like(ids)
+        _route_rank_kernel[(cdiv(n, ROUTE_TOKENS),)](
+            logits, weights, ids, rank, counts, n, num_experts, expert_start, num_local, logits.stride(0),
+            TOP_K=top_k, K_PAD=k_pad, E_PAD=e_pad, BLOCK_T=ROUTE_TOKENS, num_warps=4)
+        _align_kernel[(1,)](counts, starts, sorted_pairs, block_expert, pairs, num_local, capacity, E_PAD=e_pad,
+                            BLOCK_M=block_m, CHUNK=1024, num_warps=8)
+        _scatter_pairs_kernel[(cdiv(pairs, 1024),)](ids, rank, starts, sorted_pairs, pairs, expert_start, num_local,
+                                                   BLOCK=1024, num_warps=4)
     return weights, sorted_pairs[:capacity], block_expert[:capacity // block_m]
 
 
@@ -264,9 +311,9 @@ def _sum_slots_kernel(y_ptr, out_ptr, slots, hidden, SLOTS: tl.constexpr, BLOCK_
 
 def grouped_experts(x, weights, sorted_pairs, block_expert, tiles: MoeTiles, gate_up_w, down_w, shared=None, *,
                     every_pair_here: bool = False):
-    """sum_k weights[:, k] * expert(x) over the pairs sorted into expert blocks of tiles.block_m (align_blocks,
-    route_and_align), plus sigmoid(x . shared_gate_w) * the shared expert(x) when shared is given, summed in fp32:
-    (n, H) in x's dtype.
+    """sum_k weights[:, k] * expert(x) over the pairs sorted into expert blocks of tiles.block_m (route_and_align),
+    plus sigmoid(x . shared_gate_w) * the shared expert(x) when shared is given, summed in fp32: (n, H) in x's
+    dtype.
     x: (n, H); weights: (n, top_k) fp32; gate_up_w: (E_local, 2I, H); down_w: (E_local, H, I); shared: as
     fused_moe's. every_pair_here: all experts are local, so the down kernels write every slot of the per-pair
     outputs (else the pairs routed to another rank's experts read 0)."""
@@ -295,16 +342,10 @@ def grouped_experts(x, weights, sorted_pairs, block_expert, tiles: MoeTiles, gat
 
 def fused_moe_op(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=None):
     """model.ops' moe on these kernels (the engine built the arguments: nothing is checked), on the active tuning's
-    tiles (tiles_for). Up to ROUTE_ALIGN_MAX_PAIRS pairs the routing and the alignment are one launch; above, torch
-    ops on the device."""
+    tiles (tiles_for), routed and aligned on the device (route_and_align)."""
     start, num_local = expert_start or 0, gate_up_w.shape[0]
-    pairs = x.shape[0] * top_k
-    tiles = tiles_for(pairs, num_local, registry.tuning())
-    if pairs <= ROUTE_ALIGN_MAX_PAIRS:
-        weights, sorted_pairs, block_expert = route_and_align(x, router_w, top_k, num_local, start, tiles.block_m)
-    else:
-        weights, ids = topk_route(x, router_w, top_k)
-        sorted_pairs, block_expert = align_blocks(ids, num_local, start, tiles.block_m)
+    tiles = tiles_for(x.shape[0] * top_k, num_local, registry.tuning())
+    weights, sorted_pairs, block_expert = route_and_align(x, router_w, top_k, num_local, start, tiles.block_m)
     return grouped_experts(x, weights, sorted_pairs, block_expert, tiles, gate_up_w, down_w, shared,
                            every_pair_here=num_local == router_w.shape[0])
 

@@ -3,6 +3,7 @@ reference.moe: batch 1 to 64, odd hidden and expert sizes, top-k 1 to 8, experts
 one expert, tied router scores, expert-parallel slices, the shared expert; fp32 in the interpreter on the CPU, bf16
 on the GPU (and replayed in a CUDA graph there); the block alignment's invariants; bad arguments."""
 import argparse
+from unittest import mock
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 import reference as R
 from kernels import moe, registry
-from kernels.moe import align_blocks, fused_moe, route_and_align, tiles_for
+from kernels.moe import fused_moe, route_and_align, tiles_for
 from kernels.tuning import KernelTuning, MoeTiles
 from tests.conftest import HAS_CUDA, assert_rel, compiled_script_output
 
@@ -55,7 +56,7 @@ def check(x, router, gate_up, down, top_k, shared=None, expert_start=None, what=
     (17, 6, 1, 48, 100),   # top-1, an intermediate wider than a column block
     (150, 4, 2, 40, 24),   # a prefill chunk's density: 75 pairs an expert, in the prefill tiles' blocks
 ])
-@pytest.mark.parametrize("one_launch_routing", [True, False], ids=["route_and_align", "torch-routing"])
+@pytest.mark.parametrize("one_launch_routing", [True, False], ids=["one-launch-routing", "three-launch-routing"])
 def test_equals_the_reference(n, experts, top_k, hidden, inter, one_launch_routing, monkeypatch):
     if not one_launch_routing:
         monkeypatch.setattr(moe, "ROUTE_ALIGN_MAX_PAIRS", 0)
@@ -154,24 +155,19 @@ def drawn_case(top_k: int, experts: int, seed: int):
     return min(top_k, experts), torch.Generator().manual_seed(seed), start, experts - start - experts // 5
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.integers(1, 70), st.integers(1, 9), st.integers(1, 24), st.integers(0, 2**16),
-       st.sampled_from([16, 64]))
-def test_alignment_puts_each_pair_once_in_a_block_of_its_expert(n, top_k, experts, seed, block_m):
-    top_k, gen, start, local = drawn_case(top_k, experts, seed)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(n)]).to(DEV)
-    pairs, block_expert = align_blocks(ids, local, start, block_m)
-    assert_aligned(pairs, block_expert, ids.reshape(-1).cpu() - start, ids.numel(), local, block_m)
-
-
 @settings(max_examples=25, deadline=None)
-@given(st.integers(1, 40), st.integers(1, 8), st.integers(2, 40), st.integers(0, 2**16),
-       st.sampled_from([16, 64]))
-def test_route_and_align_in_one_launch_routes_as_torch_and_aligns(n, top_k, experts, seed, block_m):
+@given(st.integers(1, 70), st.integers(1, 8), st.integers(2, 40), st.integers(0, 2**16), st.sampled_from([16, 64]),
+       st.booleans())
+def test_route_and_align_routes_as_torch_and_aligns(n, top_k, experts, seed, block_m, one_launch):
+    """Both paths (one program for decode sizes; three launches above ROUTE_ALIGN_MAX_PAIRS, forced here, with
+    token blocks of ROUTE_TOKENS and a last one partial): the reference's routing, and each pair of a local expert
+    once in a block of its expert, the other slots padding, the real blocks first."""
     top_k, gen, start, local = drawn_case(top_k, experts, seed)
     x = torch.randn(n, 16, generator=gen).to(DEV)  # fp32: bf16 logits would tie, and ties may pick either expert
     router = torch.randn(experts, 16, generator=gen).to(DEV)
-    got_w, pairs, block_expert = route_and_align(x, router, top_k, local, start, block_m)
+    limit = moe.ROUTE_ALIGN_MAX_PAIRS if one_launch else 0
+    with mock.patch.object(moe, "ROUTE_ALIGN_MAX_PAIRS", limit):
+        got_w, pairs, block_expert = route_and_align(x, router, top_k, local, start, block_m)
     want_w, ids = R.topk_route(x, router, top_k)
     assert torch.allclose(got_w, want_w, rtol=1e-5, atol=1e-6)
     assert_aligned(pairs, block_expert, ids.reshape(-1).cpu() - start, ids.numel(), local, block_m)
@@ -241,11 +237,20 @@ sig = dict(y_ptr="*fp32", out_ptr="*bf16", slots="i32", hidden="i32", SLOTS="con
 triton.compile(ASTSource(M._sum_slots_kernel, sig, dict(SLOTS=16, BLOCK_H=1024), {}), target=GPUTarget("cuda", 90, 32),
                options={"num_warps": 4})
 print("_sum_slots_kernel", "-")
+routing = dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=16)
+for fn, const in ((M._route_align_kernel, dict(routing, P_PAD=1024, BLOCK_M=16, CHUNK=64)),
+                  (M._route_rank_kernel, routing),
+                  (M._align_kernel, dict(E_PAD=256, BLOCK_M=64, CHUNK=1024)),
+                  (M._scatter_pairs_kernel, dict(BLOCK=1024))):
+    sig = {n: "constexpr" if n in const else "*fp32" if n in ("weights_ptr", "logits_ptr") else "*i32"
+           if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    triton.compile(ASTSource(fn, sig, const, {}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    print(fn.__name__, "-")
 """
 
 
 def test_grouped_kernels_compile_for_sm90():
     # the interpreter skips Triton's compiler: compile both modes at the default tiles for sm_90a (a GPU run once
-    # refused the dense mode's early return, which the interpreter had run), and the slots' sum
+    # refused the dense mode's early return, which the interpreter had run), the slots' sum and the routing kernels
     lines = compiled_script_output(MOE_SM90).split()
-    assert len(lines) == 2 * (2 * 2 * 2 + 1)
+    assert len(lines) == 2 * (2 * 2 * 2 + 1 + 4)
