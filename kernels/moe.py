@@ -178,7 +178,7 @@ def route_and_align(x, router_w, top_k: int, num_local: int, expert_start: int, 
         _route_align_kernel[(1,)](logits, weights, ids, counts, starts, sorted_pairs, block_expert, n, num_experts,
                                   expert_start, num_local, capacity, logits.stride(0), TOP_K=top_k, K_PAD=k_pad,
                                   E_PAD=e_pad, P_PAD=triton.next_power_of_2(pairs), BLOCK_M=block_m,
-                                  BLOCK_T=ROUTE_TOKENS, CHUNK=64, num_warps=4)
+                                  BLOCK_T=min(ROUTE_TOKENS, triton.next_power_of_2(n)), CHUNK=64, num_warps=4)
     elif n:
         counts = torch.zeros_like(starts)
         rank = torch.empty_like(ids)

@@ -238,7 +238,7 @@ triton.compile(ASTSource(M._sum_slots_kernel, sig, dict(SLOTS=16, BLOCK_H=1024),
                options={"num_warps": 4})
 print("_sum_slots_kernel", "-")
 routing = dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=16)
-for fn, const in ((M._route_align_kernel, dict(routing, P_PAD=1024, BLOCK_M=16, CHUNK=64)),
+for fn, const in ((M._route_align_kernel, dict(routing, P_PAD=8, BLOCK_M=16, CHUNK=64, BLOCK_T=1)),
                   (M._route_rank_kernel, routing),
                   (M._align_kernel, dict(E_PAD=256, BLOCK_M=64, CHUNK=1024)),
                   (M._scatter_pairs_kernel, dict(BLOCK=1024))):
