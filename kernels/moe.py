@@ -75,24 +75,20 @@ def _route_tokens(logits_ptr, weights_ptr, ids_ptr, t0, n, num_experts, logits_s
 
 
 @triton.jit
-def _align(counts_ptr, starts_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_local, capacity, E_PAD: tl.constexpr,
+def _align(counts_ptr, starts_ptr, block_expert_ptr, num_local, num_blocks, E_PAD: tl.constexpr,
            BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    # from the experts' pair counts: every slot padding, each local expert's first slot (its pairs padded to whole
-    # blocks) and each block's expert (how many experts end at or before it; -1 past the real blocks)
+    # from the experts' pair counts: each local expert's first slot (its pairs padded to whole blocks) and each
+    # block's expert (how many experts end at or before it; -1 past the real blocks), CHUNK blocks at a time
     e_idx = tl.arange(0, E_PAD)
-    for off in range(0, capacity, CHUNK):
-        slots = off + tl.arange(0, CHUNK)
-        tl.store(pairs_ptr + slots, tl.zeros((CHUNK,), tl.int32) + num_pairs, mask=slots < capacity)
     counts = tl.load(counts_ptr + e_idx, mask=e_idx < num_local, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     tl.store(starts_ptr + e_idx, ends - padded, mask=e_idx < num_local)
     ends = tl.where(e_idx < num_local, ends, 2147483647)
-    for off in range(0, capacity // BLOCK_M, CHUNK):
+    for off in range(0, num_blocks, CHUNK):
         blocks = off + tl.arange(0, CHUNK)
-        before = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)
-        tl.store(block_expert_ptr + blocks, tl.where(before < num_local, before, -1),
-                 mask=blocks < capacity // BLOCK_M)
+        before = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)  # (CHUNK, E) compared
+        tl.store(block_expert_ptr + blocks, tl.where(before < num_local, before, -1), mask=blocks < num_blocks)
 
 
 @triton.jit
@@ -113,9 +109,11 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, counts_ptr, starts_ptr
     local = tl.load(ids_ptr + p_idx, mask=p_idx < num_pairs, other=-1) - expert_start
     mine = (p_idx < num_pairs) & (local >= 0) & (local < num_local)
     rank = tl.atomic_add(counts_ptr + local, 1, mask=mine)
+    for off in range(0, capacity, CHUNK):  # every slot padding first
+        slots = off + tl.arange(0, CHUNK)
+        tl.store(pairs_ptr + slots, tl.zeros((CHUNK,), tl.int32) + num_pairs, mask=slots < capacity)
     tl.debug_barrier()
-    _align(counts_ptr, starts_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_local, capacity, E_PAD, BLOCK_M,
-           CHUNK)
+    _align(counts_ptr, starts_ptr, block_expert_ptr, num_local, capacity // BLOCK_M, E_PAD, BLOCK_M, CHUNK)
     tl.debug_barrier()
     start = tl.load(starts_ptr + local, mask=mine, other=0)
     tl.store(pairs_ptr + start + rank, p_idx, mask=mine)
@@ -137,10 +135,9 @@ def _route_rank_kernel(logits_ptr, weights_ptr, ids_ptr, rank_ptr, counts_ptr, n
 
 
 @triton.jit
-def _align_kernel(counts_ptr, starts_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_local, capacity,
-                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    _align(counts_ptr, starts_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_local, capacity, E_PAD, BLOCK_M,
-           CHUNK)
+def _align_kernel(counts_ptr, starts_ptr, block_expert_ptr, num_local, num_blocks, E_PAD: tl.constexpr,
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    _align(counts_ptr, starts_ptr, block_expert_ptr, num_local, num_blocks, E_PAD, BLOCK_M, CHUNK)
 
 
 @triton.jit
@@ -185,8 +182,9 @@ def route_and_align(x, router_w, top_k: int, num_local: int, expert_start: int, 
         _route_rank_kernel[(cdiv(n, ROUTE_TOKENS),)](
             logits, weights, ids, rank, counts, n, num_experts, expert_start, num_local, logits.stride(0),
             TOP_K=top_k, K_PAD=k_pad, E_PAD=e_pad, BLOCK_T=ROUTE_TOKENS, num_warps=4)
-        _align_kernel[(1,)](counts, starts, sorted_pairs, block_expert, pairs, num_local, capacity, E_PAD=e_pad,
-                            BLOCK_M=block_m, CHUNK=1024, num_warps=8)
+        sorted_pairs.fill_(pairs)  # padding, before the scatter
+        _align_kernel[(1,)](counts, starts, block_expert, num_local, capacity // block_m, E_PAD=e_pad,
+                            BLOCK_M=block_m, CHUNK=64, num_warps=4)
         _scatter_pairs_kernel[(cdiv(pairs, 1024),)](ids, rank, starts, sorted_pairs, pairs, expert_start, num_local,
                                                    BLOCK=1024, num_warps=4)
     return weights, sorted_pairs[:capacity], block_expert[:capacity // block_m]

@@ -240,7 +240,7 @@ print("_sum_slots_kernel", "-")
 routing = dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=16)
 for fn, const in ((M._route_align_kernel, dict(routing, P_PAD=8, BLOCK_M=16, CHUNK=64, BLOCK_T=1)),
                   (M._route_rank_kernel, routing),
-                  (M._align_kernel, dict(E_PAD=256, BLOCK_M=64, CHUNK=1024)),
+                  (M._align_kernel, dict(E_PAD=256, BLOCK_M=64, CHUNK=64)),
                   (M._scatter_pairs_kernel, dict(BLOCK=1024))):
     sig = {n: "constexpr" if n in const else "*fp32" if n in ("weights_ptr", "logits_ptr") else "*i32"
            if n.endswith("_ptr") else "i32" for n in fn.arg_names}
