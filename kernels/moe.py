@@ -2,7 +2,7 @@
 expert each, one grouped GEMM for gate_up with SwiGLU fused, one for down scaled by the routing weight, and the
 top-k sum; the shared expert runs in the same two kernels (a dense mode: its tokens in order, its sigmoid gate in
 the down kernel). Up to ROUTE_ALIGN_MAX_PAIRS pairs (decode and verify steps) one program routes and aligns; above,
-three launches do (prefill chunks).
+multi-program launches do (prefill chunks).
 
 A block is block_m pairs of one expert (an expert's pairs padded to whole blocks), so each program reads its
 expert's weight tile once for all the tokens that chose it. The pairs are sorted on the device, and the grids are
@@ -154,7 +154,8 @@ def _scatter_pairs_kernel(ids_ptr, rank_ptr, starts_ptr, pairs_ptr, num_pairs, e
 def route_and_align(x, router_w, top_k: int, num_local: int, expert_start: int, block_m: int):
     """reference.moe.topk_route and the pairs sorted into blocks of block_m pairs of one local expert (an expert's
     pairs padded to whole blocks), after the router's projection: one launch up to ROUTE_ALIGN_MAX_PAIRS pairs
-    (decode sizes), else three (the routing and ranks over token blocks, the expert table, the scatter).
+    (decode sizes), else a fill of the padding and three (the routing and ranks over token blocks, the expert table,
+    the scatter).
     Returns (weights (n, top_k) fp32, sorted_pairs (capacity,) int32: a pair index token * top_k + slot, or
     n * top_k as padding, block_expert (capacity / block_m,) int32: the block's local expert, -1 past the real
     blocks). Pairs outside [expert_start, expert_start + num_local) are dropped. Within an expert's blocks the pairs'
