@@ -424,6 +424,7 @@ ENGINE_KNOBS = {"chunk": EngineConfig.max_num_batched_tokens, "fast_lane": 1024,
                 "speculative_tokens": EngineConfig.speculative_tokens,
                 "speculative_draft_vocab": EngineConfig.draft_vocab_size}
 BENCH_KNOBS = {"host_hogs": 0}  # the replay's conditions, not the engine's (profiles.shared_cpu)
+VALUE_KNOBS = ENGINE_KNOBS.keys() | BENCH_KNOBS.keys()  # swept by value (the rest: decode kernel variants)
 
 
 def run_key(args) -> str:
@@ -580,7 +581,7 @@ def parse_sweep(spec: str | None) -> tuple[str | None, list]:
     listed = [v.strip() for v in listed.split(",") if v.strip()]
     if not listed:
         raise SystemExit(f"--sweep {spec!r}: give values, as in {name}=4,12")
-    if name not in ENGINE_KNOBS and name not in BENCH_KNOBS:
+    if name not in VALUE_KNOBS:
         from profiles.host_time import AB_KNOBS, knob_variants
         if any(part not in AB_KNOBS for part in name.split("+")):  # A+B: pairs of variants, as in host_time --ab
             raise SystemExit(f"--sweep: unknown knob {name!r}; one of {', '.join(ENGINE_KNOBS)} (engine), host_hogs or "
@@ -608,7 +609,7 @@ def run_variants(args, model, what: str, device: torch.device, out, knob: str | 
     the machine hits every variant alike; print and save the variants' figures side by side. A kernel knob's
     variant is set before its replay's engine captures its graphs, and the knob restored after."""
     kernel_variants = {}
-    if knob is not None and knob not in ENGINE_KNOBS and knob not in BENCH_KNOBS:
+    if knob is not None and knob not in VALUE_KNOBS:
         from profiles.host_time import knob_variants
         kernel_variants = knob_variants(knob)
     rows = _replay_variants(args, model, what, device, out, knob, values, kernel_variants)
