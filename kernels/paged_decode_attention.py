@@ -392,34 +392,64 @@ def _chunk_tiles(acc, l_i, m_i, q, k_base, v_base, pt_row, lo, hi, last_key, d, 
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_splits", "capacity", "seqlen_q", "m_blocks"])
+@triton.jit
+def _work_item(cu_q_ptr, p, num_seqs, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, Q_MIN: tl.constexpr,
+               Q_MAX: tl.constexpr, SEQS: tl.constexpr):
+    """A work-list program's (sequence, first packed row, split, whether it has work): program p does item
+    p % items and split p // items, the items being the launch's real (sequence, M-block) pairs in order (the
+    M-blocks of its sequences of Q_MIN..Q_MAX tokens, counted from cu_seqlens_q over SEQS >= num_seqs lanes)."""
+    seq = tl.arange(0, SEQS)
+    lens = tl.load(cu_q_ptr + seq + 1, mask=seq < num_seqs, other=0) - tl.load(cu_q_ptr + seq, mask=seq < num_seqs,
+                                                                             other=0)
+    mine = lens >= tl.maximum(Q_MIN, 1)
+    if Q_MAX > 0:
+        mine = mine & (lens <= Q_MAX)
+    blocks = tl.where(mine, tl.cdiv(lens * GROUP, BLOCK_M), 0)  # (SEQS,) M-blocks of each sequence here
+    ends = tl.cumsum(blocks, 0)
+    items = tl.maximum(tl.sum(blocks, 0), 1)
+    item = p % items
+    b = tl.minimum(tl.sum((ends <= item).to(tl.int32), 0), num_seqs - 1)
+    m0 = (item - tl.sum(tl.where(seq < b, blocks, 0), 0)) * BLOCK_M
+    return b, m0, p // items, tl.sum(blocks, 0) > 0
+
+
+@triton.jit(do_not_specialize=["num_splits", "capacity", "seqlen_q", "m_blocks", "num_seqs"])
 def _chunk_kernel(
     q_ptr, k_ptr, v_ptr, pt_ptr, seqused_ptr, cu_q_ptr, gate_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
     stride_qn, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ptb,
     stride_gn, stride_gh, stride_on, stride_oh,
-    qk_scale, num_splits, capacity, seqlen_q, m_blocks, splits_ptr,
+    qk_scale, num_splits, capacity, seqlen_q, m_blocks, splits_ptr, num_seqs,
     VARLEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, HAS_GATE: tl.constexpr,
     RESCALE_THRESHOLD: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-    Q_MIN: tl.constexpr, Q_MAX: tl.constexpr, SPLITS_ON_DEVICE: tl.constexpr,
+    Q_MIN: tl.constexpr, Q_MAX: tl.constexpr, SPLITS_ON_DEVICE: tl.constexpr, WORK_SEQS: tl.constexpr,
 ):
     # grid (B * m_blocks, KV, S); seqlen_q: every sequence's q_len when not VARLEN; only sequences with
     # Q_MIN <= q_len <= Q_MAX (0: no bound) are done here (a mixed step runs its decode rows in small tiles).
     # SPLITS_ON_DEVICE: the keys go to the first splits_ptr[0] of the S splits (a captured grid of S splits whose
-    # step asks for fewer); the others see no key and store lse = -inf for the combine
+    # step asks for fewer); the others see no key and store lse = -inf for the combine.
+    # WORK_SEQS > 0 (a work list, with SPLITS_ON_DEVICE): grid (programs, KV, 1), each program one (sequence,
+    # M-block, split) of the real ones (`_work_item`); splits past splits_ptr[0] are not run (the combine skips them)
     pdl.wait_for_producer(PDL)  # q and the new token's K/V come from attention_prep
     pdl.release_dependents(PDL)  # let the combine kernel launch now; it waits for this grid to finish
-    b = tl.program_id(0) // m_blocks
-    m0 = (tl.program_id(0) % m_blocks) * BLOCK_M  # first packed row of this M-block
+    used_splits = tl.load(splits_ptr) if SPLITS_ON_DEVICE else num_splits
+    if WORK_SEQS > 0:
+        b, m0, split, active = _work_item(cu_q_ptr, tl.program_id(0), num_seqs, GROUP, BLOCK_M, Q_MIN, Q_MAX,
+                                          WORK_SEQS)
+        active = active & (split < used_splits)
+    else:
+        b = tl.program_id(0) // m_blocks
+        m0 = (tl.program_id(0) % m_blocks) * BLOCK_M  # first packed row of this M-block
+        split = tl.program_id(2)
     kvh = tl.program_id(1)
-    split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     q_start, q_len = sequence_span(cu_q_ptr, b, seqlen_q, VARLEN)
-    active = m0 < q_len * GROUP  # M-blocks past this sequence's rows have nothing to do
-    if Q_MIN > 0:
-        active = active & (q_len >= Q_MIN)
-    if Q_MAX > 0:
-        active = active & (q_len <= Q_MAX)
+    if WORK_SEQS == 0:
+        active = m0 < q_len * GROUP  # M-blocks past this sequence's rows have nothing to do
+        if Q_MIN > 0:
+            active = active & (q_len >= Q_MIN)
+        if Q_MAX > 0:
+            active = active & (q_len <= Q_MAX)
     if active:
         seqlen = tl.minimum(tl.maximum(tl.load(seqused_ptr + b), 0), capacity)
         rows = m0 + tl.arange(0, BLOCK_M)  # row r: query token r // GROUP, head kvh * GROUP + r % GROUP
@@ -431,7 +461,6 @@ def _chunk_kernel(
         hi = tl.minimum(tl.maximum(seqlen - q_len + tl.minimum((m0 + BLOCK_M - 1) // GROUP, q_len - 1) + 1, 0),
                         seqlen)
         full = tl.minimum(tl.maximum(seqlen - q_len + m0 // GROUP + 1, 0), hi)
-        used_splits = tl.load(splits_ptr) if SPLITS_ON_DEVICE else num_splits
         chunk = tl.cdiv(tl.cdiv(hi, used_splits), BLOCK_N) * BLOCK_N
         kv_start = split * chunk
         kv_end = tl.minimum(kv_start + chunk, hi)
@@ -492,11 +521,12 @@ def _combine_kernel(
 @triton.jit(do_not_specialize=["num_rows", "num_heads", "num_splits"])
 def _combine_rows_kernel(
     ws_o_ptr, ws_lse_ptr, gate_ptr, out_ptr, stride_gn, stride_gh, stride_on, stride_oh, num_rows, num_heads,
-    num_splits, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_GATE: tl.constexpr, PDL: tl.constexpr,
+    num_splits, splits_ptr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr, SPLITS_ON_DEVICE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The chunk variant's combine: grid (cdiv(N * H, ROWS), D / BLOCK_D), ROWS (token, head) rows a program,
-    the same sum as `_combine_kernel` (chunks have many rows and few splits, so rows are batched)."""
+    the same sum as `_combine_kernel` (chunks have many rows and few splits, so rows are batched).
+    SPLITS_ON_DEVICE: only the first splits_ptr[0] splits were run (a work list writes no others)."""
     pdl.release_dependents(PDL)  # as `_combine_kernel`: the next kernel launches while the split runs
     pdl.wait_for_producer(PDL)  # launched early: wait for the split kernel's writes
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,) rows token * H + head
@@ -504,7 +534,8 @@ def _combine_rows_kernel(
     sp = tl.arange(0, BLOCK_S)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ws_row = r.to(tl.int64)[:, None] * num_splits + sp[None, :]  # (R, S)
-    lse = tl.load(ws_lse_ptr + ws_row, mask=r_ok[:, None] & (sp < num_splits)[None, :], other=float("-inf"))
+    run = tl.minimum(tl.load(splits_ptr), num_splits) if SPLITS_ON_DEVICE else num_splits
+    lse = tl.load(ws_lse_ptr + ws_row, mask=r_ok[:, None] & (sp < run)[None, :], other=float("-inf"))
     live = lse > float("-inf")
     m = tl.max(lse, 1)  # (R,)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[:, None])  # (R, S), 0 for empty splits
@@ -605,7 +636,7 @@ def _check_workspace(workspace, rows: int, head_dim: int, device):
 def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softmax_scale=None, cu_seqlens_q=None,
                            max_seqlen_q=None, gate=None, num_splits=None, max_seqlen_k=None, out=None,
                            workspace=None, block_m=None, rescale_threshold=RESCALE_THRESHOLD, split_decode_rows=True,
-                           check_metadata=True, kv_splits=None):
+                           check_metadata=True, kv_splits=None, work_programs=None):
     """Causal attention of 1..512 new queries per sequence over its paged KV cache (decode steps, speculative
     verification, agent-turn chunks; mixed in one varlen batch).
 
@@ -624,7 +655,11 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
     op, fa4.flash_attention, which checks them first) pass False. kv_splits: a (1,) int32 tensor on q's device, or
     None: the keys go to its first kv_splits[0] of num_splits splits (1 <= kv_splits[0] <= num_splits, which an int
     num_splits must give; the chunk variant only), so that a CUDA graph captured at num_splits serves steps that
-    ask for fewer. Returns out.
+    ask for fewer. work_programs: (big, short) ints, or None: with kv_splits and cu_seqlens_q, launch a work list
+    instead of the (B * M-blocks, KV, S) grid: (big, KV) and (short, KV) programs, program p doing the (sequence,
+    M-block) item p % items of its launch and split p // items, so that a CUDA graph of several sequences holds the
+    step's real items x splits (`work_items`, at most the programs: checked with check_metadata), not every
+    sequence padded to the longest. Returns out.
     """
     _check_tensors(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, gate, out)
     batch, q_len = _check_shapes(q, k_pages, v_pages, page_table, seqused_k, cu_seqlens_q, max_seqlen_q, gate, out)
@@ -644,8 +679,28 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, seqused_k, *, softma
         _check_kv_splits(kv_splits, num_splits, tile, q.device, check_metadata and not capturing)
     if check_metadata and not capturing:
         _check_metadata(q, k_pages, page_table, seqused_k, cu_seqlens_q, q_len)
+    if work_programs is not None:
+        _check_work_programs(work_programs, kv_splits, cu_seqlens_q, block_m, split_decode_rows)
+        if check_metadata and not capturing:
+            lens = cu_seqlens_q.diff().tolist()
+            items = work_items(lens, q.shape[-2] // k_pages.shape[2], k_pages.shape[3], q.element_size(), q_len)
+            used = int(kv_splits[0])
+            if any(i * used > p for i, p in zip(items, work_programs)):
+                raise ValueError(f"work_programs {work_programs} cannot hold this step's (big, short) items {items} "
+                                 f"x {used} splits (kv_splits)")
     return launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batch, q_len, gate, num_splits,
-                   max_seqlen_k, out, workspace, block_m, rescale_threshold, split_decode_rows, kv_splits)
+                   max_seqlen_k, out, workspace, block_m, rescale_threshold, split_decode_rows, kv_splits,
+                   work_programs)
+
+
+def _check_work_programs(work_programs, kv_splits, cu_seqlens_q, block_m, split_decode_rows) -> None:
+    if not (isinstance(work_programs, tuple) and len(work_programs) == 2
+            and all(is_int(p) and p >= 1 for p in work_programs)):
+        raise ValueError(f"work_programs must be None or two positive ints (big, short), got {work_programs!r}")
+    if kv_splits is None or cu_seqlens_q is None:
+        raise ValueError("work_programs needs kv_splits and cu_seqlens_q (a captured varlen step)")
+    if block_m is not None or not split_decode_rows:
+        raise ValueError("work_programs takes the default plan (block_m None, split_decode_rows True)")
 
 
 def _check_kv_splits(kv_splits, num_splits, tile: Plan, device, read: bool) -> None:
@@ -662,7 +717,8 @@ def _check_kv_splits(kv_splits, num_splits, tile: Plan, device, read: bool) -> N
 
 
 def launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batch, q_len, gate, num_splits,
-            max_seqlen_k, out, workspace, block_m, rescale_threshold, split_decode_rows, kv_splits=None):
+            max_seqlen_k, out, workspace, block_m, rescale_threshold, split_decode_rows, kv_splits=None,
+            work_programs=None):
     """paged_decode_attention on checked arguments (the engine's own, or fa4.flash_attention's after its checks):
     the plan and the launches, nothing checked again."""
     _, page_size, kv_heads, head_dim = k_pages.shape
@@ -704,21 +760,24 @@ def launch(q, k_pages, v_pages, page_table, seqused_k, scale, cu_seqlens_q, batc
         q_min = 0
         short = _short_rows_plan(tile, group, head_dim, q.element_size()) if (
             split_decode_rows and cu_seqlens_q is not None and batch > 1 and block_m is None) else None
+        work = dict(WORK_SEQS=next_power_of_2(batch) if work_programs else 0)
+        grids = [(programs, kv_heads, 1) for programs in work_programs] if work_programs else \
+            [(batch * tile.m_blocks, kv_heads, num_splits), (batch, kv_heads, num_splits)]
         if short is not None:  # a mixed step: its decode rows (q_len <= short q_max) in small tiles first
-            _chunk_kernel[(batch, kv_heads, num_splits)](
-                *args, q_len, 1, kv_splits, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=0, Q_MAX=short[0],
-                **{**common, **on_device, "BLOCK_M": short[1].block_m, "num_warps": short[1].num_warps,
-                   "num_stages": short[1].num_stages})
+            _chunk_kernel[grids[1]](
+                *args, q_len, 1, kv_splits, batch, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=0,
+                Q_MAX=short[0], **{**common, **on_device, **work, "BLOCK_M": short[1].block_m,
+                                   "num_warps": short[1].num_warps, "num_stages": short[1].num_stages})
             q_min = short[0] + 1
-        _chunk_kernel[(batch * tile.m_blocks, kv_heads, num_splits)](
-            *args, q_len, tile.m_blocks, kv_splits, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=q_min, Q_MAX=0,
-            **common, **on_device)
+        _chunk_kernel[grids[0]](
+            *args, q_len, tile.m_blocks, kv_splits, batch, RESCALE_THRESHOLD=float(rescale_threshold), Q_MIN=q_min,
+            Q_MAX=0, **common, **on_device, **work)
     else:
         stamp, stamping = stamps.slot("attention_split", q.device)
         _split_kernel[(batch, kv_heads, num_splits)](*args, stamp, Q_LEN=q_len, STAMPS=stamping,
                                                      PREFETCH=launch["PDL"], **common)
     if num_splits > 1 and tile.chunk:
-        _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, launch)
+        _combine_rows(workspace, g3 if gate is not None else None, out3, num_splits, kv_splits, launch)
     elif num_splits > 1:
         _combine(workspace, g3 if gate is not None else None, out3, num_splits, launch)
     return out
@@ -745,8 +804,9 @@ def _combine(workspace: DecodeWorkspace, gate, out, num_splits: int, launch: dic
     )
 
 
-def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, launch: dict) -> None:
-    # the chunk variant's combine; workspace: (N, H, S, D) / (N, H, S) flat; gate (or None), out: (N, H, D)
+def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, kv_splits, launch: dict) -> None:
+    # the chunk variant's combine; workspace: (N, H, S, D) / (N, H, S) flat; gate (or None), out: (N, H, D);
+    # kv_splits: (1,) int32, the splits that ran, or None: all num_splits
     n_tokens, num_heads, head_dim = out.shape
     block_s = next_power_of_2(num_splits)
     block_d = min(head_dim, max(16, COMBINE_ROWS_TILE // block_s))
@@ -754,8 +814,8 @@ def _combine_rows(workspace: DecodeWorkspace, gate, out, num_splits: int, launch
     g = gate if gate is not None else out
     _combine_rows_kernel[(cdiv(n_tokens * num_heads, rows), head_dim // block_d)](
         workspace.o, workspace.lse, g, out, g.stride(0), g.stride(1), out.stride(0), out.stride(1),
-        n_tokens * num_heads, num_heads, num_splits, HEAD_DIM=head_dim, ROWS=rows, BLOCK_S=block_s, BLOCK_D=block_d,
-        HAS_GATE=gate is not None, num_warps=4, **launch,
+        n_tokens * num_heads, num_heads, num_splits, kv_splits, HEAD_DIM=head_dim, ROWS=rows, BLOCK_S=block_s,
+        BLOCK_D=block_d, HAS_GATE=gate is not None, SPLITS_ON_DEVICE=kv_splits is not None, num_warps=4, **launch,
     )
 
 
@@ -846,10 +906,10 @@ def split_kv_pays(batch: int, max_q_len: int, group: int, kv_heads: int, head_di
 def paged_attention_op(q, k_pages, v_pages, step, scale, gate):
     """model.ops' paged_attention on this kernel (the router sends it decode steps, mixed steps and agent turns):
     the step's host bound max_seqlen_k; the engine built the step, so nothing is checked again."""
-    grid_splits, used_splits = step.kv_splits or (None, None)  # a captured step's: (host int, (1,) int32)
+    grid_splits, used_splits, programs = step.kv_splits or (None, None, None)  # a captured step's (CapturedGrid)
     return launch(q, k_pages, v_pages, step.page_table, step.seqused_k, scale, step.cu_seqlens, step.num_seqs,
                    step.max_seqlen_q, gate, grid_splits, step.max_seqlen_k, None, None, None, RESCALE_THRESHOLD, True,
-                   used_splits)
+                   used_splits, programs)
 
 
 def step_splits(num_seqs: int, q_len: int, heads: int, k_pages, seqlen_k: int, device) -> int:
@@ -858,6 +918,46 @@ def step_splits(num_seqs: int, q_len: int, heads: int, k_pages, seqlen_k: int, d
     kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
     tile = plan(q_len, heads // kv_heads, head_dim, k_pages.element_size())
     return tile_splits(tile, num_seqs, kv_heads, seqlen_k, _num_sms(device))
+
+
+def work_items(q_lens, group: int, head_dim: int, elt_size: int, max_seqlen_q: int) -> tuple[int, int]:
+    """(big, short) work items of a chunk-variant call of several sequences of q_lens tokens (host ints) planned at
+    max_seqlen_q: the big tile's M-blocks of the sequences its launch takes, and the short launch's sequences (one
+    M-block each; 0 without that launch). A work-list grid needs items x splits programs for each."""
+    tile = plan(max_seqlen_q, group, head_dim, elt_size)
+    short = _short_rows_plan(tile, group, head_dim, elt_size) if len(q_lens) > 1 else None
+    q_max = short[0] if short else 0
+    return (sum(cdiv(q * group, tile.block_m) for q in q_lens if q > q_max),
+            sum(1 for q in q_lens if 1 <= q <= q_max))
+
+
+def captured_work_grid(max_seqs: int, q_lens: range, heads: int, k_pages, max_pages: int,
+                       device) -> tuple[int, int, int]:
+    """(splits, big programs, short programs) of a work-list grid (`work_programs`) planned at q_lens' top that
+    serves the steps of 2..max_seqs sequences and n tokens for n in q_lens, over page tables of max_pages pages:
+    the most splits launch() chooses for any of them (its longest sequence's plan, at a power-of-two key bound or
+    the capacity), and the most items x splits, the big items bounded by the step's M-blocks (at most
+    n * group / block_m + sequences) and the short ones by its sequences."""
+    kv_heads, head_dim, elt = k_pages.shape[2], k_pages.shape[3], k_pages.element_size()
+    group, sms, top = heads // kv_heads, _num_sms(device), q_lens[-1]
+    block_m = plan(top, group, head_dim, elt).block_m
+    capacity = max_pages * k_pages.shape[1]
+    bounds = [1 << i for i in range(capacity.bit_length()) if 1 << i < capacity] + [capacity]
+    longest = {}  # each chunk plan of a step's longest sequence: its longest q_len (steps of the decode plan's
+    for q in range(1, top + 1):  # sizes run another kernel eagerly, so they do not size the grid)
+        tile = plan(q, group, head_dim, elt)
+        if tile.chunk:
+            longest[tile] = q
+    splits = big = short = 1
+    for seqs in range(2, max_seqs + 1):
+        for tile, q in longest.items():
+            if q * seqs < q_lens[0]:  # no step of the bucket has so short a longest sequence
+                continue
+            s = max(tile_splits(tile, seqs, kv_heads, b, sms) for b in bounds)
+            items = min(seqs * cdiv(q * group, block_m), top * group // block_m + seqs)
+            splits, big, short = max(splits, s), max(big, items * s), max(short, seqs * s)
+    # every step fits one split (the sizing skips steps whose longest sequence takes the decode plan)
+    return splits, max(big, top * group // block_m + max_seqs), max(short, max_seqs)
 
 
 def captured_splits(num_seqs: int, q_lens: range, heads: int, k_pages, max_pages: int, device) -> int:
@@ -899,10 +999,11 @@ def _split_kv_cost(key, tuning) -> float:
 registry.define("paged_attention", paged_key)
 def _checked_op(q, k_pages, v_pages, step, scale, gate):
     # the op through the public checks, the step's metadata read on the host
-    grid_splits, used_splits = step.kv_splits or (None, None)
+    grid_splits, used_splits, programs = step.kv_splits or (None, None, None)
     return paged_decode_attention(q, k_pages, v_pages, step.page_table, step.seqused_k, softmax_scale=scale,
                                   cu_seqlens_q=step.cu_seqlens, max_seqlen_q=step.max_seqlen_q, gate=gate,
-                                  max_seqlen_k=step.max_seqlen_k, num_splits=grid_splits, kv_splits=used_splits)
+                                  max_seqlen_k=step.max_seqlen_k, num_splits=grid_splits, kv_splits=used_splits,
+                                  work_programs=programs)
 
 
 registry.register("paged_attention", Impl("split_kv", "triton", paged_attention_op, _split_kv, _split_kv_cost,

@@ -1,7 +1,18 @@
 """What one forward step needs besides the tokens: a flat varlen batch plus its cache addresses."""
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+
+
+class CapturedGrid(NamedTuple):
+    """A CUDA graph's attention launch, which serves every step of its graph: splits, its KV splits (a host int, the
+    most any of those steps asks for: the workspace's layout); used, (1,) int32 on the device, the splits this step
+    runs; programs, for graphs of several sequences, the (big, short) work-list programs a KV head (kernels.
+    paged_decode_attention's work_programs), or None: one sequence's (M-block, KV, splits) grid."""
+    splits: int
+    used: torch.Tensor
+    programs: tuple[int, int] | None = None
 
 
 @dataclass
@@ -27,9 +38,8 @@ class StepInput:
     position_slots: (N,) int64 or None: a speculative verify step's per-token GDN slots. Where position_slots[i] >= 0,
     the GDN state (conv window and recurrent state) after token i is also written to that slot, so that a step that
     keeps only the first tokens of a sequence can roll back to the state after its last kept one
-    kv_splits: (grid splits, (1,) int32) or None: a captured step's KV splits: its attention grid's (a host int,
-    the most any step the graph serves asks for) and the count its step uses, on the device (serving.prefill_graphs
-    fills it each step)
+    kv_splits: a CapturedGrid or None: a captured step's attention launch (serving.prefill_graphs fills its
+    device count each step)
     plans: what kernels lay out on the host once for all the step's layers, by kernel (kernels.gdn_prefill.step_plan)
     """
     token_ids: torch.Tensor
@@ -48,7 +58,7 @@ class StepInput:
     snapshot_slots: torch.Tensor | None = None
     embeddings: torch.Tensor | None = None
     position_slots: torch.Tensor | None = None
-    kv_splits: tuple[int, torch.Tensor] | None = None
+    kv_splits: "CapturedGrid | None" = None
     plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property

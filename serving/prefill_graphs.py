@@ -10,9 +10,11 @@ the split-KV kernel, whose grid holds the most KV splits its bucket's steps ask 
 captured_splits; each step copies its page table, key counts and KV slots into static buffers and the split count
 the eager call would use into `kv_splits`).
 
-Graphs are keyed by (rows, seqs): the row bucket, and 1 or max_seqs sequences. Only the one-sequence graphs hold
-the attention cores (a returning turn, a lone prompt: one replay); steps of several sequences run them eagerly
-between segments.
+Graphs are keyed by (rows, seqs): the row bucket, and 1 or max_seqs sequences. A one-sequence graph's attention
+launches one program per (M-block, KV head, split); a graph of several sequences launches a work list
+(captured_work_grid): its programs take the step's real (sequence, M-block, split) triples in turn and the rest
+exit, so that its grid is not every sequence padded to the longest (tens of thousands of programs at 16 sequences
+of 8k rows). Each program computes what the eager call's program of the same triple computes.
 
 Stretch i (0 <= i <= L, for L layers) ends where layer i's mixer core begins:
     stretch 0:      RoPE of the positions, embed(tokens) -> layer 0's mixer_in
@@ -44,7 +46,7 @@ from kernels.row_buckets import GEMV_MAX_ROWS, MATMUL_ROW_BUCKET, row_bucket, ro
 from model import ops
 from model.cache import CachePools
 from model.model import Qwen35ForCausalLM
-from model.step import StepInput
+from model.step import CapturedGrid, StepInput
 
 
 def prefill_graphs_unsupported(model: Qwen35ForCausalLM) -> str | None:
@@ -90,7 +92,7 @@ class PrefillGraphs:
         self.variants = (1, max_seqs) if max_seqs > 1 else (1,)  # one sequence, or up to max_seqs
         self.batch = None
         self.segments: dict[tuple[int, int], list] = {}  # (rows, seqs) -> its segments, set by capture
-        self.splits: dict[tuple[int, int], int] = {}  # (rows, seqs) -> its attention grid's KV splits
+        self.grids: dict[tuple[int, int], CapturedGrid] = {}  # (rows, seqs) -> its attention launch
         self.graphs: dict[tuple[int, int], list] = {}  # (rows, seqs) -> its segments' CUDA graphs, in order
         self.pools: CachePools | None = None
 
@@ -102,15 +104,12 @@ class PrefillGraphs:
 
     def _captured(self, rows: int, seqs: int) -> list[bool]:
         """Which layers' cores the (rows, seqs) graphs hold: the GDN cores on the Triton op (the reference plans on
-        the host); the attention cores of one-sequence graphs where the router's choice for the captured step
-        captures (steps of several sequences keep them eager: FINDINGS, serving, 2026-12-07)."""
+        the host), the attention cores where the router's choice for the captured step captures."""
         gdn = ops.backend_table()["gated_deltanet"] == "triton"
-        attention = seqs == 1
-        if attention:
-            step, d = self._device_steps(rows, seqs)["full_attention"], self.config.head_dim
-            q = self.residual.new_empty(1, self.config.num_attention_heads, d).expand(rows, -1, -1)  # (rows, H, D)
-            k_pages, v_pages = self.pools.k_pages[0], self.pools.v_pages[0]
-            attention = registry.chosen("paged_attention", q, k_pages, v_pages, step, d ** -0.5, q).captures
+        step, d = self._device_steps(rows, seqs)["full_attention"], self.config.head_dim
+        q = self.residual.new_empty(1, self.config.num_attention_heads, d).expand(rows, -1, -1)  # (rows, H, D)
+        k_pages, v_pages = self.pools.k_pages[0], self.pools.v_pages[0]
+        attention = registry.chosen("paged_attention", q, k_pages, v_pages, step, d ** -0.5, q).captures
         return [attention if layer.layer_type == "full_attention" else gdn for layer in self.layers]
 
     def _device_steps(self, rows: int, seqs: int) -> dict[str, StepInput]:
@@ -125,14 +124,14 @@ class PrefillGraphs:
         hold_plan(gdn, b.plan(rows))
         attention = replace(gdn, cu_seqlens=b.cu_seqlens[:seqs + 1], seqused_k=self.seqused_k[:seqs],
                             page_table=self.page_table[:seqs], cos=self.cos[:rows], sin=self.sin[:rows],
-                            kv_splits=(self.splits.get((rows, seqs), 1), self.kv_splits), plans={})
+                            kv_splits=self.grids.get((rows, seqs), CapturedGrid(1, self.kv_splits)), plans={})
         return {"linear_attention": gdn, "full_attention": attention}
 
     def _stretch(self, i: int, rows: int) -> None:
         """Row-wise stretch i over the first `rows` rows of the static buffers."""
         residual = self.residual[:rows]
         if i == 0:
-            if self.splits:  # captured attention cores read the static RoPE
+            if self.grids:  # captured attention cores read the static RoPE
                 cos, sin = R.rope_cos_sin(self.positions[:rows], self.config.rotary_dim, self.config.rope_theta)
                 self.cos[:rows].copy_(cos)
                 self.sin[:rows].copy_(sin)
@@ -187,11 +186,16 @@ class PrefillGraphs:
         attention = [i for i, layer in enumerate(self.layers) if layer.layer_type == "full_attention"]
         keys = [key for key in keys if attention and captured[key][attention[0]]]
         if keys:
-            from kernels.paged_decode_attention import captured_splits
+            from kernels.paged_decode_attention import captured_splits, captured_work_grid
             heads, k_pages = self.config.num_attention_heads, pools.k_pages[0]
             lows = dict(zip(self.buckets, (GEMV_MAX_ROWS, *self.buckets)))  # each bucket's steps: (low, rows] tokens
-            self.splits = {(rows, seqs): captured_splits(seqs, range(lows[rows] + 1, rows + 1), heads, k_pages,
-                                                         self.max_pages, k_pages.device) for rows, seqs in keys}
+            for rows, seqs in keys:
+                tokens, grid = range(lows[rows] + 1, rows + 1), (heads, k_pages, self.max_pages, k_pages.device)
+                if seqs == 1:
+                    self.grids[rows, seqs] = CapturedGrid(captured_splits(1, tokens, *grid), self.kv_splits)
+                else:
+                    splits, *programs = captured_work_grid(seqs, tokens, *grid)
+                    self.grids[rows, seqs] = CapturedGrid(splits, self.kv_splits, tuple(programs))
 
     @torch.no_grad()
     def capture(self, pools: CachePools, eager: bool = False) -> None:
@@ -232,18 +236,23 @@ class PrefillGraphs:
         if self.batch is None:
             return
         self.batch.fill(step.cu_seqlens_host, step.state_slots, step.snapshot_offsets, step.snapshot_slots)
-        if key not in self.splits:
+        if key not in self.grids:
             return
         self.positions[:n].copy_(step.positions)
         self.slot_mapping[n:key[0]].fill_(-1)
         self.slot_mapping[:n].copy_(step.slot_mapping)
         self.page_table[:b, :step.page_table.shape[1]].copy_(step.page_table)
         self.seqused_k[:b].copy_(step.seqused_k)
-        from kernels.paged_decode_attention import step_splits
-        k_pages = self.pools.k_pages[0]
-        wanted = step_splits(b, step.max_seqlen_q, self.config.num_attention_heads, k_pages,
-                             step.max_seqlen_k or self.max_pages * k_pages.shape[1], k_pages.device)
-        self.kv_splits.fill_(min(wanted, self.splits[key]))  # at most the grid's (captured_splits)
+        from kernels.paged_decode_attention import step_splits, work_items
+        k_pages, heads, grid = self.pools.k_pages[0], self.config.num_attention_heads, self.grids[key]
+        used = min(grid.splits, step_splits(b, step.max_seqlen_q, heads, k_pages,
+                                            step.max_seqlen_k or self.max_pages * k_pages.shape[1], k_pages.device))
+        if grid.programs is not None:  # a work list: the step's items x splits within its programs
+            cu = step.cu_seqlens_host
+            items = work_items([e - s for s, e in zip(cu, cu[1:])], heads // k_pages.shape[2], k_pages.shape[3],
+                               k_pages.element_size(), key[0])
+            used = min(used, *(p // max(i, 1) for p, i in zip(grid.programs, items)))
+        self.kv_splits.fill_(used)
 
     @torch.no_grad()
     def forward_step_layers(self, step: StepInput, pools: CachePools, *, with_hidden: bool = False,

@@ -16,10 +16,12 @@ from kernels.paged_decode_attention import (
     DecodeWorkspace,
     alloc_workspace,
     captured_splits,
+    captured_work_grid,
     choose_num_splits,
     paged_attention_op,
     paged_decode_attention,
     step_splits,
+    work_items,
 )
 from model.ops import _ref_paged_attention
 from model.step import StepInput
@@ -133,6 +135,55 @@ def test_splits_on_the_device_equal_that_many_splits():
         on_host = paged_decode_attention(q, k_pages, v_pages, table, seqused, num_splits=k, **args)
         assert torch.equal(on_device, on_host), f"kv_splits {k}: {rel_err(on_device, on_host):.2e}"
         assert_close(on_device, ref, dtype, f"kv_splits {k} of 6")
+
+
+@pytest.mark.parametrize("q_lens,group", [((1, 40, 2, 13), 2), ((5, 1, 33), 4), ((40, 3), 1)])
+def test_a_work_list_equals_the_eager_grid_bit_for_bit(q_lens, group):
+    """A work-list launch (a prefill graph of several sequences: programs take the real (sequence, M-block, split)
+    triples in turn, the rest exit) equals the eager grid of the same splits bit for bit, and the reference, with
+    decode rows beside chunks (the short launch) and programs to spare or none; too few programs are refused."""
+    dtype, d, kv, page = torch.float32, 64, 2, 16
+    h = kv * group
+    lens = [q + c for q, c in zip(q_lens, (70, 300, 5, 129))]
+    k_pages, v_pages, table, seqused = make_cache(lens, kv, d, page, dtype, seed=21 + group)
+    cu = _ints([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    q = randn(sum(q_lens), h, d, dtype=dtype, seed=22)
+    gate = randn(*q.shape, dtype=dtype, seed=23)
+    ref = reference(q, k_pages, v_pages, table, seqused, gate, cu_seqlens_q=cu)
+    # the graph plans at its row bucket (64), the eager call at the longest sequence: the same 64-row tile here
+    args = dict(cu_seqlens_q=cu, max_seqlen_q=64, gate=gate)
+    items = work_items(q_lens, group, d, 4, 64)
+    assert items[0] >= 1 and items[1] == sum(q <= 32 // group for q in q_lens)  # 32: SHORT_ROWS
+    for used in (1, 3):
+        eager = paged_decode_attention(q, k_pages, v_pages, table, seqused, num_splits=used, **args)
+        for spare in (0, 5):
+            programs = tuple(max(i * used, 1) + spare for i in items)
+            ws = alloc_workspace(q.shape[0], h, 4, d, DEV)
+            ws.o.fill_(float("nan"))
+            ws.lse.fill_(float("nan"))  # splits past `used` are never written: the combine must not read them
+            got = paged_decode_attention(q, k_pages, v_pages, table, seqused, num_splits=4, kv_splits=_ints([used]),
+                                         work_programs=programs, workspace=ws, **args)
+            assert torch.equal(got, eager), f"{used} splits, programs {programs}: {rel_err(got, eager):.2e}"
+        assert_close(eager, ref, dtype, f"q_lens {q_lens}, {used} splits")
+    short = (items[0] * 3 - 1, max(items[1] * 3, 1))
+    with pytest.raises(ValueError, match=r"work_programs .* cannot hold this step's"):
+        paged_decode_attention(q, k_pages, v_pages, table, seqused, num_splits=4, kv_splits=_ints([3]),
+                               work_programs=short, **args)
+
+
+def test_a_captured_work_grid_holds_every_step_of_its_bucket():
+    """captured_work_grid's programs hold items x splits of the steps it sizes (2..16 sequences of 65..128 tokens),
+    and at least one split of any step of the bucket; it is far below the eager grid padded to the longest."""
+    k_pages = torch.empty(1, 16, 2, 256, dtype=torch.bfloat16).expand(1034, -1, -1, -1)
+    splits, big, short = captured_work_grid(16, range(65, 129), 8, k_pages, 1034, torch.device("cpu"))
+    for seqs, q_lens in ((2, (64, 64)), (3, (100, 20, 8)), (16, (8,) * 15 + (8,)), (16, (1,) * 15 + (113,))):
+        items = work_items(q_lens, 4, 256, 2, 128)
+        assert items[0] <= big and items[1] <= short, (q_lens, items)
+        for b in (1 << 10, 1034 * 16):
+            s = step_splits(seqs, max(q_lens), 8, k_pages, b, torch.device("cpu"))
+            if max(q_lens) * 4 > 128 or max(q_lens) > 8:  # the chunk plan: sized exactly
+                assert s <= splits and items[0] * s <= big and items[1] * s <= short, (q_lens, b, s)
+    assert big < 16 * 4 * splits  # 16 sequences x 4 M-blocks of the longest, the eager grid
 
 
 def test_a_captured_grid_holds_the_splits_of_every_step_it_serves():
@@ -329,6 +380,8 @@ BAD = [  # (regex the message must match, the arguments to override given the go
     ("kv_splits must hold one value", lambda g: dict(kv_splits=_ints([1, 1]), num_splits=2)),
     ("kv_splits needs an int num_splits", lambda g: dict(kv_splits=_ints([1]))),
     ("kv_splits is for the chunk variant", lambda g: dict(kv_splits=_ints([1]), num_splits=2)),
+    ("work_programs must be None or two positive ints", lambda g: dict(work_programs=(4, 0))),
+    ("work_programs needs kv_splits", lambda g: dict(work_programs=(4, 4))),
     (r"kv_splits\[0\] must be in 1..num_splits \(2\), got 3",
      lambda g: dict(q=randn(2, 9, 4, 64, dtype=torch.float16, seed=16), kv_splits=_ints([3]), num_splits=2)),
 ]

@@ -67,7 +67,7 @@ def test_stretches_give_the_plain_engine_cpu():
     graphs = engine.runner.prefill_graphs = PrefillGraphs(model, 128, cfg.max_num_seqs, engine.runner.width)
     graphs.capture(engine.pools, eager=True)
     assert graphs.buckets == (64, 128) and set(graphs.graphs) == {(64, 1), (64, 4), (128, 1), (128, 4)}
-    assert len(graphs.graphs[64, 1]) == SMALL.num_hidden_layers + 1 and not graphs.splits
+    assert len(graphs.graphs[64, 1]) == SMALL.num_hidden_layers + 1 and not graphs.grids
     out_g, log_g = serve(engine, before_step=lambda: poison_padding(graphs))
     assert out_g == out_p
     for seq, (a, b) in enumerate(zip(log_g, log_p)):
@@ -91,8 +91,8 @@ def test_segments_with_device_planned_cores_give_the_plain_step_cpu():
     # the triton ops (the interpreter; each step costs ~15 s here): the GDN cores inside the segments, planned on
     # the device from the static batch (kernels.varlen.DeviceBatch), for a step of two prompts, one of which
     # snapshots its GDN state at a cache point inside the step (the batch held a larger step's slots before); then
-    # a returning turn alone, whose graph holds the attention core too (head dim 64, which the split-KV kernel
-    # takes) over the static page tables with its split count on the device
+    # a returning turn alone; both graphs hold the attention core too (head dim 64, which the split-KV kernel
+    # takes: the two-prompt step's as a work list) over the static page tables with its split count on the device
     model = Qwen35ForCausalLM.random(replace(SMALL, head_dim=64), seed=2)
     # a short max_model_len: the attention grid's splits (and the interpreter's programs) are sized by it
     cfg = EngineConfig(num_pages=128, page_size=16, max_num_seqs=2, snapshot_slots=8, max_num_batched_tokens=256,
@@ -109,12 +109,12 @@ def test_segments_with_device_planned_cores_give_the_plain_step_cpu():
                 graphs = engine.runner.prefill_graphs = PrefillGraphs(model, 128, cfg.max_num_seqs, engine.runner.width,
                                                                       frozenset({1}))
                 graphs.capture(engine.pools, eager=True)
-                # one-sequence graphs hold every core (layer 3's attention too), the others run attention eagerly;
+                # every graph holds every core (layer 3's attention too: a work list in the two-sequence graphs);
                 # the cut ends the first segment
                 assert SMALL.full_attention_layers == [3]
-                assert graphs.segments[128, 1] == graphs.segments[64, 1] == [(0, 0, True), (1, 4, False)]
-                assert graphs.segments[128, 2] == [(0, 0, True), (1, 3, False), (4, 4, False)]
-                assert set(graphs.splits) == {(64, 1), (128, 1)}
+                assert all(graphs.segments[key] == [(0, 0, True), (1, 4, False)] for key in graphs.segments)
+                assert set(graphs.grids) == {(64, 1), (128, 1), (64, 2), (128, 2)}
+                assert graphs.grids[128, 1].programs is None and graphs.grids[128, 2].programs is not None
                 poison_padding(graphs)
                 graphs.batch.fill((0, 1, 2), torch.arange(1, 3), None, None)  # stale slots past the step
                 graphs.forward_step_layers = recording(graphs.forward_step_layers, offsets := [])
