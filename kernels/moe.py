@@ -268,7 +268,8 @@ def _down_kernel(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, weight_ptr, x_ptr, g
     else:
         scale = tl.load(weight_ptr + pair, mask=real, other=0.0)
         row = tok * y_slots + pair % top_k
-    tl.store(y_ptr + row[:, None] * hidden + cols[None, :], acc * scale[:, None], mask=real[:, None] & col_ok[None, :])
+    tl.store(y_ptr + row[:, None] * hidden + cols[None, :], (acc * scale[:, None]).to(y_ptr.dtype.element_ty),
+             mask=real[:, None] & col_ok[None, :])
 
 
 def _launch(tiles: MoeTiles, width: int, precision: str, dense: bool) -> dict:
@@ -299,29 +300,31 @@ def _expert_gemms(x, wg, wu, down_w, h, y, *, pairs, block_expert, weights, gate
 
 @triton.jit
 def _sum_slots_kernel(y_ptr, out_ptr, slots, hidden, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr):
-    # out[tok, cols] = sum over the slots of y[tok, slot, cols] (fp32), cast to out's dtype
+    # out[tok, cols] = sum over the slots of y[tok, slot, cols] in fp32, cast to out's dtype
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     s = tl.arange(0, SLOTS)
     ok = (s < slots)[:, None] & (cols < hidden)[None, :]
-    part = tl.load(y_ptr + (tok * slots + s)[:, None] * hidden + cols[None, :], mask=ok, other=0.0)  # (S, BLOCK_H)
+    part = tl.load(y_ptr + (tok * slots + s)[:, None] * hidden + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + tok * hidden + cols, tl.sum(part, 0).to(out_ptr.dtype.element_ty), mask=cols < hidden)
 
 
 def grouped_experts(x, weights, sorted_pairs, block_expert, tiles: MoeTiles, gate_up_w, down_w, shared=None, *,
                     every_pair_here: bool = False):
     """sum_k weights[:, k] * expert(x) over the pairs sorted into expert blocks of tiles.block_m (route_and_align),
-    plus sigmoid(x . shared_gate_w) * the shared expert(x) when shared is given, summed in fp32: (n, H) in x's
-    dtype.
+    plus sigmoid(x . shared_gate_w) * the shared expert(x) when shared is given: each term in x's dtype, summed in
+    fp32, (n, H) in x's dtype.
     x: (n, H); weights: (n, top_k) fp32; gate_up_w: (E_local, 2I, H); down_w: (E_local, H, I); shared: as
     fused_moe's. every_pair_here: all experts are local, so the down kernels write every slot of the per-pair
     outputs (else the pairs routed to another rank's experts read 0)."""
     n, hidden = x.shape
     top_k = weights.shape[1]
     inter = gate_up_w.shape[1] // 2
-    # y: (n, top_k [+ 1 for the shared expert], H); zeroing it is a write as large as the down kernels' own
+    # y: (n, top_k [+ 1 for the shared expert], H) in x's dtype (as vLLM's and transformers' per-expert outputs: half
+    # the bytes of fp32 at a prefill chunk, where y is larger than the weights); zeroing it is a write as large as
+    # the down kernels' own
     y = (torch.empty if every_pair_here else torch.zeros)(n, top_k + (shared is not None), hidden,
-                                                          dtype=torch.float32, device=x.device)
+                                                          dtype=x.dtype, device=x.device)
     h = torch.empty(n * top_k, inter, dtype=x.dtype, device=x.device)
     _expert_gemms(x, gate_up_w, gate_up_w[:, inter:], down_w, h, y, pairs=sorted_pairs, block_expert=block_expert,
                   weights=weights.reshape(-1), gate=x, num_pairs=n * top_k, top_k=top_k, slot=0, tiles=tiles,
