@@ -260,158 +260,6 @@ def _chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, cu_ptr, first_chunk_ptr,
 
 
 @triton.jit
-def _segment_span(bos, eos, cut, seg, L: tl.constexpr, BT: tl.constexpr):
-    """Segment seg of a sequence [bos, eos) whose pieces restart at cut (0: none): its pieces [seg L, seg L + L) of
-    the sequence's as tokens [lo, hi) (hi == lo past the last piece), and its first piece's index in the sequence."""
-    mid = tl.where(cut > 0, cut, eos)
-    before = (mid - bos + BT - 1) // BT  # pieces before the cut
-    total = before + (eos - mid + BT - 1) // BT
-    k0 = seg * L
-    k1 = tl.minimum(k0 + L, total)
-    lo = tl.where(k0 < before, bos + k0 * BT, mid + (k0 - before) * BT)
-    hi = tl.minimum(tl.where(k1 <= before, tl.minimum(bos + k1 * BT, mid), mid + (k1 - before) * BT), eos)
-    return lo, tl.where(k0 < total, hi, lo), k0
-
-
-@triton.jit
-def _segments_before(cu_ptr, cuts_ptr, num_seqs, L: tl.constexpr, BT: tl.constexpr, SNAPSHOT: tl.constexpr,
-                     SEQS: tl.constexpr):
-    """(SEQS,) each sequence's segments of L pieces and how many come before it (the segments are numbered through
-    the batch in order; lanes past num_seqs hold none)."""
-    seq = tl.arange(0, SEQS)
-    ok = seq < num_seqs
-    bos = tl.load(cu_ptr + seq, mask=ok, other=0)
-    eos = tl.load(cu_ptr + seq + 1, mask=ok, other=0)
-    if SNAPSHOT:
-        cut = tl.load(cuts_ptr + seq, mask=ok, other=0)
-    else:
-        cut = 0 * seq
-    mid = tl.where(cut > 0, cut, eos)
-    segs = ((mid - bos + BT - 1) // BT + (eos - mid + BT - 1) // BT + L - 1) // L
-    return segs, tl.cumsum(segs, 0) - segs
-
-
-@triton.jit
-def _segment_of(g, cu_ptr, cuts_ptr, num_seqs, L: tl.constexpr, BT: tl.constexpr, SNAPSHOT: tl.constexpr,
-                SEQS: tl.constexpr):
-    """Segment g of the batch as (sequence, its segment there); past the last: sequence 0's first segment past
-    its own (no pieces)."""
-    segs, before = _segments_before(cu_ptr, cuts_ptr, num_seqs, L, BT, SNAPSHOT, SEQS)
-    i = tl.sum((before + segs <= g).to(tl.int32), 0)
-    seq = tl.arange(0, SEQS)
-    past = tl.sum(tl.where(seq == 0, segs, 0), 0)
-    return tl.where(i < num_seqs, i, 0), tl.where(i < num_seqs, g - tl.sum(tl.where(seq == i, before, 0), 0), past)
-
-
-@triton.jit
-def _transition_chain(s, lo, hi, j, w_ptr, u_ptr, kd_ptr, gcum_ptr, r, rk, cols, kmask, HV: tl.constexpr,
-                      DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
-    """`_state_chain` over tokens [lo, hi) of [M | E] (dk, dk + dv) columns `cols`, with u's columns shifted by dk
-    (0 for M's): nothing stored. From [I | 0], M is the pieces' transition S -> A S and E their end state from 0."""
-    ws = w_ptr.dtype.element_ty
-    u_cols = cols - DK
-    u_mask = (u_cols >= 0) & (u_cols < DV)
-    for start in range(lo, hi, BT):
-        t = start + r
-        tm = t < hi
-        row_off = t.to(tl.int64)[:, None] * HV + j
-        w = tl.load(w_ptr + row_off * DK + rk[None, :], mask=tm[:, None] & kmask[None, :], other=0.0)  # (BT, BK)
-        u = tl.load(u_ptr + row_off * DV + u_cols[None, :], mask=tm[:, None] & u_mask[None, :], other=0.0)
-        kd = tl.load(kd_ptr + row_off * DK + rk[None, :], mask=tm[:, None] & kmask[None, :], other=0.0)
-        g_last = tl.load(gcum_ptr + (tl.minimum(start + BT, hi) - 1).to(tl.int64) * HV + j)
-        v_new = (u.to(tl.float32) - tl.dot(w, s.to(ws), input_precision=PREC)).to(ws)  # (BT, BV)
-        s = tl.exp(g_last) * s + tl.dot(tl.trans(kd), v_new, input_precision=PREC)
-    return s
-
-
-@triton.jit
-def _segment_transition_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, cu_ptr, cuts_ptr, me_ptr, num_seqs,
-                               HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                               BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, SNAPSHOT: tl.constexpr,
-                               L: tl.constexpr, SEQS: tl.constexpr):
-    # grid (segments, Hv, cdiv(DK + DV, BV)): segment g of the batch (`_segment_of`), columns [vb * BV, vb * BV + BV)
-    # of its [M | E] into me (segments, Hv, dk, dk + dv) fp32; programs past the batch's segments store nothing
-    g = tl.program_id(0)
-    j = tl.program_id(1)
-    i, seg = _segment_of(g, cu_ptr, cuts_ptr, num_seqs, L, BT, SNAPSHOT, SEQS)
-    bos = tl.load(cu_ptr + i)
-    eos = tl.load(cu_ptr + i + 1)
-    cut = tl.load(cuts_ptr + i) if SNAPSHOT else bos * 0
-    lo, hi, _ = _segment_span(bos, eos, cut, seg, L, BT)
-    mid = tl.where(cut > 0, cut, eos)  # the pieces restart there: two chains when it lies inside the segment
-    r, rk = tl.arange(0, BT), tl.arange(0, BK)
-    cols = tl.program_id(2) * BV + tl.arange(0, BV)
-    kmask = rk < DK
-    s = tl.where((rk[:, None] == cols[None, :]) & (cols[None, :] < DK), 1.0, 0.0)  # (BK, BV) [I | 0]
-    s = _transition_chain(s, lo, tl.minimum(mid, hi), j, w_ptr, u_ptr, kd_ptr, gcum_ptr, r, rk, cols, kmask, HV,
-                          DK, DV, BT, PREC)
-    s = _transition_chain(s, tl.maximum(mid, lo), hi, j, w_ptr, u_ptr, kd_ptr, gcum_ptr, r, rk, cols, kmask, HV,
-                          DK, DV, BT, PREC)
-    tl.store(me_ptr + (g.to(tl.int64) * HV + j) * (DK * (DK + DV)) + rk[:, None] * (DK + DV) + cols[None, :], s,
-             mask=kmask[:, None] & (cols[None, :] < DK + DV) & (lo < hi))
-
-
-@triton.jit
-def _segment_scan_kernel(me_ptr, cu_ptr, cuts_ptr, slots_ptr, state_ptr, starts_ptr, num_seqs, HV: tl.constexpr,
-                         DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         PREC: tl.constexpr, SNAPSHOT: tl.constexpr, L: tl.constexpr, SEQS: tl.constexpr):
-    # grid (N, Hv, cdiv(DV, BV)): sequence i's state through its segments in order, starts[g] = S; S = M_g S + E_g,
-    # in fp32; the final S into its slot
-    i = tl.program_id(0)
-    j = tl.program_id(1)
-    bos = tl.load(cu_ptr + i)
-    eos = tl.load(cu_ptr + i + 1)
-    segs, before = _segments_before(cu_ptr, cuts_ptr, num_seqs, L, BT, SNAPSHOT, SEQS)
-    mine = tl.arange(0, SEQS) == i
-    first, count = tl.sum(tl.where(mine, before, 0), 0), tl.sum(tl.where(mine, segs, 0), 0)
-    rk = tl.arange(0, BK)
-    cols = tl.program_id(2) * BV + tl.arange(0, BV)
-    kmask = rk < DK
-    s_mask = kmask[:, None] & (cols[None, :] < DV)
-    s_ptrs = state_ptr + (tl.load(slots_ptr + i).to(tl.int64) * HV + j) * (DK * DV) + rk[:, None] * DV + cols[None, :]
-    s = tl.load(s_ptrs, mask=s_mask & (bos < eos), other=0.0)  # (BK, BV) fp32
-    for seg in range(0, count):
-        g = (first + seg).to(tl.int64) * HV + j
-        tl.store(starts_ptr + g * (DK * DV) + rk[:, None] * DV + cols[None, :], s, mask=s_mask)
-        me = me_ptr + g * (DK * (DK + DV)) + rk[:, None] * (DK + DV)
-        m = tl.load(me + rk[None, :], mask=kmask[:, None] & kmask[None, :], other=0.0)  # (BK, BK)
-        e = tl.load(me + DK + cols[None, :], mask=s_mask, other=0.0)  # (BK, BV)
-        s = tl.dot(m, s, input_precision=PREC) + e
-    tl.store(s_ptrs, s, mask=s_mask & (bos < eos))
-
-
-@triton.jit
-def _segment_state_kernel(w_ptr, u_ptr, kd_ptr, gcum_ptr, cu_ptr, first_chunk_ptr, cuts_ptr, snap_slots_ptr,
-                          state_ptr, starts_ptr, h_ptr, vnew_ptr, num_seqs, HV: tl.constexpr, DK: tl.constexpr,
-                          DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          PREC: tl.constexpr, SNAPSHOT: tl.constexpr, L: tl.constexpr, SEQS: tl.constexpr):
-    # grid (segments, Hv, cdiv(DV, BV)): `_chunk_state_kernel`'s chain through segment g from its start state (the
-    # scan's), storing each piece's h and v_new; the snapshot cut's state where the cut lies in the segment
-    g = tl.program_id(0)
-    j = tl.program_id(1)
-    i, seg = _segment_of(g, cu_ptr, cuts_ptr, num_seqs, L, BT, SNAPSHOT, SEQS)
-    bos = tl.load(cu_ptr + i)
-    eos = tl.load(cu_ptr + i + 1)
-    cut = tl.load(cuts_ptr + i) if SNAPSHOT else bos * 0
-    lo, hi, k0 = _segment_span(bos, eos, cut, seg, L, BT)
-    c = tl.load(first_chunk_ptr + i).to(tl.int64) + k0
-    r, rk, rv = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
-    cols = tl.program_id(2) * BV + rv
-    kmask, vmask = rk < DK, cols < DV
-    s_off = rk[:, None] * DV + cols[None, :]
-    s_mask = kmask[:, None] & vmask[None, :]
-    s = tl.load(starts_ptr + (g.to(tl.int64) * HV + j) * (DK * DV) + s_off, mask=s_mask & (lo < hi), other=0.0)
-    stop = tl.where((cut > 0) & (cut >= lo) & (cut < hi), cut, hi)
-    s, c = _state_chain(s, lo, stop, c, j, w_ptr, u_ptr, kd_ptr, gcum_ptr, h_ptr, vnew_ptr, r, rk, cols, kmask, vmask,
-                        s_off, s_mask, HV, DK, DV, BT, PREC)
-    if SNAPSHOT:
-        snap = tl.load(snap_slots_ptr + i).to(tl.int64)
-        tl.store(state_ptr + (snap * HV + j) * (DK * DV) + s_off, s, mask=s_mask & (stop < hi))
-    _state_chain(s, stop, hi, c, j, w_ptr, u_ptr, kd_ptr, gcum_ptr, h_ptr, vnew_ptr, r, rk, cols, kmask, vmask, s_off,
-                 s_mask, HV, DK, DV, BT, PREC)
-
-
-@triton.jit
 def _chunk_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, chunk_ptr, o_ptr, z_ptr, norm_w_ptr, sq_t, sq_h,
                          sk_t, sk_h, so_t, so_h, sz_t, sz_h, scale, eps, HV: tl.constexpr, GROUP: tl.constexpr,
                          DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -600,57 +448,19 @@ def wy_pass(k, v, g, beta, plan: VarlenPlan, common, gate_params=None):
 def state_pass(ws, plan: VarlenPlan, recurrent_states, common):
     """Kernel 2 over every (sequence, value head, dv block): each piece's start state h (pieces, Hv, dk, dv) and
     v_new (total, Hv, dv), both in the io dtype; the final states into their slots, and at the plan's snapshot cuts
-    the states there into its snapshot slots. Long sequences on a card their plain grid leaves short of programs run
-    context-parallel instead (context_segments)."""
+    the states there into its snapshot slots."""
     w, u, kd, gcum = ws
     n, hv, dk, dv = plan.num_seqs, u.shape[1], w.shape[2], u.shape[2]
     h = plan.buffer("h", (plan.chunks.shape[0], hv, dk, dv), u.dtype)
     v_new = plan.buffer("v_new", u.shape, u.dtype)
-    snapshot = plan.snapshots
-    cuts = plan.cuts_dev if snapshot else plan.first_chunk
-    snap_slots = plan.snapshot_slots if snapshot else plan.state_slots
-    meta = {k: common[k] for k in ("HV", "DK", "DV", "BT", "BK", "PREC", "num_warps")}
-    segment = registry.tuning().gdn_segment_pieces
-    if context_parallel(plan, hv, dv, segment):
-        _context_parallel(ws, plan, recurrent_states, h, v_new, segment, meta)
-        return h, v_new
     bv = state_block(plan.split_for_seqs or n, hv, dv)
-    _chunk_state_kernel[(n, hv, cdiv(dv, bv))](  # slots of either int type: the kernel widens them
-        w, u, kd, gcum, plan.cu32, plan.first_chunk, cuts, plan.state_slots, snap_slots, recurrent_states, h, v_new,
-        **meta, BV=bv, SNAPSHOT=snapshot, num_stages=STATE_STAGES)
-    return h, v_new
-
-
-def context_parallel(plan: VarlenPlan, hv: int, dv: int, segment_pieces: int) -> bool:
-    """Whether the state pass runs context-parallel: where its plain grid would hold fewer than FEW_PROGRAMS programs
-    at its widest dv block (each walking a whole sequence) and some sequence has at least 4 segments of
-    segment_pieces pieces (0: never)."""
-    n = plan.split_for_seqs or plan.num_seqs
-    return bool(segment_pieces) and n * hv * cdiv(dv, min(STATE_BV, dv)) < FEW_PROGRAMS and \
-        plan.seq_pieces >= 3 * segment_pieces + 1
-
-
-def _context_parallel(ws, plan: VarlenPlan, recurrent_states, h, v_new, segment: int, meta: dict):
-    """The state pass over segments of `segment` pieces (each sequence's own, numbered through the batch): each
-    segment's transition M and end state E from zero ([M | E], all segments at once), a scan of the states through
-    each sequence's segments (S = M S + E; the final one into its slot), then each segment's chain again from its
-    start state, storing h and v_new (and a snapshot cut's state)."""
-    w, u, kd, gcum = ws
-    n, hv, dk, dv = plan.num_seqs, u.shape[1], w.shape[2], u.shape[2]
     snapshot = plan.snapshots
-    cuts = plan.cuts_dev if snapshot else plan.first_chunk
-    segs = plan.chunks.shape[0] // segment + n  # a bound: sum_i ceil(pieces_i / L) <= pieces // L + N
-    me = plan.buffer("segment_me", (segs, hv, dk, dk + dv), torch.float32)
-    starts = plan.buffer("segment_starts", (segs, hv, dk, dv), torch.float32)
-    common = dict(**meta, SNAPSHOT=snapshot, L=segment, SEQS=next_power_of_2(n), num_stages=STATE_STAGES)
-    bv = state_block(plan.chunks.shape[0] // segment, hv, dv)
-    _segment_transition_kernel[(segs, hv, cdiv(dk + dv, bv))](
-        w, u, kd, gcum, plan.cu32, cuts, me, n, BV=bv, **common)
-    _segment_scan_kernel[(n, hv, cdiv(dv, bv))](
-        me, plan.cu32, cuts, plan.state_slots, recurrent_states, starts, n, BV=bv, **common)
-    _segment_state_kernel[(segs, hv, cdiv(dv, bv))](
-        w, u, kd, gcum, plan.cu32, plan.first_chunk, cuts, plan.snapshot_slots if snapshot else plan.state_slots,
-        recurrent_states, starts, h, v_new, n, BV=bv, **common)
+    _chunk_state_kernel[(n, hv, cdiv(dv, bv))](  # slots of either int type: the kernel widens them
+        w, u, kd, gcum, plan.cu32, plan.first_chunk, plan.cuts_dev if snapshot else plan.first_chunk,
+        plan.state_slots, plan.snapshot_slots if snapshot else plan.state_slots, recurrent_states, h, v_new,
+        **{k: common[k] for k in ("HV", "DK", "DV", "BT", "BK", "PREC", "num_warps")}, BV=bv,
+        SNAPSHOT=snapshot, num_stages=STATE_STAGES)
+    return h, v_new
 
 
 def state_block(n: int, hv: int, dv: int) -> int:

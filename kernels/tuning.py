@@ -64,14 +64,9 @@ class KernelTuning:
     # prefill's 64 x 128 tiles at 4 stages take 1024 rows from 1560 to 953 us and 8192 from 2840 to 2444.
     moe_decode: MoeTiles = MoeTiles(16, 32, 128, 4, 4)
     moe_prefill: MoeTiles = MoeTiles(64, 128, 64, 4, 4)
-    # The GDN state pass splits a long sequence into segments of this many 64-token pieces when its plain grid would
-    # leave the card short of programs (kernels.gdn_prefill.context_segments); 0: never. Predicted (FINDINGS, GDN
-    # prefill): 1 x 32768 at H16, 512 pieces through 128 programs, goes to 32 segments x 16 pieces.
-    gdn_segment_pieces: int = 16
 
     def __post_init__(self):
-        for name in ("tma_min_bytes", "tma_gated_min_k", "fused_norm_max_k", "chain_pause_bytes",
-                     "gdn_segment_pieces"):
+        for name in ("tma_min_bytes", "tma_gated_min_k", "fused_norm_max_k", "chain_pause_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")

@@ -153,9 +153,6 @@ class VarlenPlan:
     # the sequences the GDN state pass sizes its dv split for (kernels.gdn_prefill.state_block); 0: num_seqs. A
     # device plan's grid has room for max_seqs, but its latency case is one returning turn
     split_for_seqs: int = 0
-    # the most pieces of one sequence (a device plan: of any batch it covers), which sizes the GDN state pass's
-    # context-parallel segments (kernels.gdn_prefill.context_segments)
-    seq_pieces: int = 0
 
     @property
     def snapshots(self) -> bool:
@@ -199,11 +196,9 @@ def plan_varlen(cu_seqlens: torch.Tensor, total: int, state_slots: torch.Tensor,
     chunks, first_chunk = token_chunks(cu, dev, cuts)
     plain = token_chunks(cu, dev)[0] if cuts else chunks
     cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    pieces = max((-(-(e - s) // CHUNK) + (1 if cut else 0) for s, e, cut in zip(cu, cu[1:], cuts or [0] * len(cu))),
-                 default=0)
     return VarlenPlan(cu_seqlens, state_slots, snapshot_slots if cuts else None, len(cu) - 1, cu[-1], chunks,
                       first_chunk, plain, cu32, host_ints(tuple(snapshot_offsets), dev) if cuts else None,
-                      host_ints(cuts, dev) if cuts else None, seq_pieces=pieces)
+                      host_ints(cuts, dev) if cuts else None)
 
 
 def plan_for(plan: VarlenPlan | None, cu_seqlens, total: int, state_slots, device: torch.device, *,
@@ -259,7 +254,7 @@ class DeviceBatch:
         pieces = max_pieces(rows, self.max_seqs)
         return VarlenPlan(self.cu_seqlens, self.state_slots, self.snapshot_slots, self.max_seqs, rows,
                           self.chunks[:pieces], self.first_chunk, self.plain_chunks[:pieces], self.cu_seqlens,
-                          self.offsets, self.cuts, self.buffers, split_for_seqs=1, seq_pieces=-(-rows // CHUNK) + 1)
+                          self.offsets, self.cuts, self.buffers, split_for_seqs=1)
 
     def build(self, rows: int) -> None:
         """Lay out plan(rows)'s piece tables from the filled batch (one launch)."""

@@ -5,8 +5,7 @@
    not, B1 S16k H16/KV4 and B1 S32k H8/KV2 d256 causal; then a d64 GQA row), with each FA4 flag on its own (the
    rescale threshold, the polynomial exp2 fraction), so the table shows what each idea is worth.
    FLOPs: 4 * Sq * Sk * H * D, halved for causal.
-2. The chunked Gated DeltaNet prefill (kernels/gdn_prefill.py) in Mtok/s against fla's chunk_gated_delta_rule,
-   each pass alone, and the state pass and the call without context parallelism (gdn_segment_pieces 0) beside them.
+2. The chunked Gated DeltaNet prefill (kernels/gdn_prefill.py) in Mtok/s against fla's chunk_gated_delta_rule.
 3. `--only sustained`: the CuTe kernel and flash-attn-4 each alone for seconds, with the SM clock and power each
    settles at (near the power cap the clock depends on the kernel; the paired ratios of `--only cute` share one).
 Writes prefill.json to --out.
@@ -19,7 +18,6 @@ import argparse
 import functools
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
@@ -175,10 +173,6 @@ def bench_gdn_case(batch, seqlen, heads, dk=128, dv=128, fla=True):
     row.update({f"{p.__name__}_us": bench_us(p) for p in passes})  # wy_us, state_us, output_us
     with mock.patch.dict(G.WY_MAXNREG, {BF16: 255}):  # the WY pass at one CTA an SM (the default cap is 128)
         row["wy_maxnreg255_us"] = bench_us(passes[0])
-    from kernels import registry
-    with registry.use(tuning=replace(registry.tuning(), gdn_segment_pieces=0)):  # the state pass without segments
-        row["plain_state_us"] = bench_us(passes[1])
-        row["plain_total_us"] = bench_us(lambda: ours(cu_host))
     if not fla:
         return row
     try:
@@ -336,8 +330,7 @@ def main(argv=None):
         result["gdn_prefill"] = [progress(bench_gdn_case(*c)) for c in GDN_CASES]
         print("\nGated DeltaNet chunked prefill, dk = dv = 128 (Mtok/s; each pass alone in us)")
         print_table(result["gdn_prefill"], ["B", "T", "H", "ours_Mtok_s", "fla_Mtok_s", "vs_fla", "total_us", "wy_us",
-                                            "state_us", "output_us", "plain_state_us", "plain_total_us",
-                                            "wy_maxnreg255_us", "device_read_us"])
+                                            "state_us", "output_us", "wy_maxnreg255_us", "device_read_us"])
     if "attention" in parts:
         result["attention"] = [progress(bench_attention_case(
             *c, variants=FLAG_VARIANTS if i in ABLATION_CASES else MAIN_VARIANTS)) for i, c in enumerate(ATTN_CASES)]

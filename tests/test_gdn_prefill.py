@@ -454,15 +454,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from kernels import gdn_prefill as G
 common = dict(HV=32, GROUP=2, DK=128, DV=128, BT=64, BK=128, L2NORM=True, SNAPSHOT=True, GATE=True,
-              RAW_GATES=True, L=16, SEQS=16)
-fp32 = ("g_ptr", "beta_ptr", "gcum_ptr", "state_ptr", "scratch_ptr", "me_ptr", "starts_ptr")
+              RAW_GATES=True)
+fp32 = ("g_ptr", "beta_ptr", "gcum_ptr", "state_ptr", "scratch_ptr")
 one = lambda bv, stages: [triton.Config({"BV": bv}, num_warps=8, num_stages=stages)]
 for io, prec in (("bf16", "tf32"), ("fp32", "ieee")):
     for kern, configs in ((G._chunk_wy_kernel, one(128, 1)), (G._chunk_state_kernel, one(G.STATE_BV, G.STATE_STAGES)),
-                          (G._chunk_output_kernel, one(G.OUTPUT_BV, 1)),
-                          (G._segment_transition_kernel, one(G.STATE_BV, G.STATE_STAGES)),
-                          (G._segment_scan_kernel, one(G.STATE_BV, G.STATE_STAGES)),
-                          (G._segment_state_kernel, one(G.STATE_BV, G.STATE_STAGES))):
+                          (G._chunk_output_kernel, one(G.OUTPUT_BV, 1))):
         fn = kern.fn if isinstance(kern, triton.runtime.Autotuner) else kern  # the JITFunction
         for cfg in configs:
             const = {n: v for n, v in dict(common, PREC=prec, **cfg.kwargs).items() if n in fn.arg_names}
@@ -478,17 +475,15 @@ for io, prec in (("bf16", "tf32"), ("fp32", "ieee")):
 
 
 def test_kernels_fit_sm90_shared_memory():
-    """The interpreter skips Triton's compiler: compile the three kernels and the context-parallel state pass's
-    three for sm_90a at Qwen3.5's shapes (dk = dv = 128) with the launcher's configs, and check each fits the 227 KB
-    of shared memory an SM gives one CTA."""
+    """The interpreter skips Triton's compiler: compile the three kernels for sm_90a at Qwen3.5's shapes
+    (dk = dv = 128) with the launcher's configs, and check each fits the 227 KB of shared memory an SM gives one CTA."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line.split() for line in run.stdout.splitlines()]
-    kernels = {"_chunk_wy_kernel", "_chunk_state_kernel", "_chunk_output_kernel", "_segment_transition_kernel",
-               "_segment_scan_kernel", "_segment_state_kernel"}
+    kernels = {"_chunk_wy_kernel", "_chunk_state_kernel", "_chunk_output_kernel"}
     assert {row[0].split(":")[0] for row in rows} == kernels and len(rows) == 2 * len(kernels), run.stdout
     for name, smem in rows:
         assert int(smem) <= 227 * 1024, f"{name}: {smem} bytes of shared memory"
@@ -528,53 +523,6 @@ def test_snapshot_inside_a_chunk(backend, dtype, lens, offsets, slots, snap_slot
     touched = set(slots.tolist()) | {int(snap_slots[i]) for i in first}
     untouched = [s for s in range(n_slots) if s not in touched]
     assert torch.equal(args[9][untouched], plain[9][untouched]), "slots outside the step changed"
-
-
-@pytest.mark.parametrize("lens, offsets", [
-    ([449, 5, 700], None),
-    ([449, 5, 700], (128, 0, 300)),  # a cut at a segment's start (2 pieces of 64) and one inside a piece
-    ([390, 640], (1, 577)),  # a cut in the first piece, and one that leaves a sequence 1 + 10 pieces
-])
-def test_context_parallel_state_pass_equals_the_plain_one(lens, offsets):
-    """The state pass split into segments of 2 pieces (KernelTuning.gdn_segment_pieces; each segment's transition
-    and end state from zero, a scan through the segments, the chains again from their starts) gives the plain pass's
-    output, final states and snapshot states (fp32), and the recurrent oracle's."""
-    from dataclasses import replace
-
-    from kernels import registry
-    hk, hv, d = 1, 2, 16
-    n = len(lens)
-    gen = torch.Generator().manual_seed(31)
-    q, k, v, g, beta, cu, pool, slots = make_inputs(gen, lens, hk, hv, d, d, torch.float32, 2 * n + 2)
-    # weak decay and small betas: a segment's start state still shows at its end (the model's gates forget it
-    # within a few tokens, so a scan that dropped M S would pass)
-    g = -0.01 * torch.rand(g.shape, generator=gen).to(DEVICE)
-    beta = (0.05 + 0.1 * torch.rand(beta.shape, generator=gen)).to(DEVICE)
-    snap_slots = torch.tensor([s for s in range(2 * n + 2) if s not in slots.tolist()][:n], device=DEVICE)
-    snaps = dict(snapshot_offsets=offsets, snapshot_slots=snap_slots if offsets else None)
-    runs = {}
-    for pieces in (0, 2):
-        states = pool.clone()
-        with registry.use(tuning=replace(registry.tuning(), gdn_segment_pieces=pieces)):
-            plan = gdn_prefill.plan_varlen(cu, sum(lens), slots, snapshot_offsets=offsets,
-                                           snapshot_slots=snaps["snapshot_slots"])
-            assert gdn_prefill.context_parallel(plan, hv, d, pieces) == bool(pieces)
-            o = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_states=states, state_slots=slots, cu_seqlens=cu,
-                                       **snaps)
-        runs[pieces] = (o, states)
-    (o_plain, s_plain), (o_cp, s_cp) = runs[0], runs[2]
-    assert_close(o_cp, o_plain, 1e-5, "output")
-    assert_close(s_cp, s_plain, 1e-5, "every slot (final and snapshot states; the others untouched)")
-    ref_o, ref_s = R.recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool[slots], cu_seqlens=cu)
-    assert_close(o_cp, ref_o, 1e-4, "output against the recurrence")
-    assert_close(s_cp[slots], ref_s, 1e-4, "final states against the recurrence")
-    for i, off in enumerate(offsets or ()):
-        if off:
-            start = cu[i].item()
-            _, want = R.recurrent_gated_delta_rule(*(t[start:start + off] for t in (q, k, v, g, beta)),
-                                                   initial_state=pool[slots[i:i + 1]],
-                                                   cu_seqlens=torch.tensor([0, off], device=DEVICE))
-            assert_close(s_cp[snap_slots[i]], want[0], 1e-4, f"sequence {i}: snapshot after {off} tokens")
 
 
 def test_compile_variants_runs_every_state_block_and_keeps_the_states(monkeypatch):
