@@ -13,8 +13,11 @@ the eager call would use into `kv_splits`).
 Graphs are keyed by (rows, seqs): the row bucket, and 1 or max_seqs sequences. A one-sequence graph's attention
 launches one program per (M-block, KV head, split); a graph of several sequences launches a work list
 (captured_work_grid): its programs take the step's real (sequence, M-block, split) triples in turn and the rest
-exit, so that its grid is not every sequence padded to the longest (tens of thousands of programs at 16 sequences
-of 8k rows). Each program computes what the eager call's program of the same triple computes.
+exit, so that its grid is not every sequence padded to the longest. Each program computes what the eager call's
+program of the same triple computes where the eager call plans the graph's tile (its longest sequence's M-block and
+the kernel variant; otherwise the sums are the same, rounded in another order). Both hold attention only where the
+router's choice for the key captures: for max_seqs sequences the split-KV kernel takes buckets of up to 512 rows,
+and larger ones go to a prefill forward, which runs eagerly between segments.
 
 Stretch i (0 <= i <= L, for L layers) ends where layer i's mixer core begins:
     stretch 0:      RoPE of the positions, embed(tokens) -> layer 0's mixer_in
@@ -124,6 +127,7 @@ class PrefillGraphs:
         hold_plan(gdn, b.plan(rows))
         attention = replace(gdn, cu_seqlens=b.cu_seqlens[:seqs + 1], seqused_k=self.seqused_k[:seqs],
                             page_table=self.page_table[:seqs], cos=self.cos[:rows], sin=self.sin[:rows],
+                            # before _plan sizes the grids, the key is only routed (_captured): any grid will do
                             kv_splits=self.grids.get((rows, seqs), CapturedGrid(1, self.kv_splits)), plans={})
         return {"linear_attention": gdn, "full_attention": attention}
 
@@ -173,7 +177,7 @@ class PrefillGraphs:
 
     def _plan(self, pools: CachePools) -> None:
         """Each key's segments and attention splits (what the router takes at the captured steps)."""
-        self.pools = pools
+        self.pools, self.grids = pools, {}
         keys = [(rows, seqs) for rows in reversed(self.buckets) for seqs in self.variants]
         captured = {}
         if ops.get_backend() == "triton":  # Triton's kernels: imported only where they run (no Triton on a CPU)

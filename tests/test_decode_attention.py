@@ -137,23 +137,25 @@ def test_splits_on_the_device_equal_that_many_splits():
         assert_close(on_device, ref, dtype, f"kv_splits {k} of 6")
 
 
-@pytest.mark.parametrize("q_lens,group", [((1, 40, 2, 13), 2), ((5, 1, 33), 4), ((40, 3), 1)])
+@pytest.mark.parametrize("q_lens,group", [((1, 40, 2, 13), 2), ((5, 1, 33), 4), ((40, 3), 1),
+                                          ((0, 37, 1, 50, 0, 0), 2)])  # two big sequences of several M-blocks
 def test_a_work_list_equals_the_eager_grid_bit_for_bit(q_lens, group):
     """A work-list launch (a prefill graph of several sequences: programs take the real (sequence, M-block, split)
     triples in turn, the rest exit) equals the eager grid of the same splits bit for bit, and the reference, with
     decode rows beside chunks (the short launch) and programs to spare or none; too few programs are refused."""
     dtype, d, kv, page = torch.float32, 64, 2, 16
     h = kv * group
-    lens = [q + c for q, c in zip(q_lens, (70, 300, 5, 129))]
+    lens = [q + c for q, c in zip(q_lens, (70, 300, 5, 129, 40, 2))]
     k_pages, v_pages, table, seqused = make_cache(lens, kv, d, page, dtype, seed=21 + group)
     cu = _ints([0, *torch.tensor(q_lens).cumsum(0).tolist()])
     q = randn(sum(q_lens), h, d, dtype=dtype, seed=22)
     gate = randn(*q.shape, dtype=dtype, seed=23)
     ref = reference(q, k_pages, v_pages, table, seqused, gate, cu_seqlens_q=cu)
-    # the graph plans at its row bucket (64), the eager call at the longest sequence: the same 64-row tile here
+    # the graph plans at its row bucket (64), the eager call at the longest sequence: the same 64-row tile here;
+    # sequences without tokens (a graph's lanes past its step) have no items
     args = dict(cu_seqlens_q=cu, max_seqlen_q=64, gate=gate)
     items = work_items(q_lens, group, d, 4, 64)
-    assert items[0] >= 1 and items[1] == sum(q <= 32 // group for q in q_lens)  # 32: SHORT_ROWS
+    assert items[0] >= 1 and items[1] == sum(1 <= q <= 32 // group for q in q_lens)  # 32: SHORT_ROWS
     for used in (1, 3):
         eager = paged_decode_attention(q, k_pages, v_pages, table, seqused, num_splits=used, **args)
         for spare in (0, 5):
@@ -171,19 +173,27 @@ def test_a_work_list_equals_the_eager_grid_bit_for_bit(q_lens, group):
                                work_programs=short, **args)
 
 
-def test_a_captured_work_grid_holds_every_step_of_its_bucket():
-    """captured_work_grid's programs hold items x splits of the steps it sizes (2..16 sequences of 65..128 tokens),
-    and at least one split of any step of the bucket; it is far below the eager grid padded to the longest."""
+@pytest.mark.parametrize("rows,low", [(128, 64), (512, 256)])
+def test_a_captured_work_grid_holds_every_step_of_its_bucket(rows, low):
+    """captured_work_grid's programs hold items x splits of every step of its bucket whose longest sequence takes
+    the chunk plan (random steps of 2..16 sequences, at power-of-two key bounds and the capacity, 16 sequences
+    included), at least one split of any step; and far fewer programs than the eager grid padded to the longest."""
     k_pages = torch.empty(1, 16, 2, 256, dtype=torch.bfloat16).expand(1034, -1, -1, -1)
-    splits, big, short = captured_work_grid(16, range(65, 129), 8, k_pages, 1034, torch.device("cpu"))
-    for seqs, q_lens in ((2, (64, 64)), (3, (100, 20, 8)), (16, (8,) * 15 + (8,)), (16, (1,) * 15 + (113,))):
-        items = work_items(q_lens, 4, 256, 2, 128)
-        assert items[0] <= big and items[1] <= short, (q_lens, items)
-        for b in (1 << 10, 1034 * 16):
-            s = step_splits(seqs, max(q_lens), 8, k_pages, b, torch.device("cpu"))
-            if max(q_lens) * 4 > 128 or max(q_lens) > 8:  # the chunk plan: sized exactly
-                assert s <= splits and items[0] * s <= big and items[1] * s <= short, (q_lens, b, s)
-    assert big < 16 * 4 * splits  # 16 sequences x 4 M-blocks of the longest, the eager grid
+    cpu = torch.device("cpu")
+    splits, big, short = captured_work_grid(16, range(low + 1, rows + 1), 8, k_pages, 1034, cpu)
+    gen = torch.Generator().manual_seed(rows)
+    for _ in range(300):
+        seqs = int(torch.randint(2, 17, (1,), generator=gen))
+        n = int(torch.randint(max(low + 1, seqs), rows + 1, (1,), generator=gen))
+        cuts = sorted(torch.randperm(n - 1, generator=gen)[:seqs - 1].add(1).tolist())
+        q_lens = [b - a for a, b in zip([0, *cuts], [*cuts, n])]
+        items = work_items(q_lens, 4, 256, 2, rows)
+        assert items[0] <= big and items[1] <= short, q_lens  # one split always fits
+        for bound in (1 << 10, 1 << 12, 1034 * 16):
+            s = step_splits(seqs, max(q_lens), 8, k_pages, bound, cpu)
+            if max(q_lens) > 8:  # the chunk plan (group 4: more than 32 rows): sized exactly
+                assert s <= splits and items[0] * s <= big and items[1] * s <= short, (q_lens, bound, s)
+    assert big < 16 * (rows * 4 // 128) * splits  # 16 sequences x the longest's M-blocks, the eager grid
 
 
 def test_a_captured_grid_holds_the_splits_of_every_step_it_serves():
