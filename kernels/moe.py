@@ -15,12 +15,12 @@ pairs routed elsewhere get nothing here (another rank adds them), as reference.m
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels import registry
 from kernels.host_math import cdiv
+from kernels.linear import linear
 from kernels.registry import DeviceInfo, Impl, device_info, triton_unsupported
 from kernels.tuning import KernelTuning, MoeTiles
 from reference.checks import check_tensor
@@ -162,7 +162,7 @@ def route_and_align(x, router_w, top_k: int, num_local: int, expert_start: int, 
     order is the atomics' (each pair's result is its own row: the output does not depend on it)."""
     n, num_experts = x.shape[0], router_w.shape[0]
     pairs = n * top_k
-    logits = F.linear(x, router_w)
+    logits = linear(x, router_w)  # the routed projection: the Triton GEMV at decode rows (cuBLAS took 5.3 us at 1)
     dev = x.device
     weights = torch.empty(n, top_k, dtype=torch.float32, device=dev)
     ids = torch.empty(max(pairs, 1), dtype=torch.int32, device=dev)
