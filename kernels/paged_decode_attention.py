@@ -48,7 +48,10 @@ CUDA graphs: S (`num_splits`) and the variant/M-blocks are host choices fixed pe
 the page table's capacity); everything length-dependent is computed on the device, and with `out=` and
 `workspace=` given nothing is allocated. Values (seqused_k within the page table's capacity,
 cu_seqlens_q consistent with max_seqlen_q, page ids within the pool) are the caller's contract:
-checking them would need a host sync; lengths are clamped to [0, capacity].
+checking them would need a host sync; lengths are clamped to [0, capacity]. A graph that serves steps of other
+sizes takes its split count on the device (`kv_splits`, at most the grid's S) and, for several sequences, a work
+list (`work_programs`: a fixed number of programs that take the step's real (sequence, M-block, split) triples, sized
+by `captured_work_grid`), so that its grid is not every sequence padded to the longest.
 
 Decode bound (H200): the KV bytes over the ~4.4 TB/s read ceiling:
   B1  32k, H16/KV4, d256: 32768 * 4 * 256 * 2 B * 2 (K, V) = 134 MB -> 30.5 us;
