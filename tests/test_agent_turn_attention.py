@@ -195,11 +195,11 @@ def test_fa4_auto_routes_short_paged_chunks_here():
 SM90_COMPILE = """
 from kernels import paged_decode_attention as P
 from tests.sm90_compile import triton_sm90
-for d in (256,):
+for d, work_seqs in ((256, 0), (256, 16)):  # the eager grid, and a captured work list of 16 sequences
     t = P.plan(64, 4, d, 2)
     const = dict(VARLEN=True, GROUP=4, HEAD_DIM=d, PAGE_SIZE=64, BLOCK_M=t.block_m, BLOCK_N=P.BLOCK_N, DIRECT=False,
                  HAS_GATE=False, RESCALE_THRESHOLD=P.RESCALE_THRESHOLD, DOT_PRECISION="tf32", PDL=True, Q_MIN=9,
-                 Q_MAX=0)
+                 Q_MAX=0, SPLITS_ON_DEVICE=work_seqs > 0, WORK_SEQS=work_seqs)
     arg_type = lambda n: ("*bf16" if n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "gate_ptr") else
                           "*fp32" if n.startswith("ws_") else "*i32" if n.endswith("_ptr") else
                           "fp32" if n == "qk_scale" else "i32")
@@ -209,9 +209,12 @@ for d in (256,):
 
 
 def test_chunk_kernel_compiles_for_sm90():
-    """The interpreter skips Triton's compiler: compile the chunk kernel (M-block 128, bf16, d256) for
-    sm_90a on the CPU and check it fits one CTA's shared memory, uses wgmma and cp.async, and spills little."""
-    for line in compiled_script_output(SM90_COMPILE, timeout=600).strip().splitlines():
+    """The interpreter skips Triton's compiler: compile the chunk kernel (M-block 128, bf16, d256; its eager grid
+    and its work list) for sm_90a on the CPU and check each fits one CTA's shared memory, uses wgmma and cp.async,
+    and spills little."""
+    lines = compiled_script_output(SM90_COMPILE, timeout=600).strip().splitlines()
+    assert len(lines) == 2, lines
+    for line in lines:
         d, smem, wgmma, cp_async, regs, spill = map(int, line.split())
         assert smem <= 227 * 1024 and wgmma > 0 and cp_async > 0, line
         assert regs <= 255 and spill <= 128, f"d{d}: {regs} registers, {spill} bytes spilled"
