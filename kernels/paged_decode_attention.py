@@ -409,11 +409,12 @@ def _work_item(cu_q_ptr, p, num_seqs, GROUP: tl.constexpr, BLOCK_M: tl.constexpr
         mine = mine & (lens <= Q_MAX)
     blocks = tl.where(mine, tl.cdiv(lens * GROUP, BLOCK_M), 0)  # (SEQS,) M-blocks of each sequence here
     ends = tl.cumsum(blocks, 0)
-    items = tl.maximum(tl.sum(blocks, 0), 1)
+    total = tl.sum(blocks, 0)
+    items = tl.maximum(total, 1)
     item = p % items
     b = tl.minimum(tl.sum((ends <= item).to(tl.int32), 0), num_seqs - 1)
     m0 = (item - tl.sum(tl.where(seq < b, blocks, 0), 0)) * BLOCK_M
-    return b, m0, p // items, tl.sum(blocks, 0) > 0
+    return b, m0, p // items, total > 0
 
 
 @triton.jit(do_not_specialize=["num_splits", "capacity", "seqlen_q", "m_blocks", "num_seqs"])
@@ -923,6 +924,11 @@ def step_splits(num_seqs: int, q_len: int, heads: int, k_pages, seqlen_k: int, d
     return tile_splits(tile, num_seqs, kv_heads, seqlen_k, _num_sms(device))
 
 
+def _key_bounds(capacity: int) -> list[int]:
+    """The key bounds a captured grid is sized at: the powers of two below the page tables' capacity, and it."""
+    return [1 << i for i in range(capacity.bit_length()) if 1 << i < capacity] + [capacity]
+
+
 def work_items(q_lens, group: int, head_dim: int, elt_size: int, max_seqlen_q: int) -> tuple[int, int]:
     """(big, short) work items of a chunk-variant call of several sequences of q_lens tokens (host ints) planned at
     max_seqlen_q: the big tile's M-blocks of the sequences its launch takes, and the short launch's sequences (one
@@ -944,8 +950,7 @@ def captured_work_grid(max_seqs: int, q_lens: range, heads: int, k_pages, max_pa
     kv_heads, head_dim, elt = k_pages.shape[2], k_pages.shape[3], k_pages.element_size()
     group, sms, top = heads // kv_heads, _num_sms(device), q_lens[-1]
     block_m = plan(top, group, head_dim, elt).block_m
-    capacity = max_pages * k_pages.shape[1]
-    bounds = [1 << i for i in range(capacity.bit_length()) if 1 << i < capacity] + [capacity]
+    bounds = _key_bounds(max_pages * k_pages.shape[1])
     longest = {}  # each chunk plan of a step's longest sequence: its longest q_len (steps of the decode plan's
     for q in range(1, top + 1):  # sizes run another kernel eagerly, so they do not size the grid)
         tile = plan(q, group, head_dim, elt)
@@ -971,8 +976,7 @@ def captured_splits(num_seqs: int, q_lens: range, heads: int, k_pages, max_pages
     splits), and the grid of its largest ask would be mostly empty programs. Steps of the decode variant's sizes
     (its own kernel eagerly) do not size the grid."""
     kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
-    capacity = max_pages * k_pages.shape[1]
-    bounds = [1 << i for i in range(capacity.bit_length()) if 1 << i < capacity] + [capacity]
+    bounds = _key_bounds(max_pages * k_pages.shape[1])
     tiles = {plan(q, heads // kv_heads, head_dim, k_pages.element_size()) for q in q_lens}
     tiles = {t for t in tiles if t.chunk} or tiles
     return max(tile_splits(t, num_seqs, kv_heads, b, _num_sms(device)) for t in tiles for b in bounds)
