@@ -4,8 +4,8 @@ after the last token it keeps (model.step position_slots; serving.speculative).
 
 Per sequence b with tokens rows [cu[b], cu[b+1]) and state slot s, token t runs the decode step of
 kernels/gdn_decode.py (the conv over its K-tap window, l2-normed q and k, the gates, S = exp(g) S + k (beta (v -
-S^T k))^T, o = S^T q, the gated norm), and then, where position_slots[row] >= 0 (or at the last token, to s), writes
-the state after it: the recurrent state and the conv window's last K-1 taps.
+S^T k))^T, o = S^T q, the gated norm), and then, where position_slots[row] >= 0, writes the state after it there (the
+recurrent state and the conv window's last K-1 taps); the last token's goes to s where it has no position slot.
 
 Design. Grid (Hk, B) as the decode step's: a program owns one key head of one sequence and the Hv / Hk value heads
 that share it, G at a time, and keeps their states in registers across its tokens, so the state is read once and
@@ -104,7 +104,7 @@ def _gdn_verify_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, conv_w_ptr, a_log_ptr, dt_b
                 tl.store(out_ptr + (row * HV + heads[:, None]) * DV + rv[None, :], out.to(out_ptr.dtype.element_ty),
                          mask=v_mask)
                 dst = tl.load(targets_ptr + row)
-                dst = tl.where(t == n - 1, slot, dst).to(tl.int64)
+                dst = tl.where((t == n - 1) & (dst < 0), slot, dst).to(tl.int64)
                 tl.debug_barrier()  # every thread has read the slot's window before the last token overwrites it
                 if dst >= 0:
                     tl.store(state_ptr + dst * (HV * DK * DV) + state_off, s, mask=s_mask)

@@ -269,7 +269,8 @@ def _ref_gated_deltanet_per_position(qkv, z, b, a, conv_w, A_log, dt_bias, norm_
                                      step, num_k_heads, eps):
     """A verify step (step.position_slots): each sequence's tokens through the recurrent form with the state after
     every token, which goes to its position slot where one is given, and to its snapshot slot at its snapshot point
-    (a prefill chunk beside the verify chunks); the last token's to the sequence's slot."""
+    (a prefill chunk beside the verify chunks); the last token's to the sequence's slot where it has no position
+    slot."""
     n, hv, dv = z.shape
     dk = (qkv.shape[1] - hv * dv) // (2 * num_k_heads)
     g, beta = R.gdn_gates(a, b, A_log, dt_bias)
@@ -290,7 +291,7 @@ def _ref_gated_deltanet_per_position(qkv, z, b, a, conv_w, A_log, dt_bias, norm_
             beta[None, rows], initial_state=recurrent_states[slot][None])
         out[rows] = o[0]
         for j, target in enumerate(targets[rows]):
-            dst = slot if j == t - 1 else target
+            dst = target if target >= 0 or j < t - 1 else slot
             if dst >= 0:
                 conv_states[dst] = windows[0, j].to(conv_states.dtype)
                 recurrent_states[dst] = states[0, j]

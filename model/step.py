@@ -37,7 +37,8 @@ class StepInput:
     (a decode step's page-table rows and RoPE rows: kernels.gather_rows, one launch); None: the model embeds token_ids
     position_slots: (N,) int64 or None: a speculative verify step's per-token GDN slots. Where position_slots[i] >= 0,
     the GDN state (conv window and recurrent state) after token i is also written to that slot, so that a step that
-    keeps only the first tokens of a sequence can roll back to the state after its last kept one
+    keeps only the first tokens of a sequence can roll back to the state after its last kept one; a sequence's last
+    token's state goes to its state slot only where its position slot is -1
     kv_splits: a CapturedGrid or None: a captured step's attention launch (serving.prefill_graphs fills its
     device count each step)
     plans: what kernels lay out on the host once for all the step's layers, by kernel (kernels.gdn_prefill.step_plan)

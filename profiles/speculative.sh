@@ -4,8 +4,8 @@
 # MODELS (default 0.8B, 2B and 9B: the verify step's variants and a 32k draft vocab beside the full one); E2E the
 # short agent trace
 # at batch 1, plain and with K = 3 drafts from a 32k draft vocab forced to mean acceptance lengths L (LS, default
-# "3 4"), each over the verify_rows variants (VR, default skinny,gemv) in one process (MODEL, default
-# qwen3.5-2b). Prints the host's CPU model.
+# "3 4"), each over SWEEP (default decode_ahead=0,1: greedy steps launched ahead or not) in one process (MODEL,
+# default qwen3.5-2b). Prints the host's CPU model.
 [ -d /tmp/site/flash_attn ] || tar -xJf .gpu/site.tar.xz -C /tmp
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 nvidia-smi --query-gpu=name --format=csv,noheader; lscpu | grep "Model name"
@@ -26,7 +26,7 @@ if [[ " $RUN " == *" E2E "* ]]; then
   for L in ${LS:-3 4}; do
     timeout 300 python3 -m profiles.bench_serving --model $M --trace short --no-progress --out-dir $OUT/e2e \
       --speculative-tokens 3 --forced-acceptance $L --speculative-draft-vocab 32768 \
-      --sweep verify_rows=${VR:-skinny,gemv} 2>&1 | grep -E "^ +all |speculative|engine:|verify_rows" \
+      --sweep ${SWEEP:-decode_ahead=0,1} 2>&1 | grep -E "^ +all |speculative|engine:|^=== " \
       | tee -a $OUT/e2e.log
   done
 fi

@@ -64,8 +64,8 @@ class EngineConfig:
     not the reference MoE); None: every prefill step (max_num_batched_tokens + max_num_seqs); 0: off.
     speculative_tokens: K in 0..4, the drafts of the model's MTP head that each decode step verifies (serving.
     speculative); 0: off. Needs a model with its MTP head, at world size 1. Greedy decode steps replay CUDA graphs
-    of their own, steps without drafts the prefill graphs; the others run eagerly, with no decode-ahead or
-    interleaved slices.
+    of their own, each launched before the one before it is read (with decode_ahead), steps without drafts the
+    prefill graphs; the others run eagerly, with no decode-ahead or interleaved slices.
     draft_vocab_size: with speculative_tokens, the MTP head drafts among the first N token ids only, 0: all of them.
     The full lm_head is most of a draft's bytes (2B: 248k x 2048, 1 GB); Qwen's byte-level BPE numbers tokens in
     merge order, so the first ids are the common ones. Output stays exact (the target verifies every draft); only

@@ -22,7 +22,7 @@ from serving.prefill_graphs import PrefillGraphs, prefill_graphs_unsupported
 from serving.sampler import TokensInFlight, sample
 from serving.scheduler import Scheduler
 from serving.sequence import SamplingParams, Sequence, SequenceStatus
-from serving.speculative import Speculator, is_verify
+from serving.speculative import DeviceStep, Speculator, is_verify, position_slots_each
 from serving.state_cache import StateSnapshotCache
 from serving.token_ring import GreedyTokens
 from serving.tp_link import leader_link
@@ -79,9 +79,10 @@ class LLMEngine:
         self.cfg = cfg
         k = cfg.speculative_tokens
         mtp_layers = model.config.mtp_num_hidden_layers if k else 0
-        # slots: the running sequences', the snapshots', K position slots a running sequence and K for the padding
+        each = position_slots_each(k) if k else 0
+        # slots: the running sequences', the snapshots', position slots for each running sequence and the padding
         # (speculating), and the last one, which is padding's (as is the last page)
-        num_slots = cfg.max_num_seqs * (1 + k) + cfg.snapshot_slots + k + 1
+        num_slots = cfg.max_num_seqs * (1 + each) + cfg.snapshot_slots + each + 1
         # tensor parallel: rank 0 sends each step to the workers (serving.tp_link), whose engines only hold the
         # pools and the runner; every rank's pools hold its own heads (model.cache_config). None at TP=1.
         self.link = leader_link(model)
@@ -129,7 +130,7 @@ class LLMEngine:
         if prefill_graphs is not None:
             self.graphs += f"; prefill graphs up to {prefill_graphs.buckets[-1]} tokens"
         self.pool_summary = (describe_pools(model, cfg.num_pages, cfg.page_size, cfg.max_num_seqs, cfg.snapshot_slots,
-                                            k, mtp_layers)
+                                            each, mtp_layers)
                              + f"; max_model_len {cfg.max_model_len}; {self.graphs}")
         if k:
             graphs = f"graphs at batch {list(self.speculator.graphs)}" if self.speculator.graphs else "eager"
@@ -142,7 +143,9 @@ class LLMEngine:
         self.last_step = StepPhases()  # the phases of the last step that ran
         self._wait_ms = 0.0  # the running step's StepPhases.wait_ms
         self._seeds = torch.Generator().manual_seed(cfg.seed)
-        self._ahead: tuple | None = None  # a decode step launched ahead (EngineConfig.decode_ahead), unread
+        # a decode step launched ahead (EngineConfig.decode_ahead), unread: what _take_tokens reads (speculating, a
+        # DeviceStep)
+        self._ahead: tuple | DeviceStep | None = None
         self.num_ahead_steps = 0
 
     def close(self) -> None:
@@ -164,9 +167,10 @@ class LLMEngine:
         sizing = None
         if by_memory:
             k = cfg.speculative_tokens
+            each = position_slots_each(k) if k else 0
             num_pages, snapshot_slots, sizing = pages_for_memory(
                 model, utilization=cfg.gpu_memory_utilization, page_size=cfg.page_size,
-                num_slots=cfg.max_num_seqs * (1 + k) + k + 1, max_model_len=max_len,
+                num_slots=cfg.max_num_seqs * (1 + each) + each + 1, max_model_len=max_len,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
                 state_cache_fraction=cfg.state_cache_fraction, state_cache_gb=cfg.state_cache_gb,
                 graph_rows=cfg.prefill_graph_rows() if cfg.cuda_graphs else 0,
@@ -210,9 +214,9 @@ class LLMEngine:
         the prefill's layer slices (its outputs then hold several tokens of a sequence, in order). With
         EngineConfig.decode_ahead, a decode step of every running sequence launches the next before its tokens
         are read, and the next call completes that one (`_step_ahead`)."""
-        if self.speculator is not None:
-            return self._step_speculative()
         try:
+            if self.speculator is not None:
+                return self._step_speculative()
             return self._step_ahead() if self._ahead is not None else self._step()
         except BaseException:
             self._ahead = None  # a failed step's work in flight is not trusted
@@ -244,7 +248,10 @@ class LLMEngine:
     def _step_speculative(self) -> list[StepOutput]:
         """A step with MTP speculation (serving.speculative): the trunk over the chunks (verify chunks: a sequence's
         last token and its drafts), acceptance, the MTP head's rows and the rollback, the commit of the kept tokens,
-        then the next drafts of the sequences still running."""
+        then the next drafts of the sequences still running. A greedy step of every running sequence on the device
+        launches the next one before its results are read (EngineConfig.decode_ahead); the next call completes it."""
+        if self._ahead is not None:
+            return self._device_step_ahead()
         t0 = time.perf_counter()
         self._wait_ms = 0.0
         chunks = self.scheduler.schedule()
@@ -253,43 +260,93 @@ class LLMEngine:
             return []
         t1 = time.perf_counter()
         spec = self.speculator
-        device_drafts = None
         if spec.on_device(chunks):  # greedy decodes: the whole step on the device, one read
-            targets, lengths, device_drafts = spec.greedy_step(chunks)
+            launched = spec.launch(chunks)
+            self._ahead = self._launch_device_ahead(launched)
             t2 = time.perf_counter()
-            emitted = [self._until_stop(c.seq, t[:n]) for c, t, n in zip(chunks, targets, lengths)]
-            kept = [len(e) for e in emitted]
-            for c, n, length in zip(chunks, kept, lengths):
-                if n < length:  # a stop token among the kept drafts: the state after it, not after L tokens
-                    spec.roll_back(c.seq, n)
-            heads = []
-        else:
-            verified = spec.verify(chunks)
-            t2 = time.perf_counter()
-            emitted = [self._until_stop(c.seq, tokens) for c, tokens in zip(chunks, spec.accept(chunks, verified))]
-            kept = [len(e) if is_verify(c) else c.num_tokens for c, e in zip(chunks, emitted)]
-            heads = spec.advance(chunks, kept, emitted, verified)
+            outputs, commit_ms = self._take_device_step(launched)
+            self.last_step = StepPhases(1e3 * (t1 - t0), 1e3 * (t2 - t1), commit_ms,
+                                        1e3 * (time.perf_counter() - t2) - commit_ms, 0, len(chunks), 1,
+                                        wait_ms=self._wait_ms)
+            return outputs
+        verified = spec.verify(chunks)
+        t2 = time.perf_counter()
+        emitted = [self._until_stop(c.seq, tokens) for c, tokens in zip(chunks, spec.accept(chunks, verified))]
+        kept = [len(e) if is_verify(c) else c.num_tokens for c, e in zip(chunks, emitted)]
+        heads = spec.advance(chunks, kept, emitted, verified)
         t3 = time.perf_counter()
         for c, tokens in zip(chunks, emitted):
             c.seq.output_ids.extend(tokens)
         self.scheduler.commit([ScheduledChunk(c.seq, n) for c, n in zip(chunks, kept)],
-                              {c.seq.id: spec.position_slots(c.seq.state_slot) for c in chunks if c.drafts})
+                              {c.seq.id: spec.position_slots(c.seq.state_slot)[:len(c.drafts)] for c in chunks})
         t4 = time.perf_counter()
-        outputs = []
-        for c, tokens in zip(chunks, emitted):
-            for i, token in enumerate(tokens):
-                reason = self._stop_reason(c.seq, token) if i == len(tokens) - 1 else None
-                if reason is not None:
-                    self.scheduler.finish(c.seq, reason)
-                outputs.append(StepOutput(c.seq.id, token, reason is not None))
-        if device_drafts is not None:
-            running = [(c.seq, d) for c, d in zip(chunks, device_drafts) if c.seq.status is SequenceStatus.RUNNING]
-            spec.set_drafts([seq for seq, _ in running], [d for _, d in running])
+        outputs = self._emit([c.seq for c in chunks], emitted)
         spec.draft([h for h in heads if h.seq.status is SequenceStatus.RUNNING])
         t5 = time.perf_counter()
         decodes = sum(is_verify(c) for c in chunks)
         self.last_step = StepPhases(1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t4 - t3), 1e3 * (t3 - t2 + t5 - t4),
                                     sum(c.num_tokens for c in chunks if not is_verify(c)), decodes, int(bool(decodes)))
+        return outputs
+
+    def _launch_device_ahead(self, step: DeviceStep) -> DeviceStep | None:
+        """The greedy step after `step`, launched before step is read, where every running sequence is in it and none
+        waits to be admitted (EngineConfig.decode_ahead; not with the replace_drafts test hook, which changes drafts
+        on the host). A sequence that stops at `step` wasted its rows of it."""
+        sched, spec = self.scheduler, self.speculator
+        if (not self.cfg.decode_ahead or spec.replace_drafts is not None or sched.waiting
+                or len(step.seqs) != len(sched.running)
+                or any(s.status is not SequenceStatus.RUNNING for s in step.seqs)):
+            return None
+        ahead = spec.launch_ahead(step)
+        self.num_ahead_steps += ahead is not None
+        return ahead
+
+    def _device_step_ahead(self) -> list[StepOutput]:
+        """Complete the greedy step launched ahead: launch the next one ahead of it (its sequences all still
+        running), then read it."""
+        t0 = time.perf_counter()
+        self._wait_ms = 0.0
+        step, self._ahead = self._ahead, None
+        self._ahead = self._launch_device_ahead(step)
+        t1 = time.perf_counter()
+        outputs, commit_ms = self._take_device_step(step)
+        self.last_step = StepPhases(0.0, 1e3 * (t1 - t0), commit_ms, 1e3 * (time.perf_counter() - t1) - commit_ms,
+                                    0, len(step.seqs), 1, ahead=True, wait_ms=self._wait_ms)
+        return outputs
+
+    def _take_device_step(self, step: DeviceStep) -> tuple[list[StepOutput], float]:
+        """Read a greedy step and apply it to its sequences still running: the tokens they keep (up to a stop), the
+        commit (page-boundary snapshots from the step's position slots: a step launched ahead writes the other set
+        and the state slot), the outputs and the next drafts. Returns the outputs and the commit's milliseconds."""
+        spec = self.speculator
+        t0 = time.perf_counter()
+        targets, lengths, drafts = spec.read(step)
+        self._wait_ms += 1e3 * (time.perf_counter() - t0)
+        live = [i for i, s in enumerate(step.seqs) if s.status is SequenceStatus.RUNNING]
+        seqs = [step.seqs[i] for i in live]
+        emitted = [self._until_stop(step.seqs[i], targets[i][:lengths[i]]) for i in live]
+        for seq, tokens in zip(seqs, emitted):
+            seq.output_ids.extend(tokens)
+        t1 = time.perf_counter()
+        self.scheduler.commit([ScheduledChunk(seq, len(e)) for seq, e in zip(seqs, emitted)],
+                              {seq.id: spec.position_slots(seq.state_slot, step.half) for seq in seqs})
+        commit_ms = 1e3 * (time.perf_counter() - t1)
+        outputs = self._emit(seqs, emitted)
+        running = [(seq, drafts[i]) for seq, i in zip(seqs, live) if seq.status is SequenceStatus.RUNNING]
+        spec.set_drafts([seq for seq, _ in running], [d for _, d in running])
+        if self._ahead is not None and not any(s.status is SequenceStatus.RUNNING for s in self._ahead.seqs):
+            self._ahead = None  # every sequence of the step ahead stopped: nothing of it is read
+        return outputs, commit_ms
+
+    def _emit(self, seqs: list[Sequence], emitted: list[list[int]]) -> list[StepOutput]:
+        """The step's outputs, each sequence's tokens in order; a sequence whose last token ends it finishes."""
+        outputs = []
+        for seq, tokens in zip(seqs, emitted):
+            for i, token in enumerate(tokens):
+                reason = self._stop_reason(seq, token) if i == len(tokens) - 1 else None
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                outputs.append(StepOutput(seq.id, token, reason is not None))
         return outputs
 
     def _until_stop(self, seq: Sequence, tokens: list[int]) -> list[int]:

@@ -451,15 +451,15 @@ def pages_for_memory(model: Qwen35ForCausalLM, *, utilization: float, page_size:
 
 
 def describe_pools(model: Qwen35ForCausalLM, num_pages: int, page_size: int, running_slots: int,
-                   snapshot_slots: int, num_drafts: int = 0, mtp_layers: int = 0) -> str:
+                   snapshot_slots: int, position_slots_each: int = 0, mtp_layers: int = 0) -> str:
     """The pools, for the start-up log: the GDN slots as running_slots (max_num_seqs), snapshot_slots and, speculating,
-    num_drafts position slots a running sequence and the padding's, plus the padding's one slot."""
+    position_slots_each position slots a running sequence and the padding's, plus the padding's one slot."""
     slot = state_slot_bytes(model)
     kv = num_pages * kv_page_bytes(model, page_size, mtp_layers)
-    position = (running_slots + 1) * num_drafts
+    position = (running_slots + 1) * position_slots_each
     st = (running_slots + snapshot_slots + position + 1) * slot
     mtp = ", with the MTP head's layer" if mtp_layers else ""
-    positions = f", position_slots {position}" if num_drafts else ""
+    positions = f", position_slots {position}" if position_slots_each else ""
     return (f"KV pool {num_pages} pages x {page_size} = {num_pages * page_size} tokens ({kv / 2**30:.2f} GiB{mtp}); "
             f"GDN state running_slots {running_slots}, snapshot_slots {snapshot_slots}{positions} (+1 padding; "
             f"{st / 2**30:.2f} GiB, {slot / 2**20:.1f} MiB each)")

@@ -254,7 +254,7 @@ class Scheduler:
     def commit(self, chunks: list[ScheduledChunk], position_slots: dict[int, list[int]] | None = None) -> None:
         """The model computed the chunks: advance, publish full pages, snapshot at page boundaries. position_slots
         (a speculative step): by sequence id, the slots that hold its state after each of the chunk's first tokens,
-        where a page boundary inside the chunk takes its snapshot from."""
+        where a page boundary at those tokens takes its snapshot from (past them: the state slot)."""
         ps = self.page_size
         for c in chunks:
             seq, start = c.seq, c.start
@@ -263,12 +263,13 @@ class Scheduler:
             if seq.pending_snapshot_slot is not None:  # the step wrote the state at the point inside the chunk
                 self._publish(seq, seq.pending_snapshot_slot, seq.pending_snapshot_tokens)
                 seq.pending_snapshot_slot = None
-            slots = position_slots.get(seq.id) if position_slots else None
-            if slots:
-                for boundary in range((start // ps + 1) * ps, seq.num_computed_tokens, ps):
-                    self._snapshot(seq, boundary, slots[boundary - start - 1])
-            if seq.num_computed_tokens % ps == 0:
-                self._snapshot(seq, seq.num_computed_tokens, seq.state_slot)
+            slots = position_slots.get(seq.id, ()) if position_slots else ()
+            for boundary in range((start // ps + 1) * ps, seq.num_computed_tokens + 1, ps):
+                j = boundary - start - 1  # the state after the chunk's first j + 1 tokens
+                if j < len(slots):
+                    self._snapshot(seq, boundary, slots[j])
+                elif boundary == seq.num_computed_tokens:
+                    self._snapshot(seq, boundary, seq.state_slot)
 
     def _snapshot(self, seq: Sequence, n: int, slot: int) -> None:
         """At a page boundary n, whose state is in slot: a published snapshot inside the prompt, else seq's rolling

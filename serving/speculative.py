@@ -14,12 +14,16 @@ each reading the head's own output and the draft before, give drafts 2..K. Row s
 the slot keeps beside the GDN state (CachePools.hidden), so the head's KV covers every computed position but the
 last, in the trunk's pages, and a prefix hit of n tokens computes only row n-1 again (its snapshot's hidden state).
 
-Two paths. A step whose chunks are all greedy decodes with K drafts runs on the device (greedy_step): its shapes do
-not depend on what it accepts, because the head takes rows start-1 .. start+K with the target's own tokens as their
+Two paths. A step whose chunks are all greedy decodes with K drafts runs on the device (launch, read): its shapes
+do not depend on what it accepts, because the head takes rows start-1 .. start+K with the target's own tokens as their
 next tokens (the kept drafts, the target's token, then rows past it that the next step computes again), and the
 rollback and the drafting start are gathers by L. Those steps are padded to the batch ladder and replayed from CUDA
-graphs, with one read of their tokens. Other steps (prompts, sampled requests, fewer drafts) take the host path:
-verify, accept, advance, draft.
+graphs, with one read of their tokens. Each also writes the next step's inputs on the device (its last kept token, the
+next drafts, the start moved by L), so the engine launches the next step before reading this one (launch_ahead,
+EngineConfig.decode_ahead). For that, a running sequence has two sets of K+1 position slots, which greedy steps take
+in turn: the step ahead writes one set while the host reads the step before's states from the other (the commit's
+snapshots at page boundaries, the state after a stop token). Other steps (prompts, sampled requests, fewer drafts)
+take the host path: verify, accept, advance, draft.
 """
 import random
 from dataclasses import dataclass
@@ -35,6 +39,24 @@ from serving.batch import ScheduledChunk, flatten_chunks, step_from_lists
 from serving.block_manager import KVBlockManager
 from serving.sampler import is_greedy, sampling_probs
 from serving.sequence import Sequence
+
+
+def position_slots_each(num_drafts: int) -> int:
+    """GDN slots a running sequence (and the padding) holds for the states after each token of its verify steps: two
+    sets of K+1 (see the module's docstring)."""
+    return 2 * (num_drafts + 1)
+
+
+@dataclass
+class DeviceStep:
+    """A greedy step launched on the device and not read yet: its sequences (its first rows; padding follows up to
+    `batch`), which set of position slots it writes, and its results (rows of the target's K+1 tokens, L and the next
+    K drafts) where they land once `done` (None: already there)."""
+    seqs: list[Sequence]
+    half: int
+    batch: int
+    results: torch.Tensor
+    done: "torch.cuda.Event | None"
 
 
 @dataclass
@@ -70,7 +92,8 @@ class Speculator:
                  num_drafts: int, first_position_slot: int, page_size: int, max_model_len: int, max_num_seqs: int,
                  graph_sizes: tuple[int, ...] = (), use_graphs: bool = False, draft_vocab: int = 0):
         """runner: the engine's ModelRunner (its page-table rows by state slot, its padding slot and page); position
-        slots: K a running slot from first_position_slot on, then K for the padding slot. graph_sizes: the batch
+        slots: position_slots_each(K) a running slot from first_position_slot on, then as many for the padding slot.
+        graph_sizes: the batch
         ladder greedy steps are padded to (empty: none); use_graphs: capture them (CUDA). draft_vocab: drafts choose
         among the first draft_vocab token ids (0: all of them); see EngineConfig.draft_vocab_size."""
         if not model.has_mtp:
@@ -92,22 +115,36 @@ class Speculator:
         # a benchmark mode (force_lengths): the random.Random that draws greedy steps' acceptance lengths, their mean
         self.forced: tuple[random.Random, float] | None = None
         self.num_verified = self.num_accepted = 0  # drafts verified and kept, since the start
-        self.num_device_steps = 0  # steps greedy_step ran
+        self.num_device_steps = 0  # greedy steps launched on the device
         self.num_verify_steps = 0  # verify chunks with drafts, since the start
-        self.padding_position_slots = list(range(first_position_slot + max_num_seqs * num_drafts,
-                                                 first_position_slot + (max_num_seqs + 1) * num_drafts))
+        each = position_slots_each(num_drafts)
+        self.padding_position_slots = list(range(first_position_slot + max_num_seqs * each,
+                                                 first_position_slot + (max_num_seqs + 1) * each))
         self.graph_sizes = tuple(sorted(graph_sizes))
         self.use_graphs = use_graphs and self.device.type == "cuda" and bool(graph_sizes)
-        self.graphs: dict[int, tuple] = {}  # batch -> (graph, its outputs)
-        top = max(self.graph_sizes, default=0)
-        # static inputs of greedy_step_on, one row a sequence: K+1 tokens, start, state slot, K position slots, and the
-        # forced acceptance length (force_lengths)
-        self.inputs = torch.zeros(top, 2 * num_drafts + 4, dtype=torch.int64, device=self.device)
+        self.graphs: dict[int, tuple] = {}  # batch -> (graph, its results)
+        rows = max(max(self.graph_sizes, default=0), max_num_seqs)
+        # greedy_step_on's inputs, a row a sequence (INPUT_COLUMNS), which each step overwrites with the next step's
+        self.inputs = torch.zeros(rows, sum(self.input_columns), dtype=torch.int64, device=self.device)
+        cuda = self.device.type == "cuda"
+        # where greedy steps' results land on the host, one buffer a set of position slots (a step and the step
+        # ahead of it are in flight together)
+        self.results = torch.zeros(2, rows, 2 * num_drafts + 2, dtype=torch.int64, pin_memory=cuda) if cuda else None
+        self.done = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
 
-    def position_slots(self, state_slot: int) -> list[int]:
-        """The K slots that hold a running sequence's GDN state after each of its verify step's first tokens."""
-        base = self.first_position_slot + state_slot * self.k
-        return list(range(base, base + self.k))
+    @property
+    def input_columns(self) -> list[int]:
+        """The widths of a greedy step's input row: the last token and K drafts, the position of the first, the state
+        slot, the K+1 position slots this step writes, the K+1 that the next one writes, a forced acceptance length
+        (force_lengths; else unread), and 1 for a sequence (0: padding)."""
+        k = self.k
+        return [k + 1, 1, 1, k + 1, k + 1, 1, 1]
+
+    def position_slots(self, state_slot: int, half: int = 0) -> list[int]:
+        """The K+1 slots of set `half` that hold a running sequence's GDN state after each token of a verify step (the
+        host path writes the first K of set 0)."""
+        base = self.first_position_slot + state_slot * position_slots_each(self.k) + half * (self.k + 1)
+        return list(range(base, base + self.k + 1))
 
     # ---- the trunk -------------------------------------------------------------------------------------------
 
@@ -251,28 +288,63 @@ class Speculator:
                    and c.start + 2 * self.k <= self.max_model_len for c in chunks) and all(
             self.block_manager.allocate(c.seq, c.start + 2 * self.k) for c in chunks)
 
-    def greedy_step(self, chunks: list[ScheduledChunk]) -> tuple[list[list[int]], list[int], list[list[int]]]:
-        """The verify step, acceptance, the head's rows, the rollback and the next drafts of greedy verify chunks,
-        all on the device with static shapes (no host value depends on what the step accepts), then one read.
-        Returns each chunk's target tokens (K+1), how many of them it keeps (L), and its next K drafts."""
+    def launch(self, chunks: list[ScheduledChunk]) -> DeviceStep:
+        """Launch the greedy step of on_device's chunks (their inputs from the host; position slots of set 0): the
+        verify step, acceptance, the head's rows, the rollback and the next drafts, all on the device with static
+        shapes (no host value depends on what the step accepts). read() waits for its results."""
         self.runner.sync_page_tables([c.seq for c in chunks])
-        self.num_device_steps += 1
-        k, n = self.k, len(chunks)
+        n = len(chunks)
         rows = [[c.seq.token_slice(c.start, c.start + 1)[0], *c.drafts, c.start, c.seq.state_slot,
-                 *self.position_slots(c.seq.state_slot), self._forced_length()] for c in chunks]
+                 *self.position_slots(c.seq.state_slot, 0), *self.position_slots(c.seq.state_slot, 1),
+                 self._forced_length(), 1] for c in chunks]
         bs = next((size for size in self.graph_sizes if size >= n), n)
         rows += [self.padding_row] * (bs - n)
         pinned = self.device.type == "cuda"
         values = torch.tensor(rows, dtype=torch.int64, pin_memory=pinned).to(self.device, non_blocking=True)
+        self.inputs[:bs].copy_(values)
+        return self._run([c.seq for c in chunks], bs, 0)
+
+    def launch_ahead(self, step: DeviceStep) -> DeviceStep | None:
+        """Launch the greedy step after `step`, of the same sequences, before step is read: its inputs are the ones
+        step wrote on the device, and it writes the other set of position slots. None where a sequence's next step
+        could pass max_model_len or its pages (the next step's tokens and their head's rows) are short."""
+        reach = 3 * self.k + 1  # step's K+1 tokens at most, then the next one's 2K (on_device)
+        seqs = step.seqs
+        if any(s.num_computed_tokens + reach > self.max_model_len for s in seqs):
+            return None
+        if not all(self.block_manager.allocate(s, s.num_computed_tokens + reach) for s in seqs):
+            return None  # pages allocated so far stay: the next steps need them anyway
+        self.runner.sync_page_tables(seqs)
+        if self.forced is not None:
+            pinned = self.device.type == "cuda"
+            lengths = torch.tensor([self._forced_length() for _ in seqs], dtype=torch.int64, pin_memory=pinned)
+            self.inputs[:len(seqs), sum(self.input_columns[:5])].copy_(lengths, non_blocking=True)
+        return self._run(seqs, step.batch, 1 - step.half)
+
+    def _run(self, seqs: list[Sequence], bs: int, half: int) -> DeviceStep:
+        """Run greedy_step_on over self.inputs[:bs] (a graph's replay where one was captured) and start its results'
+        copy to the host."""
+        self.num_device_steps += 1
         graph = self.graphs.get(bs)
         if graph is not None:
-            self.inputs[:bs].copy_(values)
             graph[0].replay()
-            target, lengths, drafts = graph[1]
+            results = graph[1]
         else:
             self.runner.num_eager_steps += 1
-            target, lengths, drafts = self.greedy_step_on(values)
-        out = torch.cat([target, lengths[:, None], drafts], 1)[:n].tolist()  # the step's one sync
+            results = self.greedy_step_on(self.inputs[:bs])
+        if self.results is None:
+            return DeviceStep(seqs, half, bs, results, None)
+        self.results[half, :bs].copy_(results, non_blocking=True)
+        self.done[half].record()
+        return DeviceStep(seqs, half, bs, self.results[half, :bs], self.done[half])
+
+    def read(self, step: DeviceStep) -> tuple[list[list[int]], list[int], list[list[int]]]:
+        """Wait for a greedy step's results (its one sync): each sequence's target tokens (K+1), how many of them it
+        keeps (L), and its next K drafts."""
+        if step.done is not None:
+            step.done.synchronize()
+        k = self.k
+        out = step.results[:len(step.seqs)].tolist()
         for r in out:
             self.num_verify_steps += 1
             self.num_verified += k
@@ -282,7 +354,7 @@ class Speculator:
     @property
     def padding_row(self) -> list[int]:
         """greedy_step_on's input row of a padding sequence: token 0 from position 1 of the padding slot (and page)."""
-        return [0] * (self.k + 1) + [1, self.runner.dummy_slot, *self.padding_position_slots, 1]
+        return [0] * (self.k + 1) + [1, self.runner.dummy_slot, *self.padding_position_slots, 1, 0]
 
     def force_lengths(self, mean_length: float, seed: int = 0) -> None:
         """A benchmark mode: each greedy step keeps a drawn number of tokens, floor(mean_length) or the next integer
@@ -302,16 +374,14 @@ class Speculator:
         rng, mean = self.forced
         return int(mean) + (rng.random() < mean - int(mean))
 
-    def greedy_step_on(self, values: torch.Tensor):
-        """values (B, 2K+4) int64 on the device, a row a sequence: its last token and K drafts, the position of the
-        first, its state slot, its K position slots and a forced acceptance length (force_lengths; else unread).
-        Returns (the target's argmax (B, K+1), L (B,), the next drafts (B, K)). Static shapes and no host read: what
-        a CUDA graph of the step captures."""
+    def greedy_step_on(self, values: torch.Tensor) -> torch.Tensor:
+        """values (B, sum(input_columns)) int64 on the device, a row a sequence (input_columns). Returns (B, 2K+2): the
+        target's argmax (K+1), L, the next K drafts; and overwrites each sequence's row with its next step's inputs
+        (padding rows stay). Static shapes and no host read: what a CUDA graph of the step captures."""
         k, ps, model, pools = self.k, self.page_size, self.model, self.pools
-        tokens, starts, slots, pos_slots, forced = values.split([k + 1, 1, 1, k, 1], dim=1)
-        starts, slots = starts[:, 0], slots[:, 0]
+        tokens, starts, slots, written, other, forced, real = values.split(self.input_columns, dim=1)
         b, q, dev = tokens.shape[0], k + 1, tokens.device
-        table = self.runner.table.index_select(0, slots)  # (B, W) the sequences' pages
+        table = self.runner.table.index_select(0, slots[:, 0])  # (B, W) the sequences' pages
 
         def kv_slots(positions):  # (B, n) -> the flat KV slots of those positions
             return table.gather(1, positions // ps).long() * ps + positions % ps
@@ -322,12 +392,13 @@ class Speculator:
                              cu_seqlens=torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=dev),
                              max_seqlen_q=n, cu_seqlens_host=tuple(range(0, (b + 1) * n, n)),
                              seqused_k=(positions[:, -1] + 1).int(), page_table=table,
-                             slot_mapping=kv_slots(positions).reshape(-1), state_slots=slots,
+                             slot_mapping=kv_slots(positions).reshape(-1), state_slots=slots[:, 0],
                              position_slots=position_slots)
 
-        positions = starts[:, None] + torch.arange(q, device=dev)  # (B, K+1)
-        per_token = torch.cat([pos_slots, torch.full_like(pos_slots[:, :1], -1)], 1)
-        logits, hidden = model.forward_step(step_of(positions, tokens, per_token.reshape(-1)), pools,
+        positions = starts + torch.arange(q, device=dev)  # (B, K+1)
+        # every token's state to its position slot, the last one's too (not to the state slot: a step launched
+        # ahead overwrites that before the host reads this step)
+        logits, hidden = model.forward_step(step_of(positions, tokens, written.reshape(-1)), pools,
                                             all_logits=True, with_hidden=True)
         target = ops.argmax(logits).view(b, q)
         lengths = (tokens[:, 1:] == target[:, :k]).long().cumprod(1).sum(1) + 1  # (B,) 1..K+1
@@ -336,27 +407,31 @@ class Speculator:
         # the head's rows start-1 .. start+K: tokens [last, target 0..K] (the kept drafts, the target's own token,
         # then rows past it that the next step computes again), hidden [the slot's, the trunk's rows]
         hidden = hidden.view(b, q, -1)
-        head_in = torch.cat([pools.hidden.index_select(0, slots)[:, None], hidden], 1).reshape(b * (q + 1), -1)
-        head_pos = starts[:, None] - 1 + torch.arange(q + 1, device=dev)
+        head_in = torch.cat([pools.hidden.index_select(0, slots[:, 0])[:, None], hidden], 1).reshape(b * (q + 1), -1)
+        head_pos = starts - 1 + torch.arange(q + 1, device=dev)
         rows = torch.arange(b, device=dev) * (q + 1) + lengths  # row start-1+L: its prediction is draft 1
         head_logits, head_out = model.forward_mtp(step_of(head_pos, torch.cat([tokens[:, :1], target], 1)), head_in,
                                                   pools, logit_rows=rows, vocab=self.draft_vocab)
-        # each slot's hidden state (position slots: their token's; the state slot: its last kept token's), then the
-        # rollback of every GDN layer's state to the position slot of token L-1 where a draft was rejected
-        kept = torch.arange(b, device=dev), lengths - 1
-        pools.hidden[pos_slots.reshape(-1)] = hidden[:, :k].reshape(b * k, -1)
-        pools.hidden[slots] = hidden[kept]
-        src = torch.where(lengths <= k, pos_slots.gather(1, (lengths - 1).clamp(max=k - 1)[:, None])[:, 0], slots)
-        pools.conv_states[:, slots] = pools.conv_states[:, src]
-        pools.recurrent_states[:, slots] = pools.recurrent_states[:, src]
+        # each position slot's hidden state (its token's), then the state slot: the state after token L-1 (the
+        # rollback where a draft was rejected)
+        pools.hidden[written.reshape(-1)] = hidden.reshape(b * q, -1)
+        src = written.gather(1, lengths[:, None] - 1)[:, 0]
+        for pool in (pools.conv_states, pools.recurrent_states):
+            pool[:, slots[:, 0]] = pool[:, src]
+        pools.hidden[slots[:, 0]] = pools.hidden[src]
         drafts = [ops.argmax(head_logits)]
         out = head_out[rows]
         for j in range(1, k):  # draft j+1 from the row at start-1+L+j: draft j and the head's output before it
-            chain_pos = (starts - 1 + lengths + j)[:, None]
+            chain_pos = starts - 1 + lengths[:, None] + j
             logits_j, out = model.forward_mtp(step_of(chain_pos, drafts[-1][:, None]), out, pools, all_logits=True,
                                               vocab=self.draft_vocab)
             drafts.append(ops.argmax(logits_j))
-        return target, lengths, torch.stack(drafts, 1)
+        drafts = torch.stack(drafts, 1)
+        # the next step: the last kept token and the drafts after it, L positions on, the other set of slots
+        last = target.gather(1, lengths[:, None] - 1)
+        after = torch.cat([last, drafts, starts + lengths[:, None], slots, other, written, forced, real], 1)
+        values.copy_(torch.where(real.bool(), after, values))
+        return torch.cat([target, lengths[:, None], drafts], 1)
 
     @torch.no_grad()
     def capture(self) -> None:

@@ -149,6 +149,49 @@ def test_padded_device_steps_equal_unpadded(model):
     assert eng.speculator.num_device_steps > 0
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_steps_launched_ahead_keep_greedy_and_the_prefix_cache_exact(model, k):
+    """Greedy steps launched before the step before them is read (EngineConfig.decode_ahead), with pages of 4 tokens
+    so that page boundaries fall inside and at the end of verify steps, and sequences that end at different steps,
+    one at a stop token (their rows of the step ahead are wasted): plain greedy's tokens. Each returning turn hits
+    the snapshot its first turn published from a step's position slots while the step ahead ran, and decodes plain
+    greedy's tokens too."""
+    batch = prompts(3, seed=80 + k)
+    truth = plain_greedy(model, batch[2], 17)
+    stop = truth[6]
+    params = [SamplingParams(max_tokens=9, ignore_eos=True), SamplingParams(max_tokens=14, ignore_eos=True),
+              SamplingParams(max_tokens=17, stop_token_ids=(stop,))]
+    eng = engine(model, k, snapshot_slots=16)
+    ids = [eng.add_request(p, q) for p, q in zip(batch, params)]
+    while eng.has_unfinished:
+        eng.step()
+    outs = [eng.pop_output(i) for i in ids]
+    assert eng.num_ahead_steps > 0
+    assert outs[0].output_ids == plain_greedy(model, batch[0], 9)
+    assert outs[1].output_ids == plain_greedy(model, batch[1], 14)
+    assert outs[2].output_ids == truth[:truth.index(stop) + 1] and outs[2].finish_reason == "stop"
+    turns = [p + o.output_ids + prompts(1, seed=90 + i)[0] for i, (p, o) in enumerate(zip(batch, outs))]
+    again = eng.generate(turns, SamplingParams(max_tokens=8, ignore_eos=True))
+    for turn, first, out in zip(turns, batch, again):
+        assert out.output_ids == plain_greedy(model, turn, 8)
+        assert out.cached_tokens > len(first)  # the hit reaches into the first turn's decoded tokens
+    assert not any(eng.block_manager.refcount) and len(eng.scheduler.free_state_slots) == eng.cfg.max_num_seqs
+
+
+def test_forced_lengths_are_the_same_launched_ahead(model):
+    """force_lengths drawing 2 or 3 tokens a step: one sequence keeps the same tokens with decode_ahead on (each
+    step's next inputs written on the device: the last kept token, the drafts after it, the start moved by L) and
+    off (the host writes them), up to where the engine without steps ahead drafts fewer than K (max_tokens near) and
+    leaves the device (whose steps alone force L)."""
+    outs = []
+    for ahead in (True, False):
+        eng = engine(model, 3, decode_ahead=ahead)
+        eng.speculator.force_lengths(2.5, seed=3)
+        outs.append(eng.generate(prompts(1, seed=85), SamplingParams(max_tokens=40, ignore_eos=True))[0].output_ids)
+        assert (eng.num_ahead_steps > 0) == ahead
+    assert outs[0][:36] == outs[1][:36] and len(outs[0]) == 40
+
+
 def test_verify_steps_emit_several_tokens_a_step(model):
     """All drafts kept: a sequence of 13 new tokens takes its prefill and ceil(12 / (K+1)) verify steps."""
     spec = engine(model, 3)
@@ -267,7 +310,7 @@ def test_speculation_needs_the_mtp_head():
 
 def test_verify_step_keeps_the_state_after_every_token(model):
     """The GDN layers of a verify step write the state after each token to its position slot: equal to plain
-    one-token steps' states."""
+    one-token steps' states; the last token's goes to the sequence's slot where it has no position slot."""
     cfg = model.config
     torch.manual_seed(0)
     n, slots = 5, 8
@@ -286,14 +329,17 @@ def test_verify_step_keeps_the_state_after_every_token(model):
                          page_table=torch.zeros(1, 1, dtype=torch.int32), slot_mapping=torch.arange(m),
                          state_slots=torch.tensor([0]), position_slots=position_slots)
 
-    conv, rec = conv0.clone(), rec0.clone()
-    out = layer.core(proj, step(range(n), torch.tensor([3, 4, 5, 6, -1])), conv, rec)
-    conv_ref, rec_ref = conv0.clone(), rec0.clone()
-    for i in range(n):
-        ref_out = layer.core(proj[i:i + 1], step([i]), conv_ref, rec_ref)
-        assert torch.allclose(out[i], ref_out[0], atol=1e-6)
-        where = 3 + i if i < n - 1 else 0
-        assert torch.allclose(rec[where], rec_ref[0], atol=1e-6) and torch.equal(conv[where], conv_ref[0])
+    for last in (-1, 7):  # the last token's state: to the sequence's slot, or to a position slot of its own
+        conv, rec = conv0.clone(), rec0.clone()
+        out = layer.core(proj, step(range(n), torch.tensor([3, 4, 5, 6, last])), conv, rec)
+        conv_ref, rec_ref = conv0.clone(), rec0.clone()
+        for i in range(n):
+            ref_out = layer.core(proj[i:i + 1], step([i]), conv_ref, rec_ref)
+            assert torch.allclose(out[i], ref_out[0], atol=1e-6)
+            where = 3 + i if i < n - 1 else max(last, 0)
+            assert torch.allclose(rec[where], rec_ref[0], atol=1e-6) and torch.equal(conv[where], conv_ref[0])
+        if last >= 0:
+            assert torch.equal(rec[0], rec0[0]) and torch.equal(conv[0], conv0[0])
     assert ops.backend_table()["gated_deltanet"] == "reference"
 
 
@@ -395,6 +441,7 @@ def test_gpu_batch1_speculative_greedy_follows_plain_greedy(mode):
         logits = model(torch.tensor([prompt + plain], device="cuda"),
                        model.new_cache(1, 512, page_size=16))[0, len(prompt) - 1:-1].float()
     assert spec.speculator.num_verified > 0 and spec.speculator.graphs  # greedy decode steps from CUDA graphs
+    assert mode == "random" or spec.num_ahead_steps > 0  # replace_drafts (random) keeps steps from running ahead
     same = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), len(plain))
     if same < len(plain):
         top2 = logits[same].topk(2).values
