@@ -269,6 +269,8 @@ class LLMEngine:
                                         1e3 * (time.perf_counter() - t2) - commit_ms, 0, len(chunks), 1,
                                         wait_ms=self._wait_ms)
             return outputs
+        decodes = sum(is_verify(c) for c in chunks)  # before the commit moves the chunks' starts
+        prefill_tokens = sum(c.num_tokens for c in chunks if not is_verify(c))
         verified = spec.verify(chunks)
         t2 = time.perf_counter()
         emitted = [self._until_stop(c.seq, tokens) for c, tokens in zip(chunks, spec.accept(chunks, verified))]
@@ -283,9 +285,8 @@ class LLMEngine:
         outputs = self._emit([c.seq for c in chunks], emitted)
         spec.draft([h for h in heads if h.seq.status is SequenceStatus.RUNNING])
         t5 = time.perf_counter()
-        decodes = sum(is_verify(c) for c in chunks)
         self.last_step = StepPhases(1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t4 - t3), 1e3 * (t3 - t2 + t5 - t4),
-                                    sum(c.num_tokens for c in chunks if not is_verify(c)), decodes, int(bool(decodes)))
+                                    prefill_tokens, decodes, int(bool(decodes)))
         return outputs
 
     def _launch_device_ahead(self, step: DeviceStep) -> DeviceStep | None:

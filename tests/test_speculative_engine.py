@@ -469,3 +469,13 @@ def test_metrics_count_drafts_and_kept_drafts():
     text = ServingMetrics().render(EngineStats(draft_tokens=30, accepted_draft_tokens=12))
     assert "fa4_spec_decode_draft_tokens_total 30" in text and "fa4_spec_decode_accepted_tokens_total 12" in text
     assert "# TYPE fa4_spec_decode_accepted_tokens_total counter" in text
+
+
+def test_step_phases_count_a_prompt_as_prefill(model):
+    """A speculative engine's prompt step reports its tokens as prefill, not as a decode row (the commit moves the
+    chunk's start to the sequence's last token): what the trace bench's breakdown by kind of step reads."""
+    eng = engine(model, 3)
+    prompt = prompts(1, seed=9)[0]
+    eng.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    eng.step()
+    assert (eng.last_step.prefill_tokens, eng.last_step.decode_rows) == (len(prompt), 0)
