@@ -356,6 +356,12 @@ def fused_moe(x, router_w, gate_up_w, down_w, top_k: int, shared=None, expert_st
     """The sparse MoE block of Qwen3.5-MoE: reference.moe.moe's arguments and result, on the fused kernels.
     x: (n, H); router_w: (E, H); gate_up_w: (E_local, 2I, H); down_w: (E_local, H, I); shared: None or
     (gate_w (I_s, H), up_w (I_s, H), down_w (H, I_s), shared_gate_w (1, H))."""
+    check_moe(x, router_w, gate_up_w, down_w, top_k, shared, expert_start)
+    return fused_moe_op(x, router_w, gate_up_w, down_w, top_k, shared, expert_start)
+
+
+def check_moe(x, router_w, gate_up_w, down_w, top_k: int, shared=None, expert_start: int | None = None) -> None:
+    """fused_moe's argument checks: a ValueError that names the argument."""
     check_tensor("x", x, ndim=2, dtype=FLOATS)
     for name, t, ndim in (("router_w", router_w, 2), ("gate_up_w", gate_up_w, 3), ("down_w", down_w, 3)):
         check_tensor(name, t, ndim=ndim, dtype=x.dtype, device=x.device, contiguous=True)
@@ -374,7 +380,6 @@ def fused_moe(x, router_w, gate_up_w, down_w, top_k: int, shared=None, expert_st
     if shared is not None:
         for name, t in zip(("shared gate_w", "shared up_w", "shared down_w", "shared_gate_w"), shared):
             check_tensor(name, t, ndim=2, dtype=x.dtype, device=x.device)
-    return fused_moe_op(x, router_w, gate_up_w, down_w, top_k, shared, expert_start)
 
 
 class MoeKey(NamedTuple):

@@ -13,6 +13,7 @@ from kernels import (  # noqa: F401  (imported for their registrations)
     gdn_verify,
     linear,
     moe,
+    moe_gemv,
     norms,
     paged_decode_attention,
 )

@@ -38,6 +38,25 @@ class MoeTiles:
 
 
 @dataclass(frozen=True)
+class MoeGemvPlan:
+    """A launch plan of kernels.moe_gemv (one token's experts as GEMVs): output columns a program and the K step of
+    the gate_up and down kernels, and warps."""
+    gate_up_n: int = 8
+    gate_up_k: int = 256
+    down_n: int = 4
+    down_k: int = 512
+    warps: int = 4
+
+    def __post_init__(self):
+        for name in ("gate_up_n", "gate_up_k", "down_n", "down_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value!r}")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"warps must be a power of two up to 16, got {self.warps!r}")
+
+
+@dataclass(frozen=True)
 class KernelTuning:
     # One bf16 row of a weight of at least tma_min_bytes runs the TMA-ring GEMV (kernels.tma_gemv): smaller ones
     # stream faster on the Triton GEMV; 8 MiB takes 0.8B's 10-13 MB in-projections, which 16 MiB left out (0.8B's
@@ -64,6 +83,10 @@ class KernelTuning:
     # prefill's 64 x 128 tiles at 4 stages take 1024 rows from 1560 to 953 us and 8192 from 2840 to 2444.
     moe_decode: MoeTiles = MoeTiles(16, 32, 128, 4, 4)
     moe_prefill: MoeTiles = MoeTiles(64, 128, 64, 4, 4)
+    # one token's MoE (a batch-1 decode step) as GEMVs over its chosen experts (kernels.moe_gemv) on this plan; None:
+    # the grouped GEMMs, whose 16-row blocks hold one real row there. Not yet measured (profiles.bench_moe
+    # --row-gemv compares)
+    moe_row_gemv: MoeGemvPlan | None = MoeGemvPlan()
 
     def __post_init__(self):
         for name in ("tma_min_bytes", "tma_gated_min_k", "fused_norm_max_k", "chain_pause_bytes"):

@@ -12,7 +12,10 @@ and transformers 5.17's block (Qwen3_5MoeSparseMoeBlock with the same weights) w
   TFLOP/s.
 `--parts 1,8192` breaks one call down by GPU kernel. `--tiles 64x64x64w4s3,128x64x64w8s3` also times ours under
 each of these MoE tiles (block x columns x K step, warps, stages: kernels.tuning.MoeTiles; after a slash, the down
-kernel's own) as both the decode and the prefill tiles, one KernelTuning each, in this process.
+kernel's own) as both the decode and the prefill tiles, one KernelTuning each, in this process. `--row-gemv
+off,8x256/4x512w4` times the one-token rows under each of these kernels.moe_gemv plans (columns x K step of gate_up,
+then of down, warps: kernels.tuning.MoeGemvPlan; off: the grouped GEMMs). Ours runs as the router picks
+(kernels.registry).
 Results go to profiles/results/moe.json.
 """
 import argparse
@@ -22,10 +25,10 @@ from dataclasses import replace
 import torch
 import triton
 
+import kernels.routes  # noqa: F401  (the triton backend's entries, kernels.moe_gemv's among them)
 import reference as R
 from kernels import registry
-from kernels.moe import fused_moe_op
-from kernels.tuning import MoeTiles
+from kernels.tuning import MoeGemvPlan, MoeTiles
 from profiles.common import RESULTS, bandwidth_ceilings, environment, print_table, write_result
 
 HIDDEN, EXPERTS, TOP_K, INTER, SHARED = 2048, 256, 8, 512, 512
@@ -60,6 +63,12 @@ def hf_block(weights, implementation: str):
     return lambda x: block(x[None])[0]
 
 
+def moe(*args):
+    """Ours: the triton backend's choice for the call (kernels.registry)."""
+    with registry.use("triton"):
+        return registry.run("moe", *args)
+
+
 def graphed(fn, x):
     """fn(x) captured in a CUDA graph: a callable that replays it."""
     fn(x)
@@ -91,7 +100,7 @@ def cublas_tflops() -> float:
 def bench_rows(rows: int, weights, read_tb_s: float, gemm_tflops: float) -> dict:
     router, gate_up, down, shared = weights
     x = (torch.randn(rows, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
-    ours = lambda t: fused_moe_op(t, router, gate_up, down, TOP_K, shared)  # noqa: E731
+    ours = lambda t: moe(t, router, gate_up, down, TOP_K, shared)  # noqa: E731
     want = ours(x).float()
     peers = {"hf_grouped_mm": hf_block(weights, "grouped_mm"), "hf_eager": hf_block(weights, "eager")}
     if rows <= 64:
@@ -118,11 +127,11 @@ def parts_us(rows: int, weights, iters: int = 10) -> list[dict]:
     """One eager call of ours at `rows` rows by GPU kernel (torch.profiler): us per call and share, largest first."""
     router, gate_up, down, shared = weights
     x = (torch.randn(rows, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
-    fused_moe_op(x, router, gate_up, down, TOP_K, shared)
+    moe(x, router, gate_up, down, TOP_K, shared)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            fused_moe_op(x, router, gate_up, down, TOP_K, shared)
+            moe(x, router, gate_up, down, TOP_K, shared)
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in kernels)
@@ -159,8 +168,31 @@ def bench_tiles(rows: int, weights, tiles: MoeTiles) -> float:
     router, gate_up, down, shared = weights
     x = (torch.randn(rows, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
     with registry.use(tuning=replace(registry.tuning(), moe_decode=tiles, moe_prefill=tiles)):
-        ours = lambda t: fused_moe_op(t, router, gate_up, down, TOP_K, shared)  # noqa: E731
+        ours = lambda t: moe(t, router, gate_up, down, TOP_K, shared)  # noqa: E731
         return time_us(graphed(ours, x) if rows <= 64 else lambda: ours(x))
+
+
+def parse_row_gemv(spec: str) -> MoeGemvPlan | None:
+    """'off' (the grouped GEMMs) or GATE_UPxK/DOWNxKwWARPS, as in 8x256/4x512w4: a kernels.moe_gemv plan."""
+    spec = spec.strip()
+    if spec == "off":
+        return None
+    m = re.fullmatch(r"(\d+)x(\d+)/(\d+)x(\d+)w(\d+)", spec)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"row gemv {spec!r}: write off or GATE_UPxK/DOWNxKwWARPS as in "
+                                         f"8x256/4x512w4")
+    try:
+        return MoeGemvPlan(*map(int, m.groups()))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"row gemv {spec!r}: {e}") from None
+
+
+def bench_row_gemv(weights, plan: MoeGemvPlan | None) -> float:
+    """ours at one row under this one-token plan (None: the grouped GEMMs), replayed in a CUDA graph: us."""
+    router, gate_up, down, shared = weights
+    x = (torch.randn(1, HIDDEN, device="cuda") * 0.5).to(torch.bfloat16)
+    with registry.use(tuning=replace(registry.tuning(), moe_row_gemv=plan)):
+        return time_us(graphed(lambda t: moe(t, router, gate_up, down, TOP_K, shared), x))
 
 
 def main(argv=None) -> dict:
@@ -171,9 +203,12 @@ def main(argv=None) -> dict:
                                                 "comma-separated")
     ap.add_argument("--tiles", default="", help="MoE tiles to time ours under, comma-separated (64x64x64w4s3; "
                                                 "16x32x128w4s4/16x64x128w4s3 gives the down kernel its own)")
+    ap.add_argument("--row-gemv", default="", help="one-token plans to time ours under, comma-separated (off: the "
+                                                   "grouped GEMMs; 8x256/4x512w4: kernels.tuning.MoeGemvPlan)")
     args = ap.parse_args(argv)
     try:
         variants = [parse_tiles(t) for t in args.tiles.split(",") if t.strip()]
+        row_plans = [parse_row_gemv(t) for t in args.row_gemv.split(",") if t.strip()]
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
     weights = layer_weights()
@@ -190,6 +225,11 @@ def main(argv=None) -> dict:
             us = bench_tiles(r["rows"], weights, tiles)
             sweep.append(dict(rows=r["rows"], tiles=tiles_name(tiles), us=us, default_us=r["ours_us"],
                               default_over=r["ours_us"] / us))
+    for plan in row_plans:
+        default = next((r["ours_us"] for r in rows if r["rows"] == 1), None)
+        us = bench_row_gemv(weights, plan)
+        sweep.append(dict(rows=1, tiles=f"row gemv {plan}", us=us, default_us=default,
+                          default_over=default / us if default else None))
     if sweep:
         print_table(sweep, ["rows", "tiles", "us", "default_us", "default_over"])
     parts = [p for r in args.parts.split(",") if r.strip() for p in parts_us(int(r), weights)]
@@ -198,7 +238,8 @@ def main(argv=None) -> dict:
     result = dict(what="one Qwen3.5-35B-A3B MoE layer (random bf16 weights): ours, reference.moe and transformers' "
                        "block", shapes=dict(hidden=HIDDEN, experts=EXPERTS, top_k=TOP_K, inter=INTER, shared=SHARED),
                   environment=environment(), ceilings=ceilings, cublas_bf16_8192_TFLOPs=gemm, rows=rows,
-                  default_tiles={k: str(getattr(registry.tuning(), f"moe_{k}")) for k in ("decode", "prefill")},
+                  default_tiles={k: str(getattr(registry.tuning(), f"moe_{k}"))
+                                 for k in ("decode", "prefill", "row_gemv")},
                   tiles_sweep=sweep, parts=parts)
     path = write_result("moe", result, args.out)
     print(f"wrote {path}")

@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference as R
-from kernels import moe, registry
+from kernels import moe, moe_gemv, registry
 from kernels.moe import fused_moe, route_and_align, tiles_for
-from kernels.tuning import KernelTuning, MoeTiles
+from kernels.moe_gemv import moe_row_gemv
+from kernels.tuning import KernelTuning, MoeGemvPlan, MoeTiles
 from tests.conftest import HAS_CUDA, assert_rel, compiled_script_output
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -40,11 +41,14 @@ def tokens(n: int, hidden: int, seed: int):
     return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed)).to(DTYPE).to(DEV)
 
 
-def check(x, router, gate_up, down, top_k, shared=None, expert_start=None, what=""):
-    got = fused_moe(x, router, gate_up, down, top_k, shared, expert_start)
+def check(x, router, gate_up, down, top_k, shared=None, expert_start=None, what="", moe_fn=fused_moe):
+    got = moe_fn(x, router, gate_up, down, top_k, shared, expert_start)
     want = R.moe(x.float(), router.float(), gate_up.float(), down.float(), top_k,
                  None if shared is None else tuple(t.float() for t in shared), expert_start)
     assert got.dtype == x.dtype
+    if want.norm() == 0:  # an expert-parallel slice that none of the token's experts fell in
+        assert torch.equal(got, torch.zeros_like(got)), what
+        return
     assert_rel(got.float(), want, TOL, what)
 
 
@@ -100,6 +104,61 @@ def test_every_slot_is_written_where_every_expert_is_local(monkeypatch, shared_i
     router, gate_up, down, shared = weights(8, 64, 32, seed=11, shared_inter=shared_inter)
     x = tokens(13, 64, seed=12)
     check(x, router, gate_up, down, 3, shared, what="poisoned per-pair buffer")
+
+
+# ---- one token: the chosen experts as GEMVs (kernels.moe_gemv) ---------------------------------------------------
+
+@pytest.mark.parametrize("experts, top_k, hidden, inter, shared_inter", [
+    (8, 2, 64, 32, 32),      # a small layer
+    (16, 1, 72, 24, 35),     # top-1, odd sizes, a shared expert wider than the experts
+    (256, 8, 80, 40, 24),    # 35B-A3B's routing (256 experts, top-8), small matrices
+    (12, 5, 48, 100, None),  # an intermediate wider than a column block, no shared expert
+])
+def test_one_token_gemvs_equal_the_reference(experts, top_k, hidden, inter, shared_inter):
+    router, gate_up, down, shared = weights(experts, hidden, inter, seed=experts + top_k, shared_inter=shared_inter)
+    for seed in range(3):
+        check(tokens(1, hidden, seed=seed), router, gate_up, down, top_k, shared, moe_fn=moe_row_gemv,
+              what=f"E={experts} k={top_k} seed={seed}")
+
+
+@pytest.mark.parametrize("plan", [MoeGemvPlan(1, 16, 1, 16, 1), MoeGemvPlan(16, 1024, 32, 64, 8)])
+def test_other_gemv_plans_give_the_reference(plan):
+    router, gate_up, down, shared = weights(16, 96, 40, seed=21, shared_inter=24)
+    with registry.use(tuning=KernelTuning(moe_row_gemv=plan)):
+        check(tokens(1, 96, seed=22), router, gate_up, down, 4, shared, moe_fn=moe_row_gemv, what=str(plan))
+
+
+@pytest.mark.parametrize("start, local", [(0, 4), (4, 4), (6, 2)])
+def test_one_token_on_an_expert_parallel_slice(start, local):
+    router, gate_up, down, shared = weights(8, 64, 32, seed=23, shared_inter=16)
+    for seed in range(4):
+        check(tokens(1, 64, seed=seed), router, gate_up[start:start + local].contiguous(),
+              down[start:start + local].contiguous(), 3, shared, expert_start=start, moe_fn=moe_row_gemv,
+              what=f"experts [{start}, {start + local}) seed={seed}")
+
+
+def test_one_token_writes_every_unit(monkeypatch):
+    # the per-unit buffers are not zeroed (a slice's experts of other ranks write 0): poison what they get (NaN)
+    empty = torch.empty
+    monkeypatch.setattr(moe_gemv.torch, "empty",
+                        lambda *shape, **kw: (lambda t: t.fill_(float("nan")) if t.is_floating_point() else t)(
+                            empty(*shape, **kw)))
+    router, gate_up, down, shared = weights(8, 64, 32, seed=24, shared_inter=40)
+    check(tokens(1, 64, seed=25), router, gate_up[2:6].contiguous(), down[2:6].contiguous(), 4, shared,
+          expert_start=2, moe_fn=moe_row_gemv, what="poisoned per-unit buffers")
+
+
+def test_the_router_sends_one_token_to_the_gemvs():
+    router, gate_up, down, shared = weights(8, 64, 32, seed=26, shared_inter=16)
+    with registry.use("triton"):
+        for rows, tuning, name in ((1, KernelTuning(), "moe_row_gemv"), (2, KernelTuning(), "fused_moe"),
+                                   (1, KernelTuning(moe_row_gemv=None), "fused_moe")):
+            with registry.use(tuning=tuning):
+                assert registry.chosen("moe", tokens(rows, 64, 1), router, gate_up, down, 2, shared).name == name
+    with pytest.raises(ValueError, match="x must be one token"):
+        moe_row_gemv(tokens(2, 64, 1), router, gate_up, down, 2, shared)
+    with pytest.raises(ValueError, match="gate_up_n"):
+        MoeGemvPlan(gate_up_n=3)
 
 
 def test_blocks_grow_where_experts_have_many_pairs():
@@ -211,6 +270,11 @@ def test_bench_moe_reads_tiles():
     for bad in ("128x64x32w8", "12x64x64w4s3", "16x32x128w4s4/32x64x128w4s3", "16x32x128w4s4/"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_tiles(bad)
+    from profiles.bench_moe import parse_row_gemv
+    assert parse_row_gemv(" off") is None and parse_row_gemv("16x128/8x256w8") == MoeGemvPlan(16, 128, 8, 256, 8)
+    for bad in ("8x256/4x512", "6x256/4x512w4", "8x256/4x512w3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_row_gemv(bad)
 
 
 MOE_SM90 = """
@@ -254,3 +318,26 @@ def test_grouped_kernels_compile_for_sm90():
     # refused the dense mode's early return, which the interpreter had run), the slots' sum and the routing kernels
     lines = compiled_script_output(MOE_SM90).split()
     assert len(lines) == 2 * (2 * 2 * 2 + 1 + 4)
+
+
+MOE_GEMV_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+from kernels import moe_gemv as G
+from kernels.tuning import KernelTuning
+plan = KernelTuning().moe_row_gemv
+fp32, i32 = ("weights_ptr", "scale_ptr", "logits_ptr"), ("ids_ptr",)
+for fn, const in ((G._route_kernel, dict(TOP_K=8, K_PAD=8, E_PAD=256, BLOCK_T=1)),
+                  (G._gate_up_kernel, dict(TOP_K=8, BLOCK_N=plan.gate_up_n, BLOCK_K=plan.gate_up_k)),
+                  (G._down_kernel, dict(TOP_K=8, BLOCK_N=plan.down_n, BLOCK_K=plan.down_k))):
+    sig = {n: "constexpr" if n in const else "*fp32" if n in fp32 else "*i32" if n in i32 else "*bf16"
+           if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    triton.compile(ASTSource(fn, sig, const, {}), target=GPUTarget("cuda", 90, 32), options={"num_warps": plan.warps})
+    print(fn.__name__)
+"""
+
+
+def test_one_token_kernels_compile_for_sm90():
+    # the interpreter skips Triton's compiler: the routing, gate_up and down kernels at the default plan, for sm_90a
+    assert compiled_script_output(MOE_GEMV_SM90).split() == ["_route_kernel", "_gate_up_kernel", "_down_kernel"]
