@@ -79,7 +79,8 @@ class LLMEngine:
         self.cfg = cfg
         k = cfg.speculative_tokens
         mtp_layers = model.config.mtp_num_hidden_layers if k else 0
-        each = position_slots_each(k) if k else 0
+        sets = 2 if cfg.decode_ahead else 1  # a greedy step launched ahead writes the other set
+        each = position_slots_each(k, sets) if k else 0
         # slots: the running sequences', the snapshots', position slots for each running sequence and the padding
         # (speculating), and the last one, which is padding's (as is the last page)
         num_slots = cfg.max_num_seqs * (1 + each) + cfg.snapshot_slots + each + 1
@@ -123,7 +124,8 @@ class LLMEngine:
                                          page_size=cfg.page_size, max_model_len=cfg.max_model_len,
                                          max_num_seqs=cfg.max_num_seqs,
                                          graph_sizes=cfg.graph_batch_sizes() if spec_graphs or pad_decode else (),
-                                         use_graphs=spec_graphs, draft_vocab=cfg.draft_vocab_size)
+                                         use_graphs=spec_graphs, draft_vocab=cfg.draft_vocab_size,
+                                         position_sets=sets)
             self.speculator.capture()
         sizes = list(self.runner.graph_sizes)
         self.graphs = f"decode CUDA graphs at batch {sizes}" if use_graphs else f"eager decode ({why_not})"
@@ -167,7 +169,7 @@ class LLMEngine:
         sizing = None
         if by_memory:
             k = cfg.speculative_tokens
-            each = position_slots_each(k) if k else 0
+            each = position_slots_each(k, 2 if cfg.decode_ahead else 1) if k else 0
             num_pages, snapshot_slots, sizing = pages_for_memory(
                 model, utilization=cfg.gpu_memory_utilization, page_size=cfg.page_size,
                 num_slots=cfg.max_num_seqs * (1 + each) + each + 1, max_model_len=max_len,
@@ -250,6 +252,8 @@ class LLMEngine:
         last token and its drafts), acceptance, the MTP head's rows and the rollback, the commit of the kept tokens,
         then the next drafts of the sequences still running. A greedy step of every running sequence on the device
         launches the next one before its results are read (EngineConfig.decode_ahead); the next call completes it."""
+        if self._ahead is not None and not any(s.status is SequenceStatus.RUNNING for s in self._ahead.seqs):
+            self._ahead = None  # its sequences were aborted since: nothing of it is read
         if self._ahead is not None:
             return self._device_step_ahead()
         t0 = time.perf_counter()
@@ -328,6 +332,7 @@ class LLMEngine:
         emitted = [self._until_stop(step.seqs[i], targets[i][:lengths[i]]) for i in live]
         for seq, tokens in zip(seqs, emitted):
             seq.output_ids.extend(tokens)
+            spec.count_verified(spec.k, len(tokens))  # rows of sequences that stopped before are not counted
         t1 = time.perf_counter()
         self.scheduler.commit([ScheduledChunk(seq, len(e)) for seq, e in zip(seqs, emitted)],
                               {seq.id: spec.position_slots(seq.state_slot, step.half) for seq in seqs})

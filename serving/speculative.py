@@ -41,10 +41,10 @@ from serving.sampler import is_greedy, sampling_probs
 from serving.sequence import Sequence
 
 
-def position_slots_each(num_drafts: int) -> int:
-    """GDN slots a running sequence (and the padding) holds for the states after each token of its verify steps: two
-    sets of K+1 (see the module's docstring)."""
-    return 2 * (num_drafts + 1)
+def position_slots_each(num_drafts: int, sets: int) -> int:
+    """GDN slots a running sequence (and the padding) holds for the states after each token of its verify steps:
+    `sets` sets of K+1, two where greedy steps are launched ahead (see the module's docstring), else one."""
+    return sets * (num_drafts + 1)
 
 
 @dataclass
@@ -90,9 +90,11 @@ def emits(c: ScheduledChunk) -> bool:
 class Speculator:
     def __init__(self, model: Qwen35ForCausalLM, pools: CachePools, runner, block_manager: KVBlockManager, *,
                  num_drafts: int, first_position_slot: int, page_size: int, max_model_len: int, max_num_seqs: int,
-                 graph_sizes: tuple[int, ...] = (), use_graphs: bool = False, draft_vocab: int = 0):
+                 graph_sizes: tuple[int, ...] = (), use_graphs: bool = False, draft_vocab: int = 0,
+                 position_sets: int = 2):
         """runner: the engine's ModelRunner (its page-table rows by state slot, its padding slot and page); position
-        slots: position_slots_each(K) a running slot from first_position_slot on, then as many for the padding slot.
+        slots: position_sets of K+1 a running slot from first_position_slot on, then as many for the padding slot (two
+        sets let a greedy step be launched ahead of the one before; one: launch_ahead refuses).
         graph_sizes: the batch
         ladder greedy steps are padded to (empty: none); use_graphs: capture them (CUDA). draft_vocab: drafts choose
         among the first draft_vocab token ids (0: all of them); see EngineConfig.draft_vocab_size."""
@@ -117,7 +119,10 @@ class Speculator:
         self.num_verified = self.num_accepted = 0  # drafts verified and kept, since the start
         self.num_device_steps = 0  # greedy steps launched on the device
         self.num_verify_steps = 0  # verify chunks with drafts, since the start
-        each = position_slots_each(num_drafts)
+        if position_sets not in (1, 2):
+            raise ValueError(f"position_sets must be 1 or 2, got {position_sets!r}")
+        self.position_sets = position_sets
+        each = position_slots_each(num_drafts, position_sets)
         self.padding_position_slots = list(range(first_position_slot + max_num_seqs * each,
                                                  first_position_slot + (max_num_seqs + 1) * each))
         self.graph_sizes = tuple(sorted(graph_sizes))
@@ -143,7 +148,8 @@ class Speculator:
     def position_slots(self, state_slot: int, half: int = 0) -> list[int]:
         """The K+1 slots of set `half` that hold a running sequence's GDN state after each token of a verify step (the
         host path writes the first K of set 0)."""
-        base = self.first_position_slot + state_slot * position_slots_each(self.k) + half * (self.k + 1)
+        each = position_slots_each(self.k, self.position_sets)
+        base = self.first_position_slot + state_slot * each + half % self.position_sets * (self.k + 1)
         return list(range(base, base + self.k + 1))
 
     # ---- the trunk -------------------------------------------------------------------------------------------
@@ -188,10 +194,15 @@ class Speculator:
             out.append(tokens[0, :int(n[0])].tolist())
         for c, e in zip(chunks, out):
             if c.drafts:
-                self.num_verify_steps += 1
-                self.num_verified += len(c.drafts)
-                self.num_accepted += min(len(e), len(c.drafts) + 1) - 1
+                self.count_verified(len(c.drafts), len(e))
         return out
+
+    def count_verified(self, drafts: int, emitted: int) -> None:
+        """The drafts counts of one verify row that emitted tokens: its drafts, and the kept ones among what it
+        emitted (a stop or max_tokens may cut a row short of L)."""
+        self.num_verify_steps += 1
+        self.num_verified += drafts
+        self.num_accepted += min(emitted, drafts + 1) - 1
 
     # ---- after acceptance: the head's rows, the slots' hidden states, the rollback ---------------------------
 
@@ -306,11 +317,12 @@ class Speculator:
 
     def launch_ahead(self, step: DeviceStep) -> DeviceStep | None:
         """Launch the greedy step after `step`, of the same sequences, before step is read: its inputs are the ones
-        step wrote on the device, and it writes the other set of position slots. None where a sequence's next step
-        could pass max_model_len or its pages (the next step's tokens and their head's rows) are short."""
+        step wrote on the device, and it writes the other set of position slots. None with one set of position slots,
+        or where a sequence's next step could pass max_model_len or its pages (the next step's tokens and their
+        head's rows) are short."""
         reach = 3 * self.k + 1  # step's K+1 tokens at most, then the next one's 2K (on_device)
         seqs = step.seqs
-        if any(s.num_computed_tokens + reach > self.max_model_len for s in seqs):
+        if self.position_sets < 2 or any(s.num_computed_tokens + reach > self.max_model_len for s in seqs):
             return None
         if not all(self.block_manager.allocate(s, s.num_computed_tokens + reach) for s in seqs):
             return None  # pages allocated so far stay: the next steps need them anyway
@@ -345,10 +357,6 @@ class Speculator:
             step.done.synchronize()
         k = self.k
         out = step.results[:len(step.seqs)].tolist()
-        for r in out:
-            self.num_verify_steps += 1
-            self.num_verified += k
-            self.num_accepted += r[k + 1] - 1
         return [r[:k + 1] for r in out], [r[k + 1] for r in out], [r[k + 2:] for r in out]
 
     @property

@@ -189,7 +189,40 @@ def test_forced_lengths_are_the_same_launched_ahead(model):
         eng.speculator.force_lengths(2.5, seed=3)
         outs.append(eng.generate(prompts(1, seed=85), SamplingParams(max_tokens=40, ignore_eos=True))[0].output_ids)
         assert (eng.num_ahead_steps > 0) == ahead
+        each = (2 if ahead else 1) * 4  # sets of K+1 position slots: a second only to launch steps ahead
+        assert eng.pools.num_slots == eng.cfg.max_num_seqs * (1 + each) + eng.cfg.snapshot_slots + each + 1
     assert outs[0][:36] == outs[1][:36] and len(outs[0]) == 40
+
+
+def test_a_step_ahead_of_aborted_sequences_is_dropped(model):
+    """Every running sequence aborted while a greedy step runs ahead: the next request is scheduled at the next call
+    (the dead step is not read), decodes plain greedy's tokens, and the drafts counts take no row of the dead step."""
+    batch = prompts(3, seed=95)
+    eng = engine(model, 3)
+    for p in batch[:2]:
+        eng.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True))
+    while eng._ahead is None:
+        eng.step()
+    verified = eng.speculator.num_verified
+    for seq in list(eng.scheduler.running):
+        eng.scheduler.finish(seq, "abort")
+    new = eng.add_request(batch[2], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert eng.step() and eng.speculator.num_verified == verified  # the new request's prompt step, no dead rows
+    while eng.has_unfinished:
+        eng.step()
+    assert eng.pop_output(new).output_ids == plain_greedy(model, batch[2], 8)
+
+
+def test_drafts_counts_follow_the_emitted_tokens(model):
+    """One sequence whose greedy steps all run on the device (launched ahead), L forced to 2, max_tokens even so that
+    the last step is cut to one token: every output token but the prompt step's is a verify row's, so outputs = 1 +
+    verify rows + kept drafts; the step launched past the end counts nothing."""
+    eng = engine(model, 3)
+    eng.speculator.force_lengths(2.0)
+    out = eng.generate(prompts(1, seed=96), SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    spec = eng.speculator
+    assert eng.num_ahead_steps > 0 and spec.num_verified == 3 * spec.num_verify_steps
+    assert len(out.output_ids) == 30 == 1 + spec.num_verify_steps + spec.num_accepted
 
 
 def test_verify_steps_emit_several_tokens_a_step(model):
