@@ -109,6 +109,7 @@ def moe_row_gemv_op(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=
     """model.ops' moe for one token (the engine built the arguments: nothing is checked): kernels.moe.fused_moe's
     arguments and result, on the active tuning's plan (KernelTuning.moe_row_gemv)."""
     plan: MoeGemvPlan = registry.tuning().moe_row_gemv
+    x = x.contiguous()  # the kernels read x's row at unit stride (a no-op on the engine's rows)
     num_local, hidden = gate_up_w.shape[0], x.shape[1]
     num_experts, inter = router_w.shape[0], gate_up_w.shape[1] // 2
     dev = x.device

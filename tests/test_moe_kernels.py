@@ -128,11 +128,13 @@ def test_other_gemv_plans_give_the_reference(plan):
         check(tokens(1, 96, seed=22), router, gate_up, down, 4, shared, moe_fn=moe_row_gemv, what=str(plan))
 
 
+@pytest.mark.parametrize("shared_inter", [16, None])
 @pytest.mark.parametrize("start, local", [(0, 4), (4, 4), (6, 2)])
-def test_one_token_on_an_expert_parallel_slice(start, local):
-    router, gate_up, down, shared = weights(8, 64, 32, seed=23, shared_inter=16)
+def test_one_token_on_an_expert_parallel_slice(start, local, shared_inter):
+    router, gate_up, down, shared = weights(8, 64, 32, seed=23, shared_inter=shared_inter)
     for seed in range(4):
-        check(tokens(1, 64, seed=seed), router, gate_up[start:start + local].contiguous(),
+        x = tokens(1, 128, seed=seed)[:, ::2] if seed == 3 else tokens(1, 64, seed=seed)  # seed 3: a strided row
+        check(x, router, gate_up[start:start + local].contiguous(),
               down[start:start + local].contiguous(), 3, shared, expert_start=start, moe_fn=moe_row_gemv,
               what=f"experts [{start}, {start + local}) seed={seed}")
 
