@@ -334,11 +334,17 @@ def grouped_experts(x, weights, sorted_pairs, block_expert, tiles: MoeTiles, gat
         h_shared = torch.empty(n, gate_w.shape[0], dtype=x.dtype, device=x.device)
         _expert_gemms(x, gate_w, up_w, shared_down, h_shared, y, pairs=x, block_expert=x, weights=x,
                       gate=shared_gate, num_pairs=n, top_k=1, slot=top_k, tiles=tiles, dense=True)
-    out = torch.empty_like(x)
+    return sum_slots(y)
+
+
+def sum_slots(y):
+    """y: (n, slots, H) per-expert outputs -> (n, H), their sum in fp32, cast to y's dtype."""
+    n, slots, hidden = y.shape
+    out = y.new_empty(n, hidden)
     if n and hidden:
         block_h = min(1024, triton.next_power_of_2(hidden))
-        _sum_slots_kernel[(n, cdiv(hidden, block_h))](y, out, y.shape[1], hidden,
-                                                     SLOTS=triton.next_power_of_2(y.shape[1]), BLOCK_H=block_h)
+        _sum_slots_kernel[(n, cdiv(hidden, block_h))](y, out, slots, hidden, SLOTS=triton.next_power_of_2(slots),
+                                                     BLOCK_H=block_h)
     return out
 
 

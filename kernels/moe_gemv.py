@@ -19,7 +19,7 @@ import triton.language as tl
 from kernels import registry
 from kernels.host_math import cdiv
 from kernels.linear import linear
-from kernels.moe import MoeKey, _route_tokens, _sum_slots_kernel, check_moe
+from kernels.moe import MoeKey, _route_tokens, check_moe, sum_slots
 from kernels.registry import Impl, all_of, triton_unsupported
 from kernels.tuning import MoeGemvPlan
 
@@ -134,11 +134,7 @@ def moe_row_gemv_op(x, router_w, gate_up_w, down_w, top_k, shared, expert_start=
         h, ids, scale, down_w, shared_down, y, start, num_local, hidden, inter, shared_inter, h.stride(0),
         TOP_K=top_k, BLOCK_N=plan.down_n, BLOCK_K=_block_k(max(inter, shared_inter), plan.down_k),
         num_warps=plan.warps)
-    out = torch.empty_like(x)
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    _sum_slots_kernel[(1, cdiv(hidden, block_h))](y, out, units, hidden, SLOTS=triton.next_power_of_2(units),
-                                                 BLOCK_H=block_h)
-    return out
+    return sum_slots(y[None])
 
 
 def _one_row(key: MoeKey, tuning) -> str | None:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference as R
-from kernels import moe, moe_gemv, registry
+from kernels import moe, registry
 from kernels.moe import fused_moe, route_and_align, tiles_for
 from kernels.moe_gemv import moe_row_gemv
 from kernels.tuning import KernelTuning, MoeGemvPlan, MoeTiles
@@ -91,16 +91,21 @@ def test_an_expert_parallel_slice_adds_only_its_experts(start, local):
           expert_start=start, what=f"experts [{start}, {start + local})")
 
 
-@pytest.mark.parametrize("shared_inter", [None, 24])
-def test_every_slot_is_written_where_every_expert_is_local(monkeypatch, shared_inter):
-    # the per-pair buffer is not zeroed when every expert is here: poison the memory it gets (NaN) and the sum must
-    # still be the reference's, so each slot the sum reads was written
+def poison_empty(monkeypatch):
+    """torch.empty's floating-point memory filled with NaN, so that a buffer read before it is written shows."""
     empty = torch.empty
 
     def poisoned(*shape, **kw):
         t = empty(*shape, **kw)
         return t.fill_(float("nan")) if t.is_floating_point() else t
-    monkeypatch.setattr(moe.torch, "empty", poisoned)
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.mark.parametrize("shared_inter", [None, 24])
+def test_every_slot_is_written_where_every_expert_is_local(monkeypatch, shared_inter):
+    # the per-pair buffer is not zeroed when every expert is here: poison the memory it gets (NaN) and the sum must
+    # still be the reference's, so each slot the sum reads was written
+    poison_empty(monkeypatch)
     router, gate_up, down, shared = weights(8, 64, 32, seed=11, shared_inter=shared_inter)
     x = tokens(13, 64, seed=12)
     check(x, router, gate_up, down, 3, shared, what="poisoned per-pair buffer")
@@ -141,10 +146,7 @@ def test_one_token_on_an_expert_parallel_slice(start, local, shared_inter):
 
 def test_one_token_writes_every_unit(monkeypatch):
     # the per-unit buffers are not zeroed (a slice's experts of other ranks write 0): poison what they get (NaN)
-    empty = torch.empty
-    monkeypatch.setattr(moe_gemv.torch, "empty",
-                        lambda *shape, **kw: (lambda t: t.fill_(float("nan")) if t.is_floating_point() else t)(
-                            empty(*shape, **kw)))
+    poison_empty(monkeypatch)
     router, gate_up, down, shared = weights(8, 64, 32, seed=24, shared_inter=40)
     check(tokens(1, 64, seed=25), router, gate_up[2:6].contiguous(), down[2:6].contiguous(), 4, shared,
           expert_start=2, moe_fn=moe_row_gemv, what="poisoned per-unit buffers")
