@@ -136,6 +136,12 @@ class EngineConfig:
         """A config whose KV pool is sized on a CUDA device from its free memory (num_pages on the CPU)."""
         return cls(gpu_memory_utilization=utilization, **fields)
 
+    @property
+    def position_sets(self) -> int:
+        """Sets of K+1 GDN position slots a speculating sequence holds: two where greedy steps are launched ahead
+        (decode_ahead: the step ahead writes the other set), else one (serving.speculative)."""
+        return 2 if self.decode_ahead else 1
+
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """The decode batch sizes captured in CUDA graphs: the ladder up to max_graph_batch, which is included."""
         top = min(self.max_graph_batch or self.max_num_seqs, self.max_num_seqs)

@@ -79,8 +79,7 @@ class LLMEngine:
         self.cfg = cfg
         k = cfg.speculative_tokens
         mtp_layers = model.config.mtp_num_hidden_layers if k else 0
-        sets = 2 if cfg.decode_ahead else 1  # a greedy step launched ahead writes the other set
-        each = position_slots_each(k, sets) if k else 0
+        each = position_slots_each(k, cfg.position_sets) if k else 0
         # slots: the running sequences', the snapshots', position slots for each running sequence and the padding
         # (speculating), and the last one, which is padding's (as is the last page)
         num_slots = cfg.max_num_seqs * (1 + each) + cfg.snapshot_slots + each + 1
@@ -125,7 +124,7 @@ class LLMEngine:
                                          max_num_seqs=cfg.max_num_seqs,
                                          graph_sizes=cfg.graph_batch_sizes() if spec_graphs or pad_decode else (),
                                          use_graphs=spec_graphs, draft_vocab=cfg.draft_vocab_size,
-                                         position_sets=sets)
+                                         position_sets=cfg.position_sets)
             self.speculator.capture()
         sizes = list(self.runner.graph_sizes)
         self.graphs = f"decode CUDA graphs at batch {sizes}" if use_graphs else f"eager decode ({why_not})"
@@ -169,7 +168,7 @@ class LLMEngine:
         sizing = None
         if by_memory:
             k = cfg.speculative_tokens
-            each = position_slots_each(k, 2 if cfg.decode_ahead else 1) if k else 0
+            each = position_slots_each(k, cfg.position_sets) if k else 0
             num_pages, snapshot_slots, sizing = pages_for_memory(
                 model, utilization=cfg.gpu_memory_utilization, page_size=cfg.page_size,
                 num_slots=cfg.max_num_seqs * (1 + each) + each + 1, max_model_len=max_len,

@@ -145,6 +145,11 @@ class Speculator:
         k = self.k
         return [k + 1, 1, 1, k + 1, k + 1, 1, 1]
 
+    @property
+    def forced_column(self) -> int:
+        """The input row's column of the forced acceptance length (input_columns)."""
+        return sum(self.input_columns[:5])
+
     def position_slots(self, state_slot: int, half: int = 0) -> list[int]:
         """The K+1 slots of set `half` that hold a running sequence's GDN state after each token of a verify step (the
         host path writes the first K of set 0)."""
@@ -330,7 +335,7 @@ class Speculator:
         if self.forced is not None:
             pinned = self.device.type == "cuda"
             lengths = torch.tensor([self._forced_length() for _ in seqs], dtype=torch.int64, pin_memory=pinned)
-            self.inputs[:len(seqs), sum(self.input_columns[:5])].copy_(lengths, non_blocking=True)
+            self.inputs[:len(seqs), self.forced_column].copy_(lengths, non_blocking=True)
         return self._run(seqs, step.batch, 1 - step.half)
 
     def _run(self, seqs: list[Sequence], bs: int, half: int) -> DeviceStep:
